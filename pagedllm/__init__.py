@@ -1,0 +1,1 @@
+from pagedllm.version import __version__
