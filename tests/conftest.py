@@ -1,0 +1,39 @@
+"""Shared test setup: offline Hugging Face, quiet tokenizers, few threads, and tiny model fixtures.
+
+Builders live in tiny_models.py (importable); the fixtures here build one model per session so test
+files can share it. Every model is random-weight and built in a tmp dir; nothing touches the network.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from tiny_models import build_model, build_tiny_vocab_model  # noqa: E402
+
+# The CI box has 2 cores shared with other jobs; more threads only add contention.
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random Llama (hidden 64, 2 layers, GQA 4/2 heads, fp32, BPE vocab 512) with a chat template."""
+    return build_model(tmp_path_factory.mktemp("tiny_llama"), "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random Qwen2 (qkv bias, tied embeddings), otherwise like tiny_llama_dir."""
+    return build_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", tie_word_embeddings=True, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random Llama over 12 token ids (WordLevel tokenizer) for distribution tests."""
+    return build_tiny_vocab_model(tmp_path_factory.mktemp("tiny_vocab"), vocab_size=12)
