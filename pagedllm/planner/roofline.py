@@ -1,0 +1,492 @@
+"""Roofline and KV-capacity arithmetic: pure functions of a model's shape and a machine's numbers.
+
+Nothing here touches a tensor, so every number can be checked by hand. Units are plain: bytes, FLOPs,
+seconds, tokens. Decimal prefixes (GB = 1e9 bytes) throughout, as in datasheets.
+
+The model of decode used here is the usual one: each step reads every weight once (shared by the whole
+batch) plus each sequence's cached K and V, and does 2 FLOPs per weight per token plus the attention
+dot products. Activations, kernel launch costs and caches are ignored, so the results are upper bounds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Bytes per element for the dtypes people pass as --dtype / --kv-cache-dtype.
+DTYPE_BYTES: dict[str, float] = {
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "int4": 0.5,
+}
+
+
+def dtype_bytes(dtype: str) -> float:
+    """Bytes per element of a dtype name (torch, vLLM or short spelling)."""
+    key = dtype.lower().removeprefix("torch.")
+    if key not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[key]
+
+
+@dataclass
+class ModelSpec:
+    """The shape of a decoder-only transformer, as far as memory and FLOPs are concerned.
+
+    Dense Llama/Qwen-style models need only the first block of fields. MLA (DeepSeek-V2/V3) sets
+    kv_lora_rank and qk_rope_head_dim: its cache holds one compressed latent plus one shared RoPE key per
+    token per layer instead of K and V per head. MoE sets the expert fields.
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    dtype: str = "bfloat16"
+    attention_bias: bool = False  # q/k/v biases (Qwen2)
+    # MLA (DeepSeek): q_lora_rank None means a plain q projection
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    q_lora_rank: int | None = None
+    # MoE: layers from first_k_dense_replace on (every moe_layer_freq-th) use experts
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    num_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    # Filled from the shape unless given (e.g. a published count that includes extra heads).
+    num_params: int | None = None
+    num_active_params: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_params is None:
+            self.num_params = _count_params(self, active_only=False)
+        if self.num_active_params is None:
+            self.num_active_params = _count_params(self, active_only=True)
+
+    # --- what kind of attention -------------------------------------------------------------
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def attention_kind(self) -> str:
+        if self.is_mla:
+            return "MLA"
+        if self.num_kv_heads == self.num_attention_heads:
+            return "MHA"
+        if self.num_kv_heads == 1:
+            return "MQA"
+        return f"GQA-{self.num_kv_heads}"
+
+    @property
+    def num_moe_layers(self) -> int:
+        if not self.is_moe:
+            return 0
+        return sum(
+            1 for i in range(self.first_k_dense_replace, self.num_layers) if i % self.moe_layer_freq == 0
+        )
+
+    # --- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, config: str | Path | dict[str, Any], name: str | None = None) -> ModelSpec:
+        """Read a Hugging Face config.json (a path to the file or its directory, or the parsed dict)."""
+        if not isinstance(config, dict):
+            path = Path(config)
+            if path.is_dir():
+                path = path / "config.json"
+            name = name or path.parent.name
+            config = json.loads(path.read_text())
+        cfg = config.get("text_config", config)  # multimodal wrappers keep the LM under text_config
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // heads
+        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+        model_type = str(cfg.get("model_type", ""))
+        kv_lora_rank = cfg.get("kv_lora_rank")
+        return cls(
+            name=name or str(cfg.get("_name_or_path") or model_type or "model"),
+            num_layers=int(cfg["num_hidden_layers"]),
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(cfg.get("intermediate_size") or 4 * hidden),
+            vocab_size=int(cfg["vocab_size"]),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            dtype=dtype.removeprefix("torch."),
+            # Qwen2 has q/k/v biases without saying so in its config
+            attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
+            kv_lora_rank=int(kv_lora_rank) if kv_lora_rank else None,
+            qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0),
+            qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 0),
+            v_head_dim=int(cfg.get("v_head_dim") or 0),
+            q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
+            num_experts=int(
+                cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+            ),
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+            num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0),
+            first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
+            moe_layer_freq=int(cfg.get("moe_layer_freq") or 1),
+        )
+
+
+# --- parameter counting --------------------------------------------------------------------------
+
+
+def _attention_params(spec: ModelSpec) -> int:
+    h, heads = spec.hidden_size, spec.num_attention_heads
+    if spec.is_mla:
+        assert spec.kv_lora_rank is not None
+        qk_head = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+        v_head = spec.v_head_dim or spec.head_dim
+        if spec.q_lora_rank:
+            q = h * spec.q_lora_rank + spec.q_lora_rank + spec.q_lora_rank * heads * qk_head
+        else:
+            q = h * heads * qk_head
+        kv_a = h * (spec.kv_lora_rank + spec.qk_rope_head_dim) + spec.kv_lora_rank  # + its norm
+        kv_b = spec.kv_lora_rank * heads * (spec.qk_nope_head_dim + v_head)
+        return q + kv_a + kv_b + heads * v_head * h
+    q_out = heads * spec.head_dim
+    kv_out = spec.num_kv_heads * spec.head_dim
+    params = h * q_out + 2 * h * kv_out + q_out * h
+    if spec.attention_bias:
+        params += q_out + 2 * kv_out
+    return params
+
+
+def _count_params(spec: ModelSpec, active_only: bool) -> int:
+    """Parameters from the shape; active_only counts only the experts one token is routed to."""
+    h = spec.hidden_size
+    gated_mlp = lambda inter: 3 * h * inter  # gate, up, down
+    per_layer = _attention_params(spec) + 2 * h  # two RMSNorms
+    total = spec.num_layers * per_layer
+    moe_layers = spec.num_moe_layers
+    total += (spec.num_layers - moe_layers) * gated_mlp(spec.intermediate_size)
+    if moe_layers:
+        routed = spec.num_experts_per_tok if active_only else spec.num_experts
+        experts = (routed + spec.num_shared_experts) * gated_mlp(spec.moe_intermediate_size)
+        total += moe_layers * (experts + h * spec.num_experts)  # + router
+    embeddings = spec.vocab_size * h * (1 if spec.tie_word_embeddings else 2)
+    return total + embeddings + h  # + final norm
+
+
+def decode_weight_params(spec: ModelSpec, batch: int = 1) -> float:
+    """Parameters a decode step multiplies (and so reads): all of them, except that an untied input
+    embedding only contributes `batch` rows, and an MoE step touches only the experts some token picked.
+
+    With B tokens each picking k of E experts at random, the expected number of distinct experts per
+    MoE layer is E * (1 - (1 - k/E)^B).
+    """
+    assert spec.num_params is not None and spec.num_active_params is not None
+    params = float(spec.num_params)
+    if not spec.tie_word_embeddings:
+        params -= spec.vocab_size * spec.hidden_size  # the lookup reads one row per token
+    if spec.is_moe:
+        expert = 3 * spec.hidden_size * spec.moe_intermediate_size
+        touched = spec.num_experts * (1 - (1 - spec.num_experts_per_tok / spec.num_experts) ** batch)
+        params -= spec.num_moe_layers * (spec.num_experts - touched) * expert
+    return params
+
+
+def weight_bytes(spec: ModelSpec, weight_dtype_bytes: float | None = None) -> float:
+    """Bytes to hold every weight (all experts)."""
+    assert spec.num_params is not None
+    return spec.num_params * (
+        weight_dtype_bytes if weight_dtype_bytes is not None else dtype_bytes(spec.dtype)
+    )
+
+
+# --- KV cache ----------------------------------------------------------------------------------
+
+
+def kv_bytes_per_token(spec: ModelSpec, kv_dtype_bytes: float) -> float:
+    """Bytes of KV cache one token occupies across all layers (whole model, before any TP split).
+
+    MHA/GQA/MQA: K and V, each num_kv_heads x head_dim, per layer. MLA: one latent of kv_lora_rank plus
+    the shared RoPE key of qk_rope_head_dim per layer (what vLLM caches for DeepSeek).
+    """
+    if spec.is_mla:
+        assert spec.kv_lora_rank is not None
+        return spec.num_layers * (spec.kv_lora_rank + spec.qk_rope_head_dim) * kv_dtype_bytes
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_dtype_bytes
+
+
+def kv_bytes_per_token_per_device(spec: ModelSpec, kv_dtype_bytes: float, tp: int) -> float:
+    """Tensor parallelism splits KV heads across devices; with fewer KV heads than devices each device
+    keeps a replica of one head, and MLA's latent is not split by head at all, so it is replicated."""
+    if spec.is_mla:
+        return kv_bytes_per_token(spec, kv_dtype_bytes)
+    heads_per_device = max(1, math.ceil(spec.num_kv_heads / tp))
+    return 2 * spec.num_layers * heads_per_device * spec.head_dim * kv_dtype_bytes
+
+
+def kv_cache_bytes(spec: ModelSpec, kv_dtype_bytes: float, context_len: int, batch: int) -> float:
+    return kv_bytes_per_token(spec, kv_dtype_bytes) * context_len * batch
+
+
+# --- FLOPs and the roofline ----------------------------------------------------------------------
+
+
+def ridge_point(peak_flops: float, memory_bandwidth: float) -> float:
+    """FLOPs per byte at which a kernel stops being memory-bound: peak / bandwidth."""
+    return peak_flops / memory_bandwidth
+
+
+def attention_flops_per_token(spec: ModelSpec, context_len: int) -> float:
+    """FLOPs of Q.K^T and P.V for one new token against context_len cached tokens, all layers.
+    MLA is counted in its absorbed form (queries attend to the latent directly), as decode runs it."""
+    heads = spec.num_attention_heads
+    if spec.is_mla:
+        assert spec.kv_lora_rank is not None
+        per_pos = heads * (2 * (spec.kv_lora_rank + spec.qk_rope_head_dim) + 2 * spec.kv_lora_rank)
+    else:
+        per_pos = heads * 4 * spec.head_dim
+    return spec.num_layers * per_pos * context_len
+
+
+def decode_bytes_per_step(
+    spec: ModelSpec, context_len: int, batch: int, weight_dtype_bytes: float, kv_dtype_bytes: float
+) -> float:
+    """Bytes one decode step reads: the weights once, plus every sequence's cached KV."""
+    weights = decode_weight_params(spec, batch) * weight_dtype_bytes
+    return weights + kv_cache_bytes(spec, kv_dtype_bytes, context_len, batch)
+
+
+def decode_bytes_per_token(
+    spec: ModelSpec,
+    context_len: int,
+    batch: int = 1,
+    weight_dtype_bytes: float | None = None,
+    kv_dtype_bytes: float | None = None,
+) -> float:
+    """Bytes read per generated token at this batch size and context (the roofline's denominator).
+    Dtype sizes default to the model's own dtype."""
+    wb = weight_dtype_bytes if weight_dtype_bytes is not None else dtype_bytes(spec.dtype)
+    kb = kv_dtype_bytes if kv_dtype_bytes is not None else wb
+    return decode_bytes_per_step(spec, context_len, batch, wb, kb) / batch
+
+
+def decode_flops_per_step(spec: ModelSpec, context_len: int, batch: int) -> float:
+    # each token multiplies only its own experts, hence the batch-1 parameter count
+    return batch * (2 * decode_weight_params(spec, 1) + attention_flops_per_token(spec, context_len))
+
+
+def decode_intensity(
+    spec: ModelSpec, batch: int, weight_dtype_bytes: float, context_len: int = 0, kv_dtype_bytes: float = 0.0
+) -> float:
+    """FLOPs per byte of a decode step. With context_len 0 it is the weights-only figure of the classic
+    argument (2 FLOPs per weight per token over the weight's bytes: batch 1 in fp16 gives 1)."""
+    flops = decode_flops_per_step(spec, context_len, batch)
+    return flops / decode_bytes_per_step(spec, context_len, batch, weight_dtype_bytes, kv_dtype_bytes)
+
+
+def compute_bound_batch(
+    spec: ModelSpec,
+    ridge: float,
+    weight_dtype_bytes: float,
+    context_len: int = 0,
+    kv_dtype_bytes: float = 0.0,
+    max_batch: int = 2**24,
+) -> int | None:
+    """Smallest batch whose decode intensity reaches the ridge point; None if none up to max_batch does.
+
+    Weights-only that is ridge * w / 2 rounded up. With KV, intensity tends to the attention's own as the
+    batch grows, which for GQA at long contexts sits below the ridge: such decode stays memory-bound at
+    any batch. MoE's intensity grows slowly because a larger batch touches more experts. Intensity rises
+    with batch in all these cases, so doubling then bisection finds the crossing.
+    """
+
+    def reached(batch: int) -> bool:
+        return decode_intensity(spec, batch, weight_dtype_bytes, context_len, kv_dtype_bytes) >= ridge
+
+    high = 1
+    while not reached(high):
+        if high >= max_batch:
+            return None
+        high *= 2
+    low = high // 2  # not reached (or 0)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if reached(mid) else (mid, high)
+    return high
+
+
+@dataclass
+class DecodeBound:
+    tokens_per_s: float  # the bound: min of the memory and compute limits
+    memory_bound_tokens_per_s: float
+    compute_bound_tokens_per_s: float
+    step_time_s: float
+    bytes_per_step: float
+    flops_per_step: float
+    limited_by: str  # "memory" or "compute"
+
+
+def decode_bound(
+    spec: ModelSpec,
+    context_len: int,
+    batch: int,
+    weight_dtype_bytes: float,
+    kv_dtype_bytes: float,
+    peak_flops: float,
+    memory_bandwidth: float,
+    tp: int = 1,
+) -> DecodeBound:
+    """Upper bound on decode throughput (tokens/s summed over the batch). TP divides bytes and FLOPs
+    over tp devices and ignores the all-reduces."""
+    nbytes = decode_bytes_per_step(spec, context_len, batch, weight_dtype_bytes, kv_dtype_bytes)
+    flops = decode_flops_per_step(spec, context_len, batch)
+    t_mem = nbytes / (memory_bandwidth * tp)
+    t_compute = flops / (peak_flops * tp)
+    step = max(t_mem, t_compute)
+    return DecodeBound(
+        tokens_per_s=batch / step,
+        memory_bound_tokens_per_s=batch / t_mem,
+        compute_bound_tokens_per_s=batch / t_compute,
+        step_time_s=step,
+        bytes_per_step=nbytes,
+        flops_per_step=flops,
+        limited_by="memory" if t_mem >= t_compute else "compute",
+    )
+
+
+def prefill_flops(spec: ModelSpec, prompt_len: int) -> float:
+    """FLOPs to prefill one prompt: 2 per (active) weight per token plus causal attention, where token i
+    attends to i earlier tokens (prompt_len^2 / 2 pairs)."""
+    assert spec.num_active_params is not None
+    linear = 2 * (
+        spec.num_active_params - spec.vocab_size * spec.hidden_size * (0 if spec.tie_word_embeddings else 1)
+    )
+    return prompt_len * linear + attention_flops_per_token(spec, 1) * prompt_len * prompt_len / 2
+
+
+def prefill_bound_tokens_per_s(spec: ModelSpec, prompt_len: int, peak_flops: float, tp: int = 1) -> float:
+    """Prompt tokens per second if prefill ran at peak FLOP/s (it is compute-bound at any useful length)."""
+    return prompt_len * peak_flops * tp / prefill_flops(spec, prompt_len)
+
+
+def speculative_tokens_per_pass(acceptance_rate: float, num_speculative_tokens: int) -> float:
+    """Expected tokens per target forward pass when each of gamma draft tokens is accepted independently
+    with probability alpha (Leviathan et al. 2023): (1 - alpha^(gamma+1)) / (1 - alpha)."""
+    if not 0.0 <= acceptance_rate <= 1.0:
+        raise ValueError(f"acceptance_rate must be in [0, 1], got {acceptance_rate}")
+    if num_speculative_tokens < 0:
+        raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+    if acceptance_rate == 1.0:
+        return float(num_speculative_tokens + 1)
+    return (1 - acceptance_rate ** (num_speculative_tokens + 1)) / (1 - acceptance_rate)
+
+
+# --- capacity ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Capacity:
+    """What fits in the memory left for KV after the weights (per device; activations not counted)."""
+
+    usable_bytes_per_device: float
+    weight_bytes_per_device: float
+    kv_memory_bytes_per_device: float
+    kv_bytes_per_token_per_device: float
+    max_kv_tokens: int
+    num_blocks: int
+    blocks_per_sequence: int
+    max_sequences: int  # at full context
+    block_waste_tokens: int  # per request at this context: at most block_size - 1
+    block_waste_bytes: float  # per request, whole model
+    fits: bool = field(default=True)
+
+
+def capacity(
+    spec: ModelSpec,
+    memory_bytes_per_device: float,
+    gpu_memory_utilization: float,
+    tp: int,
+    weight_dtype_bytes: float,
+    kv_dtype_bytes: float,
+    block_size: int,
+    context_len: int,
+) -> Capacity:
+    usable = memory_bytes_per_device * gpu_memory_utilization
+    weights = weight_bytes(spec, weight_dtype_bytes) / tp
+    kv_memory = max(0.0, usable - weights)
+    per_token = kv_bytes_per_token_per_device(spec, kv_dtype_bytes, tp)
+    num_blocks = int(kv_memory // (per_token * block_size))
+    blocks_per_seq = max(1, math.ceil(context_len / block_size))
+    waste = blocks_per_seq * block_size - context_len if context_len > 0 else 0
+    return Capacity(
+        usable_bytes_per_device=usable,
+        weight_bytes_per_device=weights,
+        kv_memory_bytes_per_device=kv_memory,
+        kv_bytes_per_token_per_device=per_token,
+        max_kv_tokens=num_blocks * block_size,
+        num_blocks=num_blocks,
+        blocks_per_sequence=blocks_per_seq,
+        max_sequences=num_blocks // blocks_per_seq,
+        block_waste_tokens=waste,
+        block_waste_bytes=waste * kv_bytes_per_token(spec, kv_dtype_bytes),
+        fits=usable > weights,
+    )
+
+
+def as_dict(obj: Any) -> dict[str, Any]:
+    return asdict(obj)
+
+
+def kv_variants(spec: ModelSpec) -> dict[str, ModelSpec]:
+    """The same model with each attention variant, for comparing KV sizes: MHA (one KV head per query
+    head), the model's own grouping, MQA (one KV head), and MLA with DeepSeek's 512 + 64 latent.
+    For an MLA model the MHA form caches K of qk_nope + qk_rope and V of v_head per head, so head_dim
+    is set to their mean to keep 2 x head_dim equal to K + V."""
+    import dataclasses
+
+    dense = spec
+    if spec.is_mla:
+        head_dim = (spec.qk_nope_head_dim + spec.qk_rope_head_dim + (spec.v_head_dim or spec.head_dim)) / 2
+        dense = dataclasses.replace(
+            spec,
+            kv_lora_rank=None,
+            head_dim=head_dim,  # type: ignore[arg-type]
+            num_kv_heads=spec.num_attention_heads,
+            num_params=spec.num_params,
+            num_active_params=spec.num_active_params,
+        )
+    keep = dict(num_params=spec.num_params, num_active_params=spec.num_active_params)
+    variants = {"MHA": dataclasses.replace(dense, num_kv_heads=dense.num_attention_heads, **keep)}
+    if not spec.is_mla and spec.attention_kind not in ("MHA", "MQA"):
+        variants[spec.attention_kind] = spec
+    variants["MQA"] = dataclasses.replace(dense, num_kv_heads=1, **keep)
+    variants["MLA"] = (
+        spec if spec.is_mla else dataclasses.replace(spec, kv_lora_rank=512, qk_rope_head_dim=64, **keep)
+    )
+    return variants
