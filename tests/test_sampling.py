@@ -1,0 +1,333 @@
+"""Sampling behaviour (issue 3, "Engine core").
+
+Seeded requests are reproducible alone and in a batch; top_k=1 is greedy; sampled frequencies follow
+the model's softmax (chi-square against transformers' logits on a 12-token vocabulary); stop strings,
+stop token ids, eos and max_tokens end requests with vLLM's finish reasons; n and logprobs return
+vLLM-shaped outputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import hf_logits, load_hf, random_prompts
+
+from pagedllm import LLM, SamplingParams
+
+VOCAB = 512  # tiny_llama_dir's BPE vocabulary
+TINY_VOCAB = 12  # tiny_vocab_dir
+EOS_ID = 1  # tiny_models.SPECIAL_TOKENS order: bos, eos, pad
+NUM_DRAWS = 2000
+P_VALUE_FLOOR = 1e-3  # a correct sampler fails one run in a thousand; seeds are fixed, so never flaky
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir: str) -> LLM:
+    return LLM(model=tiny_llama_dir, dtype="float32", seed=0, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_vocab_dir: str) -> LLM:
+    return LLM(model=tiny_vocab_dir, dtype="float32", seed=0, max_model_len=256)
+
+
+def greedy(max_tokens: int = 16, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+# --- reproducibility ---------------------------------------------------------------------------------
+
+
+def test_seeded_request_same_alone_and_batched(llm: LLM) -> None:
+    prompts = random_prompts(8, VOCAB, seed=30)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([prompts[3]], seeded, use_tqdm=False)[0].outputs[0]
+
+    others = [
+        SamplingParams(temperature=1.0, max_tokens=8 + i, ignore_eos=True) if i % 2 else greedy(8)
+        for i in range(len(prompts))
+    ]
+    others[3] = seeded
+    batched = llm.generate(prompts, others, use_tqdm=False)[3].outputs[0]
+    assert batched.token_ids == alone.token_ids
+    assert batched.text == alone.text
+
+    again = llm.generate([prompts[3]], seeded, use_tqdm=False)[0].outputs[0]
+    assert again.token_ids == alone.token_ids
+    reseeded = SamplingParams(
+        temperature=0.9, top_p=0.95, top_k=40, seed=4321, max_tokens=16, ignore_eos=True
+    )
+    other_seed = llm.generate([prompts[3]], reseeded, use_tqdm=False)[0].outputs[0]
+    assert other_seed.token_ids != alone.token_ids, "a different seed should give a different sample"
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=1.0, top_k=1),
+        dict(temperature=0.7, top_p=1e-6),
+        dict(temperature=1.3, min_p=1.0),
+    ],
+    ids=["top_k1", "top_p_tiny", "min_p1"],
+)
+def test_degenerate_sampling_equals_greedy(llm: LLM, params: dict) -> None:
+    prompts = random_prompts(4, VOCAB, seed=31)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True, **params)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == want
+
+
+# --- distribution: chi-square against transformers' softmax ----------------------------------------------
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; bins with expected count < 5 are pooled into one."""
+    n = counts.sum().item()
+    impossible = probs <= 0
+    assert counts[impossible].sum() == 0, f"sampled tokens {impossible.nonzero().flatten().tolist()} of p = 0"
+    expected = probs * n
+    small = (expected < 5) & ~impossible
+    obs_bins = counts[~small & ~impossible].tolist()
+    exp_bins = expected[~small & ~impossible].tolist()
+    if small.any():
+        obs_bins.append(counts[small].sum().item())
+        exp_bins.append(expected[small].sum().item())
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs_bins, exp_bins))
+    df = len(obs_bins) - 1
+    if df == 0:
+        return 1.0
+    return 1.0 - torch.distributions.Chi2(torch.tensor(float(df))).cdf(torch.tensor(stat)).item()
+
+
+def filtered_probs(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> torch.Tensor:
+    """The distribution vLLM samples from: temperature, then top-k, top-p and min-p filters, renormalized."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    order = torch.argsort(probs, descending=True)
+    if top_k > 0:
+        keep[order[top_k:]] = False
+    if top_p < 1.0:
+        sorted_probs = probs[order]
+        mass_before = torch.cumsum(sorted_probs, 0) - sorted_probs  # mass of strictly better tokens
+        keep[order[mass_before >= top_p]] = False
+    if min_p > 0.0:
+        keep &= probs >= min_p * probs.max()
+    probs = torch.where(keep, probs, torch.zeros_like(probs))
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=1.0),
+        dict(temperature=0.6),
+        dict(temperature=1.0, top_k=3),
+        dict(temperature=1.0, top_p=0.7),
+        dict(temperature=1.0, min_p=0.1),
+    ],
+    ids=["t1", "t0.6", "top_k3", "top_p0.7", "min_p0.1"],
+)
+def test_first_token_frequencies_match_softmax(tiny_llm: LLM, tiny_vocab_dir: str, params: dict) -> None:
+    prompt = [3, 4, 5, 6]
+    probs = filtered_probs(hf_logits(tiny_vocab_dir, prompt)[-1], **params)
+    assert probs.max() < 0.9, "the tiny model must not be nearly deterministic, or the test proves nothing"
+    sp = [SamplingParams(max_tokens=1, ignore_eos=True, seed=i, **params) for i in range(NUM_DRAWS)]
+    outs = tiny_llm.generate([prompt] * NUM_DRAWS, sp, use_tqdm=False)
+    first = torch.tensor([o.outputs[0].token_ids[0] for o in outs])
+    counts = torch.bincount(first, minlength=TINY_VOCAB).double()
+    p_value = chi_square_p_value(counts, probs)
+    assert p_value > P_VALUE_FLOOR, f"counts {counts.tolist()} vs expected {(probs * NUM_DRAWS).tolist()}"
+
+
+def test_unseeded_n_samples_match_softmax(tiny_llm: LLM, tiny_vocab_dir: str) -> None:
+    """One request with large n: its samples are independent draws from the same distribution."""
+    prompt = [7, 3, 9]
+    probs = filtered_probs(hf_logits(tiny_vocab_dir, prompt)[-1], temperature=1.0)
+    out = tiny_llm.generate([prompt], SamplingParams(n=500, max_tokens=1, ignore_eos=True), use_tqdm=False)[0]
+    assert sorted(c.index for c in out.outputs) == list(range(500))
+    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in out.outputs]), minlength=TINY_VOCAB)
+    assert chi_square_p_value(counts.double(), probs) > P_VALUE_FLOOR
+
+
+# --- finish reasons -------------------------------------------------------------------------------------
+
+
+def _ascii_stop_candidate(text: str) -> tuple[int, str] | None:
+    """A 2-character alphanumeric ASCII substring first occurring after position 0, with clean text before."""
+    for i in range(1, len(text) - 2):
+        cand = text[i : i + 2]
+        if cand.isascii() and cand.isalnum() and text.find(cand) == i and text[: i + 2].isascii():
+            return i, cand
+    return None
+
+
+def test_stop_strings(llm: LLM) -> None:
+    prompts = random_prompts(6, VOCAB, seed=32)
+    full = llm.generate(prompts, greedy(24), use_tqdm=False)
+    checked = 0
+    for prompt, out in zip(prompts, full):
+        text = out.outputs[0].text
+        found = _ascii_stop_candidate(text)
+        if found is None:
+            continue
+        pos, stop = found
+        res = llm.generate([prompt], greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
+        assert res.finish_reason == "stop"
+        assert res.stop_reason == stop
+        assert res.text == text[:pos], "the stop string and what follows must be cut"
+        kept = llm.generate([prompt], greedy(24, stop=stop, include_stop_str_in_output=True), use_tqdm=False)
+        assert kept[0].outputs[0].text == text[: pos + len(stop)]
+        assert kept[0].outputs[0].finish_reason == "stop"
+        # Of two stop strings, the earlier match wins; an absent one is harmless.
+        two = llm.generate([prompt], greedy(24, stop=["\x00never\x00", stop]), use_tqdm=False)[0].outputs[0]
+        assert two.text == text[:pos] and two.stop_reason == stop
+        checked += 1
+    assert checked >= 2, "too few prompts produced ASCII text to cut"
+
+
+def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
+    prompt = random_prompts(1, VOCAB, [20], seed=33)[0]
+    full = llm.generate([prompt], greedy(24), use_tqdm=False)[0].outputs[0].token_ids
+    j = next(i for i in range(4, len(full)) if full[i] not in full[:i])
+    res = llm.generate([prompt], greedy(24, stop_token_ids=[full[j]]), use_tqdm=False)[0].outputs[0]
+    assert res.finish_reason == "stop"
+    assert res.stop_reason == full[j]
+    assert res.token_ids == full[: j + 1], "generation ends with the stop token"
+
+    # min_tokens masks stop tokens until that many tokens exist.
+    k = next(i for i in range(1, len(full)) if full[i] not in full[:i])
+    res = llm.generate([prompt], greedy(24, stop_token_ids=[full[k]], min_tokens=k + 3), use_tqdm=False)[
+        0
+    ].outputs[0]
+    assert len(res.token_ids) >= k + 3
+    assert full[k] not in res.token_ids[: k + 3]
+    assert res.token_ids[:k] == full[:k]
+
+
+def test_max_tokens_finishes_with_length(llm: LLM) -> None:
+    prompts = random_prompts(3, VOCAB, seed=34)
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0.8, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )
+    for o in outs:
+        assert o.finished
+        assert len(o.outputs[0].token_ids) == 5
+        assert o.outputs[0].finish_reason == "length"
+        assert o.outputs[0].stop_reason is None
+
+
+def test_eos_ends_generation_unless_ignored(tiny_llm: LLM) -> None:
+    """On 12 tokens eos (id 1) comes up often at temperature 1."""
+    prompts = [[3 + i % 9, 4, 5] for i in range(40)]
+    sps = [SamplingParams(max_tokens=40, seed=i) for i in range(40)]
+    outs = tiny_llm.generate(prompts, sps, use_tqdm=False)
+    stopped = 0
+    for o in outs:
+        c = o.outputs[0]
+        assert EOS_ID not in c.token_ids[:-1], "nothing is generated after eos"
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == EOS_ID and c.stop_reason is None
+            stopped += 1
+        else:
+            assert c.finish_reason == "length" and len(c.token_ids) == 40
+    assert stopped > 0, "no request met eos; the tiny model should emit it"
+
+    ignored = tiny_llm.generate(
+        prompts, [SamplingParams(max_tokens=40, seed=i, ignore_eos=True) for i in range(40)], use_tqdm=False
+    )
+    assert all(len(o.outputs[0].token_ids) == 40 and o.outputs[0].finish_reason == "length" for o in ignored)
+
+
+# --- n and logprobs -------------------------------------------------------------------------------------
+
+
+def test_n_returns_indexed_samples(llm: LLM) -> None:
+    prompt = random_prompts(1, VOCAB, [12], seed=35)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
+    assert len(out) == 1
+    assert [c.index for c in out[0].outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in out[0].outputs)
+    assert len({tuple(c.token_ids) for c in out[0].outputs}) > 1, "3 samples at temperature 1 all equal"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprobs_shape_and_values(llm: LLM, tiny_llama_dir: str, temperature: float) -> None:
+    prompt = random_prompts(1, VOCAB, [10], seed=36)[0]
+    sp = SamplingParams(temperature=temperature, seed=5, max_tokens=6, ignore_eos=True, logprobs=3)
+    c = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids) == 6
+    # The engine reports the model's distribution (vLLM's raw logprobs), position by position.
+    want = torch.log_softmax(hf_logits(tiny_llama_dir, prompt + list(c.token_ids))[len(prompt) - 1 : -1], -1)
+    total = 0.0
+    for pos, (token, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+        assert token in entry
+        assert len(entry) in (3, 4), "top-3 plus the sampled token when it is not among them"
+        ranks = sorted(lp.rank for lp in entry.values())
+        assert ranks[:3] == [1, 2, 3]
+        if temperature == 0.0:
+            assert entry[token].rank == 1
+        for t, lp in entry.items():
+            assert lp.logprob <= 0.0
+            assert lp.logprob == pytest.approx(want[pos, t].item(), abs=1e-4)
+            assert lp.decoded_token is None or isinstance(lp.decoded_token, str)
+        top3 = torch.topk(want[pos], 3).indices.tolist()
+        assert {t for t, lp in entry.items() if lp.rank <= 3} == set(top3)
+        total += entry[token].logprob
+    assert c.cumulative_logprob == pytest.approx(total, abs=1e-3)
+
+
+def test_repetition_penalty_matches_transformers(llm: LLM, tiny_llama_dir: str) -> None:
+    """vLLM and transformers apply repetition_penalty the same way: over prompt and output tokens."""
+    prompt = random_prompts(1, VOCAB, [24], seed=37)[0]
+    got = llm.generate([prompt], greedy(16, repetition_penalty=1.5), use_tqdm=False)[0].outputs[0].token_ids
+    model = load_hf(tiny_llama_dir)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        want = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=16,
+            min_new_tokens=16,
+            do_sample=False,
+            repetition_penalty=1.5,
+            eos_token_id=None,
+            pad_token_id=model.generation_config.pad_token_id,
+        )[0, len(prompt) :].tolist()
+    assert got == want
+
+
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        dict(presence_penalty=1.5),
+        dict(frequency_penalty=0.7),
+        dict(presence_penalty=0.5, frequency_penalty=0.3),
+    ],
+    ids=["presence", "frequency", "both"],
+)
+def test_presence_and_frequency_penalties_match_reference(
+    tiny_llm: LLM, tiny_vocab_dir: str, penalties: dict
+) -> None:
+    """vLLM's (OpenAI's) rule: logit -= presence * [count > 0] + frequency * count, over output tokens only.
+
+    Greedy on 12 tokens repeats a lot, so the penalties change the path; a step-by-step reference
+    on transformers' logits gives the exact expected tokens.
+    """
+    prompt = [3, 4, 5]
+    max_tokens = 20
+    want: list[int] = []
+    for _ in range(max_tokens):
+        logits = hf_logits(tiny_vocab_dir, prompt + want)[-1].double()
+        counts = torch.bincount(torch.tensor(want, dtype=torch.long), minlength=TINY_VOCAB).double()
+        logits -= penalties.get("presence_penalty", 0.0) * (counts > 0)
+        logits -= penalties.get("frequency_penalty", 0.0) * counts
+        want.append(int(logits.argmax()))
+    got = tiny_llm.generate([prompt], greedy(max_tokens, **penalties), use_tqdm=False)[0].outputs[0].token_ids
+    plain = tiny_llm.generate([prompt], greedy(max_tokens), use_tqdm=False)[0].outputs[0].token_ids
+    assert want != plain, "the penalties should change this greedy path, or the test proves nothing"
+    assert got == want
