@@ -1,0 +1,182 @@
+"""The offline `LLM` API a vLLM user expects (issue 3).
+
+generate() takes every prompt form vLLM takes, one SamplingParams or one per prompt; chat() applies the
+model's chat template; outputs carry vLLM's fields; metrics count what was done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from tiny_models import metric_values, random_prompts
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.outputs import CompletionOutput, RequestOutput
+
+VOCAB = 512
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+TEXTS = ["def fibonacci(n):", "Hello, world! How are", "import heapq\n"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir: str) -> LLM:
+    return LLM(model=tiny_llama_dir, dtype="float32", seed=0, max_model_len=256)
+
+
+def ids_of(outs: list[RequestOutput]) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_str_and_list_of_str(llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    one = llm.generate(TEXTS[0], GREEDY, use_tqdm=False)
+    assert isinstance(one, list) and len(one) == 1
+    assert one[0].prompt == TEXTS[0]
+    assert one[0].prompt_token_ids == tok.encode(TEXTS[0])
+
+    many = llm.generate(TEXTS, GREEDY, use_tqdm=False)
+    assert [o.prompt for o in many] == TEXTS, "outputs come back in input order"
+    assert [o.prompt_token_ids for o in many] == [tok.encode(t) for t in TEXTS]
+    assert ids_of(many)[0] == ids_of(one)[0]
+    assert len({o.request_id for o in one + many}) == 4, "request ids are unique"
+
+
+def test_token_id_prompts_and_dicts(llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(t) for t in TEXTS]
+    from_text = ids_of(llm.generate(TEXTS, GREEDY, use_tqdm=False))
+
+    single = llm.generate(prompts[0], GREEDY, use_tqdm=False)  # one list[int] is one prompt
+    assert len(single) == 1 and single[0].prompt_token_ids == prompts[0]
+    assert ids_of(single)[0] == from_text[0]
+
+    assert ids_of(llm.generate(prompts, GREEDY, use_tqdm=False)) == from_text
+    as_dicts = [{"prompt_token_ids": p} for p in prompts]
+    assert ids_of(llm.generate(as_dicts, GREEDY, use_tqdm=False)) == from_text
+    assert ids_of(llm.generate({"prompt_token_ids": prompts[1]}, GREEDY, use_tqdm=False)) == [from_text[1]]
+    text_dicts = llm.generate([{"prompt": t} for t in TEXTS], GREEDY, use_tqdm=False)
+    assert ids_of(text_dicts) == from_text
+    assert [o.prompt for o in text_dicts] == TEXTS
+
+
+def test_one_sampling_params_per_prompt(llm: LLM) -> None:
+    prompts = random_prompts(3, VOCAB, seed=60)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (1, 4, 9)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 4, 9]
+    # The caller's SamplingParams are not mutated by the engine.
+    assert [p.max_tokens for p in params] == [1, 4, 9]
+    # Default sampling params: vLLM's defaults (16 tokens, temperature 1).
+    default = llm.generate(prompts[:1], use_tqdm=False)[0].outputs[0]
+    assert 1 <= len(default.token_ids) <= 16
+
+
+def test_output_fields(llm: LLM) -> None:
+    out = llm.generate(
+        TEXTS[0], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )[0]
+    assert isinstance(out, RequestOutput)
+    for name in (
+        "request_id",
+        "prompt",
+        "prompt_token_ids",
+        "prompt_logprobs",
+        "outputs",
+        "finished",
+        "metrics",
+    ):
+        assert hasattr(out, name), name
+    assert out.finished is True
+    assert out.prompt_logprobs is None
+    (c,) = out.outputs
+    assert isinstance(c, CompletionOutput)
+    names = {f.name for f in dataclasses.fields(c)}
+    assert {
+        "index",
+        "text",
+        "token_ids",
+        "cumulative_logprob",
+        "logprobs",
+        "finish_reason",
+        "stop_reason",
+    } <= names
+    assert c.index == 0
+    assert c.finish_reason == "length"
+    assert c.logprobs is None and c.cumulative_logprob is None  # not asked for, as in vLLM
+    assert all(isinstance(t, int) for t in c.token_ids)
+    # Incremental detokenization ends where decoding the whole sequence does.
+    assert c.text == llm.get_tokenizer().decode(list(c.token_ids), skip_special_tokens=True)
+
+
+def test_detokenize_false(llm: LLM) -> None:
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
+    c = llm.generate(TEXTS[1], sp, use_tqdm=False)[0].outputs[0]
+    assert len(c.token_ids) == 4
+    assert c.text == ""
+
+
+def test_chat_applies_template(llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    conv = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
+    rendered = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert rendered.endswith("<|assistant|>\n")
+    want_ids = tok.encode(rendered, add_special_tokens=False)
+
+    out = llm.chat(conv, GREEDY, use_tqdm=False)
+    assert len(out) == 1
+    assert out[0].prompt_token_ids == want_ids
+    assert ids_of(out) == ids_of(llm.generate({"prompt_token_ids": want_ids}, GREEDY, use_tqdm=False))
+
+    convs = [conv, [{"role": "user", "content": "Another one."}]]
+    both = llm.chat(convs, GREEDY, use_tqdm=False)
+    assert len(both) == 2 and both[0].prompt_token_ids == want_ids
+
+    no_gen = llm.chat(conv, GREEDY, use_tqdm=False, add_generation_prompt=False)[0]
+    rendered_no_gen = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=False)
+    assert no_gen.prompt_token_ids == tok.encode(rendered_no_gen, add_special_tokens=False)
+
+
+def test_use_tqdm_false_prints_no_progress_bar(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    llm.generate(TEXTS, GREEDY, use_tqdm=False)
+    captured = capsys.readouterr()
+    assert "it/s" not in captured.err and "%|" not in captured.err
+
+
+def test_metrics_count_tokens_and_requests(tiny_llama_dir: str) -> None:
+    llm = LLM(model=tiny_llama_dir, dtype="float32", seed=0, max_model_len=256)
+    before = metric_values(llm)
+    for name in (
+        "pagedllm:kv_cache_total_blocks",
+        "pagedllm:kv_cache_free_blocks",
+        "pagedllm:kv_cache_usage_perc",
+        "pagedllm:num_requests_running",
+        "pagedllm:num_requests_waiting",
+        "pagedllm:num_preemptions",
+        "pagedllm:prompt_tokens",
+        "pagedllm:generation_tokens",
+        "pagedllm:prefix_cache_queries",
+        "pagedllm:prefix_cache_hits",
+    ):
+        assert name in before, name
+    assert before["pagedllm:kv_cache_total_blocks"] > 0
+    assert before["pagedllm:kv_cache_usage_perc"] == 0
+
+    prompts = random_prompts(4, VOCAB, [3, 10, 20, 40], seed=61)
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True), use_tqdm=False
+    )
+    after = metric_values(llm)
+    assert after["pagedllm:prompt_tokens"] - before["pagedllm:prompt_tokens"] == sum(map(len, prompts))
+    assert after["pagedllm:generation_tokens"] - before["pagedllm:generation_tokens"] == 7 * len(outs)
+    assert after["pagedllm:kv_cache_free_blocks"] == after["pagedllm:kv_cache_total_blocks"]
+    assert after["pagedllm:kv_cache_usage_perc"] == 0
+    assert all(o.metrics is None or o.metrics.arrival_time > 0 for o in outs)
+
+
+def test_llm_engine_and_reset_prefix_cache(llm: LLM) -> None:
+    assert llm.llm_engine is not None
+    prompt = random_prompts(1, VOCAB, [48], seed=62)[0]
+    first = ids_of(llm.generate([prompt], GREEDY, use_tqdm=False))
+    llm.reset_prefix_cache()
+    assert ids_of(llm.generate([prompt], GREEDY, use_tqdm=False)) == first
