@@ -1,0 +1,105 @@
+"""Paged attention in plain torch: SDPA over K/V gathered through block tables.
+
+Decode-like requests (short queries) run as one batched SDPA call over their gathered context with an
+explicit bottom-right causal mask; each prefill chunk runs its own SDPA call (a few per step, bounded
+by the token budget). Gathers go into buffers that grow but are never freed: on CPU a fresh large
+tensor per layer per step costs page faults (see FACTS.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class TorchPagedAttention(AttentionBackend):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, compute_dtype: torch.dtype):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.compute_dtype = compute_dtype
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    # kv_cache for one layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+        k_flat = kv_cache[0].view(num_slots, self.num_kv_heads, self.head_dim)
+        v_flat = kv_cache[1].view(num_slots, self.num_kv_heads, self.head_dim)
+        if kv_cache.dtype.itemsize == 1 and kv_cache.dtype.is_floating_point:
+            # fp8 storage: index_copy_ is not implemented for float8 on CPU; copy the bytes.
+            k_flat.view(torch.uint8).index_copy_(0, slot_mapping, key.to(kv_cache.dtype).view(torch.uint8))
+            v_flat.view(torch.uint8).index_copy_(0, slot_mapping, value.to(kv_cache.dtype).view(torch.uint8))
+        else:
+            k_flat.index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+            v_flat.index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+                ) -> torch.Tensor:
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
+
+    def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor, name: str) -> torch.Tensor:
+        """[B, max_blocks] block ids -> [B, num_kv_heads, max_blocks * block_size, head_dim]."""
+        num_seqs, max_blocks = block_tables.shape
+        block_size = cache.shape[1]
+        out = self._buffer(name, (num_seqs * max_blocks, block_size, self.num_kv_heads, self.head_dim),
+                           cache.dtype, cache.device)
+        torch.index_select(cache, 0, block_tables.reshape(-1), out=out)
+        gathered = out.view(num_seqs, max_blocks * block_size, self.num_kv_heads, self.head_dim)
+        if gathered.dtype != self.compute_dtype:
+            gathered = gathered.to(self.compute_dtype)
+        return gathered.transpose(1, 2)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """query: [T, Hq, D], key/value: [T, Hkv, D] for this step's tokens. Returns [T, Hq, D]."""
+        self.write_kv(kv_cache, key, value, metadata.slot_mapping)
+        output = torch.empty_like(query)
+        if metadata.num_decodes:
+            self._decode(query, kv_cache, metadata, scale, output)
+        for seq in metadata.prefills:
+            rows = slice(seq.query_start, seq.query_start + seq.query_len)
+            q = query[rows].transpose(0, 1).unsqueeze(0)
+            if seq.seq_len == seq.query_len:
+                # No cached prefix: K/V are exactly this chunk, and top-left causal is bottom-right.
+                k = key[rows].transpose(0, 1).unsqueeze(0)
+                v = value[rows].transpose(0, 1).unsqueeze(0)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                block_table = seq.block_table.unsqueeze(0)
+                k = self._gather(kv_cache[0], block_table, "prefill_k")[:, :, :seq.seq_len]
+                v = self._gather(kv_cache[1], block_table, "prefill_v")[:, :, :seq.seq_len]
+                # Bottom-right causal: query i sits at position seq_len - query_len + i.
+                q_pos = torch.arange(seq.query_len, device=query.device) + (seq.seq_len - seq.query_len)
+                k_pos = torch.arange(seq.seq_len, device=query.device)
+                mask = k_pos[None, :] <= q_pos[:, None]
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            output[rows] = out.squeeze(0).transpose(0, 1)
+        return output
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                scale: float, output: torch.Tensor) -> None:
+        num_decodes, max_q = metadata.num_decodes, metadata.decode_max_query_len
+        k = self._gather(kv_cache[0], metadata.decode_block_tables, "decode_k")
+        v = self._gather(kv_cache[1], metadata.decode_block_tables, "decode_v")
+        if metadata.decode_query_index is None:
+            q = query[:num_decodes].unsqueeze(2)  # [B, Hq, 1, D]
+        else:
+            q = query.index_select(0, metadata.decode_query_index.reshape(-1))
+            q = q.view(num_decodes, max_q, self.num_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=metadata.decode_attn_mask, scale=scale,
+                                             enable_gqa=True)
+        out = out.transpose(1, 2).reshape(num_decodes * max_q, self.num_heads, self.head_dim)
+        if metadata.decode_query_index is None:
+            output[:num_decodes] = out
+        else:
+            output[:metadata.num_decode_tokens] = out[metadata.decode_query_valid]

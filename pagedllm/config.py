@@ -1,0 +1,177 @@
+"""Configuration: what the model is (ModelConfig, read from a Hugging Face config.json) and how the
+engine runs it (CacheConfig, SchedulerConfig, DeviceConfig)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_STR_TO_DTYPE = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_dtype(name: str | torch.dtype, config_dtype: str | None) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return _STR_TO_DTYPE.get(str(config_dtype), torch.float32) if config_dtype else torch.float32
+    if name not in _STR_TO_DTYPE:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {name!r}.")
+    return _STR_TO_DTYPE[name]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {name!r}.") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but CUDA is not available.")
+    return device
+
+
+@dataclass
+class RopeConfig:
+    theta: float = 10000.0
+    scaling: dict[str, Any] | None = None  # rope_type plus its parameters; None for plain RoPE
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
+        # transformers 5 writes `rope_parameters` (theta inside); published checkpoints mostly use the
+        # top-level `rope_theta` and `rope_scaling`. Read both.
+        params = dict(hf.get("rope_parameters") or {})
+        legacy = hf.get("rope_scaling") or {}
+        theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling = dict(legacy) if legacy else params
+        rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+        if rope_type == "default":
+            return cls(theta=theta, scaling=None)
+        scaling["rope_type"] = rope_type
+        return cls(theta=theta, scaling=scaling)
+
+
+@dataclass
+class ModelConfig:
+    """The parts of a Hugging Face config.json the engine needs, with defaults filled in."""
+
+    model: str
+    architecture: str
+    hf_config: dict[str, Any]
+    dtype: torch.dtype
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    max_model_len: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rope: RopeConfig
+    hidden_act: str = "silu"
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_pretrained(cls, model: str, dtype: str | torch.dtype = "auto",
+                        max_model_len: int | None = None) -> ModelConfig:
+        from pagedllm.models.registry import resolve_architecture
+
+        if not os.path.isdir(model):
+            raise ValueError(f"model must be a local Hugging Face model directory; {model!r} does not exist.")
+        config_path = os.path.join(model, "config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"model directory {model!r} has no config.json.")
+        with open(config_path) as f:
+            hf = json.load(f)
+        architectures = hf.get("architectures") or []
+        architecture = resolve_architecture(architectures)
+        hidden = hf["hidden_size"]
+        heads = hf["num_attention_heads"]
+        kv_heads = hf.get("num_key_value_heads") or heads
+        head_dim = hf.get("head_dim") or hidden // heads
+        max_pos = int(hf.get("max_position_embeddings", 2048))
+        if max_model_len is None:
+            max_model_len = max_pos
+        elif max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}.")
+        elif max_model_len > max_pos:
+            logger.warning("max_model_len=%d exceeds the model's max_position_embeddings=%d",
+                           max_model_len, max_pos)
+        model_type = hf.get("model_type", "")
+        qkv_bias = bool(hf.get("attention_bias", False)) or model_type == "qwen2"
+        generation = _read_json(os.path.join(model, "generation_config.json"))
+        eos = generation.get("eos_token_id", hf.get("eos_token_id"))
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        return cls(
+            model=model,
+            architecture=architecture,
+            hf_config=hf,
+            dtype=resolve_dtype(dtype, hf.get("dtype") or hf.get("torch_dtype")),
+            vocab_size=hf["vocab_size"],
+            hidden_size=hidden,
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=hf["intermediate_size"],
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=max_pos,
+            max_model_len=max_model_len,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=model_type == "qwen3",
+            rope=RopeConfig.from_hf(hf),
+            hidden_act=hf.get("hidden_act", "silu"),
+            eos_token_ids=eos_ids,
+            bos_token_id=generation.get("bos_token_id", hf.get("bos_token_id")),
+        )
+
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=kv_dtype).element_size()
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    num_blocks: int = 0  # decided at start-up from the memory budget
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # or "lpm": longest cached prefix first
+    num_speculative_tokens: int = 0

@@ -1,0 +1,96 @@
+"""EngineArgs: every engine knob of `LLM(...)`, also as command-line flags with vLLM's spelling."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    block_size: int = 16
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    kv_cache_dtype: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    scheduling_policy: str = "fcfs"
+    max_logprobs: int = 20
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = None
+    speculative_config: dict[str, Any] | None = None
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = True
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        check(isinstance(self.block_size, int) and self.block_size >= 1,
+              f"block_size must be a positive integer, got {self.block_size}.")
+        check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+              f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
+        check(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        check(0.0 < self.gpu_memory_utilization <= 1.0,
+              f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+              f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}.")
+        check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
+              f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
+        check(self.scheduling_policy in ("fcfs", "lpm"),
+              f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}.")
+        check(self.tensor_parallel_size == 1,
+              f"tensor_parallel_size must be 1 in this build, got {self.tensor_parallel_size}.")
+        check(self.max_logprobs >= 0, f"max_logprobs must be non-negative, got {self.max_logprobs}.")
+        if isinstance(self.speculative_config, str):
+            self.speculative_config = json.loads(self.speculative_config)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Engine flags (not the model itself: each command decides how the model is given)."""
+        group = parser.add_argument_group("engine")
+        add = group.add_argument
+        bool_flag = argparse.BooleanOptionalAction
+        add("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+        add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+        add("--block-size", type=int, default=16, help="tokens per KV cache block")
+        add("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+        add("--max-num-seqs", type=int, default=256, help="most requests running at once")
+        add("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+        add("--enable-chunked-prefill", action=bool_flag, default=True)
+        add("--enable-prefix-caching", action=bool_flag, default=True)
+        add("--gpu-memory-utilization", type=float, default=0.9,
+            help="share of device memory (on CPU: of available memory) the engine may use")
+        add("--kv-cache-memory-bytes", type=int, default=None, help="exact KV cache budget in bytes")
+        add("--num-gpu-blocks-override", type=int, default=None, help="exact number of KV blocks")
+        add("--kv-cache-dtype", default="auto",
+            choices=["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"])
+        add("--seed", type=int, default=0)
+        add("--device", default="auto", help="auto, cpu or cuda[:N]")
+        add("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm"])
+        add("--max-logprobs", type=int, default=20)
+        add("--speculative-model", default=None, help="draft model directory")
+        add("--num-speculative-tokens", type=int, default=None)
+        add("--speculative-config", type=json.loads, default=None,
+            help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
+        add("--tensor-parallel-size", "-tp", type=int, default=1)
+        add("--enforce-eager", action=bool_flag, default=True)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in fields(cls)}
+        return cls(**{name: value for name, value in vars(args).items() if name in names})

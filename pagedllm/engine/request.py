@@ -1,0 +1,116 @@
+"""A request as the scheduler sees it: tokens known so far, how many have KV, and where it stands."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.kv_cache.hashing import BlockHash
+from pagedllm.outputs import PositionLogprobs, RequestMetrics
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self.value >= RequestStatus.FINISHED_STOPPED.value
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.time)
+    prompt: str | None = None
+    # Parallel sampling: the parent computes the shared prompt, then forks into `n` samples.
+    parent_id: str | None = None
+    index: int = 0
+    # Set by the model runner on first use when the request is seeded.
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[BlockHash] = []
+        self.spec_token_ids: list[int] = []
+        self.logprobs: list[PositionLogprobs] | None = [] if self.sampling_params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
+            [None] if self.sampling_params.prompt_logprobs is not None else None)
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.num_preemptions = 0
+
+    @property
+    def is_fork_parent(self) -> bool:
+        return self.sampling_params.n > 1 and self.parent_id is None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self._all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def target_num_tokens(self) -> int:
+        """How many tokens should have KV once this request has caught up. A fork parent stops one short
+        of its prompt: each sample computes the last prompt token itself and samples from it."""
+        if self.is_fork_parent:
+            return self.num_prompt_tokens - 1
+        return self.num_tokens_with_spec
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+
+def make_child(parent: Request, index: int) -> Request:
+    """Sample `index` of a parallel-sampling parent: same prompt, its own seed and output."""
+    params = parent.sampling_params.clone()
+    params.n = 1
+    if params.seed is not None:
+        params.seed += index
+    child = Request(request_id=f"{index}_{parent.request_id}", prompt_token_ids=parent.prompt_token_ids,
+                    sampling_params=params, arrival_time=parent.arrival_time, prompt=parent.prompt,
+                    parent_id=parent.request_id, index=index)
+    child.block_hashes = list(parent.block_hashes)
+    child.metrics = parent.metrics
+    child.prompt_logprobs = parent.prompt_logprobs
+    return child

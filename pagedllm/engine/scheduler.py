@@ -1,0 +1,275 @@
+"""The scheduler: each step, decide which requests compute how many tokens.
+
+Its unit is tokens, not phases (vLLM V1): every running request tries to bring `num_computed_tokens`
+up to its known tokens (prompt, outputs, speculative proposals) within `max_num_batched_tokens`.
+Decode-phase requests go first so decoding never stalls behind a long prompt; then unfinished prefills;
+then waiting requests are admitted, taking their cached prefix from the KV cache manager. When blocks
+run out the most recently admitted request is preempted (freed, recomputed later); nothing is lost.
+It never touches a tensor.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.engine.request import Request, RequestStatus, make_child
+from pagedllm.kv_cache.manager import KVCacheManager
+from pagedllm.outputs import PositionLogprobs
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int      # tokens whose KV is computed this step, speculative ones included
+    start_pos: int           # num_computed_tokens before this step
+    block_ids: list[int]
+    sample: bool             # this step reaches the last known token, so it yields new tokens
+    spec_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    blocks_to_copy: list[tuple[int, int]]
+    preempted_ids: list[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_copy
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one forward pass produced, per request id."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)  # accepted + bonus tokens
+    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    sampled_logprobs: dict[str, list[float]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    num_accepted_tokens: dict[str, int] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 eos_token_ids: Iterable[int] = ()):
+        self.config = config
+        self.kv = kv_cache_manager
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- bookkeeping ----
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    @property
+    def num_running(self) -> int:
+        return sum(r.sampling_params.n if r.is_fork_parent else 1 for r in self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.kv.free(request.request_id)
+        del self.requests[request.request_id]
+
+    # ---- the plan for one step ----
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted: list[str] = []
+
+        decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        for request in decoding + prefilling:
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this pass
+            num_new = request.target_num_tokens - request.num_computed_tokens
+            if num_new <= 0:
+                continue
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                continue
+            num_new = min(num_new, budget)
+            while not self.kv.allocate_slots(request, num_new, num_cacheable_tokens=request.num_tokens):
+                victim = self._pick_victim(scheduled, request)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            scheduled[request.request_id] = self._scheduled(request, num_new)
+            budget -= num_new
+
+        # Admit waiting requests, unless this step had to preempt (memory is short).
+        while self.waiting and budget > 0 and not preempted:
+            request = self._next_waiting()
+            n = request.sampling_params.n if request.is_fork_parent else 1
+            if self.num_running + n > self.config.max_num_seqs:
+                break
+            max_cached = request.target_num_tokens - (0 if request.is_fork_parent else 1)
+            cached_blocks, num_cached = self.kv.get_computed_blocks(request, max_cached)
+            num_new = request.target_num_tokens - num_cached
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(request, num_new, cached_blocks,
+                                          num_cacheable_tokens=request.num_tokens):
+                break
+            self.kv.record_prefix_query(request.num_tokens, num_cached)
+            self.waiting.remove(request)
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            if num_new > 0:
+                scheduled[request.request_id] = self._scheduled(request, num_new)
+                budget -= num_new
+
+        return SchedulerOutput(
+            scheduled=list(scheduled.values()),
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            blocks_to_copy=self.kv.take_pending_copies(),
+            preempted_ids=preempted,
+        )
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        reaches_end = start + num_new >= request.num_tokens_with_spec
+        spec = request.spec_token_ids if reaches_end else []
+        if not reaches_end:
+            request.spec_token_ids = []  # a chunk that stops short drops its proposals
+        return ScheduledRequest(request=request, num_new_tokens=num_new, start_pos=start,
+                                block_ids=self.kv.get_block_ids(request.request_id),
+                                sample=reaches_end and not request.is_fork_parent,
+                                spec_token_ids=list(spec))
+
+    def _next_waiting(self) -> Request:
+        if self.config.scheduling_policy == "lpm" and len(self.waiting) > 1:
+            # SGLang's longest-prefix-match: admit the request with most cached tokens first.
+            def cached_len(request: Request) -> int:
+                return self.kv.peek_cached_tokens(request)
+            return max(self.waiting, key=cached_len)
+        return self.waiting[0]
+
+    def _pick_victim(self, scheduled: dict[str, ScheduledRequest], request: Request) -> Request:
+        for candidate in reversed(self.running):
+            if candidate is not request and candidate.request_id not in scheduled:
+                return candidate
+        return request
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        self.running.remove(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        request.metrics.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    # ---- after the forward pass ----
+    def update(self, output: SchedulerOutput, model_output: ModelRunnerOutput
+               ) -> tuple[list[Request], list[Request], list[Request]]:
+        """Apply a step's results. Returns (requests with new tokens, requests finished by a stop token or
+        length, children created by forking a parallel-sampling parent)."""
+        updated, finished, forked = [], [], []
+        for item in output.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            if request.prompt_logprobs is not None and request.request_id in model_output.prompt_logprobs:
+                request.prompt_logprobs.extend(model_output.prompt_logprobs[request.request_id])
+            if item.sample:
+                tokens = model_output.sampled_token_ids[request.request_id]
+                num_rejected = len(item.spec_token_ids) + 1 - len(tokens)
+                if num_rejected > 0:  # KV of rejected speculative tokens is rolled back
+                    request.num_computed_tokens -= num_rejected
+                    self.kv.trim(request)
+                request.spec_token_ids = []
+                logprobs = model_output.logprobs.get(request.request_id)
+                sampled_logprobs = model_output.sampled_logprobs.get(request.request_id)
+                for i, token in enumerate(tokens):
+                    request.append_output_token(token)
+                    if request.logprobs is not None and logprobs is not None:
+                        request.logprobs.append(logprobs[i])
+                    if sampled_logprobs is not None:
+                        request.cumulative_logprob += sampled_logprobs[i]
+                    if self._check_stop(request, token):
+                        break
+                # Tokens past a stop were verified but are not part of the output; their KV stays
+                # unreachable until the request is freed.
+                updated.append(request)
+                if request.is_finished:
+                    finished.append(request)
+            elif request.is_fork_parent and request.num_computed_tokens >= request.target_num_tokens:
+                forked.extend(self._fork(request))
+        for request in list(self.running):
+            # A parent admitted with its whole shared prompt cached forks without a forward pass.
+            if request.is_fork_parent and request.num_computed_tokens >= request.target_num_tokens:
+                forked.extend(self._fork(request))
+        return updated, finished, forked
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        params = request.sampling_params
+        status = None
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token in params.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token
+        if status is None and (
+                (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens)
+                or request.num_tokens >= self.config.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH_CAPPED
+        if status is None:
+            return False
+        self._finish(request, status)
+        return True
+
+    def _fork(self, parent: Request) -> list[Request]:
+        children = []
+        position = self.running.index(parent)
+        for index in range(parent.sampling_params.n):
+            child = make_child(parent, index)
+            self.kv.fork(parent.request_id, child.request_id)
+            child.status = RequestStatus.RUNNING
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.requests[child.request_id] = child
+            children.append(child)
+        self.running[position:position + 1] = children
+        self.kv.free(parent.request_id)
+        del self.requests[parent.request_id]
+        parent.status = RequestStatus.FINISHED_STOPPED
+        return children

@@ -1,0 +1,98 @@
+"""The block pool: every physical KV block, its reference count, its prefix hash, and the free queue.
+
+Free blocks sit in LRU order (an OrderedDict as a doubly linked list): allocation takes from the head,
+freeing appends at the tail. A freed block keeps its hash, so a later request can still hit it, until
+allocation reuses it and evicts the hash.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pagedllm.kv_cache.hashing import BlockHash
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool):
+        assert num_blocks > 0
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached_blocks)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        assert num_blocks <= self.num_free_blocks, "caller must check num_free_blocks first"
+        blocks = []
+        for _ in range(num_blocks):
+            _, block = self.free_queue.popitem(last=False)
+            self._evict(block)
+            assert block.ref_cnt == 0
+            block.ref_cnt = 1
+            blocks.append(block)
+        return blocks
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached_blocks.get(block.block_hash) is block:
+                del self.cached_blocks[block.block_hash]
+                self.num_evictions += 1
+            block.block_hash = None
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_blocks.get(block_hash) if self.enable_caching else None
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on blocks found in the prefix cache (out of the free queue if idle)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference each; blocks reaching zero join the tail of the free queue (most recent)."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of block {block.block_id}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if not self.enable_caching:
+                    block.block_hash = None
+                self.free_queue[block.block_id] = block
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Register a full block under its hash; if another block already holds that hash, keep that one."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached_blocks:
+            return
+        block.block_hash = block_hash
+        self.cached_blocks[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached_blocks.clear()
+        return True

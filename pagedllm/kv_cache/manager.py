@@ -1,0 +1,157 @@
+"""The KV cache manager: block tables per request on top of the block pool.
+
+It answers three questions for the scheduler: which prefix of a request is already cached, can the
+request's next tokens get slots (allocating blocks, copying a shared partial block before a write),
+and which blocks to give back. It knows nothing of models or tensors: block copies it decides on are
+handed to the model runner as (src, dst) pairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from pagedllm.kv_cache.block_pool import BlockPool, KVCacheBlock
+from pagedllm.kv_cache.hashing import BlockHash, extend_block_hashes
+
+
+class CacheableRequest(Protocol):
+    request_id: str
+    num_computed_tokens: int
+    block_hashes: list[BlockHash]
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.pending_copies: list[tuple[int, int]] = []
+        # Prefix-cache statistics, in tokens.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def _update_hashes(self, request: CacheableRequest) -> None:
+        if self.enable_caching:
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+
+    def get_computed_blocks(self, request: CacheableRequest, max_cached_tokens: int
+                            ) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached full blocks at the start of the request, capped so that at least
+        one token is left to compute (there must be logits to sample from)."""
+        if not self.enable_caching:
+            return [], 0
+        self._update_hashes(request)
+        max_blocks = max(0, max_cached_tokens) // self.block_size
+        blocks: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def peek_cached_tokens(self, request: CacheableRequest) -> int:
+        """How many leading tokens of the request are cached now (no references taken)."""
+        _, num_cached = self.get_computed_blocks(request, request.num_tokens - 1)
+        return num_cached
+
+    def allocate_slots(self, request: CacheableRequest, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       num_cacheable_tokens: int | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens after the computed ones. Returns False (and changes
+        nothing) when the pool cannot provide the blocks; the scheduler then preempts or waits.
+
+        `num_cacheable_tokens`: how many of the request's tokens are final after this step (speculative
+        tokens are not), so only blocks full of final tokens enter the prefix cache."""
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total_tokens = num_computed + num_new_tokens
+        num_new_blocks = max(0, cdiv(total_tokens, self.block_size) - len(blocks) - len(new_computed_blocks))
+        # A partial last block shared with a forked sibling must be copied before we write into it.
+        cow_block = None
+        if num_new_tokens > 0 and blocks and num_computed % self.block_size and num_computed < \
+                len(blocks) * self.block_size:
+            candidate = blocks[num_computed // self.block_size]
+            if candidate.ref_cnt > 1:
+                cow_block = candidate
+        num_evictable_touched = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_new_blocks + (cow_block is not None) > self.pool.num_free_blocks - num_evictable_touched:
+            return False
+
+        self.pool.touch(new_computed_blocks)
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        blocks.extend(new_computed_blocks)
+        if cow_block is not None:
+            (copy,) = self.pool.get_new_blocks(1)
+            index = num_computed // self.block_size
+            blocks[index] = copy
+            self.pending_copies.append((cow_block.block_id, copy.block_id))
+            self.pool.free_blocks([cow_block])
+        blocks.extend(self.pool.get_new_blocks(num_new_blocks))
+
+        if self.enable_caching:
+            cacheable = min(total_tokens, request.num_tokens if num_cacheable_tokens is None
+                            else num_cacheable_tokens)
+            self._update_hashes(request)
+            for i in range(cacheable // self.block_size):
+                self.pool.cache_block(blocks[i], request.block_hashes[i])
+        return True
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent (parallel sampling); writes copy on demand."""
+        blocks = self.req_to_blocks.get(parent_id, [])
+        self.pool.touch(blocks)
+        self.req_to_blocks[child_id] = list(blocks)
+
+    def free(self, request_id: str) -> None:
+        blocks = self.req_to_blocks.pop(request_id, [])
+        # Tail blocks first, so they are evicted before the prefix that others are likelier to share.
+        self.pool.free_blocks(reversed(blocks))
+
+    def trim(self, request: CacheableRequest) -> None:
+        """Give back blocks past the request's computed tokens (rejected speculative tokens)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        if len(blocks) > keep:
+            extra = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free_blocks(reversed(extra))
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

@@ -1,0 +1,62 @@
+"""Rotary position embeddings (RoPE), with the scaling variants published checkpoints use."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedllm.config import RopeConfig
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    # Same arithmetic as transformers, so fp32 logits agree to the last bit we can hope for.
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    scaling = rope.scaling
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling["low_freq_factor"])
+        high_freq_factor = float(scaling["high_freq_factor"])
+        old_context_len = float(scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, inv_freq_llama)
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}.")
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Precomputes cos/sin for every position once; applying it is two gathers and four multiplies."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype):
+        super().__init__()
+        inv_freq = _inv_freq(head_dim, rope)
+        positions = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("sin_cache", emb.sin().to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, Hq, D], k: [T, Hkv, D]; rotate-half (non-interleaved) layout, as in Llama.
+        cos = self.cos_cache.index_select(0, positions).unsqueeze(1)
+        sin = self.sin_cache.index_select(0, positions).unsqueeze(1)
+        return _apply(q, cos, sin), _apply(k, cos, sin)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,273 @@
+"""The model runner: turns a SchedulerOutput into tensors, runs one forward pass, samples.
+
+It owns the model, the paged KV cache tensors and the attention backend, and knows nothing of policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.attention.backend import AttentionMetadata, PrefillSeq
+from pagedllm.attention.torch_paged import TorchPagedAttention
+from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedllm.layers.sampler import Sampler, SamplingRow
+from pagedllm.models.loader import load_model
+from pagedllm.outputs import Logprob, PositionLogprobs
+
+logger = logging.getLogger(__name__)
+
+# Requests computing at most this many tokens share one batched attention call (decodes, speculative
+# verification, short prompts); longer prefill chunks get a call each.
+MAX_BATCHED_QUERY_LEN = 8
+
+KV_CACHE_DTYPES = {
+    "auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {name!r}.")
+    return KV_CACHE_DTYPES[name] or model_dtype
+
+
+@dataclass
+class _Batch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    order: list[ScheduledRequest]
+    query_starts: list[int]
+
+
+def available_cpu_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig, device: torch.device, seed: int = 0):
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.device = device
+        self.block_size = cache_config.block_size
+        self.kv_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, model_config.dtype)
+        self.backend = TorchPagedAttention(model_config.num_attention_heads, model_config.num_key_value_heads,
+                                           model_config.head_dim, model_config.dtype)
+        self.model = load_model(model_config, self.backend, device)
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        self.sampler = Sampler(generator)
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ---- KV cache ----
+    def kv_cache_bytes_per_block(self) -> int:
+        return self.model_config.kv_bytes_per_token(self.kv_dtype) * self.block_size
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def activation_bytes_estimate(self) -> int:
+        c = self.model_config
+        tokens = self.scheduler_config.max_num_batched_tokens
+        per_token = (4 * c.hidden_size + 3 * c.intermediate_size
+                     + (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim) * 4
+        logits = self.scheduler_config.max_num_seqs * c.vocab_size * 4 * 4
+        return tokens * per_token + logits
+
+    def determine_num_blocks(self) -> int:
+        cfg = self.cache_config
+        per_block = self.kv_cache_bytes_per_block()
+        if cfg.num_gpu_blocks_override is not None:
+            return cfg.num_gpu_blocks_override
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * cfg.gpu_memory_utilization) - used - self.activation_bytes_estimate()
+        else:
+            # On CPU: a share of the memory still available (weights are already loaded), but never
+            # more than every sequence at full length could use, so a small model does not take the host.
+            budget = int(available_cpu_memory() * cfg.gpu_memory_utilization) - self.activation_bytes_estimate()
+            max_tokens = self.scheduler_config.max_num_seqs * self.scheduler_config.max_model_len
+            budget = min(budget, (max_tokens // self.block_size + 1) * per_block)
+        num_blocks = budget // per_block
+        if num_blocks <= 0:
+            raise ValueError(f"No memory left for the KV cache (budget {budget} bytes, {per_block} bytes per "
+                             "block); raise gpu_memory_utilization or kv_cache_memory_bytes.")
+        return int(num_blocks)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        c = self.model_config
+        # One tensor for all layers; each layer gets a [2, num_blocks, block_size, kv_heads, head_dim] view.
+        # Zeroed: masked-out padding is multiplied by 0 in attention, and 0 * NaN garbage would be NaN.
+        cache = torch.zeros(c.num_hidden_layers, 2, num_blocks, self.block_size, c.num_key_value_heads,
+                            c.head_dim, dtype=self.kv_dtype, device=self.device)
+        self.kv_caches = list(cache.unbind(0))
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s)", num_blocks, self.block_size,
+                    num_blocks * self.block_size, cache.numel() * cache.element_size() / 2**20, self.kv_dtype)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for cache in self.kv_caches:
+            if cache.dtype.itemsize == 1:
+                raw = cache.view(torch.uint8)
+                raw[:, dst] = raw[:, src]
+            else:
+                cache[:, dst] = cache[:, src]
+
+    # ---- one step ----
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.copy_blocks(scheduler_output.blocks_to_copy)
+        output = ModelRunnerOutput()
+        if not scheduler_output.scheduled:
+            return output
+        batch = self._prepare(scheduler_output.scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
+        self._sample(batch, hidden, output)
+        return output
+
+    def _prepare(self, scheduled: list[ScheduledRequest]) -> _Batch:
+        short = [s for s in scheduled if s.num_new_tokens <= MAX_BATCHED_QUERY_LEN]
+        long = [s for s in scheduled if s.num_new_tokens > MAX_BATCHED_QUERY_LEN]
+        order = short + long
+        bs = self.block_size
+        token_ids: list[int] = []
+        positions, slots, query_starts = [], [], []
+        for s in order:
+            request = s.request
+            query_starts.append(len(token_ids))
+            end = s.start_pos + s.num_new_tokens
+            known = request.all_token_ids
+            token_ids.extend(known[s.start_pos:min(end, len(known))])
+            if end > len(known):
+                token_ids.extend(s.spec_token_ids[:end - len(known)])
+            pos = np.arange(s.start_pos, end)
+            table = np.asarray(s.block_ids, dtype=np.int64)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+        device = self.device
+        metadata = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device))
+        if short:
+            self._prepare_decodes(short, metadata)
+        for s, start in zip(long, query_starts[len(short):]):
+            metadata.prefills.append(PrefillSeq(
+                query_start=start, query_len=s.num_new_tokens, seq_len=s.start_pos + s.num_new_tokens,
+                block_table=torch.tensor(s.block_ids[:-(-(s.start_pos + s.num_new_tokens) // bs)],
+                                         dtype=torch.long, device=device)))
+        return _Batch(
+            input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
+            positions=torch.from_numpy(np.concatenate(positions)).to(device),
+            metadata=metadata, order=order, query_starts=query_starts)
+
+    def _prepare_decodes(self, short: list[ScheduledRequest], metadata: AttentionMetadata) -> None:
+        bs = self.block_size
+        query_lens = np.array([s.num_new_tokens for s in short])
+        seq_lens = np.array([s.start_pos + s.num_new_tokens for s in short])
+        num_blocks = -(-seq_lens // bs)
+        max_blocks = int(num_blocks.max())
+        tables = np.zeros((len(short), max_blocks), dtype=np.int64)
+        for i, s in enumerate(short):
+            tables[i, :num_blocks[i]] = s.block_ids[:num_blocks[i]]
+        max_q = int(query_lens.max())
+        key_pos = np.arange(max_blocks * bs)
+        query_pos = seq_lens[:, None] - query_lens[:, None] + np.arange(max_q)[None, :]   # [B, Q]
+        mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])
+        device = self.device
+        metadata.num_decodes = len(short)
+        metadata.num_decode_tokens = int(query_lens.sum())
+        metadata.decode_max_query_len = max_q
+        metadata.decode_block_tables = torch.from_numpy(tables).to(device)
+        metadata.decode_attn_mask = torch.from_numpy(mask[:, None]).to(device)
+        if max_q > 1:
+            starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]])
+            offsets = np.arange(max_q)[None, :]
+            valid = offsets < query_lens[:, None]
+            index = np.where(valid, starts[:, None] + offsets, 0)
+            metadata.decode_query_index = torch.from_numpy(index).to(device)
+            metadata.decode_query_valid = torch.from_numpy(valid.reshape(-1)).to(device)
+
+    def _sample(self, batch: _Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+        sample_rows, rows = [], []
+        prompt_lp: list[tuple[ScheduledRequest, int, int]] = []  # (request, first row, count)
+        for s, start in zip(batch.order, batch.query_starts):
+            request = s.request
+            params = request.sampling_params
+            if params.prompt_logprobs is not None and s.start_pos < request.num_prompt_tokens - 1 \
+                    and len(request.prompt_logprobs) < request.num_prompt_tokens:
+                count = min(s.start_pos + s.num_new_tokens, request.num_prompt_tokens - 1) - s.start_pos
+                prompt_lp.append((s, start, count))
+            if s.sample:
+                assert not s.spec_token_ids, "speculative verification goes through the spec decoder"
+                sample_rows.append(start + s.num_new_tokens - 1)
+                if request.generator is None and params.seed is not None:
+                    request.generator = torch.Generator(device=self.device)
+                    request.generator.manual_seed(params.seed)
+                stop_ids = list(params.stop_token_ids)
+                if not params.ignore_eos:
+                    stop_ids += self.model_config.eos_token_ids
+                rows.append(SamplingRow(params, request.prompt_token_ids, request.output_token_ids,
+                                        request.generator, stop_ids))
+        if rows:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            max_logprobs = max((r.params.logprobs or 0) for r in rows)
+            result = self.sampler(logits, rows, max_logprobs)
+            token_ids = result.token_ids.tolist()
+            sampled_lp = result.sampled_logprobs.tolist()
+            i = 0
+            for s in batch.order:
+                if not s.sample:
+                    continue
+                rid = s.request.request_id
+                output.sampled_token_ids[rid] = [token_ids[i]]
+                output.sampled_logprobs[rid] = [sampled_lp[i]]
+                num_lp = s.request.sampling_params.logprobs
+                if num_lp is not None:
+                    entry: PositionLogprobs = {token_ids[i]: Logprob(sampled_lp[i], int(result.sampled_ranks[i]))}
+                    if num_lp > 0:
+                        ids = result.topk_token_ids[i, :num_lp].tolist()
+                        lps = result.topk_logprobs[i, :num_lp].tolist()
+                        for rank, (tid, lp) in enumerate(zip(ids, lps), start=1):
+                            entry.setdefault(tid, Logprob(lp, rank))
+                    output.logprobs[rid] = [entry]
+                i += 1
+        for s, start, count in prompt_lp:
+            output.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(s, hidden[start:start + count])
+
+    def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor) -> list[PositionLogprobs]:
+        logprobs = self.model.compute_logits(hidden).log_softmax(dim=-1)
+        request = s.request
+        targets = torch.tensor(request.prompt_token_ids[s.start_pos + 1:s.start_pos + 1 + len(hidden)],
+                               device=logprobs.device)
+        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
+        ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1
+        k = request.sampling_params.prompt_logprobs
+        top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+        result = []
+        for j, target in enumerate(targets.tolist()):
+            entry: PositionLogprobs = {target: Logprob(float(chosen[j]), int(ranks[j]))}
+            if k:
+                for rank, (tid, lp) in enumerate(zip(top_ids[j].tolist(), top_lp[j].tolist()), start=1):
+                    entry.setdefault(tid, Logprob(lp, rank))
+            result.append(entry)
+        return result
