@@ -1,0 +1,206 @@
+"""POST /v1/chat/completions: messages through the tokenizer's chat template, then one engine request.
+
+Streaming follows OpenAI's chunk order: a first delta per choice carrying the role, then content
+deltas, then the finish_reason, and with stream_options.include_usage a last chunk with only usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pagedllm.engine.async_engine import RequestStream
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    DeltaMessage,
+    UsageInfo,
+    random_id,
+)
+from pagedllm.entrypoints.openai.serving_completions import (
+    SSE_DONE,
+    APIError,
+    ChoiceState,
+    ServingContext,
+    abort_all,
+    decoded,
+    finite,
+    merged_outputs,
+    sse,
+    stream_error_event,
+    stream_response,
+    until_disconnect,
+)
+from pagedllm.outputs import RequestOutput
+
+# SamplingParams calls the chat API's top_logprobs "logprobs"
+_PARAM_RENAMES = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}
+
+
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        # OpenAI's content parts: only text goes through a text model's template
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"Unsupported content part of type {part.get('type')!r}: this "
+                               "server takes text only.", param="messages")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    result: dict[str, Any] = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        result["name"] = message.name
+    return result
+
+
+def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
+                       chat_template_kwargs: dict[str, Any] | None) -> str:
+    """The prompt text the chat template makes of the messages; 400 if the template refuses them."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise APIError(400, "This model's tokenizer has no chat template; use /v1/completions.",
+                       param="messages")
+    try:
+        return tokenizer.apply_chat_template(
+            [_message_dict(message) for message in messages], add_generation_prompt=add_generation_prompt,
+            tokenize=False, **(chat_template_kwargs or {}))
+    except APIError:
+        raise
+    except Exception as exc:  # jinja raises for messages the template does not accept
+        raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from exc
+
+
+class OpenAIServingChat:
+    def __init__(self, context: ServingContext) -> None:
+        self.context = context
+        self.tokenizer = context.tokenizer
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        context = self.context
+        model_name = context.check_model(request.model)
+        if request.stream_options is not None and not request.stream:
+            raise APIError(400, "stream_options can only be given when stream is true.",
+                           param="stream_options")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
+        text = render_chat_prompt(self.tokenizer, request.messages, request.add_generation_prompt,
+                                  request.chat_template_kwargs)
+        prompt_ids = context.encode_chat(text)
+        if not prompt_ids:
+            raise APIError(400, "The chat template produced an empty prompt.", param="messages")
+        requested = request.max_completion_tokens or request.max_tokens
+        max_tokens = context.check_length(len(prompt_ids), requested, "messages")
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = context.build_params(request, max_tokens, logprobs, renames=_PARAM_RENAMES)
+        request_id = random_id("chatcmpl")
+        streams, queue = await context.submit(request_id, [prompt_ids], params, request, _PARAM_RENAMES)
+        created = int(time.time())
+        if request.stream:
+            return stream_response(lambda: self._stream(request, request_id, created, model_name,
+                                                        len(prompt_ids), streams, queue))
+        try:
+            final = await until_disconnect(raw_request, self._collect(streams, queue))
+        finally:
+            abort_all(streams)
+        return JSONResponse(self._response(request, request_id, created, model_name, len(prompt_ids),
+                                           final).model_dump())
+
+    async def _collect(self, streams: list[RequestStream], queue: asyncio.Queue[Any]) -> RequestOutput:
+        final = None
+        async for _, output in merged_outputs(streams, queue):
+            final = output
+        assert final is not None, "a finished stream always ends with an output"
+        return final
+
+    def _logprobs(self, request: ChatCompletionRequest, token_ids: list[int],
+                  logprobs: list[dict[int, Any]] | None) -> ChatCompletionLogProbs | None:
+        if not request.logprobs:
+            return None
+        num_top = request.top_logprobs or 0
+        content = []
+        for position, token_id in enumerate(token_ids):
+            step = logprobs[position] if logprobs is not None and position < len(logprobs) else {}
+            sampled = step.get(token_id)
+            token = decoded(self.tokenizer, token_id, sampled)
+            ranked = sorted(step.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+            top = [ChatCompletionLogProb(token=(top_token := decoded(self.tokenizer, tid, lp)),
+                                         logprob=finite(lp.logprob),
+                                         bytes=list(top_token.encode("utf-8", errors="replace")))
+                   for tid, lp in ranked[:num_top]]
+            content.append(ChatCompletionLogProbsContent(
+                token=token, logprob=finite(sampled.logprob) if sampled else -9999.0,
+                bytes=list(token.encode("utf-8", errors="replace")), top_logprobs=top))
+        return ChatCompletionLogProbs(content=content)
+
+    def _response(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
+                  num_prompt_tokens: int, final: RequestOutput) -> ChatCompletionResponse:
+        choices = [ChatCompletionResponseChoice(
+            index=completion.index, message=ChatResponseMessage(content=completion.text),
+            logprobs=self._logprobs(request, completion.token_ids, completion.logprobs),
+            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+            for completion in final.outputs]
+        choices.sort(key=lambda choice: choice.index)
+        num_generated = sum(len(completion.token_ids) for completion in final.outputs)
+        return ChatCompletionResponse(
+            id=request_id, created=created, model=model_name, choices=choices,
+            usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated,
+                            total_tokens=num_prompt_tokens + num_generated))
+
+    async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
+                      num_prompt_tokens: int, streams: list[RequestStream],
+                      queue: asyncio.Queue[Any]) -> AsyncIterator[str]:
+        def chunk(choices: list[ChatCompletionResponseStreamChoice], usage: UsageInfo | None = None) -> str:
+            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
+                                                    choices=choices, usage=usage).model_dump())
+
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        states = [ChoiceState() for _ in range(request.n)]
+        num_generated = [0] * request.n
+        try:
+            # the role comes first, before any token, as OpenAI's stream does
+            yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                                        content=""))
+                         for i in range(request.n)])
+            async for _, output in merged_outputs(streams, queue):
+                choices = []
+                for completion in output.outputs:
+                    state = states[completion.index]
+                    if state.finished:
+                        continue
+                    num_generated[completion.index] = len(completion.token_ids)
+                    delta_text = completion.text[state.text_len:]
+                    new_ids = completion.token_ids[state.num_tokens:]
+                    new_logprobs = (completion.logprobs[state.num_tokens:]
+                                    if completion.logprobs is not None else None)
+                    state.text_len = len(completion.text)
+                    state.num_tokens = len(completion.token_ids)
+                    state.finished = completion.finish_reason is not None
+                    if delta_text or new_ids or state.finished:
+                        choices.append(ChatCompletionResponseStreamChoice(
+                            index=completion.index, delta=DeltaMessage(content=delta_text),
+                            logprobs=self._logprobs(request, new_ids, new_logprobs),
+                            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+                if choices:
+                    yield chunk(choices)
+            if include_usage:
+                total = sum(num_generated)
+                yield chunk([], UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=total,
+                                          total_tokens=num_prompt_tokens + total))
+        except (ValueError, RuntimeError) as exc:
+            yield stream_error_event(exc)
+        finally:
+            abort_all(streams)
+        yield SSE_DONE

@@ -1,0 +1,420 @@
+"""POST /v1/completions, and the pieces both endpoints share (ServingContext, APIError, SSE).
+
+A request with several prompts becomes one engine request per prompt; their outputs arrive on one
+shared queue, and choice i*n + j is sample j of prompt i, as in OpenAI's and vLLM's servers.
+Outputs are cumulative, so a stream sends what each choice gained since the last chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from pagedllm.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    SamplingRequestFields,
+    UsageInfo,
+    random_id,
+)
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                413: "RequestEntityTooLarge", 500: "InternalServerError", 503: "ServiceUnavailable"}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status_code: int, message: str, error_type: str | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.error_type = error_type or _ERROR_TYPES.get(status_code, "Error")
+        self.param = param
+
+
+def error_body(error: APIError) -> dict[str, Any]:
+    return {"error": {"message": error.message, "type": error.error_type, "param": error.param,
+                      "code": error.status_code}}
+
+
+def sse(payload: Any) -> str:
+    """One server-sent event; the OpenAI clients read `data: <json>` blocks."""
+    text = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {text}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+_LEADING_NAME = re.compile(r"\s*'?([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def param_of(message: str, known: set[str], renames: dict[str, str] | None = None) -> str | None:
+    """The request field an engine ValueError is about: its message starts with the field's name."""
+    match = _LEADING_NAME.match(message)
+    if match is None:
+        return None
+    name = (renames or {}).get(match.group(1), match.group(1))
+    return name if name in known else None
+
+
+@dataclass
+class ChoiceState:
+    """What a stream already sent for one choice."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0
+    echoed: bool = False
+    finished: bool = False
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncLLMEngine
+    tokenizer: Any
+    served_model_names: list[str]
+    max_model_len: int
+    max_waiting_requests: int | None = None
+    vocab_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        # the model's vocabulary, which the engine checks token ids against (may exceed the tokenizer's)
+        self.vocab_size = int(getattr(self.engine.model_config, "vocab_size", 0) or len(self.tokenizer))
+
+    # ---- checks at the boundary -----------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> str:
+        """The model name to answer with; 404 for a name this server does not serve."""
+        if name is None or name == "":
+            return self.served_model_names[0]
+        if name not in self.served_model_names:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model")
+        return name
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        for token_id in token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise APIError(400, f"{param} contains token id {token_id}, outside the vocabulary "
+                               f"[0, {self.vocab_size}).", param=param)
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> int:
+        """The max_tokens to use; 400 if the prompt, or prompt plus max_tokens, exceeds the context."""
+        if num_prompt_tokens >= self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. "
+                           f"However, your request has {num_prompt_tokens} input tokens. Please reduce "
+                           "the length of the input.", param=prompt_param)
+        room = self.max_model_len - num_prompt_tokens
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. "
+                           f"However, you requested {num_prompt_tokens + max_tokens} tokens "
+                           f"({num_prompt_tokens} in the input, {max_tokens} in the completion). "
+                           "Please reduce the length of the input or of max_tokens.", param="max_tokens")
+        return max_tokens
+
+    def admit(self, num_requests: int) -> None:
+        limit = self.max_waiting_requests
+        if limit is not None and self.engine.num_waiting_requests + num_requests > limit:
+            raise APIError(503, f"The server is busy: {self.engine.num_waiting_requests} requests are "
+                           f"waiting (limit {limit}). Retry later.")
+        if not self.engine.is_running:
+            raise APIError(503, "The engine is not running.")
+
+    # ---- tokenization, done here so lengths are checked before the engine sees the request -------
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def encode_chat(self, text: str) -> list[int]:
+        # the chat template already wrote the special tokens (BOS) it wants
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def build_params(self, request: SamplingRequestFields, max_tokens: int, logprobs: int | None,
+                     prompt_logprobs: int | None = None,
+                     renames: dict[str, str] | None = None) -> SamplingParams:
+        try:
+            return request.build_sampling_params(max_tokens, logprobs, prompt_logprobs)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=param_of(str(exc), set(type(request).model_fields),
+                                                         renames)) from exc
+
+    # ---- engine requests --------------------------------------------------------------------------
+
+    async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                     request: SamplingRequestFields, renames: dict[str, str] | None = None,
+                     ) -> tuple[list[RequestStream], asyncio.Queue[Any]]:
+        """One engine request per prompt, all feeding one queue; 400 if the engine refuses one."""
+        self.admit(len(prompts))
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        streams: list[RequestStream] = []
+        arrival_time = time.time()
+        try:
+            for index, prompt in enumerate(prompts):
+                request_suffix = f"-{index}" if len(prompts) > 1 else ""
+                streams.append(await self.engine.add_request(
+                    f"{request_id}{request_suffix}", prompt, params, arrival_time=arrival_time, queue=queue))
+        except ValueError as exc:
+            abort_all(streams)
+            raise APIError(400, str(exc), param=param_of(str(exc), set(type(request).model_fields),
+                                                         renames)) from exc
+        except EngineDeadError as exc:
+            abort_all(streams)
+            raise APIError(503, "The engine is not running.") from exc
+        except BaseException:
+            abort_all(streams)
+            raise
+        return streams, queue
+
+
+def abort_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.abort()
+
+
+async def merged_outputs(streams: list[RequestStream], queue: asyncio.Queue[Any],
+                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) in arrival order until every stream finished."""
+    index_of = {stream.request_id: index for index, stream in enumerate(streams)}
+    remaining = len(streams)
+    while remaining:
+        request_id, item = await queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield index_of[request_id], item
+        if item.finished:
+            remaining -= 1
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(raw_request: Request, work: Awaitable[Any]) -> Any:
+    """Run work, cancelling it if the client hangs up first (so its requests get aborted)."""
+    work_task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    try:
+        done, _ = await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work_task in done:
+            return work_task.result()
+        work_task.cancel()
+        raise asyncio.CancelledError("client disconnected")
+    finally:
+        watcher.cancel()
+        if not work_task.done():
+            work_task.cancel()
+
+
+def stream_response(events: Callable[[], AsyncIterator[str]]) -> StreamingResponse:
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def stream_error_event(exc: BaseException) -> str:
+    error = exc if isinstance(exc, APIError) else APIError(
+        500 if not isinstance(exc, EngineDeadError) else 503, f"{type(exc).__name__}: {exc}")
+    return sse(error_body(error))
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -inf: a token the sampler ruled out gets vLLM's stand-in, -9999."""
+    return max(float(logprob), -9999.0)
+
+
+def decoded(tokenizer: Any, token_id: int, logprob: Any) -> str:
+    text = getattr(logprob, "decoded_token", None)
+    return text if text is not None else tokenizer.decode([token_id])
+
+
+# ---- /v1/completions -----------------------------------------------------------------------------
+
+class OpenAIServingCompletion:
+    def __init__(self, context: ServingContext) -> None:
+        self.context = context
+        self.tokenizer = context.tokenizer
+
+    def _prompts(self, request: CompletionRequest) -> list[list[int]]:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            items: list[str | list[int]] = [prompt]
+        elif not prompt:
+            raise APIError(400, "prompt must not be empty.", param="prompt")
+        elif isinstance(prompt[0], int):
+            items = [prompt]  # type: ignore[list-item]
+        else:
+            items = list(prompt)  # type: ignore[arg-type]
+        token_lists = []
+        for item in items:
+            token_ids = self.context.encode_prompt(item) if isinstance(item, str) else list(item)
+            if not token_ids:
+                raise APIError(400, "prompt must not be empty.", param="prompt")
+            self.context.check_token_ids(token_ids, "prompt")
+            token_lists.append(token_ids)
+        return token_lists
+
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
+        context = self.context
+        model_name = context.check_model(request.model)
+        if request.suffix:
+            raise APIError(400, "suffix is not supported.", param="suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise APIError(400, "best_of is not supported (only best_of == n).", param="best_of")
+        if request.stream_options is not None and not request.stream:
+            raise APIError(400, "stream_options can only be given when stream is true.",
+                           param="stream_options")
+        prompts = self._prompts(request)
+        max_tokens = min(context.check_length(len(p), request.max_tokens, "prompt") for p in prompts)
+        prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        params = context.build_params(request, max_tokens, request.logprobs, prompt_logprobs)
+        request_id = random_id("cmpl")
+        streams, queue = await context.submit(request_id, prompts, params, request)
+        created = int(time.time())
+        if request.stream:
+            return stream_response(lambda: self._stream(request, request_id, created, model_name, prompts,
+                                                        streams, queue))
+        try:
+            finals = await until_disconnect(raw_request, self._collect(streams, queue))
+        finally:
+            abort_all(streams)
+        return JSONResponse(self._response(request, request_id, created, model_name, prompts,
+                                           finals).model_dump())
+
+    async def _collect(self, streams: list[RequestStream], queue: asyncio.Queue[Any],
+                       ) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for index, output in merged_outputs(streams, queue):
+            finals[index] = output
+        return [output for output in finals if output is not None]
+
+    def _prompt_text(self, output: RequestOutput, prompt_ids: list[int]) -> str:
+        return output.prompt if output.prompt is not None else self.tokenizer.decode(prompt_ids)
+
+    def _response(self, request: CompletionRequest, request_id: str, created: int, model_name: str,
+                  prompts: list[list[int]], finals: list[RequestOutput]) -> CompletionResponse:
+        choices = []
+        num_generated = 0
+        for prompt_index, output in enumerate(finals):
+            prompt_ids = prompts[prompt_index]
+            prompt_text = self._prompt_text(output, prompt_ids) if request.echo else ""
+            for completion in output.outputs:
+                num_generated += len(completion.token_ids)
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = CompletionLogProbs()
+                    if request.echo:
+                        self._add_prompt_logprobs(logprobs, output, prompt_ids)
+                    self._add_logprobs(logprobs, completion.token_ids, completion.logprobs,
+                                       len(prompt_text))
+                choices.append(CompletionResponseChoice(
+                    index=prompt_index * request.n + completion.index, text=prompt_text + completion.text,
+                    logprobs=logprobs, finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason))
+        choices.sort(key=lambda choice: choice.index)
+        num_prompt = sum(len(p) for p in prompts)
+        return CompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
+                                  usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                                                  total_tokens=num_prompt + num_generated))
+
+    def _add_logprobs(self, target: CompletionLogProbs, token_ids: list[int],
+                      logprobs: list[dict[int, Any]] | None, text_offset: int) -> int:
+        """Append OpenAI's per-token lists; returns the text offset after the last token."""
+        for position, token_id in enumerate(token_ids):
+            step = logprobs[position] if logprobs is not None and position < len(logprobs) else None
+            sampled = step.get(token_id) if step else None
+            token = decoded(self.tokenizer, token_id, sampled)
+            target.tokens.append(token)
+            target.token_logprobs.append(finite(sampled.logprob) if sampled is not None else None)
+            target.top_logprobs.append(
+                {decoded(self.tokenizer, tid, lp): finite(lp.logprob)
+                 for tid, lp in sorted(step.items(), key=lambda kv: _rank(kv[1]))} if step else None)
+            target.text_offset.append(text_offset)
+            text_offset += len(token)
+        return text_offset
+
+    def _add_prompt_logprobs(self, target: CompletionLogProbs, output: RequestOutput,
+                             prompt_ids: list[int]) -> None:
+        prompt_logprobs = getattr(output, "prompt_logprobs", None)
+        self._add_logprobs(target, prompt_ids, prompt_logprobs, 0)
+
+    async def _stream(self, request: CompletionRequest, request_id: str, created: int, model_name: str,
+                      prompts: list[list[int]], streams: list[RequestStream],
+                      queue: asyncio.Queue[Any]) -> AsyncIterator[str]:
+        states: dict[int, ChoiceState] = {}
+        num_generated: dict[int, int] = {}
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        try:
+            async for prompt_index, output in merged_outputs(streams, queue):
+                prompt_ids = prompts[prompt_index]
+                choices = []
+                for completion in output.outputs:
+                    index = prompt_index * request.n + completion.index
+                    state = states.setdefault(index, ChoiceState())
+                    if state.finished:
+                        continue
+                    num_generated[index] = len(completion.token_ids)
+                    prefix = ""
+                    if request.echo and not state.echoed:
+                        prefix = self._prompt_text(output, prompt_ids)  # the first chunk repeats the prompt
+                        state.echoed = True
+                    delta_text = prefix + completion.text[state.text_len:]
+                    new_ids = completion.token_ids[state.num_tokens:]
+                    logprobs = None
+                    if request.logprobs is not None and (new_ids or prefix):
+                        logprobs = CompletionLogProbs()
+                        if prefix:
+                            self._add_prompt_logprobs(logprobs, output, prompt_ids)
+                            state.text_offset = len(prefix)
+                        new_logprobs = (completion.logprobs[state.num_tokens:]
+                                        if completion.logprobs is not None else None)
+                        state.text_offset = self._add_logprobs(logprobs, new_ids, new_logprobs,
+                                                               state.text_offset)
+                    state.text_len = len(completion.text)
+                    state.num_tokens = len(completion.token_ids)
+                    state.finished = completion.finish_reason is not None
+                    if delta_text or new_ids or state.finished:
+                        choices.append(CompletionResponseChoice(
+                            index=index, text=delta_text, logprobs=logprobs,
+                            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+                if choices:
+                    chunk = CompletionStreamResponse(id=request_id, created=created, model=model_name,
+                                                     choices=choices)
+                    yield sse(chunk.model_dump(exclude_none=False))
+            if include_usage:
+                num_prompt = sum(len(p) for p in prompts)
+                total_generated = sum(num_generated.values())
+                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=total_generated,
+                                  total_tokens=num_prompt + total_generated)
+                chunk = CompletionStreamResponse(id=request_id, created=created, model=model_name,
+                                                 choices=[], usage=usage)
+                yield sse(chunk.model_dump())
+        except (ValueError, RuntimeError) as exc:
+            yield stream_error_event(exc)
+        finally:
+            # the client went away (this generator was cancelled) or we are done: free the blocks
+            abort_all(streams)
+        yield SSE_DONE
+
+
+def _rank(logprob: Any) -> int:
+    rank = getattr(logprob, "rank", None)
+    return rank if rank is not None else 1 << 30
