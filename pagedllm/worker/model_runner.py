@@ -15,6 +15,7 @@ import torch
 from pagedllm.attention.backend import AttentionMetadata, PrefillSeq
 from pagedllm.attention.torch_paged import TorchPagedAttention
 from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.layers.sampler import Sampler, SamplingRow
 from pagedllm.models.loader import load_model
@@ -39,7 +40,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 @dataclass
-class _Batch:
+class Batch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
@@ -74,6 +75,8 @@ class ModelRunner:
         generator.manual_seed(seed)
         self.sampler = Sampler(generator)
         self.kv_caches: list[torch.Tensor] = []
+        # Set by the speculative decoder: scores k+1 positions per request and accepts/rejects.
+        self.spec_verifier = None
 
     # ---- KV cache ----
     def kv_cache_bytes_per_block(self) -> int:
@@ -142,12 +145,15 @@ class ModelRunner:
         output = ModelRunnerOutput()
         if not scheduler_output.scheduled:
             return output
-        batch = self._prepare(scheduler_output.scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
-        self._sample(batch, hidden, output)
+        batch = self.prepare(scheduler_output.scheduled)
+        hidden = self.forward(batch)
+        self.sample(batch, hidden, output)
         return output
 
-    def _prepare(self, scheduled: list[ScheduledRequest]) -> _Batch:
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
+
+    def prepare(self, scheduled: list[ScheduledRequest]) -> Batch:
         short = [s for s in scheduled if s.num_new_tokens <= MAX_BATCHED_QUERY_LEN]
         long = [s for s in scheduled if s.num_new_tokens > MAX_BATCHED_QUERY_LEN]
         order = short + long
@@ -175,7 +181,7 @@ class ModelRunner:
                 query_start=start, query_len=s.num_new_tokens, seq_len=s.start_pos + s.num_new_tokens,
                 block_table=torch.tensor(s.block_ids[:-(-(s.start_pos + s.num_new_tokens) // bs)],
                                          dtype=torch.long, device=device)))
-        return _Batch(
+        return Batch(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
             positions=torch.from_numpy(np.concatenate(positions)).to(device),
             metadata=metadata, order=order, query_starts=query_starts)
@@ -207,8 +213,11 @@ class ModelRunner:
             metadata.decode_query_index = torch.from_numpy(index).to(device)
             metadata.decode_query_valid = torch.from_numpy(valid.reshape(-1)).to(device)
 
-    def _sample(self, batch: _Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+    def sample(self, batch: Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+        """Sample the next token of every request that reached its last known token. Requests carrying
+        speculative tokens are handed, with the rows of their k+1 positions, to `self.spec_verifier`."""
         sample_rows, rows = [], []
+        verify: list[tuple[ScheduledRequest, int]] = []  # (request, first row of its k+1 positions)
         prompt_lp: list[tuple[ScheduledRequest, int, int]] = []  # (request, first row, count)
         for s, start in zip(batch.order, batch.query_starts):
             request = s.request
@@ -217,17 +226,11 @@ class ModelRunner:
                     and len(request.prompt_logprobs) < request.num_prompt_tokens:
                 count = min(s.start_pos + s.num_new_tokens, request.num_prompt_tokens - 1) - s.start_pos
                 prompt_lp.append((s, start, count))
-            if s.sample:
-                assert not s.spec_token_ids, "speculative verification goes through the spec decoder"
+            if s.sample and s.spec_token_ids:
+                verify.append((s, start + s.num_new_tokens - len(s.spec_token_ids) - 1))
+            elif s.sample:
                 sample_rows.append(start + s.num_new_tokens - 1)
-                if request.generator is None and params.seed is not None:
-                    request.generator = torch.Generator(device=self.device)
-                    request.generator.manual_seed(params.seed)
-                stop_ids = list(params.stop_token_ids)
-                if not params.ignore_eos:
-                    stop_ids += self.model_config.eos_token_ids
-                rows.append(SamplingRow(params, request.prompt_token_ids, request.output_token_ids,
-                                        request.generator, stop_ids))
+                rows.append(self.sampling_row(request))
         if rows:
             logits = self.model.compute_logits(hidden[sample_rows])
             max_logprobs = max((r.params.logprobs or 0) for r in rows)
@@ -236,7 +239,7 @@ class ModelRunner:
             sampled_lp = result.sampled_logprobs.tolist()
             i = 0
             for s in batch.order:
-                if not s.sample:
+                if not s.sample or s.spec_token_ids:
                     continue
                 rid = s.request.request_id
                 output.sampled_token_ids[rid] = [token_ids[i]]
@@ -251,8 +254,20 @@ class ModelRunner:
                             entry.setdefault(tid, Logprob(lp, rank))
                     output.logprobs[rid] = [entry]
                 i += 1
+        if verify:
+            self.spec_verifier.verify(verify, hidden, output)
         for s, start, count in prompt_lp:
             output.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(s, hidden[start:start + count])
+
+    def sampling_row(self, request: Request) -> SamplingRow:
+        params = request.sampling_params
+        if request.generator is None and params.seed is not None:
+            request.generator = torch.Generator(device=self.device)
+            request.generator.manual_seed(params.seed)
+        stop_ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids += self.model_config.eos_token_ids
+        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids, request.generator, stop_ids)
 
     def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor) -> list[PositionLogprobs]:
         logprobs = self.model.compute_logits(hidden).log_softmax(dim=-1)
