@@ -37,16 +37,19 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
 }
 
 
-def measure_memory_bandwidth(num_bytes: int = 128 * 2**20, repeats: int = 5) -> float:
+def measure_memory_bandwidth(num_bytes: int = 128 * 2**20, repeats: int = 5, device: str = "cpu") -> float:
     """STREAM-like copy bandwidth in bytes/s: best of a few `dst.copy_(src)` over buffers far larger than
     the caches, counting the read and the write. Best-of because other processes only ever slow it down."""
-    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # touch the pages first: a fresh tensor's page faults are not bandwidth
+    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
     best = float("inf")
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         dst.copy_(src)
+        sync()
         best = min(best, time.perf_counter() - start)
     return 2 * num_bytes / best
 

@@ -1,0 +1,301 @@
+"""`pagedllm bench throughput|latency|serve`: each prints a table and can write JSON (--output-json)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Any
+
+from pagedllm.benchmarks.datasets import DATASETS
+
+# Engine flags used when the engine's own EngineArgs cannot be imported (they mirror its spelling).
+_FALLBACK_ENGINE_FLAGS: dict[str, tuple[type, Any]] = {
+    "--dtype": (str, "auto"),
+    "--block-size": (int, 16),
+    "--max-num-batched-tokens": (int, 2048),
+    "--max-num-seqs": (int, 256),
+    "--max-model-len": (int, None),
+    "--kv-cache-dtype": (str, "auto"),
+    "--seed": (int, 0),
+    "--device": (str, "auto"),
+}
+
+
+def _engine_args_class() -> Any | None:
+    try:
+        from pagedllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return None
+    return EngineArgs
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    engine_args = _engine_args_class()
+    if engine_args is not None:
+        engine_args.add_cli_args(parser)
+    else:
+        for flag, (kind, default) in _FALLBACK_ENGINE_FLAGS.items():
+            parser.add_argument(flag, type=kind, default=default)
+    if "--model" not in parser._option_string_actions:
+        parser.add_argument("--model", default=None, help="model directory (default: the bundled demo model)")
+    if "--seed" not in parser._option_string_actions:
+        parser.add_argument("--seed", type=int, default=0)
+
+
+def _default_model() -> str | None:
+    try:
+        from pagedllm.assets import default_model_path
+    except ImportError:
+        return None
+    path = default_model_path()
+    return str(path) if path is not None and os.path.exists(path) else None
+
+
+def _resolve_model(args: argparse.Namespace) -> str:
+    model = getattr(args, "model", None) or _default_model()
+    if not model:
+        raise ValueError("--model is required (the bundled demo model is not installed)")
+    return str(model)
+
+
+def _build_llm(args: argparse.Namespace, model: str) -> Any:
+    from pagedllm import LLM
+
+    engine_args = _engine_args_class()
+    if engine_args is not None:
+        args.model = model
+        kwargs = dataclasses.asdict(engine_args.from_cli_args(args))
+    else:
+        kwargs = {
+            flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+            for flag in _FALLBACK_ENGINE_FLAGS
+        }
+    kwargs["model"] = model
+    return LLM(**kwargs)
+
+
+def _write_json(path: str | None, report: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+            f.write("\n")
+
+
+def _add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:
+    parser.add_argument(
+        "--dataset",
+        default="random",
+        help=f"{' or '.join(DATASETS)}, or a JSON/JSONL file of prompts (ShareGPT format works)",
+    )
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument(
+        "--input-len", type=int, default=128, help="prompt tokens (the mean for sharegpt-like)"
+    )
+    parser.add_argument(
+        "--output-len", type=int, default=128, help="output tokens (the mean for sharegpt-like)"
+    )
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("bench", help="throughput, latency and serving benchmarks")
+    bench = parser.add_subparsers(dest="bench_command", required=True)
+
+    throughput = bench.add_parser(
+        "throughput",
+        help="offline throughput of LLM.generate",
+        description="Offline throughput (requests/s, tokens/s), optionally against "
+        "Hugging Face transformers' generate on the same requests.",
+    )
+    _add_dataset_args(throughput, num_prompts=100)
+    throughput.add_argument(
+        "--compare", choices=["hf"], help="also run transformers' generate and print the ratio"
+    )
+    throughput.add_argument(
+        "--hf-batch-size", type=int, default=16, help="static batch size for --compare hf"
+    )
+    throughput.add_argument("--output-json")
+    throughput.add_argument("--disable-tqdm", action="store_true")
+    _add_engine_args(throughput)
+    throughput.set_defaults(func=run_throughput_cmd)
+
+    latency = bench.add_parser(
+        "latency",
+        help="batch-1 TTFT, decode speed and roofline fraction",
+        description="Batch-1 time to first token and decode tokens/s, and decode as a "
+        "fraction of the memory-bandwidth roofline measured in the same run.",
+    )
+    latency.add_argument("--input-len", type=int, default=32)
+    latency.add_argument("--output-len", type=int, default=128)
+    latency.add_argument("--num-iters", type=int, default=5)
+    latency.add_argument("--num-iters-warmup", type=int, default=1)
+    latency.add_argument("--output-json")
+    _add_engine_args(latency)
+    latency.set_defaults(func=run_latency_cmd)
+
+    serve = bench.add_parser(
+        "serve",
+        help="load an OpenAI-compatible server",
+        description="Streamed /v1/completions requests with Poisson arrivals against any "
+        "OpenAI-compatible server: TTFT, TPOT, ITL, E2E, throughput, goodput.",
+    )
+    serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
+    serve.add_argument("--model", default=None, help="served model name (default: the first in /v1/models)")
+    serve.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer directory for building prompts (default: --model if a directory, "
+        "else the demo model)",
+    )
+    _add_dataset_args(serve, num_prompts=100)
+    serve.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second, Poisson arrivals (inf: all at once)",
+    )
+    serve.add_argument("--max-concurrency", type=int, default=None)
+    serve.add_argument("--slo-ttft-ms", type=float, default=None)
+    serve.add_argument("--slo-tpot-ms", type=float, default=None)
+    serve.add_argument("--no-ignore-eos", action="store_true", help="do not send vLLM's ignore_eos extension")
+    serve.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--output-json")
+    serve.add_argument("--plot", help="PNG of the latency distributions")
+    serve.set_defaults(func=run_serve_cmd)
+    return parser
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def run_throughput_cmd(args: argparse.Namespace) -> int:
+    from pagedllm.benchmarks.datasets import get_requests
+    from pagedllm.benchmarks.throughput import format_results, run_hf, run_pagedllm, throughput_report
+
+    try:
+        model = _resolve_model(args)
+        if args.hf_batch_size < 1:
+            raise ValueError(f"--hf-batch-size must be >= 1, got {args.hf_batch_size}")
+        llm = _build_llm(args, model)
+        model_config = llm.llm_engine.model_config
+        requests = get_requests(
+            args.dataset,
+            llm.get_tokenizer(),
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            seed=args.seed,
+            max_model_len=model_config.max_model_len,
+        )
+    except ValueError as exc:
+        return _fail(str(exc))
+    results = [run_pagedllm(llm, requests, use_tqdm=not args.disable_tqdm)]
+    dtype = model_config.dtype
+    device = str(getattr(model_config, "device", None) or getattr(llm.llm_engine, "device", "cpu"))
+    del llm  # free its weights and KV cache before transformers loads its own copy
+    if args.compare == "hf":
+        results.append(
+            run_hf(
+                model,
+                requests,
+                dtype,
+                args.hf_batch_size,
+                device="cuda" if device.startswith("cuda") else "cpu",
+            )
+        )
+    print(format_results(results))
+    config = {
+        "model": model,
+        "dataset": args.dataset,
+        "num_prompts": len(requests),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "dtype": str(dtype).removeprefix("torch."),
+        "compare": args.compare,
+        "hf_batch_size": args.hf_batch_size,
+        "seed": args.seed,
+        "mean_prompt_len": sum(r.prompt_len for r in requests) / len(requests),
+        "mean_output_len": sum(r.output_len for r in requests) / len(requests),
+    }
+    _write_json(args.output_json, throughput_report(results, config))
+    return 0
+
+
+def run_latency_cmd(args: argparse.Namespace) -> int:
+    from pagedllm.benchmarks.datasets import get_requests
+    from pagedllm.benchmarks.latency import format_latency, run_latency
+
+    try:
+        model = _resolve_model(args)
+        if args.num_iters < 1 or args.num_iters_warmup < 0:
+            raise ValueError("--num-iters must be >= 1 and --num-iters-warmup >= 0")
+        llm = _build_llm(args, model)
+        prompt = get_requests(
+            "random", llm.get_tokenizer(), 1, args.input_len, args.output_len, seed=args.seed
+        )[0]
+    except ValueError as exc:
+        return _fail(str(exc))
+    result = run_latency(
+        llm, model, prompt.prompt_token_ids, args.output_len, args.num_iters, args.num_iters_warmup
+    )
+    print(format_latency(result))
+    _write_json(args.output_json, result.to_dict())
+    return 0
+
+
+def run_serve_cmd(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from pagedllm.benchmarks.datasets import get_requests
+    from pagedllm.benchmarks.serving import (
+        ServeConfig,
+        discover_model,
+        format_serving,
+        plot_latencies,
+        run_serving_benchmark,
+    )
+
+    try:
+        if not (args.request_rate > 0):
+            raise ValueError(f"--request-rate must be > 0 (inf for all at once), got {args.request_rate}")
+        if args.max_concurrency is not None and args.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+        model = args.model or discover_model(args.base_url, args.api_key)
+        tokenizer_dir = args.tokenizer or (model if os.path.isdir(model) else _default_model())
+        if tokenizer_dir is None:
+            raise ValueError("--tokenizer is required to build prompts (no demo model installed)")
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        requests = get_requests(
+            args.dataset,
+            tokenizer,
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            seed=args.seed,
+            with_text=True,
+        )
+    except (ValueError, OSError) as exc:
+        return _fail(str(exc))
+    config = ServeConfig(
+        base_url=args.base_url,
+        model=model,
+        request_rate=args.request_rate,
+        num_prompts=len(requests),
+        max_concurrency=args.max_concurrency,
+        ignore_eos=not args.no_ignore_eos,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        seed=args.seed,
+        api_key=args.api_key,
+    )
+    report = run_serving_benchmark(config, requests, tokenizer)
+    print(format_serving(report))
+    _write_json(args.output_json, report)
+    if args.plot:
+        plot_latencies(report, args.plot)
+    return 0 if report["completed"] > 0 else 1

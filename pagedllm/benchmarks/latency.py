@@ -1,0 +1,153 @@
+"""`pagedllm bench latency`: batch-1 time to first token and decode speed, and decode as a fraction of
+the memory-bandwidth roofline.
+
+The roofline is the planner's: bandwidth (measured here, in the same run) divided by the bytes one
+decode step reads (every weight plus the cached KV at the mean context of the run). Timings come from
+the engine's own RequestMetrics, so they exclude Python-side setup around `generate`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from pagedllm.planner import roofline as rl
+from pagedllm.planner.hardware import measure_cpu, measure_memory_bandwidth
+
+
+@dataclass
+class LatencyResult:
+    model: str
+    dtype: str
+    kv_cache_dtype: str
+    device: str
+    input_len: int
+    output_len: int
+    num_iters: int
+    ttft_s: float  # medians over iterations
+    decode_tokens_per_s: float
+    e2e_s: float
+    memory_bandwidth_bytes_per_s: float
+    bytes_per_token: float
+    roofline_tokens_per_s: float
+    roofline_fraction: float
+    planner_bound_tokens_per_s: float  # min of memory and compute bounds (compute measured on CPU only)
+    planner_limited_by: str
+    ttft_all_s: list[float] = field(default_factory=list)
+    decode_tokens_per_s_all: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _one_run(llm: Any, prompt_ids: list[int], output_len: int) -> tuple[float, float, float]:
+    """(ttft, decode tokens/s, end-to-end) for one request, from the engine's metrics when it has them."""
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    start = time.time()
+    output = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
+    end = time.time()
+    num_tokens = len(output.outputs[0].token_ids)
+    m = output.metrics
+    if m is not None and m.first_token_time is not None and m.last_token_time is not None:
+        ttft = m.first_token_time - m.arrival_time
+        decode_s = m.last_token_time - m.first_token_time
+        e2e = (m.finished_time or m.last_token_time) - m.arrival_time
+    else:  # no metrics: time a one-token request for the first token, the rest is decode
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+        t0 = time.time()
+        llm.generate([{"prompt_token_ids": prompt_ids}], one, use_tqdm=False)
+        ttft = time.time() - t0
+        e2e = end - start
+        decode_s = e2e - ttft
+    decode_tps = (num_tokens - 1) / decode_s if num_tokens > 1 and decode_s > 0 else float("nan")
+    return ttft, decode_tps, e2e
+
+
+def run_latency(
+    llm: Any, model: str, prompt_ids: list[int], output_len: int, num_iters: int = 5, num_warmup: int = 1
+) -> LatencyResult:
+    engine = llm.llm_engine
+    model_config = engine.model_config
+    weight_dtype = _dtype_name(model_config.dtype)
+    cache_config = getattr(engine, "cache_config", None)
+    kv_dtype = (
+        getattr(cache_config, "kv_cache_dtype", None) or getattr(cache_config, "cache_dtype", None) or "auto"
+    )
+    kv_dtype = weight_dtype if _dtype_name(kv_dtype) == "auto" else _dtype_name(kv_dtype)
+    device = str(getattr(model_config, "device", None) or getattr(engine, "device", "cpu"))
+
+    for _ in range(num_warmup):
+        _one_run(llm, prompt_ids, min(output_len, 8))
+    runs = [_one_run(llm, prompt_ids, output_len) for _ in range(num_iters)]
+    ttfts, decode_rates, e2es = zip(*runs)
+
+    # the roofline: bandwidth measured now, bytes from the planner at the run's mean context length
+    on_cuda = device.startswith("cuda")
+    bandwidth = measure_memory_bandwidth(device="cuda" if on_cuda else "cpu")
+    hf_config = model_config.hf_config
+    spec = rl.ModelSpec.from_hf_config(
+        hf_config if isinstance(hf_config, dict) else hf_config.to_dict(), name=model
+    )
+    mean_context = len(prompt_ids) + output_len // 2
+    wb, kb = rl.dtype_bytes(weight_dtype), rl.dtype_bytes(kv_dtype)
+    bytes_per_token = rl.decode_bytes_per_token(spec, mean_context, 1, wb, kb)
+    roofline = bandwidth / bytes_per_token
+    if on_cuda:  # no quick peak-FLOP measurement on GPUs here; decode at batch 1 is memory-bound anyway
+        peak_flops = float("inf")
+    else:
+        peak_flops = measure_cpu(getattr(torch, weight_dtype, torch.float32)).peak_flops
+    bound = rl.decode_bound(spec, mean_context, 1, wb, kb, peak_flops, bandwidth)
+    decode_tps = statistics.median(decode_rates)
+    return LatencyResult(
+        model=model,
+        dtype=weight_dtype,
+        kv_cache_dtype=kv_dtype,
+        device=device,
+        input_len=len(prompt_ids),
+        output_len=output_len,
+        num_iters=num_iters,
+        ttft_s=statistics.median(ttfts),
+        decode_tokens_per_s=decode_tps,
+        e2e_s=statistics.median(e2es),
+        memory_bandwidth_bytes_per_s=bandwidth,
+        bytes_per_token=bytes_per_token,
+        roofline_tokens_per_s=roofline,
+        roofline_fraction=decode_tps / roofline,
+        planner_bound_tokens_per_s=bound.tokens_per_s,
+        planner_limited_by=bound.limited_by,
+        ttft_all_s=list(ttfts),
+        decode_tokens_per_s_all=list(decode_rates),
+    )
+
+
+def format_latency(r: LatencyResult) -> str:
+    rows = [
+        ("model", f"{r.model} ({r.dtype}, KV {r.kv_cache_dtype}, {r.device})"),
+        ("prompt / output tokens", f"{r.input_len} / {r.output_len}, {r.num_iters} iterations (medians)"),
+        ("time to first token", f"{r.ttft_s * 1e3:,.1f} ms"),
+        (
+            "decode, batch 1",
+            f"{r.decode_tokens_per_s:,.1f} tokens/s ({1e3 / r.decode_tokens_per_s:,.2f} ms/token)",
+        ),
+        ("end-to-end", f"{r.e2e_s:,.3f} s"),
+        ("memory bandwidth (measured)", f"{r.memory_bandwidth_bytes_per_s / 1e9:,.1f} GB/s"),
+        ("bytes per token (planner)", f"{r.bytes_per_token / 1e6:,.2f} MB"),
+        ("roofline", f"{r.roofline_tokens_per_s:,.1f} tokens/s"),
+        ("fraction of roofline", f"{r.roofline_fraction:.1%}"),
+        (
+            "planner bound (mem+compute)",
+            f"{r.planner_bound_tokens_per_s:,.1f} tokens/s ({r.planner_limited_by}-bound)",
+        ),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

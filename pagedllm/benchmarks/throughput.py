@@ -1,0 +1,139 @@
+"""`pagedllm bench throughput`: offline throughput of LLM.generate over a request set, optionally against
+Hugging Face transformers' `generate` on the same prompts and output lengths in the same process.
+
+Both sides decode greedily and ignore EOS, so each request produces exactly its output_len tokens and
+the two runs do the same useful work. transformers gets static batches, as a user of `generate` would
+write them: requests sorted by prompt length, left-padded, each batch generating until its longest
+requested output; only the requested tokens are counted.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from pagedllm.benchmarks.datasets import SampleRequest
+
+
+@dataclass
+class ThroughputResult:
+    backend: str
+    num_requests: int
+    elapsed_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.elapsed_s
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "requests_per_s": self.requests_per_s,
+            "total_tokens_per_s": self.total_tokens_per_s,
+            "output_tokens_per_s": self.output_tokens_per_s,
+        }
+
+
+def run_pagedllm(llm: Any, requests: list[SampleRequest], use_tqdm: bool = False) -> ThroughputResult:
+    """Time one LLM.generate call over every request (after a short warm-up outside the timing)."""
+    from pagedllm import SamplingParams
+
+    warmup = [{"prompt_token_ids": r.prompt_token_ids} for r in requests[:2]]
+    llm.generate(warmup, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, detokenize=False)
+        for r in requests
+    ]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    elapsed = time.perf_counter() - start
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return ThroughputResult(
+        "pagedllm", len(requests), elapsed, sum(r.prompt_len for r in requests), output_tokens
+    )
+
+
+def run_hf(
+    model: str, requests: list[SampleRequest], dtype: torch.dtype, batch_size: int = 16, device: str = "cpu"
+) -> ThroughputResult:
+    """The same requests through transformers' generate in static, left-padded batches."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf_model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+
+    def generate(batch: list[SampleRequest]) -> None:
+        width = max(r.prompt_len for r in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, r in enumerate(batch):
+            ids[row, width - r.prompt_len :] = torch.tensor(r.prompt_token_ids)
+            mask[row, width - r.prompt_len :] = 1
+        new_tokens = max(r.output_len for r in batch)
+        # min_new_tokens = max_new_tokens is transformers' way to ignore EOS
+        hf_model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=pad_id,
+        )
+
+    ordered = sorted(requests, key=lambda r: r.prompt_len)
+    batches = [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
+    with torch.inference_mode():
+        generate([SampleRequest(r.prompt_token_ids, "", r.prompt_len, 4) for r in ordered[:2]])  # warm-up
+        start = time.perf_counter()
+        for batch in batches:
+            generate(batch)
+        elapsed = time.perf_counter() - start
+    gc.collect()
+    return ThroughputResult(
+        f"transformers (static batch {batch_size})",
+        len(requests),
+        elapsed,
+        sum(r.prompt_len for r in requests),
+        sum(r.output_len for r in requests),
+    )
+
+
+def format_results(results: list[ThroughputResult]) -> str:
+    header = f"{'backend':<32} {'requests':>8} {'elapsed s':>10} {'req/s':>8} "
+    header += f"{'total tok/s':>12} {'output tok/s':>13}"
+    lines = [header, "-" * len(header)]
+    for r in results:
+        lines.append(
+            f"{r.backend:<32} {r.num_requests:>8} {r.elapsed_s:>10.2f} {r.requests_per_s:>8.2f} "
+            f"{r.total_tokens_per_s:>12.1f} {r.output_tokens_per_s:>13.1f}"
+        )
+    if len(results) == 2:
+        lines.append(
+            f"ratio {results[0].backend} / {results[1].backend}: "
+            f"{results[0].output_tokens_per_s / results[1].output_tokens_per_s:.2f}x output tokens/s"
+        )
+    return "\n".join(lines)
+
+
+def throughput_report(results: list[ThroughputResult], config: dict[str, Any]) -> dict[str, Any]:
+    report: dict[str, Any] = {"config": config, "results": [r.to_dict() for r in results]}
+    if len(results) == 2:
+        report["ratio_output_tokens_per_s"] = results[0].output_tokens_per_s / results[1].output_tokens_per_s
+        report["ratio_total_tokens_per_s"] = results[0].total_tokens_per_s / results[1].total_tokens_per_s
+    return report
