@@ -344,12 +344,17 @@ class OpenAIServingCompletion:
             token = decoded(self.tokenizer, token_id, sampled)
             target.tokens.append(token)
             target.token_logprobs.append(finite(sampled.logprob) if sampled is not None else None)
-            target.top_logprobs.append(
-                {decoded(self.tokenizer, tid, lp): finite(lp.logprob)
-                 for tid, lp in sorted(step.items(), key=lambda kv: _rank(kv[1]))} if step else None)
+            target.top_logprobs.append(self._top_logprobs(step) if step else None)
             target.text_offset.append(text_offset)
             text_offset += len(token)
         return text_offset
+
+    def _top_logprobs(self, step: dict[int, Any]) -> dict[str, float]:
+        # keyed by text, as OpenAI does: ids that decode alike (partial UTF-8) keep the likeliest
+        top: dict[str, float] = {}
+        for token_id, logprob in sorted(step.items(), key=lambda kv: _rank(kv[1])):
+            top.setdefault(decoded(self.tokenizer, token_id, logprob), finite(logprob.logprob))
+        return top
 
     def _add_prompt_logprobs(self, target: CompletionLogProbs, output: RequestOutput,
                              prompt_ids: list[int]) -> None:
