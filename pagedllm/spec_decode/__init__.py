@@ -1,15 +1,100 @@
-"""Speculative decoding: proposers (draft model, n-gram) and lossless verification."""
+"""Speculative decoding: proposers (draft model, n-gram) and lossless verification.
+
+Configured with vLLM's two spellings: `LLM(model=..., speculative_model=draft, num_speculative_tokens=k)`
+or `speculative_config={"method": "draft_model" | "ngram", "model": ..., "num_speculative_tokens": k,
+"prompt_lookup_min": ..., "prompt_lookup_max": ...}` (also `--speculative-model`,
+`--num-speculative-tokens`, `--speculative-config` on the command line).
+"""
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from pagedllm.config import ModelConfig
 
 if TYPE_CHECKING:
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.spec_decode.spec_decoder import SpecDecoder
+
+METHODS = ("draft_model", "ngram")
+CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+# vLLM's default when neither bound is given: look up 5-grams only.
+DEFAULT_PROMPT_LOOKUP = 5
 
 
-def build_spec_decoder(args: EngineArgs, engine: LLMEngine) -> Any:
-    if args.speculative_model is None and not args.speculative_config:
+@dataclass
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
+    draft_model_config: ModelConfig | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, target: ModelConfig) -> SpeculativeConfig | None:
+        raw: dict[str, Any]
+        if args.speculative_config:
+            if not isinstance(args.speculative_config, dict):
+                raise ValueError("speculative_config must be a dict or a JSON object string.")
+            if args.speculative_model is not None:
+                raise ValueError("give either speculative_model or speculative_config, not both.")
+            raw = dict(args.speculative_config)
+            unknown = sorted(set(raw) - set(CONFIG_KEYS))
+            if unknown:
+                raise ValueError(f"speculative_config has unknown keys {unknown}; allowed: {list(CONFIG_KEYS)}.")
+            if raw.get("num_speculative_tokens") is None and args.num_speculative_tokens is not None:
+                raw["num_speculative_tokens"] = args.num_speculative_tokens
+        elif args.speculative_model is not None:
+            raw = {"model": args.speculative_model, "num_speculative_tokens": args.num_speculative_tokens}
+            if args.speculative_model == "[ngram]":  # vLLM's older spelling of the n-gram proposer
+                raw = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
+        elif args.num_speculative_tokens is not None:
+            raise ValueError("num_speculative_tokens needs speculative_model or speculative_config.")
+        else:
+            return None
+
+        method = raw.get("method") or ("draft_model" if raw.get("model") else None)
+        if method not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {list(METHODS)} (or give a draft model), "
+                             f"got {method!r}.")
+        k = raw.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer of at least 1, got {k!r}.")
+        config = cls(method=method, num_speculative_tokens=k)
+        if method == "ngram":
+            low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+            # vLLM: one bound given means both; none means 5.
+            low = low if low is not None else (high if high is not None else DEFAULT_PROMPT_LOOKUP)
+            high = high if high is not None else low
+            for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"{name} must be an integer of at least 1, got {value!r}.")
+            if low > high:
+                raise ValueError(f"prompt_lookup_min ({low}) must not exceed prompt_lookup_max ({high}).")
+            config.prompt_lookup_min, config.prompt_lookup_max = low, high
+            return config
+
+        model = raw.get("model")
+        name = "speculative_config model" if args.speculative_config else "speculative_model"
+        if not isinstance(model, str) or not os.path.isdir(model):
+            raise ValueError(f"{name} must be a local model directory; {model!r} does not exist.")
+        draft = ModelConfig.from_pretrained(model, args.dtype, target.max_model_len)
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(f"{name} has vocab_size {draft.vocab_size} but the target has {target.vocab_size}: "
+                             "the draft must share the target's tokenizer and vocabulary.")
+        config.model = model
+        config.draft_model_config = draft
+        return config
+
+
+def build_spec_decoder(args: EngineArgs, engine: LLMEngine) -> SpecDecoder | None:
+    config = SpeculativeConfig.from_engine_args(args, engine.model_config)
+    if config is None:
         return None
-    raise ValueError("speculative decoding is not available in this build yet.")
+    from pagedllm.spec_decode.spec_decoder import SpecDecoder
+
+    return SpecDecoder(config, engine)

@@ -1,0 +1,141 @@
+"""The draft-model proposer: a small model with its own paged KV cache proposes k tokens per request.
+
+The draft has its own ModelRunner and its own block pool, managed by the same KVCacheManager logic as the
+target's (block tables, slots, trim). Each engine step it runs, batched over every request that proposes:
+
+  1. a catch-up pass: the tokens the draft has not seen yet (the whole prompt for a new request; after a
+     verification, the accepted drafts it had not fed plus the target's correction or bonus token),
+     whose last position gives q_1 and the first draft token;
+  2. k-1 single-token passes, each feeding the previous draft token and sampling the next.
+
+Draft KV for tokens the target rejected is rolled back before the next proposal: the draft keeps the
+tokens it has KV for, and the longest prefix that still matches the request's tokens survives (blocks
+past it are freed, slots beyond it are overwritten). A request that leaves the running set (finished,
+aborted, preempted) frees all of its draft blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedllm.engine.request import Request
+from pagedllm.engine.scheduler import ScheduledRequest
+from pagedllm.kv_cache.hashing import BlockHash
+from pagedllm.kv_cache.manager import KVCacheManager
+from pagedllm.layers.sampler import SamplingRow, exponential_noise
+from pagedllm.spec_decode.rejection_sampler import request_probs, row_with_drafts
+from pagedllm.worker.model_runner import ModelRunner
+
+
+@dataclass(eq=False)
+class DraftSeq:
+    """One request as the draft's KV cache manager and runner see it (a CacheableRequest).
+
+    all_token_ids: the request's tokens followed by this step's drafts. The first num_computed_tokens of
+    them have KV in the draft's pool; the first num_confirmed are known to equal the request's tokens.
+    """
+
+    request_id: str
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_confirmed: int = 0
+    block_hashes: list[BlockHash] = field(default_factory=list)  # unused: the draft pool does no caching
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+class DraftModelProposer:
+    def __init__(self, model_config: ModelConfig, block_size: int, num_blocks: int,
+                 scheduler_config: SchedulerConfig, device: torch.device, seed: int):
+        cache_config = CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks,
+                                   enable_prefix_caching=False, num_blocks=num_blocks)
+        self.runner = ModelRunner(model_config, cache_config, scheduler_config, device, seed=seed)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=False)
+        self.seqs: dict[str, DraftSeq] = {}
+
+    def free(self, live_request_ids: set[str]) -> None:
+        """Give back the draft blocks of requests that left the running set."""
+        for request_id in [r for r in self.seqs if r not in live_request_ids]:
+            self.kv.free(request_id)
+            del self.seqs[request_id]
+
+    def _sync(self, request: Request) -> DraftSeq:
+        """Roll the draft's KV back to the longest prefix it shares with the request's tokens."""
+        seq = self.seqs.get(request.request_id)
+        if seq is None:
+            seq = self.seqs[request.request_id] = DraftSeq(request.request_id)
+        tokens = request.all_token_ids
+        matched = seq.num_confirmed
+        limit = min(seq.num_computed_tokens, len(tokens))
+        while matched < limit and seq.all_token_ids[matched] == tokens[matched]:
+            matched += 1
+        seq.num_computed_tokens = matched
+        self.kv.trim(seq)
+        del seq.all_token_ids[matched:]
+        seq.all_token_ids.extend(tokens[matched:])
+        seq.num_confirmed = len(tokens)
+        return seq
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], num_spec_tokens: list[int], base_rows: list[SamplingRow]
+                ) -> dict[str, tuple[list[int], torch.Tensor | None]]:
+        """Up to num_spec_tokens[i] draft tokens for requests[i], with the distributions they were drawn
+        from ([k, V]; None for greedy requests, whose verification needs only the tokens)."""
+        seqs = [self._sync(request) for request in requests]
+        drafts: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        active = [i for i, k in enumerate(num_spec_tokens) if k > 0]
+        while active:
+            scheduled, stepping = [], []
+            for i in active:
+                seq = seqs[i]
+                num_new = seq.num_tokens - seq.num_computed_tokens
+                assert num_new >= 1
+                if not self.kv.allocate_slots(seq, num_new):
+                    continue  # the draft pool is full: this request proposes what it has so far
+                scheduled.append(ScheduledRequest(
+                    request=seq, num_new_tokens=num_new, start_pos=seq.num_computed_tokens,  # type: ignore[arg-type]
+                    block_ids=self.kv.get_block_ids(seq.request_id), sample=True))
+                stepping.append(i)
+            if not scheduled:
+                break
+            batch = self.runner.prepare(scheduled)
+            hidden = self.runner.forward(batch)
+            last_row = {id(s.request): start + s.num_new_tokens - 1
+                        for s, start in zip(batch.order, batch.query_starts)}
+            logits = self.runner.model.compute_logits(hidden[[last_row[id(seqs[i])] for i in stepping]])
+            rows = [row_with_drafts(base_rows[i], drafts[i]) for i in stepping]
+            q = request_probs(logits, rows)
+            token_ids = self._sample(q, rows)
+            active = []
+            for j, i in enumerate(stepping):
+                request, seq = requests[i], seqs[i]
+                seq.num_computed_tokens = seq.num_tokens
+                drafts[i].append(token_ids[j])
+                if not rows[j].params.greedy:
+                    probs[i].append(q[j])
+                seq.all_token_ids.append(token_ids[j])  # fed to the next pass, or rolled back later
+                stop = token_ids[j] in request.sampling_params.all_stop_token_ids
+                if len(drafts[i]) < num_spec_tokens[i] and not stop:
+                    active.append(i)
+        proposals: dict[str, tuple[list[int], torch.Tensor | None]] = {}
+        for request, tokens, q_rows in zip(requests, drafts, probs):
+            if tokens:
+                proposals[request.request_id] = (tokens, torch.stack(q_rows) if q_rows else None)
+        return proposals
+
+    def _sample(self, q: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        """Draw each draft token from q with the request's generator (greedy rows: q is one-hot)."""
+        token_ids = q.argmax(dim=-1)
+        random = [j for j, row in enumerate(rows) if not row.params.greedy]
+        if random:
+            sub_rows = [rows[j] for j in random]
+            noise = exponential_noise((len(random), q.shape[1]), sub_rows, q.device, self.runner.sampler.generator)
+            token_ids[random] = (q[random] / noise).argmax(dim=-1)
+        return token_ids.tolist()

@@ -1,0 +1,232 @@
+"""The glue between the engine and speculative decoding: propose after a step, verify inside the next.
+
+Engine step N ends with `propose(running)`: every request in the decode phase gets up to k proposals in
+`request.spec_token_ids`. Step N+1's scheduler treats them as extra tokens of the request inside the
+token budget; the target runner computes all k+1 positions in its one forward pass and hands their
+hidden rows to `verify`, which builds p (the request's own sampling distribution at each position),
+runs the rejection sampler against q (what the proposer drew from), and returns the accepted tokens plus
+one correction or bonus token. The scheduler then rolls back the KV of rejected tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedllm.engine.request import Request
+from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedllm.layers.sampler import processed_probs
+from pagedllm.metrics.reader import Counter, Gauge, Metric
+from pagedllm.outputs import Logprob, PositionLogprobs
+from pagedllm.spec_decode.draft_model import DraftModelProposer
+from pagedllm.spec_decode.ngram import NgramProposer
+from pagedllm.spec_decode.rejection_sampler import (
+    RejectionResult,
+    adjusted_logits,
+    greedy_accept,
+    rejection_sample,
+    rows_with_drafts,
+)
+
+if TYPE_CHECKING:
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.spec_decode import SpeculativeConfig
+
+
+@dataclass
+class SpecDecodeStats:
+    num_speculative_tokens: int
+    num_drafts: int = 0            # verifications of a request that carried at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0    # accepted + correction/bonus, before stop and length cuts
+    num_target_passes: int = 0     # target forward passes that verified anything
+    accepted_per_pos: list[int] = field(default_factory=list)
+    drafted_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = [0] * self.num_speculative_tokens
+        self.drafted_per_pos = [0] * self.num_speculative_tokens
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        self.num_emitted_tokens += num_accepted + 1
+        for pos in range(num_draft):
+            self.drafted_per_pos[pos] += 1
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_tokens_per_pass(self) -> float:
+        """Tokens one request gets from one verifying target pass (1 + accepted), on average."""
+        return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, engine: LLMEngine):
+        self.config = config
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.target_runner = engine.model_runner
+        self.target_runner.spec_verifier = self
+        self.scheduler_config = engine.scheduler_config
+        self.scheduler_config.num_speculative_tokens = config.num_speculative_tokens
+        self.proposer: NgramProposer | DraftModelProposer
+        if config.method == "ngram":
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        else:
+            assert config.draft_model_config is not None
+            num_blocks = engine.cache_config.num_blocks
+            # As many tokens as the target's pool, plus a block per running request for the k-1 draft
+            # tokens the draft holds beyond what the target has (its pool must never be the bottleneck).
+            num_blocks += min(self.scheduler_config.max_num_seqs, num_blocks)
+            self.proposer = DraftModelProposer(config.draft_model_config, engine.cache_config.block_size,
+                                               num_blocks, self.scheduler_config, engine.device, engine.args.seed)
+        # q of the current proposals, per request (draft model, non-greedy requests only).
+        self.draft_probs: dict[str, torch.Tensor] = {}
+        self.stats = SpecDecodeStats(config.num_speculative_tokens)
+
+    # ---- the engine's hooks ----
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.target_runner.execute(scheduler_output)
+
+    def propose(self, running: list[Request]) -> None:
+        """Set `spec_token_ids` of every running request that is in the decode phase."""
+        self.proposer.free({r.request_id for r in running})
+        self.draft_probs.clear()
+        # Decodes are scheduled first; keep all of them with their proposals inside one step's budget, so
+        # the scheduler never has to cut a request's proposals short.
+        budget = self.scheduler_config.max_num_batched_tokens - sum(
+            1 for r in running if r.num_computed_tokens >= r.num_prompt_tokens)
+        max_model_len = self.scheduler_config.max_model_len
+        candidates: list[Request] = []
+        num_spec_tokens: list[int] = []
+        for request in running:
+            request.spec_token_ids = []
+            if request.is_finished or request.is_fork_parent or request.num_computed_tokens != request.num_tokens - 1:
+                continue  # still prefilling: nothing to speculate from yet
+            k = min(self.num_speculative_tokens, max_model_len - request.num_tokens - 1, budget)
+            max_tokens = request.sampling_params.max_tokens
+            if max_tokens is not None:
+                k = min(k, max_tokens - request.num_output_tokens - 1)  # never draft past the length limit
+            if k <= 0:
+                continue
+            budget -= k
+            candidates.append(request)
+            num_spec_tokens.append(k)
+        if not candidates:
+            return
+        if isinstance(self.proposer, DraftModelProposer):
+            base_rows = [self.target_runner.sampling_row(r) for r in candidates]
+            proposals = self.proposer.propose(candidates, num_spec_tokens, base_rows)
+        else:
+            proposals = self.proposer.propose(candidates, num_spec_tokens)
+        for request in candidates:
+            tokens, q = proposals.get(request.request_id, ([], None))
+            request.spec_token_ids = tokens
+            if q is not None:
+                self.draft_probs[request.request_id] = q
+
+    # ---- called by the target runner with the hidden rows of every verified request ----
+    def verify(self, verify: list[tuple[ScheduledRequest, int]], hidden: torch.Tensor,
+               output: ModelRunnerOutput) -> None:
+        runner = self.target_runner
+        row_index: list[int] = []
+        rows = []
+        for s, first in verify:
+            k = len(s.spec_token_ids)
+            row_index.extend(range(first, first + k + 1))
+            rows.extend(rows_with_drafts(runner.sampling_row(s.request), s.spec_token_ids, k + 1))
+        logits = runner.model.compute_logits(hidden[row_index])
+        raw_logprobs = logits.log_softmax(dim=-1)
+        adjusted = adjusted_logits(logits, rows)
+        probs = None if all(r.params.greedy for r in rows) else processed_probs(adjusted, rows)
+        target_ids = (adjusted if probs is None else probs).argmax(dim=-1).tolist()
+
+        self.stats.num_target_passes += 1
+        emitted: list[tuple[ScheduledRequest, RejectionResult, int]] = []
+        offset = 0
+        for s, _ in verify:
+            request = s.request
+            spec = s.spec_token_ids
+            k = len(spec)
+            if request.sampling_params.greedy:
+                result = greedy_accept(target_ids[offset:offset + k + 1], spec)
+            else:
+                assert probs is not None
+                q = self.draft_probs.pop(request.request_id, None)
+                if isinstance(self.proposer, DraftModelProposer):
+                    assert q is not None and q.shape[0] >= k, "a sampled draft must come with its q"
+                    q = q[:k]
+                generator = request.generator if request.generator is not None else runner.sampler.generator
+                result = rejection_sample(probs[offset:offset + k + 1], spec, q, generator)
+            self.stats.record(k, result.num_accepted)
+            output.num_draft_tokens[request.request_id] = k
+            output.num_accepted_tokens[request.request_id] = result.num_accepted
+            emitted.append((s, result, offset))
+            offset += k + 1
+        self._write_outputs(emitted, raw_logprobs, output)
+
+    def _write_outputs(self, emitted: list[tuple[ScheduledRequest, RejectionResult, int]],
+                       raw_logprobs: torch.Tensor, output: ModelRunnerOutput) -> None:
+        """Token ids and raw-model logprobs of each emitted token (row j of a request scored token j)."""
+        rows = [offset + j for _, result, offset in emitted for j in range(len(result.token_ids))]
+        tokens = [t for _, result, _ in emitted for t in result.token_ids]
+        rows_t = torch.tensor(rows, dtype=torch.long, device=raw_logprobs.device)
+        tokens_t = torch.tensor(tokens, dtype=torch.long, device=raw_logprobs.device)
+        chosen = raw_logprobs[rows_t, tokens_t]
+        chosen_list = chosen.tolist()
+        wants = [s.request.sampling_params.logprobs for s, _, _ in emitted]
+        max_logprobs = max((n for n in wants if n is not None), default=None)
+        ranks = top_lp = top_ids = None
+        if max_logprobs is not None:
+            selected = raw_logprobs[rows_t]
+            ranks = ((selected > chosen.unsqueeze(1)).sum(dim=-1) + 1).tolist()
+            if max_logprobs > 0:
+                top_lp_t, top_ids_t = selected.topk(max_logprobs, dim=-1)
+                top_lp, top_ids = top_lp_t.tolist(), top_ids_t.tolist()
+        i = 0
+        for (s, result, _), num_lp in zip(emitted, wants):
+            rid = s.request.request_id
+            n = len(result.token_ids)
+            output.sampled_token_ids[rid] = result.token_ids
+            output.sampled_logprobs[rid] = chosen_list[i:i + n]
+            if num_lp is not None:
+                assert ranks is not None
+                entries: list[PositionLogprobs] = []
+                for j in range(i, i + n):
+                    entry: PositionLogprobs = {tokens[j]: Logprob(chosen_list[j], ranks[j])}
+                    if num_lp > 0:
+                        assert top_ids is not None and top_lp is not None
+                        for rank, (tid, lp) in enumerate(zip(top_ids[j][:num_lp], top_lp[j][:num_lp]), start=1):
+                            entry.setdefault(tid, Logprob(lp, rank))
+                    entries.append(entry)
+                output.logprobs[rid] = entries
+            i += n
+
+    # ---- metrics ----
+    def metrics(self) -> list[Metric]:
+        st = self.stats
+        metrics: list[Metric] = [
+            Counter("pagedllm:spec_decode_num_drafts", st.num_drafts),
+            Counter("pagedllm:spec_decode_num_draft_tokens", st.num_draft_tokens),
+            Counter("pagedllm:spec_decode_num_accepted_tokens", st.num_accepted_tokens),
+            Counter("pagedllm:spec_decode_num_emitted_tokens", st.num_emitted_tokens),
+            Counter("pagedllm:spec_decode_num_target_passes", st.num_target_passes),
+            Gauge("pagedllm:spec_decode_draft_acceptance_rate", st.acceptance_rate),
+            Gauge("pagedllm:spec_decode_mean_tokens_per_pass", st.mean_tokens_per_pass),
+        ]
+        for pos in range(st.num_speculative_tokens):
+            labels = {"position": str(pos)}
+            metrics.append(Counter("pagedllm:spec_decode_num_accepted_tokens_per_pos", st.accepted_per_pos[pos],
+                                   labels))
+            metrics.append(Counter("pagedllm:spec_decode_num_draft_tokens_per_pos", st.drafted_per_pos[pos],
+                                   dict(labels)))
+        return metrics
