@@ -37,6 +37,7 @@ class LatencyResult:
     roofline_fraction: float
     planner_bound_tokens_per_s: float  # min of memory and compute bounds (compute measured on CPU only)
     planner_limited_by: str
+    plan_command: str = ""  # the `pagedllm plan` line that predicts the same bound
     ttft_all_s: list[float] = field(default_factory=list)
     decode_tokens_per_s_all: list[float] = field(default_factory=list)
 
@@ -80,9 +81,7 @@ def run_latency(
     model_config = engine.model_config
     weight_dtype = _dtype_name(model_config.dtype)
     cache_config = getattr(engine, "cache_config", None)
-    kv_dtype = (
-        getattr(cache_config, "kv_cache_dtype", None) or getattr(cache_config, "cache_dtype", None) or "auto"
-    )
+    kv_dtype = getattr(cache_config, "kv_cache_dtype", None) or getattr(cache_config, "cache_dtype", None) or "auto"
     kv_dtype = weight_dtype if _dtype_name(kv_dtype) == "auto" else _dtype_name(kv_dtype)
     device = str(getattr(model_config, "device", None) or getattr(engine, "device", "cpu"))
 
@@ -95,9 +94,7 @@ def run_latency(
     on_cuda = device.startswith("cuda")
     bandwidth = measure_memory_bandwidth(device="cuda" if on_cuda else "cpu")
     hf_config = model_config.hf_config
-    spec = rl.ModelSpec.from_hf_config(
-        hf_config if isinstance(hf_config, dict) else hf_config.to_dict(), name=model
-    )
+    spec = rl.ModelSpec.from_hf_config(hf_config if isinstance(hf_config, dict) else hf_config.to_dict(), name=model)
     mean_context = len(prompt_ids) + output_len // 2
     wb, kb = rl.dtype_bytes(weight_dtype), rl.dtype_bytes(kv_dtype)
     bytes_per_token = rl.decode_bytes_per_token(spec, mean_context, 1, wb, kb)
@@ -125,6 +122,8 @@ def run_latency(
         roofline_fraction=decode_tps / roofline,
         planner_bound_tokens_per_s=bound.tokens_per_s,
         planner_limited_by=bound.limited_by,
+        plan_command=f"pagedllm plan --model {model} --hardware {'cpu' if not on_cuda else '<gpu preset>'} "
+        f"--context {mean_context} --batch 1 --dtype {weight_dtype} --kv-cache-dtype {kv_dtype}",
         ttft_all_s=list(ttfts),
         decode_tokens_per_s_all=list(decode_rates),
     )
@@ -150,4 +149,5 @@ def format_latency(r: LatencyResult) -> str:
         ),
     ]
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    return "\n".join([*lines, f"(the planner's prediction: {r.plan_command})"])

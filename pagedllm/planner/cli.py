@@ -47,9 +47,7 @@ def build_plan(spec: rl.ModelSpec, hw: HardwareSpec, inputs: PlanInputs) -> dict
     wb, kb = rl.dtype_bytes(weight_dtype), rl.dtype_bytes(kv_dtype)
     ctx, batch, tp = inputs.context, inputs.batch, inputs.tp
     ridge = hw.ridge_point
-    cap = rl.capacity(
-        spec, hw.memory_bytes, inputs.gpu_memory_utilization, tp, wb, kb, inputs.block_size, ctx
-    )
+    cap = rl.capacity(spec, hw.memory_bytes, inputs.gpu_memory_utilization, tp, wb, kb, inputs.block_size, ctx)
     decode = rl.decode_bound(spec, ctx, batch, wb, kb, hw.peak_flops, hw.memory_bandwidth, tp)
     decode_1 = rl.decode_bound(spec, ctx, 1, wb, kb, hw.peak_flops, hw.memory_bandwidth, tp)
     tokens_per_pass = rl.speculative_tokens_per_pass(inputs.acceptance_rate, inputs.num_speculative_tokens)
@@ -110,8 +108,12 @@ def build_plan(spec: rl.ModelSpec, hw: HardwareSpec, inputs: PlanInputs) -> dict
 def _bytes(n: float) -> str:
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(n) >= scale:
-            return f"{n / scale:,.2f} {unit} ({n:,.0f} B)" if unit == "kB" else f"{n / scale:,.2f} {unit}"
+            return f"{n / scale:,.2f} {unit}"
     return f"{n:,.0f} B"
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:,.2f} B" if n >= 1e9 else f"{n / 1e6:,.2f} M"
 
 
 def _rate(n: float, unit: str) -> str:
@@ -135,12 +137,8 @@ def format_plan(plan: dict[str, Any]) -> str:
     rows: list[tuple[str, str]] = [
         (
             "model",
-            f"{m['name']} ({m['attention']}, {m['num_layers']} layers, {m['num_params'] / 1e9:,.3f} B params"
-            + (
-                f", {m['num_active_params'] / 1e9:,.2f} B active)"
-                if m["num_active_params"] != m["num_params"]
-                else ")"
-            ),
+            f"{m['name']} ({m['attention']}, {m['num_layers']} layers, {_count(m['num_params'])} params"
+            + (f", {_count(m['num_active_params'])} active)" if m["num_active_params"] != m["num_params"] else ")"),
         ),
         (
             "hardware",
@@ -192,8 +190,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         ("decode bound, batch 1", f"{dec['batch1_tokens_per_s']:,.1f} tokens/s"),
         (
             f"prefill bound, {ctx:,} tokens",
-            f"{pre['tokens_per_s']:,.0f} tokens/s "
-            f"({pre['time_to_prefill_context_s'] * 1e3:,.1f} ms for the prompt)",
+            f"{pre['tokens_per_s']:,.0f} tokens/s ({pre['time_to_prefill_context_s'] * 1e3:,.1f} ms for the prompt)",
         ),
         (
             "speculative",
@@ -202,16 +199,23 @@ def format_plan(plan: dict[str, Any]) -> str:
             f"{spec['batch1_tokens_per_s_upper_bound']:,.1f} tokens/s",
         ),
     ]
-    if batch == 1:
-        rows = [row for row in rows if row[0] != "decode bound, batch 1"]
+    if batch == 1:  # the batch row already says it
+        rows = [
+            row
+            for row in rows
+            if not (
+                row[0] == "decode bound, batch 1"
+                and row[1].startswith(f"{dec['batch1_tokens_per_s']:,.1f} tokens/s")
+                and "per sequence" not in row[1]
+            )
+        ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" if k else "" for k, v in rows]
     lines.append("")
     lines.append(
         "KV bytes per token by attention variant:  "
         + ", ".join(
-            f"{name} {v['bfloat16']:,.0f} (fp8 {v['fp8']:,.0f})"
-            for name, v in kv["variants_bytes_per_token"].items()
+            f"{name} {v['bfloat16']:,.0f} (fp8 {v['fp8']:,.0f})" for name, v in kv["variants_bytes_per_token"].items()
         )
     )
     return "\n".join(lines)
@@ -228,16 +232,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         f"Model presets: {', '.join(MODEL_PRESETS)}. Hardware presets: cpu (measured now), "
         f"{', '.join(HARDWARE_PRESETS)}.",
     )
-    parser.add_argument(
-        "--model", default="llama-3.1-8b", help="preset name, or a directory with config.json"
-    )
+    parser.add_argument("--model", default="llama-3.1-8b", help="preset name, or a directory with config.json")
     parser.add_argument("--hardware", default="h100-sxm", help="preset name, or cpu to measure this machine")
     parser.add_argument("--context", type=int, default=PlanInputs.context, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=PlanInputs.batch, help="concurrent sequences")
     parser.add_argument("--dtype", default="auto", help="weight dtype (auto = the model's)")
-    parser.add_argument(
-        "--kv-cache-dtype", default="auto", help="auto (= activation dtype), bfloat16, fp8, ..."
-    )
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (= activation dtype), bfloat16, fp8, ...")
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     parser.add_argument("--gpu-memory-utilization", type=float, default=PlanInputs.gpu_memory_utilization)
     parser.add_argument("--block-size", type=int, default=PlanInputs.block_size)

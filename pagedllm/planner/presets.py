@@ -106,6 +106,5 @@ def load_model_spec(model: str) -> ModelSpec:
     if path.is_file():
         return ModelSpec.from_hf_config(path, name=path.parent.name or path.name)
     raise ValueError(
-        f"--model {model!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor a directory or "
-        f"file with a config.json"
+        f"--model {model!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor a directory or file with a config.json"
     )

@@ -110,9 +110,7 @@ class ModelSpec:
     def num_moe_layers(self) -> int:
         if not self.is_moe:
             return 0
-        return sum(
-            1 for i in range(self.first_k_dense_replace, self.num_layers) if i % self.moe_layer_freq == 0
-        )
+        return sum(1 for i in range(self.first_k_dense_replace, self.num_layers) if i % self.moe_layer_freq == 0)
 
     # --- construction ------------------------------------------------------------------------
     @classmethod
@@ -149,9 +147,7 @@ class ModelSpec:
             qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 0),
             v_head_dim=int(cfg.get("v_head_dim") or 0),
             q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
-            num_experts=int(
-                cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts") or 0
-            ),
+            num_experts=int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
             num_shared_experts=int(cfg.get("n_shared_experts") or 0),
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0),
@@ -221,9 +217,7 @@ def decode_weight_params(spec: ModelSpec, batch: int = 1) -> float:
 def weight_bytes(spec: ModelSpec, weight_dtype_bytes: float | None = None) -> float:
     """Bytes to hold every weight (all experts)."""
     assert spec.num_params is not None
-    return spec.num_params * (
-        weight_dtype_bytes if weight_dtype_bytes is not None else dtype_bytes(spec.dtype)
-    )
+    return spec.num_params * (weight_dtype_bytes if weight_dtype_bytes is not None else dtype_bytes(spec.dtype))
 
 
 # --- KV cache ----------------------------------------------------------------------------------
@@ -384,9 +378,7 @@ def prefill_flops(spec: ModelSpec, prompt_len: int) -> float:
     """FLOPs to prefill one prompt: 2 per (active) weight per token plus causal attention, where token i
     attends to i earlier tokens (prompt_len^2 / 2 pairs)."""
     assert spec.num_active_params is not None
-    linear = 2 * (
-        spec.num_active_params - spec.vocab_size * spec.hidden_size * (0 if spec.tie_word_embeddings else 1)
-    )
+    linear = 2 * (spec.num_active_params - spec.vocab_size * spec.hidden_size * (0 if spec.tie_word_embeddings else 1))
     return prompt_len * linear + attention_flops_per_token(spec, 1) * prompt_len * prompt_len / 2
 
 
@@ -486,7 +478,5 @@ def kv_variants(spec: ModelSpec) -> dict[str, ModelSpec]:
     if not spec.is_mla and spec.attention_kind not in ("MHA", "MQA"):
         variants[spec.attention_kind] = spec
     variants["MQA"] = dataclasses.replace(dense, num_kv_heads=1, **keep)
-    variants["MLA"] = (
-        spec if spec.is_mla else dataclasses.replace(spec, kv_lora_rank=512, qk_rope_head_dim=64, **keep)
-    )
+    variants["MLA"] = spec if spec.is_mla else dataclasses.replace(spec, kv_lora_rank=512, qk_rope_head_dim=64, **keep)
     return variants
