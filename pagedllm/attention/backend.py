@@ -27,8 +27,10 @@ class AttentionMetadata:
     num_decodes: int = 0
     decode_max_query_len: int = 1
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
-    # [num_decodes, 1, max_query_len, max_blocks * block_size] True where a query may see a key
+    # [num_decodes, 1, max_query_len, max_blocks * block_size] additive mask (0 visible, -inf hidden);
+    # None for a lone decode token, which attends to its first `decode_seq_len` keys.
     decode_attn_mask: torch.Tensor | None = None
+    decode_seq_len: int = 0
     # [num_decodes, max_query_len] row of each (padded) query in the flat batch; None if all lens are 1
     decode_query_index: torch.Tensor | None = None
     decode_query_valid: torch.Tensor | None = None   # [num_decodes * max_query_len] padded rows to keep

@@ -22,19 +22,19 @@ class TorchPagedAttention(AttentionBackend):
         self.compute_dtype = compute_dtype
         self._buffers: dict[str, torch.Tensor] = {}
 
-    # kv_cache for one layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    # kv_cache for one layer: [2, num_kv_heads, num_blocks, block_size, head_dim]. Head-major, so a
+    # gathered context is a contiguous [tokens, head_dim] matrix per head, which SDPA reads fast.
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-        k_flat = kv_cache[0].view(num_slots, self.num_kv_heads, self.head_dim)
-        v_flat = kv_cache[1].view(num_slots, self.num_kv_heads, self.head_dim)
-        if kv_cache.dtype.itemsize == 1 and kv_cache.dtype.is_floating_point:
-            # fp8 storage: index_copy_ is not implemented for float8 on CPU; copy the bytes.
-            k_flat.view(torch.uint8).index_copy_(0, slot_mapping, key.to(kv_cache.dtype).view(torch.uint8))
-            v_flat.view(torch.uint8).index_copy_(0, slot_mapping, value.to(kv_cache.dtype).view(torch.uint8))
-        else:
-            k_flat.index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-            v_flat.index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+        num_slots = kv_cache.shape[2] * kv_cache.shape[3]
+        for cache, new in ((kv_cache[0], key), (kv_cache[1], value)):
+            flat = cache.view(self.num_kv_heads, num_slots, self.head_dim)
+            new = new.transpose(0, 1).to(kv_cache.dtype)
+            if kv_cache.dtype.itemsize == 1 and kv_cache.dtype.is_floating_point:
+                # fp8 storage: index_copy_ is not implemented for float8 on CPU; copy the bytes.
+                flat.view(torch.uint8).index_copy_(1, slot_mapping, new.view(torch.uint8))
+            else:
+                flat.index_copy_(1, slot_mapping, new)
 
     def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
                 ) -> torch.Tensor:
@@ -50,14 +50,14 @@ class TorchPagedAttention(AttentionBackend):
     def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor, name: str) -> torch.Tensor:
         """[B, max_blocks] block ids -> [B, num_kv_heads, max_blocks * block_size, head_dim]."""
         num_seqs, max_blocks = block_tables.shape
-        block_size = cache.shape[1]
-        out = self._buffer(name, (num_seqs * max_blocks, block_size, self.num_kv_heads, self.head_dim),
+        block_size = cache.shape[2]
+        out = self._buffer(name, (self.num_kv_heads, num_seqs * max_blocks, block_size, self.head_dim),
                            cache.dtype, cache.device)
-        torch.index_select(cache, 0, block_tables.reshape(-1), out=out)
-        gathered = out.view(num_seqs, max_blocks * block_size, self.num_kv_heads, self.head_dim)
+        torch.index_select(cache, 1, block_tables.reshape(-1), out=out)
+        gathered = out.view(self.num_kv_heads, num_seqs, max_blocks * block_size, self.head_dim)
         if gathered.dtype != self.compute_dtype:
             gathered = gathered.to(self.compute_dtype)
-        return gathered.transpose(1, 2)
+        return gathered.transpose(0, 1)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -91,6 +91,8 @@ class TorchPagedAttention(AttentionBackend):
         num_decodes, max_q = metadata.num_decodes, metadata.decode_max_query_len
         k = self._gather(kv_cache[0], metadata.decode_block_tables, "decode_k")
         v = self._gather(kv_cache[1], metadata.decode_block_tables, "decode_v")
+        if metadata.decode_attn_mask is None:  # one sequence: cut the context instead of masking it
+            k, v = k[:, :, :metadata.decode_seq_len], v[:, :, :metadata.decode_seq_len]
         if metadata.decode_query_index is None:
             q = query[:num_decodes].unsqueeze(2)  # [B, Hq, 1, D]
         else:

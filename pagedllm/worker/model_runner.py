@@ -118,9 +118,9 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config
-        # One tensor for all layers; each layer gets a [2, num_blocks, block_size, kv_heads, head_dim] view.
+        # One tensor for all layers; each layer gets a [2, kv_heads, num_blocks, block_size, head_dim] view.
         # Zeroed: masked-out padding is multiplied by 0 in attention, and 0 * NaN garbage would be NaN.
-        cache = torch.zeros(c.num_hidden_layers, 2, num_blocks, self.block_size, c.num_key_value_heads,
+        cache = torch.zeros(c.num_hidden_layers, 2, c.num_key_value_heads, num_blocks, self.block_size,
                             c.head_dim, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = list(cache.unbind(0))
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s)", num_blocks, self.block_size,
@@ -134,9 +134,9 @@ class ModelRunner:
         for cache in self.kv_caches:
             if cache.dtype.itemsize == 1:
                 raw = cache.view(torch.uint8)
-                raw[:, dst] = raw[:, src]
+                raw[:, :, dst] = raw[:, :, src]
             else:
-                cache[:, dst] = cache[:, src]
+                cache[:, :, dst] = cache[:, :, src]
 
     # ---- one step ----
     @torch.inference_mode()
@@ -204,7 +204,11 @@ class ModelRunner:
         metadata.num_decode_tokens = int(query_lens.sum())
         metadata.decode_max_query_len = max_q
         metadata.decode_block_tables = torch.from_numpy(tables).to(device)
-        metadata.decode_attn_mask = torch.from_numpy(mask[:, None]).to(device)
+        if len(short) == 1 and max_q == 1:
+            metadata.decode_seq_len = int(seq_lens[0])
+        else:
+            additive = np.where(mask[:, None], 0.0, -np.inf).astype(np.float32)
+            metadata.decode_attn_mask = torch.from_numpy(additive).to(device=device, dtype=self.model_config.dtype)
         if max_q > 1:
             starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]])
             offsets = np.arange(max_q)[None, :]
