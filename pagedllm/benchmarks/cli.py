@@ -70,8 +70,7 @@ def _build_llm(args: argparse.Namespace, model: str) -> Any:
         kwargs = dataclasses.asdict(engine_args.from_cli_args(args))
     else:
         kwargs = {
-            flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
-            for flag in _FALLBACK_ENGINE_FLAGS
+            flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag in _FALLBACK_ENGINE_FLAGS
         }
     kwargs["model"] = model
     return LLM(**kwargs)
@@ -91,12 +90,8 @@ def _add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int) -> None
         help=f"{' or '.join(DATASETS)}, or a JSON/JSONL file of prompts (ShareGPT format works)",
     )
     parser.add_argument("--num-prompts", type=int, default=num_prompts)
-    parser.add_argument(
-        "--input-len", type=int, default=128, help="prompt tokens (the mean for sharegpt-like)"
-    )
-    parser.add_argument(
-        "--output-len", type=int, default=128, help="output tokens (the mean for sharegpt-like)"
-    )
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens (the mean for sharegpt-like)")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens (the mean for sharegpt-like)")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -110,12 +105,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "Hugging Face transformers' generate on the same requests.",
     )
     _add_dataset_args(throughput, num_prompts=100)
-    throughput.add_argument(
-        "--compare", choices=["hf"], help="also run transformers' generate and print the ratio"
-    )
-    throughput.add_argument(
-        "--hf-batch-size", type=int, default=16, help="static batch size for --compare hf"
-    )
+    throughput.add_argument("--compare", choices=["hf"], help="also run transformers' generate and print the ratio")
+    throughput.add_argument("--hf-batch-size", type=int, default=16, help="static batch size for --compare hf")
     throughput.add_argument("--output-json")
     throughput.add_argument("--disable-tqdm", action="store_true")
     _add_engine_args(throughput)
@@ -146,8 +137,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     serve.add_argument(
         "--tokenizer",
         default=None,
-        help="tokenizer directory for building prompts (default: --model if a directory, "
-        "else the demo model)",
+        help="tokenizer directory for building prompts (default: --model if a directory, else the demo model)",
     )
     _add_dataset_args(serve, num_prompts=100)
     serve.add_argument(
@@ -208,6 +198,12 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
                 device="cuda" if device.startswith("cuda") else "cpu",
             )
         )
+    mean_prompt = sum(r.prompt_len for r in requests) / len(requests)
+    mean_output = sum(r.output_len for r in requests) / len(requests)
+    print(
+        f"{args.dataset}: {len(requests)} prompts, mean {mean_prompt:.1f} prompt / {mean_output:.1f} output "
+        f"tokens, {str(dtype).removeprefix('torch.')}"
+    )
     print(format_results(results))
     config = {
         "model": model,
@@ -219,8 +215,8 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
         "compare": args.compare,
         "hf_batch_size": args.hf_batch_size,
         "seed": args.seed,
-        "mean_prompt_len": sum(r.prompt_len for r in requests) / len(requests),
-        "mean_output_len": sum(r.output_len for r in requests) / len(requests),
+        "mean_prompt_len": mean_prompt,
+        "mean_output_len": mean_output,
     }
     _write_json(args.output_json, throughput_report(results, config))
     return 0
@@ -235,14 +231,10 @@ def run_latency_cmd(args: argparse.Namespace) -> int:
         if args.num_iters < 1 or args.num_iters_warmup < 0:
             raise ValueError("--num-iters must be >= 1 and --num-iters-warmup >= 0")
         llm = _build_llm(args, model)
-        prompt = get_requests(
-            "random", llm.get_tokenizer(), 1, args.input_len, args.output_len, seed=args.seed
-        )[0]
+        prompt = get_requests("random", llm.get_tokenizer(), 1, args.input_len, args.output_len, seed=args.seed)[0]
     except ValueError as exc:
         return _fail(str(exc))
-    result = run_latency(
-        llm, model, prompt.prompt_token_ids, args.output_len, args.num_iters, args.num_iters_warmup
-    )
+    result = run_latency(llm, model, prompt.prompt_token_ids, args.output_len, args.num_iters, args.num_iters_warmup)
     print(format_latency(result))
     _write_json(args.output_json, result.to_dict())
     return 0

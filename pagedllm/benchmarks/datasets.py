@@ -64,9 +64,7 @@ def _load_file(path: Path, num_prompts: int) -> list[tuple[str, int | str | None
     prompt}, {"value": reply}, ...]}, whose reply's token count becomes the output length."""
     text = path.read_text()
     lines = text.splitlines()
-    records = (
-        json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in lines if x.strip()]
-    )
+    records = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in lines if x.strip()]
     items: list[tuple[str, int | str | None]] = []
     for record in records:
         if isinstance(record, str):

@@ -59,9 +59,7 @@ class ServeConfig:
     api_key: str | None = None
 
 
-async def _send(
-    client: Any, config: ServeConfig, request: SampleRequest, tokenizer: Any | None
-) -> RequestResult:
+async def _send(client: Any, config: ServeConfig, request: SampleRequest, tokenizer: Any | None) -> RequestResult:
     payload: dict[str, Any] = {
         "model": config.model,
         "prompt": request.prompt,
@@ -252,9 +250,7 @@ def plot_latencies(report: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
-    for ax, (name, key) in zip(
-        axes, (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E", "e2e_s"))
-    ):
+    for ax, (name, key) in zip(axes, (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E", "e2e_s"))):
         values = np.asarray(report["raw"][key]) * 1e3
         if len(values):
             ax.hist(values, bins=min(50, max(5, len(values) // 2)))

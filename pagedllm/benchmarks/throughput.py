@@ -26,6 +26,9 @@ class ThroughputResult:
     elapsed_s: float
     prompt_tokens: int
     output_tokens: int
+    # tokens actually generated, counting a static batch's padding rows that run on to its longest
+    # output; equals output_tokens for continuous batching
+    generated_tokens: int | None = None
 
     @property
     def requests_per_s(self) -> float:
@@ -56,16 +59,13 @@ def run_pagedllm(llm: Any, requests: list[SampleRequest], use_tqdm: bool = False
     llm.generate(warmup, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [
-        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, detokenize=False)
-        for r in requests
+        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, detokenize=False) for r in requests
     ]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return ThroughputResult(
-        "pagedllm", len(requests), elapsed, sum(r.prompt_len for r in requests), output_tokens
-    )
+    return ThroughputResult("pagedllm", len(requests), elapsed, sum(r.prompt_len for r in requests), output_tokens)
 
 
 def run_hf(
@@ -111,6 +111,7 @@ def run_hf(
         elapsed,
         sum(r.prompt_len for r in requests),
         sum(r.output_len for r in requests),
+        generated_tokens=sum(len(b) * max(r.output_len for r in b) for b in batches),
     )
 
 
