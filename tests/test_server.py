@@ -385,3 +385,88 @@ def test_metrics(server: RemoteServer, client: openai.OpenAI) -> None:
     text = server.get("/metrics").text
     assert 'pagedllm:request_success_total{finished_reason="length"' in text or \
         'finished_reason="length"' in text
+
+
+# ---- the AsyncLLMEngine in-process ----------------------------------------------------------------
+
+def run_async(coroutine: Any) -> Any:
+    import asyncio
+
+    return asyncio.run(coroutine)
+
+
+@pytest.fixture(scope="module")
+def async_engine(tiny_llama_dir: str) -> Iterator[Any]:
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=tiny_llama_dir, dtype="float32", max_model_len=256))
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+def engine_metric(engine: Any, name: str) -> float:
+    return sum(metric.value for metric in engine.engine.get_metrics() if metric.name == name)
+
+
+def test_async_engine_generate_and_abort(async_engine: Any, llm: LLM) -> None:
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+
+    async def scenario() -> tuple[list[str], int]:
+        texts = [output.outputs[0].text async for output in async_engine.generate(PROMPT, params, "a-1")]
+        seen = 0
+        long_params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        async for _ in async_engine.generate(PROMPT, long_params, "a-2"):
+            seen += 1
+            if seen == 3:
+                break  # leaving early aborts the request and frees its blocks
+        return texts, seen
+
+    texts, seen = run_async(scenario())
+    assert texts[-1] == offline(llm, PROMPT, max_tokens=8, temperature=0.0)[0]
+    assert all(texts[-1].startswith(text) for text in texts), "outputs are cumulative"
+    assert seen == 3
+
+    async def counts() -> tuple[float, float]:
+        metrics = await async_engine.get_metrics()
+        values = {metric.name: metric.value for metric in metrics if not metric.labels}
+        return values["pagedllm:num_requests_running"], values["pagedllm:kv_cache_usage_perc"]
+
+    # the abort is applied at the top of the engine thread's next iteration, before this call runs
+    assert run_async(counts()) == (0, 0.0)
+
+
+def test_async_engine_survives_a_failed_step(async_engine: Any, llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedllm.engine.async_engine import EngineStepError
+
+    real_step = async_engine.engine.step
+    calls = {"n": 0}
+
+    def failing_step() -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected failure")
+        return real_step()
+
+    monkeypatch.setattr(async_engine.engine, "step", failing_step)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+
+    async def scenario() -> str:
+        with pytest.raises(EngineStepError, match="injected failure"):
+            async for _ in async_engine.generate(PROMPT, params, "b-1"):
+                pass
+        outputs = [output async for output in async_engine.generate(PROMPT, params, "b-2")]
+        return outputs[-1].outputs[0].text
+
+    assert run_async(scenario()) == offline(llm, PROMPT, max_tokens=8, temperature=0.0)[0]
+    assert async_engine.is_running
+
+
+def test_async_engine_rejects_bad_input_before_any_output(async_engine: Any) -> None:
+    async def scenario() -> None:
+        with pytest.raises(ValueError, match="prompt"):
+            await async_engine.add_request("c-1", [10 ** 6], SamplingParams())
+        assert async_engine.num_waiting_requests == 0
+
+    run_async(scenario())

@@ -26,7 +26,11 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped (a step raised, or the engine was shut down)."""
+    """The engine thread stopped (it was shut down, or a failed step left it unusable)."""
+
+
+class EngineStepError(RuntimeError):
+    """A step raised; every request in flight was aborted, and the engine serves on."""
 
 
 class StepObserver(Protocol):
@@ -260,10 +264,14 @@ class AsyncLLMEngine:
                 if stopping:
                     break
                 if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
+                    try:
+                        outputs = self.engine.step()
+                    except Exception as exc:
+                        self._recover(exc)
+                        continue
                     self._publish(outputs)
                 self._has_work = self.engine.has_unfinished_requests()
-        except BaseException as exc:  # a bug or an OOM in a step: fail every request, loudly
+        except BaseException as exc:  # a failure we could not recover from: fail every request, loudly
             logger.exception("engine loop died")
             self.dead_error = exc
         finally:
@@ -293,6 +301,23 @@ class AsyncLLMEngine:
             except Exception as exc:
                 result, error = None, exc
             _put_if_open(call.loop, _set_call_result, call.future, result, error)
+
+    def _recover(self, exc: Exception) -> None:
+        """A step raised (a bug, or an input that got past validation): rather than take the server
+        down, abort every request in flight, fail their readers, and serve on if that left the engine
+        empty. If it did not, the state is not trustworthy and the loop dies (/health turns 503)."""
+        logger.exception("engine step failed; aborting the %d requests in flight", len(self._streams))
+        aborted = list(self._streams)
+        self.engine.abort_request(aborted)
+        for observer in self.observers:
+            observer.on_abort(aborted)
+        error = EngineStepError(f"the engine failed while running this request and aborted it "
+                                f"({type(exc).__name__}: {exc})")
+        for stream in self._streams.values():
+            _put_if_open(stream.loop, stream._deliver, error)
+        self._streams.clear()
+        if self.engine.has_unfinished_requests():
+            raise EngineDeadError("the engine could not recover from a failed step") from exc
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         now = time.time()

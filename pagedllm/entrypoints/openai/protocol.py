@@ -62,7 +62,8 @@ class SamplingRequestFields(OpenAIBaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    # the range of a torch generator's seed (an int64); larger values would fail inside the engine
+    seed: int | None = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
