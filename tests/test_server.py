@@ -82,7 +82,8 @@ class RemoteServer:
 
     def post(self, path: str, body: Any = None, **kwargs: Any) -> httpx.Response:
         headers = {**self.headers(), **kwargs.pop("headers", {})}
-        return httpx.post(f"{self.url}{path}", json=body, headers=headers, timeout=120.0, **kwargs)
+        timeout = kwargs.pop("timeout", 120.0)
+        return httpx.post(f"{self.url}{path}", json=body, headers=headers, timeout=timeout, **kwargs)
 
     def get(self, path: str, **kwargs: Any) -> httpx.Response:
         headers = {**self.headers(), **kwargs.pop("headers", {})}
@@ -151,6 +152,23 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 def offline(llm: LLM, prompt: Any, **kwargs: Any) -> list[str]:
     outputs = llm.generate(prompt, SamplingParams(**kwargs), use_tqdm=False)
     return [completion.text for output in outputs for completion in output.outputs]
+
+
+# ---- the command line ----------------------------------------------------------------------------
+
+def test_serve_flags() -> None:
+    """`pagedllm serve` takes its own flags plus every engine argument, spelled as in vLLM."""
+    from pagedllm.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "some/model", "--port", "9001", "--api-key", "k",
+                                      "--served-model-name", "a", "b", "--max-waiting-requests", "3",
+                                      "--block-size", "32", "--max-num-batched-tokens", "512",
+                                      "--no-enable-prefix-caching", "--kv-cache-dtype", "fp8"])
+    assert (args.model_tag, args.host, args.port, args.api_key) == ("some/model", "127.0.0.1", 9001, "k")
+    assert args.served_model_name == ["a", "b"] and args.max_waiting_requests == 3
+    assert (args.block_size, args.max_num_batched_tokens, args.enable_prefix_caching) == (32, 512, False)
+    assert args.kv_cache_dtype == "fp8"
+    assert build_parser().parse_args(["serve"]).model_tag is None  # the bundled demo model
 
 
 # ---- the small endpoints -------------------------------------------------------------------------

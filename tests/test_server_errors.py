@@ -244,3 +244,25 @@ def test_fuzzed_bodies_never_500(server: RemoteServer, path: str, body: dict[str
     if response.status_code >= 400:
         assert_error(response, response.status_code)
     server.assert_healthy()
+
+
+# ---- a client that hangs up has its request aborted --------------------------------------------------
+
+def abort_count(server: RemoteServer) -> float:
+    for line in server.get("/metrics").text.splitlines():
+        if line.startswith("pagedllm:request_success_total") and 'finished_reason="abort"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_non_streaming_client_disconnect_aborts(server: RemoteServer) -> None:
+    before = abort_count(server)
+    body = {"prompt": "hello", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 1000 tokens are done
+        server.post("/v1/completions", body, timeout=httpx.Timeout(30.0, read=1.0))
+    deadline = time.monotonic() + 60.0
+    while abort_count(server) < before + 1:
+        assert time.monotonic() < deadline, "the abandoned request was never aborted"
+    metrics = server.metrics()
+    assert metrics["pagedllm:num_requests_running"] == 0 and metrics["pagedllm:kv_cache_usage_perc"] == 0.0
+    server.assert_healthy()
