@@ -13,6 +13,7 @@ import json
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -34,72 +35,77 @@ def wait_until(condition: Any, timeout: float, what: str) -> None:
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
 
 
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    """Shared by the load test and then ended by the SIGTERM test (the last one in this module)."""
+    remote = RemoteServer(tiny_llama_dir, tmp_path_factory.mktemp("server_load_logs"),
+                          extra_args=["--max-model-len", "1024"])
+    yield remote
+    assert remote.terminate() == 0, remote.log()
+
+
 @pytest.mark.slow
-def test_concurrent_streams_with_disconnects(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> None:
-    server = RemoteServer(tiny_llama_dir, tmp_path_factory.mktemp("server_load_logs"))
-    try:
-        prompts = random_prompts(NUM_REQUESTS, 512, lengths=[4 + (7 * i) % 40 for i in range(NUM_REQUESTS)], seed=3)
-        is_cut = [i % 4 == 3 for i in range(NUM_REQUESTS)]
-        assert sum(is_cut) == NUM_CUT
+def test_concurrent_streams_with_disconnects(server: RemoteServer, tiny_llama_dir: str) -> None:
+    prompts = random_prompts(NUM_REQUESTS, 512, lengths=[4 + (7 * i) % 40 for i in range(NUM_REQUESTS)], seed=3)
+    is_cut = [i % 4 == 3 for i in range(NUM_REQUESTS)]
+    assert sum(is_cut) == NUM_CUT
 
-        def request_args(i: int) -> dict[str, Any]:
-            if is_cut[i]:  # long enough to be cut while still generating
-                return {"max_tokens": 200, "temperature": 0.8, "seed": i, "extra_body": {"ignore_eos": True}}
-            return {"max_tokens": 12 + i % 9, "temperature": 0.8, "seed": i}
+    def request_args(i: int) -> dict[str, Any]:
+        if is_cut[i]:  # long enough to be cut while still generating
+            return {"max_tokens": 200, "temperature": 0.8, "seed": i, "extra_body": {"ignore_eos": True}}
+        return {"max_tokens": 12 + i % 9, "temperature": 0.8, "seed": i}
 
-        async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None, int]:
-            stream = await client.completions.create(model="tiny", prompt=prompts[i], stream=True,
-                                                     **request_args(i))
-            text, finish_reason, chunks = "", None, 0
-            try:
-                async for chunk in stream:
-                    chunks += 1
-                    for choice in chunk.choices:
-                        text += choice.text
-                        finish_reason = choice.finish_reason or finish_reason
-                    if is_cut[i] and chunks == CHUNKS_BEFORE_CUT:
-                        break  # hang up mid-stream
-            finally:
-                await stream.close()
-            return text, finish_reason, chunks
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None, int]:
+        stream = await client.completions.create(model="tiny", prompt=prompts[i], stream=True,
+                                                 **request_args(i))
+        text, finish_reason, chunks = "", None, 0
+        try:
+            async for chunk in stream:
+                chunks += 1
+                for choice in chunk.choices:
+                    text += choice.text
+                    finish_reason = choice.finish_reason or finish_reason
+                if is_cut[i] and chunks == CHUNKS_BEFORE_CUT:
+                    break  # hang up mid-stream
+        finally:
+            await stream.close()
+        return text, finish_reason, chunks
 
-        async def run_all() -> list[tuple[str, str | None, int]]:
-            async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
-                                          timeout=300.0) as client:
-                return await asyncio.gather(*(one(client, i) for i in range(NUM_REQUESTS)))
+    async def run_all() -> list[tuple[str, str | None, int]]:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                                      timeout=300.0) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(NUM_REQUESTS)))
 
-        before = server.metrics()
-        results = asyncio.run(run_all())
+    before = server.metrics()
+    results = asyncio.run(run_all())
 
-        kept = [i for i in range(NUM_REQUESTS) if not is_cut[i]]
-        llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, seed=0)
-        params = [SamplingParams(max_tokens=12 + i % 9, temperature=0.8, seed=i) for i in kept]
-        want = llm.generate([{"prompt_token_ids": prompts[i]} for i in kept], params, use_tqdm=False)
-        for i, reference in zip(kept, want):
-            text, finish_reason, _ = results[i]
-            assert text == reference.outputs[0].text, f"request {i}"
-            assert finish_reason == reference.outputs[0].finish_reason
-        for i in range(NUM_REQUESTS):
-            if is_cut[i]:
-                assert results[i][1] is None and results[i][2] == CHUNKS_BEFORE_CUT
+    kept = [i for i in range(NUM_REQUESTS) if not is_cut[i]]
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, seed=0)
+    params = [SamplingParams(max_tokens=12 + i % 9, temperature=0.8, seed=i) for i in kept]
+    want = llm.generate([{"prompt_token_ids": prompts[i]} for i in kept], params, use_tqdm=False)
+    for i, reference in zip(kept, want):
+        text, finish_reason, _ = results[i]
+        assert text == reference.outputs[0].text, f"request {i}"
+        assert finish_reason == reference.outputs[0].finish_reason
+    for i in range(NUM_REQUESTS):
+        if is_cut[i]:
+            assert results[i][1] is None and results[i][2] == CHUNKS_BEFORE_CUT
 
-        # the hung-up requests are aborted and their blocks freed, without any further traffic
-        def drained() -> bool:
-            metrics = server.metrics()
-            return metrics["pagedllm:num_requests_running"] == 0 and metrics["pagedllm:num_requests_waiting"] == 0
-        wait_until(drained, 60.0, "running and waiting requests to drain")
-        after = server.metrics()
-        # freed blocks that keep a prefix hash are free too: usage counts only blocks held by requests
-        assert after["pagedllm:kv_cache_usage_perc"] == 0.0
-        assert after["pagedllm:kv_cache_free_blocks"] == after["pagedllm:kv_cache_total_blocks"]
-        aborted = [line for line in server.get("/metrics").text.splitlines()
-                   if line.startswith("pagedllm:request_success_total") and 'finished_reason="abort"' in line]
-        assert float(aborted[0].rsplit(" ", 1)[1]) == NUM_CUT
-        finished = after["pagedllm:request_success_total"] - before.get("pagedllm:request_success_total", 0)
-        assert finished == NUM_REQUESTS
-        server.assert_healthy()
-    finally:
-        assert server.terminate() == 0, server.log()
+    # the hung-up requests are aborted and their blocks freed, without any further traffic
+    def drained() -> bool:
+        metrics = server.metrics()
+        return metrics["pagedllm:num_requests_running"] == 0 and metrics["pagedllm:num_requests_waiting"] == 0
+    wait_until(drained, 60.0, "running and waiting requests to drain")
+    after = server.metrics()
+    # freed blocks that keep a prefix hash are free too: usage counts only blocks held by requests
+    assert after["pagedllm:kv_cache_usage_perc"] == 0.0
+    assert after["pagedllm:kv_cache_free_blocks"] == after["pagedllm:kv_cache_total_blocks"]
+    aborted = [line for line in server.get("/metrics").text.splitlines()
+               if line.startswith("pagedllm:request_success_total") and 'finished_reason="abort"' in line]
+    assert float(aborted[0].rsplit(" ", 1)[1]) == NUM_CUT
+    finished = after["pagedllm:request_success_total"] - before.get("pagedllm:request_success_total", 0)
+    assert finished == NUM_REQUESTS
+    server.assert_healthy()
 
 
 def stream_in_thread(server: RemoteServer, body: dict[str, Any]) -> tuple[threading.Thread, threading.Event,
@@ -135,9 +141,7 @@ def refuses_connections(server: RemoteServer) -> bool:
     return False
 
 
-def test_sigterm_finishes_in_flight_requests(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> None:
-    server = RemoteServer(tiny_llama_dir, tmp_path_factory.mktemp("server_sigterm_logs"),
-                          extra_args=["--max-model-len", "1024"])
+def test_sigterm_finishes_in_flight_requests(server: RemoteServer) -> None:
     body = {"prompt": "hello", "max_tokens": 600, "temperature": 0, "ignore_eos": True, "stream": True}
     thread, first_chunk, result = stream_in_thread(server, body)
     try:

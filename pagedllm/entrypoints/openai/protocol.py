@@ -47,8 +47,6 @@ class UsageInfo(OpenAIBaseModel):
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
-    # vLLM's extra: usage on every chunk, not only on the final one
-    continuous_usage_stats: bool = False
 
 
 class SamplingRequestFields(OpenAIBaseModel):
