@@ -1,0 +1,407 @@
+"""Speculative decoding end to end (issue 6): lossless, greedy-exact, leak-free, and configured like vLLM.
+
+- Greedy outputs with speculation are token for token those without, over batches of mixed lengths, for
+  the draft-model and the n-gram proposer, also under chunked prefill, prefix caching, preemption,
+  penalties, stop tokens/strings and max_tokens (never a token past a stop or the limit).
+- Sampling is lossless: on a 12-token vocabulary with a deliberately different draft, the tokens
+  generated with speculation follow the same distribution as without (two-sample chi-square over many
+  seeded runs), at temperature 1 and with top-p.
+- A draft identical to the target accepts every token; the n-gram proposer gets accepted tokens on a
+  repetitive prompt; no KV block leaks (target or draft pool) after runs that reject often.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import build_model, build_tiny_vocab_model, metric_values, random_prompts
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.kv_cache.manager import cdiv
+
+VOCAB = 512  # tiny_llama_dir's BPE vocabulary
+TINY_VOCAB = 12
+P_VALUE_FLOOR = 1e-3  # seeds are fixed: a lossless sampler passes deterministically
+K = 4
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+# --- model builders ---------------------------------------------------------------------------------------
+
+
+def perturbed_copy(src: str, dst: Path, noise: float, seed: int = 0) -> str:
+    """The same model with every weight jittered: a draft that agrees with the target often, not always."""
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    weights = load_file(str(dst / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    weights = {name: w + noise * w.std() * torch.randn(w.shape, generator=gen, dtype=w.dtype)
+               for name, w in weights.items()}
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+def build_cycle_model(dir: Path, cycle: list[int]) -> str:
+    """A model whose greedy continuation of each token of `cycle` is the cycle's next token: attention and
+    MLP outputs are zeroed (every layer is the identity, so logits see only the current token) and the
+    LM head is nudged towards the successor. Random models never repeat their prompt; this one does."""
+    build_model(dir, "llama", seed=2)
+    path = str(Path(dir) / "model.safetensors")
+    weights = load_file(path)
+    eps = json.loads((Path(dir) / "config.json").read_text())["rms_norm_eps"]
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = torch.zeros_like(weights[name])
+    emb = weights["model.embed_tokens.weight"]
+    hidden = emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + eps) * weights["model.norm.weight"]
+    for current, successor in zip(cycle, cycle[1:] + cycle[:1]):
+        weights["lm_head.weight"][successor] += 4.0 * hidden[current] / hidden[current].norm()
+    save_file(weights, path, metadata={"format": "pt"})
+    return str(dir)
+
+
+@pytest.fixture(scope="module")
+def close_draft_dir(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return perturbed_copy(tiny_llama_dir, tmp_path_factory.mktemp("close_draft"), noise=0.03)
+
+
+@pytest.fixture(scope="module")
+def far_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A smaller, unrelated random model with the same tokenizer: it is almost always rejected."""
+    return build_model(tmp_path_factory.mktemp("far_draft"), "llama", seed=7, hidden_size=32, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+
+
+def make_llm(model: str, **kwargs) -> LLM:
+    kwargs.setdefault("max_model_len", 512)
+    return LLM(model=model, dtype="float32", seed=0, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def base_llm(tiny_llama_dir: str) -> LLM:
+    return make_llm(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def draft_llm(tiny_llama_dir: str, close_draft_dir: str) -> LLM:
+    return make_llm(tiny_llama_dir, speculative_model=close_draft_dir, num_speculative_tokens=K)
+
+
+@pytest.fixture(scope="module")
+def same_llm(tiny_llama_dir: str) -> LLM:
+    return make_llm(tiny_llama_dir, speculative_model=tiny_llama_dir, num_speculative_tokens=K)
+
+
+@pytest.fixture(scope="module")
+def ngram_llm(tiny_llama_dir: str) -> LLM:
+    return make_llm(tiny_llama_dir, speculative_config=dict(NGRAM))
+
+
+def token_ids(llm: LLM, prompts: list, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def mixed_batch(seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts of very different lengths (some repetitive, so n-gram lookups fire) and output lengths."""
+    prompts = random_prompts(7, VOCAB, lengths=[1, 3, 9, 17, 40, 70, 5], seed=seed)
+    prompts.append([11, 12, 13, 14] * 6)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 25, 12, 30, 7, 20, 1, 28)]
+    return prompts, params
+
+
+def spec_values(llm: LLM) -> dict[str, float]:
+    return {name.removeprefix("pagedllm:spec_decode_"): value
+            for name, value in metric_values(llm).items() if name.startswith("pagedllm:spec_decode_")}
+
+
+# --- greedy: token for token ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("proposer", ["draft_model", "identical_draft", "ngram"])
+def test_greedy_matches_plain_decoding(request: pytest.FixtureRequest, base_llm: LLM, proposer: str) -> None:
+    llm = request.getfixturevalue({"draft_model": "draft_llm", "identical_draft": "same_llm",
+                                   "ngram": "ngram_llm"}[proposer])
+    before = spec_values(llm)
+    for seed in (0, 1):
+        prompts, params = mixed_batch(seed)
+        want = token_ids(base_llm, prompts, params)
+        got = token_ids(llm, prompts, params)
+        assert got == want
+        assert [len(t) for t in got] == [p.max_tokens for p in params]
+    after = spec_values(llm)
+    assert after["num_draft_tokens"] > before["num_draft_tokens"], "the proposer must have proposed"
+    if proposer == "draft_model":  # partial acceptance, so rollback of both KV caches is exercised
+        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        assert 0 < accepted < after["num_draft_tokens"] - before["num_draft_tokens"]
+
+
+def test_identical_draft_accepts_every_token(same_llm: LLM) -> None:
+    before = spec_values(same_llm)
+    prompts = random_prompts(3, VOCAB, lengths=[4, 20, 33], seed=5)
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, max_tokens=21, ignore_eos=True, seed=3)
+        token_ids(same_llm, prompts, params)
+    after = spec_values(same_llm)
+    drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+    assert drafted > 0
+    assert after["num_accepted_tokens"] - before["num_accepted_tokens"] == drafted
+    # 20 tokens after the first: 4 passes of k+1 = 5 tokens each per request.
+    assert after["num_drafts"] - before["num_drafts"] == 2 * 3 * 4
+
+
+def test_ngram_accepts_tokens_on_a_repetitive_prompt(tmp_path: Path) -> None:
+    cycle = [10, 20, 30, 40, 50, 60, 70, 80]
+    model = build_cycle_model(tmp_path / "cycle", cycle)
+    prompt = cycle * 4 + cycle[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = token_ids(make_llm(model), [prompt], params)
+    llm = make_llm(model, speculative_config={"method": "ngram", "num_speculative_tokens": K,
+                                              "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    assert token_ids(llm, [prompt], params) == want
+    values = spec_values(llm)
+    assert values["num_accepted_tokens"] >= 0.9 * values["num_draft_tokens"] > 0
+    assert values["mean_tokens_per_pass"] > 4.0
+    assert metric_values(llm)["pagedllm:generation_tokens"] >= 40
+
+
+# --- sampling: the same distribution as without speculation ---------------------------------------------
+
+
+def two_sample_p_value(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Chi-square test that two count vectors come from one distribution (cells with small expected
+    counts pooled)."""
+    a, b = a.double(), b.double()
+    n_a, n_b = a.sum(), b.sum()
+    total = a + b
+    keep = total > 0
+    a, b, total = a[keep], b[keep], total[keep]
+    exp_a, exp_b = total * n_a / (n_a + n_b), total * n_b / (n_a + n_b)
+    small = (exp_a < 5) | (exp_b < 5)
+    if small.any():
+        a = torch.cat([a[~small], a[small].sum().unsqueeze(0)])
+        b = torch.cat([b[~small], b[small].sum().unsqueeze(0)])
+        total = a + b
+        exp_a, exp_b = total * n_a / (n_a + n_b), total * n_b / (n_a + n_b)
+    stat = (((a - exp_a) ** 2 / exp_a) + ((b - exp_b) ** 2 / exp_b)).sum()
+    df = len(a) - 1
+    if df <= 0:
+        return 1.0
+    return 1.0 - torch.distributions.Chi2(torch.tensor(float(df))).cdf(stat.float()).item()
+
+
+@pytest.fixture(scope="module")
+def tiny_far_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_vocab_model(tmp_path_factory.mktemp("tiny_draft"), vocab_size=TINY_VOCAB, seed=5,
+                                  hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=1, intermediate_size=32)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=1.0, top_p=0.8)], ids=["t1", "top_p"])
+def test_sampling_is_lossless(tiny_vocab_dir: str, tiny_far_draft_dir: str, sampling: dict) -> None:
+    num_runs, num_tokens = 2000, 4
+    prompt = [3, 4, 5, 6]
+    plain = make_llm(tiny_vocab_dir, max_model_len=64)
+    spec = make_llm(tiny_vocab_dir, max_model_len=64, speculative_model=tiny_far_draft_dir,
+                    num_speculative_tokens=3)
+    results = []
+    for llm, seed0 in ((plain, 0), (spec, 10**6)):
+        params = [SamplingParams(max_tokens=num_tokens, ignore_eos=True, seed=seed0 + i, **sampling)
+                  for i in range(num_runs)]
+        results.append(torch.tensor(token_ids(llm, [prompt] * num_runs, params)))
+    plain_ids, spec_ids = results
+    values = spec_values(spec)
+    rate = values["draft_acceptance_rate"]
+    assert 0.1 < rate < 0.9, f"acceptance {rate}: both accepting and rejecting must be exercised"
+    for pos in range(num_tokens):
+        a = torch.bincount(spec_ids[:, pos], minlength=TINY_VOCAB)
+        b = torch.bincount(plain_ids[:, pos], minlength=TINY_VOCAB)
+        assert two_sample_p_value(a, b) > P_VALUE_FLOOR, f"position {pos}: spec {a.tolist()} vs plain {b.tolist()}"
+    pair = lambda ids: torch.bincount(ids[:, 0] * TINY_VOCAB + ids[:, 1], minlength=TINY_VOCAB ** 2)
+    assert two_sample_p_value(pair(spec_ids), pair(plain_ids)) > P_VALUE_FLOOR
+
+
+def test_seeded_request_is_reproducible(draft_llm: LLM) -> None:
+    prompts = random_prompts(4, VOCAB, lengths=[6, 12, 3, 25], seed=8)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=77, max_tokens=20, ignore_eos=True)
+    alone = token_ids(draft_llm, [prompts[2]], seeded)[0]
+    others = [SamplingParams(temperature=1.0, max_tokens=10 + i, ignore_eos=True) for i in range(4)]
+    others[2] = seeded
+    assert token_ids(draft_llm, prompts, others)[2] == alone
+    assert token_ids(draft_llm, [prompts[2]], seeded)[0] == alone
+    reseeded = SamplingParams(temperature=0.9, top_p=0.95, seed=78, max_tokens=20, ignore_eos=True)
+    assert token_ids(draft_llm, [prompts[2]], reseeded)[0] != alone
+
+
+# --- memory: no leaks, rollback frees ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("proposer", ["draft_model", "ngram"])
+def test_no_block_leaks_when_drafts_are_rejected(tiny_llama_dir: str, far_draft_dir: str, proposer: str) -> None:
+    spec = (dict(speculative_model=far_draft_dir, num_speculative_tokens=K) if proposer == "draft_model"
+            else dict(speculative_config=dict(NGRAM)))
+    llm = make_llm(tiny_llama_dir, block_size=4, **spec)
+    engine = llm.llm_engine
+    target_kv = engine.kv_cache_manager
+    draft_kv = getattr(engine.spec_decoder.proposer, "kv", None)
+    prompts, _ = mixed_batch(3)
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=1.0 if i % 2 else 0.0, max_tokens=10 + 3 * i, ignore_eos=True, seed=i)
+        engine.add_request(str(i), prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+        for request in engine.scheduler.running:
+            # Rejected tokens are rolled back: a request holds exactly the blocks of its computed tokens.
+            blocks = target_kv.get_block_ids(request.request_id)
+            assert len(blocks) == cdiv(request.num_computed_tokens, 4)
+            if draft_kv is not None and request.request_id in engine.spec_decoder.proposer.seqs:
+                seq = engine.spec_decoder.proposer.seqs[request.request_id]
+                assert len(draft_kv.get_block_ids(request.request_id)) == cdiv(seq.num_computed_tokens, 4)
+    values = spec_values(llm)
+    assert values["num_accepted_tokens"] < 0.5 * values["num_draft_tokens"], "the drafts should be rejected often"
+    assert target_kv.num_free_blocks == target_kv.pool.num_blocks and not target_kv.req_to_blocks
+    if draft_kv is not None:
+        assert draft_kv.num_free_blocks == draft_kv.pool.num_blocks and not draft_kv.req_to_blocks
+        assert not engine.spec_decoder.proposer.seqs
+
+
+# --- together with the rest of the engine -----------------------------------------------------------------
+
+
+def test_chunked_prefill_prefix_caching_and_preemption(tiny_llama_dir: str, close_draft_dir: str,
+                                                       base_llm: LLM) -> None:
+    shared = random_prompts(1, VOCAB, lengths=[16], seed=11)[0]
+    tails = random_prompts(6, VOCAB, lengths=[3, 20, 9, 30, 1, 14], seed=12)
+    prompts = [shared + tail for tail in tails]
+    params = [SamplingParams(temperature=0.0, max_tokens=20 + 2 * i, ignore_eos=True) for i in range(6)]
+    want = token_ids(base_llm, prompts, params)
+    for spec in (dict(speculative_model=close_draft_dir, num_speculative_tokens=K),
+                 dict(speculative_config=dict(NGRAM))):
+        llm = make_llm(tiny_llama_dir, block_size=4, max_num_batched_tokens=16, num_gpu_blocks_override=24,
+                       **spec)
+        assert token_ids(llm, prompts, params) == want
+        metrics = metric_values(llm)
+        assert metrics["pagedllm:num_preemptions"] > 0
+        assert metrics["pagedllm:prefix_cache_hits"] > 0
+        assert metrics["pagedllm:spec_decode_num_draft_tokens"] > 0
+        kv = llm.llm_engine.kv_cache_manager
+        assert kv.num_free_blocks == kv.pool.num_blocks
+
+
+def test_stops_and_limits_are_never_overrun(same_llm: LLM, base_llm: LLM) -> None:
+    """With a draft that is always accepted, a stop falls inside an accepted run: nothing after it leaks."""
+    prompts = random_prompts(3, VOCAB, lengths=[5, 18, 31], seed=13)
+    free = token_ids(base_llm, prompts, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    for i, prompt in enumerate(prompts):
+        stop_token = free[i][7 + i]
+        cases = [
+            SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_token]),
+            SamplingParams(temperature=0.0, max_tokens=13 + i, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=30, min_tokens=9, stop_token_ids=[stop_token]),
+        ]
+        for params in cases:
+            want = base_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            got = same_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            assert (got.token_ids, got.finish_reason, got.stop_reason) == \
+                (want.token_ids, want.finish_reason, want.stop_reason)
+        text = base_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+                                 use_tqdm=False)[0].outputs[0].text
+        stop = text[len(text) // 2:len(text) // 2 + 2]
+        if stop.strip():
+            params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop])
+            want = base_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            got = same_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            assert (got.text, got.finish_reason) == (want.text, want.finish_reason)
+
+
+def test_penalties_and_logprobs_match_plain_decoding(same_llm: LLM, draft_llm: LLM, base_llm: LLM) -> None:
+    prompts = random_prompts(3, VOCAB, lengths=[7, 2, 26], seed=14)
+    params = SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True, repetition_penalty=1.4,
+                            presence_penalty=0.5, frequency_penalty=0.3, logprobs=3)
+    want = base_llm.generate(prompts, params, use_tqdm=False)
+    for llm in (same_llm, draft_llm):
+        got = llm.generate(prompts, params, use_tqdm=False)
+        for g, w in zip(got, want):
+            g0, w0 = g.outputs[0], w.outputs[0]
+            assert g0.token_ids == w0.token_ids
+            assert len(g0.logprobs) == len(w0.logprobs) == 18
+            for gl, wl in zip(g0.logprobs, w0.logprobs):
+                assert set(gl) == set(wl)
+                for token in wl:
+                    assert gl[token].rank == wl[token].rank
+                    assert gl[token].logprob == pytest.approx(wl[token].logprob, abs=1e-4)
+            assert g0.cumulative_logprob == pytest.approx(w0.cumulative_logprob, abs=1e-3)
+
+
+def test_parallel_sampling_with_speculation(draft_llm: LLM) -> None:
+    out = draft_llm.generate([[5, 6, 7, 8]], SamplingParams(n=3, temperature=1.0, max_tokens=12, ignore_eos=True,
+                                                            seed=2), use_tqdm=False)[0]
+    assert sorted(c.index for c in out.outputs) == [0, 1, 2]
+    assert all(len(c.token_ids) == 12 for c in out.outputs)
+
+
+def test_metrics_are_reported(draft_llm: LLM) -> None:
+    token_ids(draft_llm, [[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    names = {m.name for m in draft_llm.get_metrics()}
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
+                 "mean_tokens_per_pass", "draft_acceptance_rate"):
+        assert f"pagedllm:spec_decode_{name}" in names
+    positions = {m.labels["position"] for m in draft_llm.get_metrics()
+                 if m.name == "pagedllm:spec_decode_num_accepted_tokens_per_pos"}
+    assert positions == {str(i) for i in range(K)}
+    values = spec_values(draft_llm)
+    assert values["mean_tokens_per_pass"] == pytest.approx(
+        (values["num_accepted_tokens"] + values["num_drafts"]) / values["num_drafts"])
+
+
+# --- configuration ------------------------------------------------------------------------------------------
+
+
+def test_both_spellings_and_cli_flags(tiny_llama_dir: str, close_draft_dir: str) -> None:
+    by_config = make_llm(tiny_llama_dir, speculative_config=json.dumps(
+        {"method": "draft_model", "model": close_draft_dir, "num_speculative_tokens": 3}))
+    decoder = by_config.llm_engine.spec_decoder
+    assert decoder.config.method == "draft_model" and decoder.num_speculative_tokens == 3
+    ngram = make_llm(tiny_llama_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                         "prompt_lookup_max": 4})
+    config = ngram.llm_engine.spec_decoder.config
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (4, 4)
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(
+        ["--speculative-model", close_draft_dir, "--num-speculative-tokens", "3"]))
+    assert (args.speculative_model, args.num_speculative_tokens) == (close_draft_dir, 3)
+    args = EngineArgs.from_cli_args(parser.parse_args(["--speculative-config", json.dumps(NGRAM)]))
+    assert args.speculative_config == NGRAM
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(speculative_model="DRAFT", num_speculative_tokens=0), "num_speculative_tokens"),
+    (dict(speculative_model="DRAFT"), "num_speculative_tokens"),
+    (dict(num_speculative_tokens=3), "num_speculative_tokens"),
+    (dict(speculative_model="/nonexistent/draft", num_speculative_tokens=3), "speculative_model"),
+    (dict(speculative_config={"method": "eagle", "num_speculative_tokens": 3}), "method"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4,
+                              "prompt_lookup_max": 2}), "prompt_lookup_min"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0}),
+     "prompt_lookup_min"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}), "unknown keys"),
+    (dict(speculative_config={"method": "draft_model", "num_speculative_tokens": 3}), "model"),
+    (dict(speculative_model="DRAFT", num_speculative_tokens=3,
+          speculative_config={"method": "ngram", "num_speculative_tokens": 3}), "not both"),
+    (dict(speculative_model="OTHER_VOCAB", num_speculative_tokens=3), "vocab_size"),
+], ids=["k0", "k_missing", "k_without_model", "missing_dir", "bad_method", "min_gt_max", "min0", "unknown_key",
+        "no_draft_model", "both_spellings", "vocab_mismatch"])
+def test_bad_configs_are_refused(tiny_llama_dir: str, close_draft_dir: str, tiny_vocab_dir: str,
+                                 kwargs: dict, field: str) -> None:
+    if kwargs.get("speculative_model") == "DRAFT":
+        kwargs["speculative_model"] = close_draft_dir
+    elif kwargs.get("speculative_model") == "OTHER_VOCAB":
+        kwargs["speculative_model"] = tiny_vocab_dir
+    with pytest.raises(ValueError, match=field):
+        make_llm(tiny_llama_dir, **kwargs)
