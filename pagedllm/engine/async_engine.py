@@ -71,27 +71,19 @@ class RequestStream:
         self.loop = loop
         self.queue = queue if queue is not None else asyncio.Queue()
         self.accepted: asyncio.Future[None] = loop.create_future()
-        self.started = False  # an output arrived: the request left the waiting queue
         self.finished = False
 
     # the methods below run on the event loop thread
 
-    def _mark_started(self) -> None:
-        if not self.started:
-            self.started = True
-            self.engine._num_not_started -= 1
-
     def _deliver(self, item: RequestOutput | BaseException) -> None:
         if self.finished:
             return  # the reader aborted it, or it already ended
-        self._mark_started()
         if isinstance(item, BaseException) or item.finished:
             self.finished = True
         self.queue.put_nowait((self.request_id, item))
 
     def abort(self) -> None:
         """Abort the request unless it already finished; safe to call more than once."""
-        self._mark_started()
         if not self.finished:
             self.finished = True
             self.engine.abort(self.request_id)
@@ -152,8 +144,10 @@ class AsyncLLMEngine:
         # engine-thread state
         self._streams: dict[str, RequestStream] = {}
         self._has_work = False
-        # event-loop state: requests submitted that have had no output yet (queued or prefilling)
-        self._num_not_started = 0
+        # the scheduler's waiting queue as of the engine thread's last look, plus requests submitted
+        # that the thread has not taken in yet: what --max-waiting-requests bounds
+        self._engine_num_waiting = 0
+        self._num_pending_adds = 0  # event-loop state
 
     @classmethod
     def from_engine_args(cls, engine_args: Any, observers: Iterable[StepObserver] = ()) -> AsyncLLMEngine:
@@ -175,8 +169,8 @@ class AsyncLLMEngine:
 
     @property
     def num_waiting_requests(self) -> int:
-        """Requests accepted by the server that have produced nothing yet (queued or prefilling)."""
-        return self._num_not_started
+        """Requests waiting to be scheduled: in the scheduler's queue or not yet handed to it."""
+        return self._engine_num_waiting + self._num_pending_adds
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -208,7 +202,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id, loop, queue)
         command = _AddCommand(request_id, prompt, params, arrival_time or time.time(), stream)
-        self._num_not_started += 1
+        self._num_pending_adds += 1
         with self._cond:
             self._inbox.adds.append(command)
             self._cond.notify()
@@ -218,9 +212,10 @@ class AsyncLLMEngine:
             stream.abort()  # the client went away while the request was being queued
             raise
         except BaseException:
-            stream._mark_started()
             stream.finished = True
             raise
+        finally:
+            self._num_pending_adds -= 1
         return stream
 
     async def generate(self, prompt: Any, params: SamplingParams, request_id: str,
@@ -268,8 +263,9 @@ class AsyncLLMEngine:
                         outputs = self.engine.step()
                     except Exception as exc:
                         self._recover(exc)
-                        continue
-                    self._publish(outputs)
+                    else:
+                        self._publish(outputs)
+                self._engine_num_waiting = self._read_num_waiting()  # after steps and aborts alike
                 self._has_work = self.engine.has_unfinished_requests()
         except BaseException as exc:  # a failure we could not recover from: fail every request, loudly
             logger.exception("engine loop died")
@@ -278,16 +274,21 @@ class AsyncLLMEngine:
             self._close()
 
     def _apply(self, inbox: _Inbox) -> None:
+        answers: list[tuple[RequestStream, BaseException | None]] = []
         for command in inbox.adds:
-            stream = command.stream
             try:
                 self.engine.add_request(command.request_id, command.prompt, command.params,
                                         arrival_time=command.arrival_time)
             except Exception as exc:  # ValueError for bad input; anything else is still per-request
-                _put_if_open(stream.loop, _resolve, stream.accepted, exc)
+                answers.append((command.stream, exc))
                 continue
-            self._streams[command.request_id] = stream
-            _put_if_open(stream.loop, _resolve, stream.accepted, None)
+            self._streams[command.request_id] = command.stream
+            answers.append((command.stream, None))
+        if inbox.adds:
+            # count the new arrivals as waiting before their submitters stop counting them as pending
+            self._engine_num_waiting = self._read_num_waiting()
+        for stream, error in answers:
+            _put_if_open(stream.loop, _resolve, stream.accepted, error)
         aborted = [request_id for request_id in inbox.aborts if request_id in self._streams]
         if aborted:
             self.engine.abort_request(aborted)
@@ -301,6 +302,12 @@ class AsyncLLMEngine:
             except Exception as exc:
                 result, error = None, exc
             _put_if_open(call.loop, _set_call_result, call.future, result, error)
+
+    def _read_num_waiting(self) -> int:
+        for metric in self.engine.get_metrics():
+            if metric.name == "pagedllm:num_requests_waiting":
+                return int(metric.value)
+        return 0
 
     def _recover(self, exc: Exception) -> None:
         """A step raised (a bug, or an input that got past validation): rather than take the server
