@@ -1,0 +1,273 @@
+"""Property test of the block pool and KV cache manager (issue 4, "Prefix caching and copy-on-write").
+
+A hypothesis state machine drives one KVCacheManager the way the scheduler does: admit a request
+(taking its cached prefix), compute prompt chunks, append decode tokens, speculate and roll back, fork
+parallel samples, free, reset the cache. Tokens come from a tiny alphabet over a few shared stems, so
+prefix hits, shared partial blocks (copy-on-write) and evictions from a small pool are frequent.
+
+Next to the manager the test keeps its own picture of the physical KV: each slot holds the whole token
+prefix its position was computed from. It applies the manager's block copies and writes each step's
+tokens, so a wrong cache hit, a missed copy-on-write or a write into a shared block shows up as a
+request whose blocks no longer hold its own prefix.
+
+Checked after every operation:
+- each block's ref count equals the number of block tables holding it;
+- the free queue holds exactly the blocks with ref count 0 (and no block twice);
+- a hash maps to at most one block, and a block with a hash is the one its hash maps to;
+- the number of blocks never changes, nor their ids;
+- every request's blocks hold its own computed tokens, and every cached block holds its hash's tokens;
+- allocation takes free blocks least-recently-freed first; a refused allocation changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagedllm.kv_cache.hashing import BlockHash
+from pagedllm.kv_cache.manager import KVCacheManager, cdiv
+
+# A few stems so that prompts share prefixes at every alignment; tokens from {0, 1, 2}.
+STEMS = ((0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2), (0, 1, 2, 0, 1, 2, 2, 2), (1, 1, 1, 1, 1, 1, 1, 1, 1))
+TOKEN = st.integers(0, 2)
+
+# What one physical slot holds: the token prefix its key/value was computed from (None: never written).
+Slot = tuple[int, ...] | None
+
+
+@dataclass(eq=False)
+class FakeRequest:
+    """What the manager sees of a request (its CacheableRequest protocol)."""
+
+    request_id: str
+    tokens: list[int]  # final tokens: prompt and accepted outputs
+    num_computed_tokens: int = 0
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens being verified: not final
+
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        return self.tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: dict[str, FakeRequest] = {}
+        self.next_id = 0
+        # hash -> the token prefix (through the end of its block) any block cached under it must hold
+        self.hash_prefix: dict[BlockHash, tuple[int, ...]] = {}
+
+    @initialize(num_blocks=st.integers(2, 16), block_size=st.sampled_from([1, 2, 3, 4]),
+                enable_caching=st.booleans())
+    def setup(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.kv = KVCacheManager(num_blocks, block_size, enable_caching)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.slots: list[list[Slot]] = [[None] * block_size for _ in range(num_blocks)]
+
+    # ---- helpers ----
+    def _snapshot(self) -> tuple:
+        pool = self.kv.pool
+        return ([(b.ref_cnt, b.block_hash) for b in pool.blocks], list(pool.free_queue),
+                dict(pool.cached_blocks), {r: [b.block_id for b in bs] for r, bs in self.kv.req_to_blocks.items()},
+                list(self.kv.pending_copies))
+
+    def _pick(self, index: int) -> FakeRequest:
+        ids = sorted(self.requests)
+        return self.requests[ids[index % len(ids)]]
+
+    def _schedule(self, request: FakeRequest, num_new: int, cached_blocks: list | None = None,
+                  num_cacheable: int | None = None) -> bool:
+        """allocate_slots, then (on success) do what the model runner does: copy blocks, write KV."""
+        before = self._snapshot()
+        free_order = list(self.kv.pool.free_queue)
+        touched = {b.block_id for b in cached_blocks or ()}
+        old_table = {b.block_id for b in self.kv.req_to_blocks.get(request.request_id, ())}
+        ok = self.kv.allocate_slots(request, num_new, cached_blocks, num_cacheable_tokens=num_cacheable)
+        if not ok:
+            assert self._snapshot() == before, "a refused allocation must change nothing"
+            return False
+        table = self.kv.req_to_blocks[request.request_id]
+        # New blocks come from the head of the free queue (least recently freed first).
+        taken = [b.block_id for b in table if b.block_id not in old_table and b.block_id not in touched]
+        expected_order = [i for i in free_order if i not in touched]
+        assert sorted(taken) == sorted(expected_order[:len(taken)]), "allocation must evict LRU first"
+        for block_id in taken:  # a reused block lost its old hash
+            block = self.kv.pool.blocks[block_id]
+            assert block.block_hash is None or self.kv.pool.cached_blocks.get(block.block_hash) is block
+        copies = self.kv.take_pending_copies()
+        for src, dst in copies:
+            assert dst in {b.block_id for b in table}, "a copy lands in the writer's own table"
+            assert self.kv.pool.blocks[src].ref_cnt >= 1, "the source stays alive for its other holders"
+            self.slots[dst] = list(self.slots[src])
+        start = request.num_computed_tokens + len(cached_blocks or ()) * self.block_size
+        written = request.tokens + request.spec_token_ids
+        for pos in range(start, start + num_new):
+            block = table[pos // self.block_size]
+            assert block.ref_cnt == 1, f"writing position {pos} into shared block {block.block_id}"
+            self.slots[block.block_id][pos % self.block_size] = tuple(written[:pos + 1])
+        request.num_computed_tokens = start + num_new
+        self._record_hashes(request)
+        return True
+
+    def _record_hashes(self, request: FakeRequest) -> None:
+        for i, block_hash in enumerate(request.block_hashes):
+            prefix = tuple(request.tokens[:(i + 1) * self.block_size])
+            assert self.hash_prefix.setdefault(block_hash, prefix) == prefix, "hash collision"
+
+    # ---- operations ----
+    @rule(stem=st.sampled_from(STEMS), stem_len=st.integers(0, 12), suffix=st.lists(TOKEN, max_size=6),
+          chunk=st.integers(1, 16), use_cache=st.booleans(), token=TOKEN)
+    def admit(self, stem: tuple[int, ...], stem_len: int, suffix: list[int], chunk: int, use_cache: bool,
+              token: int) -> None:
+        """A new request: take its cached prefix (the last token is always computed), then a first chunk."""
+        tokens = list(stem[:stem_len]) + suffix
+        if not tokens:
+            return
+        request = FakeRequest(f"r{self.next_id}", tokens)
+        self.next_id += 1
+        cached, num_cached = self.kv.get_computed_blocks(request, request.num_tokens - 1) if use_cache else ([], 0)
+        assert num_cached == len(cached) * self.block_size < request.num_tokens
+        self._record_hashes(request)
+        for i, block in enumerate(cached):  # a hit is a block holding exactly this prefix
+            assert block.block_hash == request.block_hashes[i]
+            assert self.slots[block.block_id][-1] == tuple(tokens[:(i + 1) * self.block_size])
+        num_new = min(chunk, request.num_tokens - num_cached)
+        if self._schedule(request, num_new, cached):
+            self.kv.record_prefix_query(request.num_tokens, num_cached)
+            self.requests[request.request_id] = request
+            self._maybe_sample(request, token)
+
+    @precondition(lambda self: self.requests)
+    @rule(index=st.integers(0, 99), chunk=st.integers(1, 8), token=TOKEN)
+    def step(self, index: int, chunk: int, token: int) -> None:
+        """Compute the next prompt chunk, or the one decode token."""
+        request = self._pick(index)
+        num_new = min(chunk, request.num_tokens - request.num_computed_tokens)
+        if self._schedule(request, num_new):  # refused: it waits (the free rule makes room)
+            self._maybe_sample(request, token)
+
+    def _maybe_sample(self, request: FakeRequest, token: int) -> None:
+        """A step that reached the last token samples the next one, whose KV the next step computes."""
+        if request.num_computed_tokens == request.num_tokens:
+            request.tokens.append(token)
+
+    @precondition(lambda self: self.requests)
+    @rule(index=st.integers(0, 99), drafts=st.lists(TOKEN, min_size=1, max_size=4), num_accepted=st.integers(0, 4),
+          bonus=TOKEN)
+    def speculate(self, index: int, drafts: list[int], num_accepted: int, bonus: int) -> None:
+        """Verify draft tokens, accept a prefix of them, roll back the KV of the rest (trim)."""
+        request = self._pick(index)
+        if request.num_computed_tokens != request.num_tokens - 1:
+            return  # only a request in decode (its last sampled token not yet computed) speculates
+        final = request.num_tokens
+        request.spec_token_ids = list(drafts)  # written this step, but not cacheable
+        ok = self._schedule(request, 1 + len(drafts), num_cacheable=final)
+        request.spec_token_ids = []
+        if not ok:
+            return
+        num_accepted = min(num_accepted, len(drafts))
+        request.tokens.extend(drafts[:num_accepted] + [bonus])
+        request.num_computed_tokens = final + num_accepted
+        self.kv.trim(request)
+
+    @precondition(lambda self: self.requests)
+    @rule(index=st.integers(0, 99), n=st.integers(1, 4), free_parent=st.booleans())
+    def fork(self, index: int, n: int, free_parent: bool) -> None:
+        """Parallel sampling: children share every block of the parent, partial last block included; each
+        then computes the last token itself (the scheduler's parent stops one token short of its prompt)."""
+        parent = self._pick(index)
+        for _ in range(n):
+            child = FakeRequest(f"r{self.next_id}", list(parent.tokens), parent.num_computed_tokens,
+                                list(parent.block_hashes))
+            self.next_id += 1
+            self.kv.fork(parent.request_id, child.request_id)
+            self.requests[child.request_id] = child
+        if free_parent:
+            self.kv.free(parent.request_id)
+            del self.requests[parent.request_id]
+
+    @precondition(lambda self: self.requests)
+    @rule(index=st.integers(0, 99), then_reset=st.booleans())
+    def free(self, index: int, then_reset: bool) -> None:
+        """Finish a request; then maybe reset the prefix cache (refused unless every block is free)."""
+        request = self._pick(index)
+        blocks = list(self.kv.req_to_blocks.get(request.request_id, ()))
+        queue_before = list(self.kv.pool.free_queue)
+        self.kv.free(request.request_id)
+        del self.requests[request.request_id]
+        # Freed blocks join the tail (most recent), the request's tail block first.
+        newly_free = [b.block_id for b in reversed(blocks) if b.ref_cnt == 0]
+        assert list(self.kv.pool.free_queue) == queue_before + newly_free
+        if then_reset:
+            self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> None:
+        idle = self.kv.pool.num_free_blocks == self.num_blocks
+        before = self._snapshot()
+        ok = self.kv.reset_prefix_cache()
+        assert ok == idle, "reset succeeds exactly when no block is in use"
+        if ok:
+            assert self.kv.pool.num_cached_blocks == 0
+            assert all(b.block_hash is None for b in self.kv.pool.blocks)
+        else:
+            assert self._snapshot() == before
+
+    # ---- invariants ----
+    @invariant()
+    def block_invariants(self) -> None:
+        if not hasattr(self, "kv"):
+            return
+        pool = self.kv.pool
+        assert pool.num_blocks == self.num_blocks == len(pool.blocks)
+        assert [b.block_id for b in pool.blocks] == list(range(self.num_blocks))
+        holders = [0] * self.num_blocks
+        for blocks in self.kv.req_to_blocks.values():
+            ids = [b.block_id for b in blocks]
+            assert len(ids) == len(set(ids)), "a block appears twice in one block table"
+            for block in blocks:
+                assert pool.blocks[block.block_id] is block
+                holders[block.block_id] += 1
+        assert [b.ref_cnt for b in pool.blocks] == holders, "ref count != number of tables holding the block"
+        assert len(pool.free_queue) == len(set(pool.free_queue))
+        assert set(pool.free_queue) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
+        assert all(pool.free_queue[i] is pool.blocks[i] for i in pool.free_queue)
+        for block_hash, block in pool.cached_blocks.items():
+            assert block.block_hash == block_hash
+        for block in pool.blocks:
+            if block.block_hash is not None:
+                assert pool.cached_blocks[block.block_hash] is block, "a hash maps to at most one block"
+        if not self.kv.enable_caching:
+            assert not pool.cached_blocks
+
+    @invariant()
+    def contents(self) -> None:
+        """Every request reads its own prefix through its block table; cached blocks hold their tokens."""
+        if not hasattr(self, "kv"):
+            return
+        bs = self.block_size
+        assert set(self.kv.req_to_blocks) == set(self.requests)
+        for request in self.requests.values():
+            table = self.kv.req_to_blocks.get(request.request_id, [])
+            assert len(table) == cdiv(request.num_computed_tokens, bs)
+            for pos in range(request.num_computed_tokens):
+                got = self.slots[table[pos // bs].block_id][pos % bs]
+                assert got == tuple(request.tokens[:pos + 1]), f"{request.request_id} position {pos}"
+        for block_hash, block in self.kv.pool.cached_blocks.items():
+            prefix = self.hash_prefix[block_hash]
+            start = len(prefix) - bs
+            assert self.slots[block.block_id] == [prefix[:start + j + 1] for j in range(bs)]
+
+
+KVCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
+                                            suppress_health_check=[HealthCheck.too_slow])
+TestKVCacheManager = KVCacheMachine.TestCase
