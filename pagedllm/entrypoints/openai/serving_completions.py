@@ -163,24 +163,32 @@ class ServingContext:
         """One engine request per prompt, all feeding one queue; 400 if the engine refuses one."""
         self.admit(len(prompts))
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        streams: list[RequestStream] = []
         arrival_time = time.time()
+        # all prompts go to the engine in one iteration, so they start together
+        tasks = [asyncio.ensure_future(self.engine.add_request(
+            f"{request_id}-{index}" if len(prompts) > 1 else request_id, prompt, params,
+            arrival_time=arrival_time, queue=queue)) for index, prompt in enumerate(prompts)]
         try:
-            for index, prompt in enumerate(prompts):
-                request_suffix = f"-{index}" if len(prompts) > 1 else ""
-                streams.append(await self.engine.add_request(
-                    f"{request_id}{request_suffix}", prompt, params, arrival_time=arrival_time, queue=queue))
-        except ValueError as exc:
-            abort_all(streams)
-            raise APIError(400, str(exc), param=param_of(str(exc), set(type(request).model_fields),
-                                                         renames)) from exc
-        except EngineDeadError as exc:
-            abort_all(streams)
-            raise APIError(503, "The engine is not running.") from exc
-        except BaseException:
-            abort_all(streams)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        except asyncio.CancelledError:  # the client went away: abort what was accepted already
+            for task in tasks:
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    task.result().abort()
+                else:
+                    task.cancel()  # add_request aborts its own request when cancelled
             raise
-        return streams, queue
+        streams = [result for result in results if isinstance(result, RequestStream)]
+        errors = [result for result in results if isinstance(result, BaseException)]
+        if not errors:
+            return streams, queue
+        abort_all(streams)  # one refused prompt refuses the whole request
+        error = errors[0]
+        if isinstance(error, ValueError):
+            raise APIError(400, str(error), param=param_of(str(error), set(type(request).model_fields),
+                                                           renames)) from error
+        if isinstance(error, EngineDeadError):
+            raise APIError(503, "The engine is not running.") from error
+        raise error
 
 
 def abort_all(streams: list[RequestStream]) -> None:
