@@ -198,16 +198,26 @@ def abort_all(streams: list[RequestStream]) -> None:
 
 async def merged_outputs(streams: list[RequestStream], queue: asyncio.Queue[Any],
                          ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) in arrival order until every stream finished."""
+    """(prompt index, output) until every stream finished.
+
+    Outputs are cumulative, so when a reader falls behind only the newest output of each request
+    matters: whatever piled up in the queue is coalesced instead of replayed one by one.
+    """
     index_of = {stream.request_id: index for index, stream in enumerate(streams)}
     remaining = len(streams)
     while remaining:
-        request_id, item = await queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        yield index_of[request_id], item
-        if item.finished:
-            remaining -= 1
+        batch = [await queue.get()]
+        while not queue.empty():
+            batch.append(queue.get_nowait())
+        latest: dict[str, RequestOutput] = {}
+        for request_id, item in batch:
+            if isinstance(item, BaseException):
+                raise item
+            latest[request_id] = item
+        for request_id, output in latest.items():
+            yield index_of[request_id], output
+            if output.finished:
+                remaining -= 1
 
 
 async def _wait_for_disconnect(raw_request: Request) -> None:
