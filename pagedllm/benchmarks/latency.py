@@ -37,6 +37,7 @@ class LatencyResult:
     roofline_fraction: float
     planner_bound_tokens_per_s: float  # min of memory and compute bounds (compute measured on CPU only)
     planner_limited_by: str
+    num_threads: int = 0
     plan_command: str = ""  # the `pagedllm plan` line that predicts the same bound
     ttft_all_s: list[float] = field(default_factory=list)
     decode_tokens_per_s_all: list[float] = field(default_factory=list)
@@ -122,6 +123,7 @@ def run_latency(
         roofline_fraction=decode_tps / roofline,
         planner_bound_tokens_per_s=bound.tokens_per_s,
         planner_limited_by=bound.limited_by,
+        num_threads=torch.get_num_threads(),
         plan_command=f"pagedllm plan --model {model} --hardware {'cpu' if not on_cuda else '<gpu preset>'} "
         f"--context {mean_context} --batch 1 --dtype {weight_dtype} --kv-cache-dtype {kv_dtype}",
         ttft_all_s=list(ttfts),
@@ -131,7 +133,7 @@ def run_latency(
 
 def format_latency(r: LatencyResult) -> str:
     rows = [
-        ("model", f"{r.model} ({r.dtype}, KV {r.kv_cache_dtype}, {r.device})"),
+        ("model", f"{r.model} ({r.dtype}, KV {r.kv_cache_dtype}, {r.device}, {r.num_threads} threads)"),
         ("prompt / output tokens", f"{r.input_len} / {r.output_len}, {r.num_iters} iterations (medians)"),
         ("time to first token", f"{r.ttft_s * 1e3:,.1f} ms"),
         (

@@ -134,6 +134,7 @@ def format_results(results: list[ThroughputResult]) -> str:
 
 def throughput_report(results: list[ThroughputResult], config: dict[str, Any]) -> dict[str, Any]:
     report: dict[str, Any] = {"config": config, "results": [r.to_dict() for r in results]}
+    report["config"]["num_threads"] = torch.get_num_threads()
     if len(results) == 2:
         report["ratio_output_tokens_per_s"] = results[0].output_tokens_per_s / results[1].output_tokens_per_s
         report["ratio_total_tokens_per_s"] = results[0].total_tokens_per_s / results[1].total_tokens_per_s

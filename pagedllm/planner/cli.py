@@ -246,6 +246,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--peak-tflops", type=float, help="override the hardware's dense 16-bit TFLOP/s")
     parser.add_argument("--bandwidth-gbs", type=float, help="override the hardware's memory bandwidth (GB/s)")
     parser.add_argument("--memory-gb", type=float, help="override the hardware's memory per device (GB)")
+    parser.add_argument("--num-threads", type=int, help="torch threads for measuring --hardware cpu")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--output-json", help="also write the JSON to this file")
     parser.add_argument("--plot", help="draw KV memory against context length into this PNG")
@@ -262,6 +263,12 @@ def run_plan(args: argparse.Namespace) -> int:
         rl.dtype_bytes(weight_dtype)
         if args.kv_cache_dtype != "auto":
             rl.dtype_bytes(args.kv_cache_dtype)
+        if args.num_threads is not None:
+            if args.num_threads < 1:
+                raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
+            import torch
+
+            torch.set_num_threads(args.num_threads)
         hw = get_hardware(args.hardware, weight_dtype)
         inputs = PlanInputs(
             context=args.context,
