@@ -10,6 +10,7 @@ one correction or bonus token. The scheduler then rolls back the KV of rejected 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -42,9 +43,15 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0    # accepted + correction/bonus, before stop and length cuts
+    num_fully_accepted: int = 0    # drafts whose every token was accepted (the others had one rejection)
     num_target_passes: int = 0     # target forward passes that verified anything
     accepted_per_pos: list[int] = field(default_factory=list)
     drafted_per_pos: list[int] = field(default_factory=list)
+    # Wall-clock split, for benchmarks: where a speculative step's time goes.
+    num_steps: int = 0             # engine steps (target passes of any kind)
+    num_propose_calls: int = 0     # propose() calls that proposed for at least one request
+    execute_s: float = 0.0         # target pass: prepare, forward, sample/verify
+    propose_s: float = 0.0         # proposer: draft passes or n-gram lookups
 
     def __post_init__(self) -> None:
         self.accepted_per_pos = [0] * self.num_speculative_tokens
@@ -55,6 +62,7 @@ class SpecDecodeStats:
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
         self.num_emitted_tokens += num_accepted + 1
+        self.num_fully_accepted += num_accepted == num_draft
         for pos in range(num_draft):
             self.drafted_per_pos[pos] += 1
         for pos in range(num_accepted):
@@ -63,6 +71,13 @@ class SpecDecodeStats:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def per_token_acceptance(self) -> float:
+        """alpha of the seed's formula: the chance a draft token is accepted given its position was reached
+        (accepted tokens over accepted tokens plus rejections)."""
+        trials = self.num_accepted_tokens + self.num_drafts - self.num_fully_accepted
+        return self.num_accepted_tokens / trials if trials else 0.0
 
     @property
     def mean_tokens_per_pass(self) -> float:
@@ -95,7 +110,11 @@ class SpecDecoder:
 
     # ---- the engine's hooks ----
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.target_runner.execute(scheduler_output)
+        start = time.perf_counter()
+        output = self.target_runner.execute(scheduler_output)
+        self.stats.execute_s += time.perf_counter() - start
+        self.stats.num_steps += 1
+        return output
 
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` of every running request that is in the decode phase."""
@@ -123,11 +142,14 @@ class SpecDecoder:
             num_spec_tokens.append(k)
         if not candidates:
             return
+        start = time.perf_counter()
         if isinstance(self.proposer, DraftModelProposer):
             base_rows = [self.target_runner.sampling_row(r) for r in candidates]
             proposals = self.proposer.propose(candidates, num_spec_tokens, base_rows)
         else:
             proposals = self.proposer.propose(candidates, num_spec_tokens)
+        self.stats.propose_s += time.perf_counter() - start
+        self.stats.num_propose_calls += 1
         for request in candidates:
             tokens, q = proposals.get(request.request_id, ([], None))
             request.spec_token_ids = tokens
