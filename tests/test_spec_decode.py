@@ -338,6 +338,48 @@ def test_penalties_and_logprobs_match_plain_decoding(same_llm: LLM, draft_llm: L
             assert g0.cumulative_logprob == pytest.approx(w0.cumulative_logprob, abs=1e-3)
 
 
+def test_context_limit_is_never_overrun(tiny_llama_dir: str) -> None:
+    """Near max_model_len, k shrinks so that verified tokens never pass the context length."""
+    prompts = random_prompts(3, VOCAB, lengths=[50, 55, 60], seed=15)
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    want = token_ids(make_llm(tiny_llama_dir, max_model_len=64), prompts, params)
+    assert [len(t) for t in want] == [14, 9, 4]
+    for spec in (dict(speculative_model=tiny_llama_dir, num_speculative_tokens=5),
+                 dict(speculative_config=dict(NGRAM))):
+        assert token_ids(make_llm(tiny_llama_dir, max_model_len=64, **spec), prompts, params) == want
+
+
+def test_adaptive_k_shrinks_for_a_poor_draft(tiny_llama_dir: str, far_draft_dir: str, base_llm: LLM) -> None:
+    prompts, params = mixed_batch(4)
+    llm = make_llm(tiny_llama_dir, speculative_config={"model": far_draft_dir, "num_speculative_tokens": K,
+                                                       "adaptive_num_speculative_tokens": True})
+    assert token_ids(llm, prompts, params) == token_ids(base_llm, prompts, params)
+    values = spec_values(llm)
+    assert values["num_draft_tokens"] < 1.5 * values["num_drafts"], "a rejected draft should get k near 1"
+
+
+def test_adaptive_k_keeps_k_while_proposals_are_accepted(tmp_path: Path) -> None:
+    cycle = [10, 20, 30, 40, 50, 60, 70, 80]
+    model = build_cycle_model(tmp_path / "cycle", cycle)
+    llm = make_llm(model, speculative_config={"method": "ngram", "num_speculative_tokens": K,
+                                              "prompt_lookup_min": 2, "adaptive_num_speculative_tokens": True})
+    token_ids(llm, [cycle * 3], SamplingParams(temperature=0.0, max_tokens=41, ignore_eos=True))
+    values = spec_values(llm)
+    assert values["num_accepted_tokens"] == values["num_draft_tokens"]
+    assert values["mean_tokens_per_pass"] == K + 1
+
+
+def test_best_k_follows_acceptance_and_draft_cost() -> None:
+    from pagedllm.spec_decode.spec_decoder import best_num_speculative_tokens, expected_tokens_per_pass
+
+    assert expected_tokens_per_pass(0.8, 5) == pytest.approx(3.6893, abs=1e-4)  # the seed's worked number
+    assert expected_tokens_per_pass(1.0, 5) == 6
+    assert best_num_speculative_tokens(0.95, 5, 0.05) == 5
+    assert best_num_speculative_tokens(0.1, 5, 0.05) == 1
+    ks = [best_num_speculative_tokens(alpha, 8, 0.2) for alpha in (0.2, 0.5, 0.7, 0.9, 0.97)]
+    assert ks == sorted(ks) and ks[0] < ks[-1]
+
+
 def test_parallel_sampling_with_speculation(draft_llm: LLM) -> None:
     out = draft_llm.generate([[5, 6, 7, 8]], SamplingParams(n=3, temperature=1.0, max_tokens=12, ignore_eos=True,
                                                             seed=2), use_tqdm=False)[0]
@@ -392,11 +434,13 @@ def test_both_spellings_and_cli_flags(tiny_llama_dir: str, close_draft_dir: str)
      "prompt_lookup_min"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}), "unknown keys"),
     (dict(speculative_config={"method": "draft_model", "num_speculative_tokens": 3}), "model"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                              "adaptive_num_speculative_tokens": "yes"}), "adaptive_num_speculative_tokens"),
     (dict(speculative_model="DRAFT", num_speculative_tokens=3,
           speculative_config={"method": "ngram", "num_speculative_tokens": 3}), "not both"),
     (dict(speculative_model="OTHER_VOCAB", num_speculative_tokens=3), "vocab_size"),
 ], ids=["k0", "k_missing", "k_without_model", "missing_dir", "bad_method", "min_gt_max", "min0", "unknown_key",
-        "no_draft_model", "both_spellings", "vocab_mismatch"])
+        "no_draft_model", "adaptive_not_bool", "both_spellings", "vocab_mismatch"])
 def test_bad_configs_are_refused(tiny_llama_dir: str, close_draft_dir: str, tiny_vocab_dir: str,
                                  kwargs: dict, field: str) -> None:
     if kwargs.get("speculative_model") == "DRAFT":

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from pagedllm.spec_decode.spec_decoder import SpecDecoder
 
 METHODS = ("draft_model", "ngram")
-CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+               "adaptive_num_speculative_tokens")
 # vLLM's default when neither bound is given: look up 5-grams only.
 DEFAULT_PROMPT_LOOKUP = 5
 
@@ -33,6 +34,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     draft_model_config: ModelConfig | None = None
+    # Beyond vLLM: pick each request's k (1..num_speculative_tokens) from its running acceptance.
+    adaptive_num_speculative_tokens: bool = False
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, target: ModelConfig) -> SpeculativeConfig | None:
@@ -64,7 +67,10 @@ class SpeculativeConfig:
         k = raw.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an integer of at least 1, got {k!r}.")
-        config = cls(method=method, num_speculative_tokens=k)
+        adaptive = raw.get("adaptive_num_speculative_tokens", False)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"adaptive_num_speculative_tokens must be true or false, got {adaptive!r}.")
+        config = cls(method=method, num_speculative_tokens=k, adaptive_num_speculative_tokens=adaptive)
         if method == "ngram":
             low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
             # vLLM: one bound given means both; none means 5.

@@ -36,6 +36,28 @@ if TYPE_CHECKING:
     from pagedllm.spec_decode import SpeculativeConfig
 
 
+# Adaptive k: a request's acceptance is estimated from its own recent verifications (older ones decay),
+# starting from a prior worth a few verifications at the agreement FACTS.md measured for an independently
+# trained draft. Only the request's own history is used, so a seeded request stays reproducible.
+ACCEPTANCE_PRIOR = 0.6
+ACCEPTANCE_PRIOR_WEIGHT = 4.0
+ACCEPTANCE_DECAY = 0.8
+# An n-gram proposal costs nothing to make, but each extra position still costs the target pass a little.
+NGRAM_COST_PER_TOKEN = 0.05
+
+
+def expected_tokens_per_pass(alpha: float, k: int) -> float:
+    """Tokens one verifying pass yields with per-token acceptance alpha: (1 - alpha^(k+1)) / (1 - alpha)."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def best_num_speculative_tokens(alpha: float, max_k: int, cost_per_token: float) -> int:
+    """The k in 1..max_k with the most tokens per unit of time, a pass costing 1 + cost_per_token * k."""
+    return max(range(1, max_k + 1), key=lambda k: expected_tokens_per_pass(alpha, k) / (1 + cost_per_token * k))
+
+
 @dataclass
 class SpecDecodeStats:
     num_speculative_tokens: int
@@ -106,6 +128,16 @@ class SpecDecoder:
                                                num_blocks, self.scheduler_config, engine.device, engine.args.seed)
         # q of the current proposals, per request (draft model, non-greedy requests only).
         self.draft_probs: dict[str, torch.Tensor] = {}
+        self.adaptive = config.adaptive_num_speculative_tokens
+        # Cost of one draft token relative to a target pass. Steps here are dominated by per-operator
+        # overhead (FACTS.md), so the ratio of layer counts is a fair, deterministic estimate.
+        if config.method == "ngram":
+            self.draft_cost_per_token = NGRAM_COST_PER_TOKEN
+        else:
+            assert config.draft_model_config is not None
+            self.draft_cost_per_token = (config.draft_model_config.num_hidden_layers
+                                         / engine.model_config.num_hidden_layers)
+        self.acceptance: dict[str, list[float]] = {}  # request id -> [decayed accepted, decayed trials]
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
 
     # ---- the engine's hooks ----
@@ -118,8 +150,11 @@ class SpecDecoder:
 
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` of every running request that is in the decode phase."""
-        self.proposer.free({r.request_id for r in running})
+        live = {r.request_id for r in running}
+        self.proposer.free(live)
         self.draft_probs.clear()
+        for request_id in [r for r in self.acceptance if r not in live]:
+            del self.acceptance[request_id]
         # Decodes are scheduled first; keep all of them with their proposals inside one step's budget, so
         # the scheduler never has to cut a request's proposals short.
         budget = self.scheduler_config.max_num_batched_tokens - sum(
@@ -131,7 +166,7 @@ class SpecDecoder:
             request.spec_token_ids = []
             if request.is_finished or request.is_fork_parent or request.num_computed_tokens != request.num_tokens - 1:
                 continue  # still prefilling: nothing to speculate from yet
-            k = min(self.num_speculative_tokens, max_model_len - request.num_tokens - 1, budget)
+            k = min(self.num_speculative_tokens_for(request), max_model_len - request.num_tokens - 1, budget)
             max_tokens = request.sampling_params.max_tokens
             if max_tokens is not None:
                 k = min(k, max_tokens - request.num_output_tokens - 1)  # never draft past the length limit
@@ -155,6 +190,18 @@ class SpecDecoder:
             request.spec_token_ids = tokens
             if q is not None:
                 self.draft_probs[request.request_id] = q
+
+    def num_speculative_tokens_for(self, request: Request) -> int:
+        if not self.adaptive:
+            return self.num_speculative_tokens
+        accepted, trials = self.acceptance.get(request.request_id, (0.0, 0.0))
+        alpha = (accepted + ACCEPTANCE_PRIOR * ACCEPTANCE_PRIOR_WEIGHT) / (trials + ACCEPTANCE_PRIOR_WEIGHT)
+        return best_num_speculative_tokens(alpha, self.num_speculative_tokens, self.draft_cost_per_token)
+
+    def _record_acceptance(self, request_id: str, num_draft: int, num_accepted: int) -> None:
+        state = self.acceptance.setdefault(request_id, [0.0, 0.0])
+        state[0] = ACCEPTANCE_DECAY * state[0] + num_accepted
+        state[1] = ACCEPTANCE_DECAY * state[1] + num_accepted + (num_accepted < num_draft)
 
     # ---- called by the target runner with the hidden rows of every verified request ----
     def verify(self, verify: list[tuple[ScheduledRequest, int]], hidden: torch.Tensor,
@@ -190,6 +237,8 @@ class SpecDecoder:
                 generator = request.generator if request.generator is not None else runner.sampler.generator
                 result = rejection_sample(probs[offset:offset + k + 1], spec, q, generator)
             self.stats.record(k, result.num_accepted)
+            if self.adaptive:
+                self._record_acceptance(request.request_id, k, result.num_accepted)
             output.num_draft_tokens[request.request_id] = k
             output.num_accepted_tokens[request.request_id] = result.num_accepted
             emitted.append((s, result, offset))
