@@ -161,3 +161,26 @@ def test_unknown_architecture(tiny_llama_dir: str, tmp_path: Path) -> None:
 def test_engine_args_rejected(tiny_llama_dir: str, kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         LLM(model=tiny_llama_dir, **kwargs)
+
+
+def test_n_larger_than_max_num_seqs_finishes_or_is_refused(tiny_llama_dir: str) -> None:
+    """vLLM serves n > max_num_seqs (samples are scheduled as they fit); refusing it up front is also
+    acceptable. Waiting forever is not: drive the engine step by step with a bound instead of generate()."""
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=64, max_num_seqs=4)
+    engine = llm.llm_engine
+    params = SamplingParams(n=6, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True)
+    try:
+        engine.add_request("n6", GOOD_PROMPTS[0], params)
+    except ValueError as err:
+        assert "n" in str(err) and "max_num_seqs" in str(err)
+        return
+    finished = []
+    for _ in range(200):  # 6 samples x 4 tokens at 4 sequences a step need well under 200 steps
+        finished += [o for o in engine.step() if o.finished]
+        if not engine.has_unfinished_requests():
+            break
+    stuck = engine.has_unfinished_requests()
+    if stuck:
+        engine.abort_request("n6")
+    assert not stuck, "a request with n > max_num_seqs never gets scheduled"
+    assert len(finished) == 1 and sorted(c.index for c in finished[0].outputs) == list(range(6))
