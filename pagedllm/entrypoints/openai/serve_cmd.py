@@ -64,6 +64,8 @@ def resolve_model(args: argparse.Namespace) -> str | None:
 
 
 def run_server(args: argparse.Namespace) -> int:
+    # a SIGTERM while the model loads has nothing in flight to wait for: just exit 0
+    signal.signal(signal.SIGTERM, _exit_now)
     import uvicorn
 
     from pagedllm.engine.arg_utils import EngineArgs
@@ -97,3 +99,7 @@ def run_server(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0 if server.started else 1
+
+
+def _exit_now(signum: int, frame: Any) -> None:
+    raise SystemExit(0)

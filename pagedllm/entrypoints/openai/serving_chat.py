@@ -163,8 +163,11 @@ class OpenAIServingChat:
                       num_prompt_tokens: int, streams: list[RequestStream],
                       queue: asyncio.Queue[Any]) -> AsyncIterator[str]:
         def chunk(choices: list[ChatCompletionResponseStreamChoice], usage: UsageInfo | None = None) -> str:
-            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
-                                                    choices=choices, usage=usage).model_dump())
+            payload = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
+                                                   choices=choices, usage=usage).model_dump()
+            for choice in payload["choices"]:  # as OpenAI: a delta carries only what it has
+                choice["delta"] = {key: value for key, value in choice["delta"].items() if value is not None}
+            return sse(payload)
 
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         states = [ChoiceState() for _ in range(request.n)]
