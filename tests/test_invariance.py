@@ -67,9 +67,7 @@ def reference(tiny_llama_dir: str) -> list[list[int]]:
         pytest.param(dict(scheduling_policy="lpm"), id="lpm"),
     ],
 )
-def test_batched_output_equals_alone(
-    tiny_llama_dir: str, reference: list[list[int]], engine_args: dict
-) -> None:
+def test_batched_output_equals_alone(tiny_llama_dir: str, reference: list[list[int]], engine_args: dict) -> None:
     llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, **engine_args)
     assert token_ids(llm, PROMPTS) == reference
     assert_no_leaks(llm)
@@ -103,9 +101,7 @@ def test_prefix_cache_hits_do_not_change_output(tiny_llama_dir: str, reference: 
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix_cache", "no_prefix_cache"])
-def test_preemption_keeps_outputs(
-    tiny_llama_dir: str, reference: list[list[int]], prefix_caching: bool
-) -> None:
+def test_preemption_keeps_outputs(tiny_llama_dir: str, reference: list[list[int]], prefix_caching: bool) -> None:
     block_size = 16
     # The longest request needs ceil((longest prompt + MAX_TOKENS) / 16) blocks; give a few more.
     longest = max(len(p) for p in PROMPTS) + MAX_TOKENS
@@ -124,4 +120,63 @@ def test_preemption_keeps_outputs(
     assert token_ids(llm, PROMPTS) == reference
     metrics = metric_values(llm)
     assert metrics["pagedllm:num_preemptions"] > 0, "the pool is too small for all requests at once"
+    assert_no_leaks(llm)
+
+
+def sampled_params() -> list[SamplingParams]:
+    """One seeded sampling request per prompt, with every filter in play."""
+    return [
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
+        for i in range(NUM_PROMPTS)
+    ]
+
+
+def sampled_ids(llm: LLM) -> list[list[int]]:
+    outs = llm.generate(PROMPTS, sampled_params(), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def sampled_reference(tiny_llama_dir: str) -> list[list[int]]:
+    llm = LLM(model=tiny_llama_dir, dtype="float32", enable_prefix_caching=False, max_model_len=MAX_MODEL_LEN)
+    return [
+        list(llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids) for p, sp in zip(PROMPTS, sampled_params())
+    ]
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        pytest.param(dict(), id="batch32"),
+        pytest.param(dict(max_num_batched_tokens=7, max_num_seqs=3), id="chunked_prefill_budget7"),
+        pytest.param(dict(block_size=16, num_gpu_blocks_override=11), id="preemption"),
+    ],
+)
+def test_seeded_sampling_invariant_to_scheduling(
+    tiny_llama_dir: str, sampled_reference: list[list[int]], engine_args: dict
+) -> None:
+    """A seeded request's generator advances once per sampled token: not per prefill chunk, not on the
+    recompute after a preemption, and not because other requests share the batch."""
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, **engine_args)
+    assert sampled_ids(llm) == sampled_reference
+    if "num_gpu_blocks_override" in engine_args:
+        assert metric_values(llm)["pagedllm:num_preemptions"] > 0
+    assert_no_leaks(llm)
+
+
+def test_prompt_logprobs_with_prefix_cache_hit(tiny_llama_dir: str) -> None:
+    """A cached prefix must not leave holes in prompt_logprobs (its logits were never kept)."""
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True)
+    prompt = PROMPTS[-1]  # 40-token shared prefix + 70
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+    llm.generate([PROMPTS[-2]], GREEDY, use_tqdm=False)  # caches the shared prefix
+    first = llm.generate([prompt], sp, use_tqdm=False)[0]
+    second = llm.generate([prompt], sp, use_tqdm=False)[0]
+    for out in (first, second):
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+        assert out.prompt_logprobs[0] is None and all(e is not None for e in out.prompt_logprobs[1:])
+    for pos in range(1, len(prompt)):
+        a, b = first.prompt_logprobs[pos], second.prompt_logprobs[pos]
+        assert a[prompt[pos]].logprob == pytest.approx(b[prompt[pos]].logprob, abs=1e-5), pos
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids
     assert_no_leaks(llm)
