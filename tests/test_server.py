@@ -318,6 +318,20 @@ def test_vllm_extras_reach_the_engine(client: openai.OpenAI, llm: LLM) -> None:
     assert result.usage.completion_tokens == 10 and result.choices[0].finish_reason == "length"
 
 
+def test_stop_token_ids(client: openai.OpenAI, llm: LLM) -> None:
+    full = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop_id = full.token_ids[4]
+    result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.0,
+                                       extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+    want = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                               stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    choice = result.choices[0]
+    assert choice.text == want.text and choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == stop_id == want.stop_reason
+    assert result.usage.completion_tokens == full.token_ids.index(stop_id) + 1
+
+
 # ---- chat ----------------------------------------------------------------------------------------
 
 def offline_chat(llm: LLM, **kwargs: Any) -> list[str]:
