@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pagedllm
+from pagedllm.spec_decode.spec_decoder import expected_tokens_per_pass
 
 ASSETS = Path(pagedllm.__file__).parent / "assets" / "models"
 DEFAULT_TARGET = ASSETS / "pycode-target"
@@ -51,13 +52,6 @@ class MethodResult:
     tokens_per_pass: float  # measured: 1 + accepted per verified draft
     tokens_per_pass_formula: float  # (1 - alpha^(k+1)) / (1 - alpha)
     predicted_speedup: float  # tokens_per_pass * plain ms_per_step / (ms_per_step + propose_ms_per_step)
-
-
-def expected_tokens_per_pass(alpha: float, k: int) -> float:
-    """The seed's formula: one target pass yields (1 - alpha^(k+1)) / (1 - alpha) tokens on average."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 def code_snippets(tokenizer: Any, num_prompts: int, input_len: int) -> list[list[int]]:
@@ -91,26 +85,21 @@ def edit_prompts(tokenizer: Any, snippets: list[list[int]]) -> list[list[int]]:
 def build_engines(args: argparse.Namespace) -> dict[str, Any]:
     from pagedllm import LLM
 
-    common = dict(dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len, enable_prefix_caching=False)
+    # Batch 1 needs a small KV pool; the default (max_num_seqs full-length sequences) would take GiBs per engine.
+    common = dict(dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len, enable_prefix_caching=False,
+                  max_num_seqs=4)
     engines = {"plain": LLM(model=args.model, **common)}
-    if "draft_model" in args.methods:
-        engines["draft_model"] = LLM(
-            model=args.model,
-            speculative_model=args.draft_model,
-            num_speculative_tokens=args.num_speculative_tokens,
-            **common,
-        )
-    if "ngram" in args.methods:
-        engines["ngram"] = LLM(
-            model=args.model,
-            speculative_config={
-                "method": "ngram",
-                "num_speculative_tokens": args.num_speculative_tokens,
-                "prompt_lookup_min": args.prompt_lookup_min,
-                "prompt_lookup_max": args.prompt_lookup_max,
-            },
-            **common,
-        )
+    configs = {
+        "draft_model": {"method": "draft_model", "model": args.draft_model},
+        "ngram": {"method": "ngram", "prompt_lookup_min": args.prompt_lookup_min,
+                  "prompt_lookup_max": args.prompt_lookup_max},
+    }
+    for method in args.methods:
+        config = dict(configs[method], num_speculative_tokens=args.num_speculative_tokens)
+        engines[method] = LLM(model=args.model, speculative_config=config, **common)
+        if args.adaptive:
+            engines[f"{method}+adapt"] = LLM(model=args.model, speculative_config=dict(
+                config, adaptive_num_speculative_tokens=True), **common)
     return engines
 
 
@@ -200,13 +189,13 @@ def run_workload(
 
 def format_table(results: list[MethodResult]) -> str:
     header = (
-        f"{'workload':<8} {'method':<12} {'k':>2} {'accept':>7} {'alpha':>6} {'tok/pass':>8} "
+        f"{'workload':<8} {'method':<17} {'k':>2} {'accept':>7} {'alpha':>6} {'tok/pass':>8} "
         f"{'formula':>8} {'tok/s':>8} {'speedup':>8} {'target ms':>9} {'propose ms':>10} {'predicted':>9}"
     )
     lines = [header, "-" * len(header)]
     for r in results:
         lines.append(
-            f"{r.workload:<8} {r.method:<12} {r.num_speculative_tokens:>2} {r.acceptance_rate:>7.3f} "
+            f"{r.workload:<8} {r.method:<17} {r.num_speculative_tokens:>2} {r.acceptance_rate:>7.3f} "
             f"{r.alpha:>6.3f} {r.tokens_per_pass:>8.2f} {r.tokens_per_pass_formula:>8.2f} "
             f"{r.decode_tokens_per_s:>8.1f} {r.speedup:>7.2f}x {r.ms_per_step:>9.2f} "
             f"{r.propose_ms_per_step:>10.2f} {r.predicted_speedup:>8.2f}x"
@@ -226,8 +215,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--input-len", type=int, default=192)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--adaptive", action="store_true", help="also run each method with adaptive k")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--output-json", default=None, help="write the results here")
     return parser
 
@@ -237,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     for flag, path in (("--model", args.model), ("--draft-model", args.draft_model)):
         if ("draft_model" in args.methods or flag == "--model") and not Path(path, "config.json").is_file():
             raise SystemExit(f"{flag}: no model at {path} (train or pass one)")
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     engines = build_engines(args)
     tokenizer = engines["plain"].get_tokenizer()
     snippets = code_snippets(tokenizer, args.num_prompts, args.input_len)

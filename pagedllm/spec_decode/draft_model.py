@@ -26,7 +26,7 @@ from pagedllm.engine.scheduler import ScheduledRequest
 from pagedllm.kv_cache.hashing import BlockHash
 from pagedllm.kv_cache.manager import KVCacheManager
 from pagedllm.layers.sampler import SamplingRow, exponential_noise
-from pagedllm.spec_decode.rejection_sampler import request_probs, row_with_drafts
+from pagedllm.spec_decode.rejection_sampler import adjusted_logits, request_probs, row_with_drafts
 from pagedllm.worker.model_runner import ModelRunner
 
 
@@ -111,14 +111,18 @@ class DraftModelProposer:
                         for s, start in zip(batch.order, batch.query_starts)}
             logits = self.runner.model.compute_logits(hidden[[last_row[id(seqs[i])] for i in stepping]])
             rows = [row_with_drafts(base_rows[i], drafts[i]) for i in stepping]
-            q = request_probs(logits, rows)
-            token_ids = self._sample(q, rows)
+            if all(row.params.greedy for row in rows):  # the common case: skip the distribution entirely
+                q = None
+                token_ids = adjusted_logits(logits, rows).argmax(dim=-1).tolist()
+            else:
+                q = request_probs(logits, rows)
+                token_ids = self._sample(q, rows)
             active = []
             for j, i in enumerate(stepping):
                 request, seq = requests[i], seqs[i]
                 seq.num_computed_tokens = seq.num_tokens
                 drafts[i].append(token_ids[j])
-                if not rows[j].params.greedy:
+                if q is not None and not rows[j].params.greedy:
                     probs[i].append(q[j])
                 seq.all_token_ids.append(token_ids[j])  # fed to the next pass, or rolled back later
                 stop = token_ids[j] in request.sampling_params.all_stop_token_ids
