@@ -73,9 +73,7 @@ def test_one_sampling_params_per_prompt(llm: LLM) -> None:
 
 
 def test_output_fields(llm: LLM) -> None:
-    out = llm.generate(
-        TEXTS[0], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False
-    )[0]
+    out = llm.generate(TEXTS[0], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
     assert isinstance(out, RequestOutput)
     for name in (
         "request_id",
@@ -105,8 +103,47 @@ def test_output_fields(llm: LLM) -> None:
     assert c.finish_reason == "length"
     assert c.logprobs is None  # not asked for
     assert all(isinstance(t, int) for t in c.token_ids)
-    # Incremental detokenization ends where decoding the whole sequence does.
-    assert c.text == llm.get_tokenizer().decode(list(c.token_ids), skip_special_tokens=True)
+    assert_text_matches_decode(llm, out)
+
+
+def assert_text_matches_decode(llm: LLM, out: RequestOutput) -> None:
+    """Incremental detokenization ends where decoding the whole sequence does, except that bytes of an
+    unfinished UTF-8 character at the very end are held back (as vLLM's detokenizer does)."""
+    tok = llm.get_tokenizer()
+    for c in out.outputs:
+        full = tok.decode(list(out.prompt_token_ids) + list(c.token_ids), skip_special_tokens=True)
+        prompt_text = tok.decode(list(out.prompt_token_ids), skip_special_tokens=True)
+        want = full[len(prompt_text) :] if full.startswith(prompt_text) else tok.decode(list(c.token_ids))
+        assert c.text in (want, want.rstrip("\ufffd")), (c.text, want)
+
+
+def test_incremental_detokenization_many_outputs(llm: LLM) -> None:
+    """Random byte-level tokens split UTF-8 characters across tokens; the text must still come out whole."""
+    prompts = random_prompts(16, VOCAB, seed=63)
+    sp = SamplingParams(temperature=1.0, seed=1, max_tokens=24, ignore_eos=True)
+    for out in llm.generate(prompts, sp, use_tqdm=False):
+        assert_text_matches_decode(llm, out)
+
+
+def test_skip_special_tokens(tiny_vocab_dir: str) -> None:
+    """On 12 tokens the specials (bos/eos/pad) are sampled often: they show only when asked for."""
+    llm = LLM(model=tiny_vocab_dir, dtype="float32", max_model_len=128, seed=0)
+    texts = {}
+    for skip in (True, False):
+        sp = SamplingParams(max_tokens=40, ignore_eos=True, seed=2, skip_special_tokens=skip)
+        c = llm.generate([[3, 4, 5]], sp, use_tqdm=False)[0].outputs[0]
+        assert any(t in (0, 1, 2) for t in c.token_ids), "seed 2 should sample a special token"
+        texts[skip] = c.text
+    assert "<|" not in texts[True]
+    assert "<|" in texts[False]
+
+
+def test_max_tokens_none_runs_to_max_model_len(tiny_llama_dir: str) -> None:
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=64)
+    prompt = random_prompts(1, VOCAB, [50], seed=64)[0]
+    c = llm.generate([prompt], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(c.token_ids) == 64 - 50
+    assert c.finish_reason == "length"
 
 
 def test_detokenize_false(llm: LLM) -> None:
@@ -163,9 +200,7 @@ def test_metrics_count_tokens_and_requests(tiny_llama_dir: str) -> None:
     assert before["pagedllm:kv_cache_usage_perc"] == 0
 
     prompts = random_prompts(4, VOCAB, [3, 10, 20, 40], seed=61)
-    outs = llm.generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True), use_tqdm=False
-    )
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True), use_tqdm=False)
     after = metric_values(llm)
     assert after["pagedllm:prompt_tokens"] - before["pagedllm:prompt_tokens"] == sum(map(len, prompts))
     assert after["pagedllm:generation_tokens"] - before["pagedllm:generation_tokens"] == 7 * len(outs)
