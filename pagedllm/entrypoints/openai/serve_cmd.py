@@ -60,7 +60,7 @@ def resolve_model(args: argparse.Namespace) -> str | None:
     except ImportError:
         return None
     path = default_model_path()
-    return str(path) if path is not None and os.path.exists(path) else None
+    return str(path) if path and os.path.exists(os.path.join(path, "config.json")) else None
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -78,6 +78,8 @@ def run_server(args: argparse.Namespace) -> int:
         print("pagedllm serve: no model given and the bundled demo model is not installed; "
               "pass a model directory: pagedllm serve PATH", file=sys.stderr)
         return 2
+    if args.model_tag is None and getattr(args, "model", None) is None and not args.served_model_name:
+        args.served_model_name = [os.path.basename(model.rstrip("/"))]  # "pycode-target", not a path
     args.model = model
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         print("pagedllm serve: --max-waiting-requests must be >= 0", file=sys.stderr)
