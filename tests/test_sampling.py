@@ -54,9 +54,7 @@ def test_seeded_request_same_alone_and_batched(llm: LLM) -> None:
 
     again = llm.generate([prompts[3]], seeded, use_tqdm=False)[0].outputs[0]
     assert again.token_ids == alone.token_ids
-    reseeded = SamplingParams(
-        temperature=0.9, top_p=0.95, top_k=40, seed=4321, max_tokens=16, ignore_eos=True
-    )
+    reseeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=4321, max_tokens=16, ignore_eos=True)
     other_seed = llm.generate([prompts[3]], reseeded, use_tqdm=False)[0].outputs[0]
     assert other_seed.token_ids != alone.token_ids, "a different seed should give a different sample"
 
@@ -199,9 +197,7 @@ def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
 
     # min_tokens masks stop tokens until that many tokens exist.
     k = next(i for i in range(1, len(full)) if full[i] not in full[:i])
-    res = llm.generate([prompt], greedy(24, stop_token_ids=[full[k]], min_tokens=k + 3), use_tqdm=False)[
-        0
-    ].outputs[0]
+    res = llm.generate([prompt], greedy(24, stop_token_ids=[full[k]], min_tokens=k + 3), use_tqdm=False)[0].outputs[0]
     assert len(res.token_ids) >= k + 3
     assert full[k] not in res.token_ids[: k + 3]
     assert res.token_ids[:k] == full[:k]
@@ -209,9 +205,7 @@ def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
 
 def test_max_tokens_finishes_with_length(llm: LLM) -> None:
     prompts = random_prompts(3, VOCAB, seed=34)
-    outs = llm.generate(
-        prompts, SamplingParams(temperature=0.8, max_tokens=5, ignore_eos=True), use_tqdm=False
-    )
+    outs = llm.generate(prompts, SamplingParams(temperature=0.8, max_tokens=5, ignore_eos=True), use_tqdm=False)
     for o in outs:
         assert o.finished
         assert len(o.outputs[0].token_ids) == 5
@@ -310,9 +304,7 @@ def test_repetition_penalty_matches_transformers(llm: LLM, tiny_llama_dir: str) 
     ],
     ids=["presence", "frequency", "both"],
 )
-def test_presence_and_frequency_penalties_match_reference(
-    tiny_llm: LLM, tiny_vocab_dir: str, penalties: dict
-) -> None:
+def test_presence_and_frequency_penalties_match_reference(tiny_llm: LLM, tiny_vocab_dir: str, penalties: dict) -> None:
     """vLLM's (OpenAI's) rule: logit -= presence * [count > 0] + frequency * count, over output tokens only.
 
     Greedy on 12 tokens repeats a lot, so the penalties change the path; a step-by-step reference
@@ -331,3 +323,22 @@ def test_presence_and_frequency_penalties_match_reference(
     plain = tiny_llm.generate([prompt], greedy(max_tokens), use_tqdm=False)[0].outputs[0].token_ids
     assert want != plain, "the penalties should change this greedy path, or the test proves nothing"
     assert got == want
+
+
+def test_seeded_n_samples_reproducible_in_a_batch(llm: LLM) -> None:
+    """A seeded request with n=3 gives the same three samples alone and beside other requests."""
+    prompts = random_prompts(4, VOCAB, seed=38)
+    sp = SamplingParams(n=3, temperature=1.0, seed=99, max_tokens=8, ignore_eos=True)
+    alone = [c.token_ids for c in llm.generate([prompts[0]], sp, use_tqdm=False)[0].outputs]
+    others = [SamplingParams(n=2, temperature=1.0, max_tokens=5, ignore_eos=True)] * 3
+    batched = llm.generate(prompts, [sp, *others], use_tqdm=False)
+    assert [c.token_ids for c in batched[0].outputs] == alone
+    assert [len(o.outputs) for o in batched] == [3, 2, 2, 2]
+    assert len({tuple(t) for t in alone}) > 1, "the three samples must not share one generator state"
+
+
+def test_greedy_n_samples_are_identical(llm: LLM) -> None:
+    prompt = random_prompts(1, VOCAB, [21], seed=39)[0]
+    out = llm.generate([prompt], SamplingParams(n=3, temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    single = llm.generate([prompt], greedy(6), use_tqdm=False)[0].outputs[0].token_ids
+    assert [c.token_ids for c in out.outputs] == [single] * 3
