@@ -387,3 +387,21 @@ def test_reset_prefix_cache_empties_the_cache_when_idle(tiny_llama_dir: str) -> 
     assert cached_tokens(llm, prompt) == 0
     assert run(llm, [prompt], GREEDY) == first
     assert_idle(llm)
+
+
+# ---- the benchmark runs (its numbers are not asserted: speed lives in benchmarks) ----
+
+def test_prefix_caching_benchmark_runs(tiny_llama_dir: str, tmp_path) -> None:
+    import json
+
+    from pagedllm.benchmarks.prefix_caching import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--model", tiny_llama_dir, "--prefix-len", "70", "--question-len", "5", "--num-iters", "2",
+                 "--num-iters-warmup", "0", "--max-model-len", "128", "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["num_cached_tokens"] == 64  # the prefix's full blocks
+    assert report["tokens_computed_cached"] == 75 - 64
+    assert len(report["ttft_uncached_all_s"]) == len(report["ttft_cached_all_s"]) == 2
+    assert report["speedup"] > 0
+    assert main(["--model", tiny_llama_dir, "--prefix-len", "200", "--max-model-len", "128"]) == 2
