@@ -449,3 +449,23 @@ def test_bad_configs_are_refused(tiny_llama_dir: str, close_draft_dir: str, tiny
         kwargs["speculative_model"] = tiny_vocab_dir
     with pytest.raises(ValueError, match=field):
         make_llm(tiny_llama_dir, **kwargs)
+
+
+# --- the benchmark runs (its numbers are not asserted: speed lives in benchmarks) ------------------------
+
+
+def test_benchmark_runs_and_writes_json(tiny_llama_dir: str, close_draft_dir: str, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedllm.benchmarks import spec_decode
+
+    out = tmp_path / "spec.json"
+    assert spec_decode.main(["--model", tiny_llama_dir, "--draft-model", close_draft_dir, "--num-prompts", "2",
+                             "--input-len", "24", "--output-len", "8", "-k", "3", "--max-model-len", "256",
+                             "--output-json", str(out)]) == 0
+    assert "tok/pass" in capsys.readouterr().out
+    results = json.loads(out.read_text())["results"]
+    assert {(r["workload"], r["method"]) for r in results} == {
+        (w, m) for w in ("code", "edit") for m in ("plain", "draft_model", "ngram")}
+    for r in results:
+        assert r["num_output_tokens"] == 2 * 8
+        assert 1.0 <= r["tokens_per_pass"] <= 4.0
