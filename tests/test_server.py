@@ -38,14 +38,16 @@ def free_port() -> int:
 class RemoteServer:
     """`pagedllm serve MODEL ...` as a child process, ready once /health answers 200."""
 
-    def __init__(self, model_dir: str, log_dir: Path, extra_args: list[str] | None = None,
-                 api_key: str | None = None) -> None:
+    def __init__(self, model_dir: str | None, log_dir: Path, extra_args: list[str] | None = None,
+                 api_key: str | None = None, served_model_name: str | None = "tiny") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = log_dir / f"server-{self.port}.log"
-        args = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model_dir,
-                "--port", str(self.port), "--served-model-name", "tiny", *ENGINE_FLAGS, *(extra_args or [])]
+        args = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *([model_dir] if model_dir else []),
+                "--port", str(self.port), *ENGINE_FLAGS, *(extra_args or [])]
+        if served_model_name is not None:
+            args += ["--served-model-name", served_model_name]
         if api_key is not None:
             args += ["--api-key", api_key]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import threading
 import time
@@ -174,3 +175,19 @@ def test_sigterm_aborts_what_outlives_the_grace_period(tiny_llama_dir: str,
         status = server.terminate()
     assert "[DONE]" not in result["events"], "1000 tokens take longer than the 0.5 s grace period"
     assert status == 0, server.log()
+
+
+def test_serves_the_bundled_demo_model_by_default(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from pagedllm.assets import default_model_path
+
+    if not os.path.exists(os.path.join(default_model_path(), "config.json")):
+        pytest.skip("the bundled demo model is not installed")
+    server = RemoteServer(None, tmp_path_factory.mktemp("server_demo_logs"), served_model_name=None)
+    try:
+        client = server.client()
+        assert [model.id for model in client.models.list().data] == ["pycode-target"]
+        result = client.completions.create(model="pycode-target", prompt="def add(a, b):", max_tokens=8,
+                                           temperature=0.0)
+        assert result.usage.completion_tokens > 0
+    finally:
+        assert server.terminate() == 0, server.log()
