@@ -13,8 +13,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -57,7 +56,6 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting_requests: int | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace | ServerConfig | None, model_path: str) -> ServerConfig:
