@@ -133,7 +133,9 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted:
             request = self._next_waiting()
             n = request.sampling_params.n if request.is_fork_parent else 1
-            if self.num_running + n > self.config.max_num_seqs:
+            # A parallel-sampling parent needs room for all its samples, unless it would run alone
+            # (n above max_num_seqs must still make progress).
+            if self.num_running + n > self.config.max_num_seqs and self.running:
                 break
             max_cached = request.target_num_tokens - (0 if request.is_fork_parent else 1)
             cached_blocks, num_cached = self.kv.get_computed_blocks(request, max_cached)
