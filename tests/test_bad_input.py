@@ -184,3 +184,17 @@ def test_n_larger_than_max_num_seqs_finishes_or_is_refused(tiny_llama_dir: str) 
         engine.abort_request("n6")
     assert not stuck, "a request with n > max_num_seqs never gets scheduled"
     assert len(finished) == 1 and sorted(c.index for c in finished[0].outputs) == list(range(6))
+
+
+def test_abort_mid_generation_frees_blocks(llm: LLM, expected: list[list[int]]) -> None:
+    engine = llm.llm_engine
+    long = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    engine.add_request("abort-me", GOOD_PROMPTS[2], long)
+    engine.add_request("abort-me-too", GOOD_PROMPTS[1], SamplingParams(n=2, max_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    metrics = metric_values(llm)
+    assert metrics["pagedllm:kv_cache_free_blocks"] < metrics["pagedllm:kv_cache_total_blocks"]
+    engine.abort_request(["abort-me", "abort-me-too"])
+    assert not engine.has_unfinished_requests()
+    assert_healthy(llm, expected)

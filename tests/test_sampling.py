@@ -342,3 +342,25 @@ def test_greedy_n_samples_are_identical(llm: LLM) -> None:
     out = llm.generate([prompt], SamplingParams(n=3, temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
     single = llm.generate([prompt], greedy(6), use_tqdm=False)[0].outputs[0].token_ids
     assert [c.token_ids for c in out.outputs] == [single] * 3
+
+
+def test_min_tokens_holds_back_eos(tiny_llm: LLM) -> None:
+    """eos is frequent on 12 tokens; with min_tokens it may not end a request early."""
+    prompts = [[3 + i % 9, 5, 4] for i in range(30)]
+    sps = [SamplingParams(max_tokens=30, min_tokens=12, seed=i) for i in range(30)]
+    outs = tiny_llm.generate(prompts, sps, use_tqdm=False)
+    for o in outs:
+        c = o.outputs[0]
+        assert len(c.token_ids) >= 12
+        assert EOS_ID not in c.token_ids[:11]
+    assert any(o.outputs[0].finish_reason == "stop" for o in outs), "eos should still end some requests later"
+
+
+def test_zero_logprobs_returns_only_the_chosen_token(llm: LLM) -> None:
+    prompt = random_prompts(1, VOCAB, [9], seed=40)[0]
+    sp = SamplingParams(temperature=1.0, seed=4, max_tokens=4, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert [list(e) for e in c.logprobs] == [[t] for t in c.token_ids]
+    assert out.prompt_logprobs[0] is None
+    assert [list(e) for e in out.prompt_logprobs[1:]] == [[t] for t in prompt[1:]]
