@@ -64,7 +64,6 @@ class LLMEngine:
         num_blocks = self.model_runner.determine_num_blocks()
         self.cache_config.num_blocks = num_blocks
         self.model_runner.allocate_kv_cache(num_blocks)
-        logger.info("KV cache holds at most %d tokens (%d blocks)", num_blocks * args.block_size, num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.model_config.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -123,8 +123,9 @@ class ModelRunner:
         cache = torch.zeros(c.num_hidden_layers, 2, c.num_key_value_heads, num_blocks, self.block_size,
                             c.head_dim, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = list(cache.unbind(0))
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s)", num_blocks, self.block_size,
-                    num_blocks * self.block_size, cache.numel() * cache.element_size() / 2**20, self.kv_dtype)
+        logger.info("KV cache: %d blocks of %d tokens, at most %d cached tokens (%.1f MiB, %s); weights %.1f MiB",
+                    num_blocks, self.block_size, num_blocks * self.block_size,
+                    cache.numel() * cache.element_size() / 2**20, self.kv_dtype, self.weight_bytes() / 2**20)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
