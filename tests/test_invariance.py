@@ -8,6 +8,8 @@ tiny KV pool forces preemption. After all that, every block is back in the free 
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tiny_models import metric_values, random_prompts
 
 from pagedllm import LLM, SamplingParams
@@ -179,4 +181,43 @@ def test_prompt_logprobs_with_prefix_cache_hit(tiny_llama_dir: str) -> None:
         a, b = first.prompt_logprobs[pos], second.prompt_logprobs[pos]
         assert a[prompt[pos]].logprob == pytest.approx(b[prompt[pos]].logprob, abs=1e-5), pos
     assert first.outputs[0].token_ids == second.outputs[0].token_ids
+    assert_no_leaks(llm)
+
+
+@settings(max_examples=16, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    subset=st.lists(st.integers(0, NUM_PROMPTS - 1), min_size=1, max_size=10, unique=True),
+    block_size=st.sampled_from([8, 16, 32]),
+    max_num_batched_tokens=st.integers(4, 96),
+    max_num_seqs=st.integers(1, 8),
+    enable_prefix_caching=st.booleans(),
+    spare_blocks=st.one_of(st.none(), st.integers(0, 6)),
+)
+def test_random_engine_configs_keep_outputs(
+    tiny_llama_dir: str,
+    reference: list[list[int]],
+    subset: list[int],
+    block_size: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    enable_prefix_caching: bool,
+    spare_blocks: int | None,
+) -> None:
+    """Any mix of block size, token budget, sequence cap, caching and (tight) pool size, in any order."""
+    prompts = [PROMPTS[i] for i in subset]
+    num_blocks = None
+    if spare_blocks is not None:
+        need = max(-(-(len(p) + MAX_TOKENS) // block_size) for p in prompts)
+        num_blocks = need + 1 + spare_blocks  # +1 in case the engine keeps a null block aside
+    llm = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        block_size=block_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=enable_prefix_caching,
+        num_gpu_blocks_override=num_blocks,
+    )
+    assert token_ids(llm, prompts) == [reference[i] for i in subset]
     assert_no_leaks(llm)
