@@ -170,6 +170,18 @@ def test_ngram_accepts_tokens_on_a_repetitive_prompt(tmp_path: Path) -> None:
     assert metric_values(llm)["pagedllm:generation_tokens"] >= 40
 
 
+def test_ngram_lookup_rules() -> None:
+    from pagedllm.spec_decode.ngram import NgramProposer
+
+    lookup = NgramProposer(prompt_lookup_min=2, prompt_lookup_max=4)
+    assert lookup.propose_tokens([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]  # longest suffix [1, 2, 3]
+    assert lookup.propose_tokens([8, 1, 2, 5, 6, 7, 1, 2, 9, 9, 1, 2], 2) == [9, 9]  # latest full occurrence
+    assert lookup.propose_tokens([5] * 8, 3) == [5, 5, 5]  # a short loop still proposes k tokens
+    assert lookup.propose_tokens([1, 2, 3, 4, 1, 2], 5) == [3, 4, 1, 2]  # only what exists
+    assert lookup.propose_tokens([1, 2, 3, 1], 3) == []  # a 1-gram match is below prompt_lookup_min
+    assert NgramProposer(1, 1).propose_tokens([1, 2, 3, 1], 3) == [2, 3, 1]
+
+
 # --- sampling: the same distribution as without speculation ---------------------------------------------
 
 

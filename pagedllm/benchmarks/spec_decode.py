@@ -167,9 +167,9 @@ def run_workload(
                     "num_accepted_tokens",
                     "num_emitted_tokens",
                     "num_fully_accepted",
-                    "num_steps",
+                    "num_verify_steps",
                     "num_propose_calls",
-                    "execute_s",
+                    "verify_execute_s",
                     "propose_s",
                 )
             }
@@ -178,7 +178,7 @@ def run_workload(
             result.alpha = d["num_accepted_tokens"] / trials if trials else 0.0
             result.tokens_per_pass = d["num_emitted_tokens"] / d["num_drafts"] if d["num_drafts"] else 1.0
             result.tokens_per_pass_formula = expected_tokens_per_pass(result.alpha, k)
-            result.ms_per_step = 1000 * d["execute_s"] / max(1, d["num_steps"])
+            result.ms_per_step = 1000 * d["verify_execute_s"] / max(1, d["num_verify_steps"])
             result.propose_ms_per_step = 1000 * d["propose_s"] / max(1, d["num_propose_calls"])
             result.predicted_speedup = (
                 result.tokens_per_pass * plain_ms / (result.ms_per_step + result.propose_ms_per_step)

@@ -25,8 +25,9 @@ class NgramProposer:
     prompt_lookup_max: int
 
     def propose_tokens(self, token_ids: list[int], num_tokens: int) -> list[int]:
-        """Up to `num_tokens` tokens that followed the most recent earlier occurrence of the longest
-        matching suffix; [] if no suffix of length >= prompt_lookup_min occurred before."""
+        """Up to `num_tokens` tokens that followed an earlier occurrence of the longest matching suffix (the
+        latest one followed by `num_tokens` tokens, else the earliest); [] if no suffix of length >=
+        prompt_lookup_min occurred before."""
         if num_tokens <= 0:
             return []
         tokens = np.asarray(token_ids[-MAX_LOOKUP_TOKENS:], dtype=np.int64)
@@ -37,8 +38,10 @@ class NgramProposer:
             windows = sliding_window_view(tokens[:-1], n)
             matches = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
             if len(matches):
-                # The most recent occurrence: in loops and edits, the latest context is the best guide.
-                start = int(matches[-1]) + n
+                # The most recent occurrence with a full continuation: in loops and edits the latest context
+                # is the best guide, but in a short loop the very latest one is followed by too few tokens.
+                full = matches[matches + n + num_tokens <= length]
+                start = int(full[-1] if len(full) else matches[0]) + n
                 return tokens[start:start + num_tokens].tolist()
         return []
 

@@ -71,8 +71,10 @@ class SpecDecodeStats:
     drafted_per_pos: list[int] = field(default_factory=list)
     # Wall-clock split, for benchmarks: where a speculative step's time goes.
     num_steps: int = 0             # engine steps (target passes of any kind)
+    num_verify_steps: int = 0      # target passes that verified proposals (no prefill cost mixed in at batch 1)
     num_propose_calls: int = 0     # propose() calls that proposed for at least one request
     execute_s: float = 0.0         # target pass: prepare, forward, sample/verify
+    verify_execute_s: float = 0.0  # the part of execute_s spent in steps that verified proposals
     propose_s: float = 0.0         # proposer: draft passes or n-gram lookups
 
     def __post_init__(self) -> None:
@@ -144,8 +146,12 @@ class SpecDecoder:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
         output = self.target_runner.execute(scheduler_output)
-        self.stats.execute_s += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.stats.execute_s += elapsed
         self.stats.num_steps += 1
+        if output.num_draft_tokens:
+            self.stats.verify_execute_s += elapsed
+            self.stats.num_verify_steps += 1
         return output
 
     def propose(self, running: list[Request]) -> None:
