@@ -301,8 +301,26 @@ def test_chunked_prefill_prefix_caching_and_preemption(tiny_llama_dir: str, clos
         assert metrics["pagedllm:num_preemptions"] > 0
         assert metrics["pagedllm:prefix_cache_hits"] > 0
         assert metrics["pagedllm:spec_decode_num_draft_tokens"] > 0
-        kv = llm.llm_engine.kv_cache_manager
-        assert kv.num_free_blocks == kv.pool.num_blocks
+        for kv in (llm.llm_engine.kv_cache_manager, getattr(llm.llm_engine.spec_decoder.proposer, "kv", None)):
+            assert kv is None or kv.num_free_blocks == kv.pool.num_blocks
+
+
+def test_aborted_request_frees_its_draft_blocks(tiny_llama_dir: str, close_draft_dir: str) -> None:
+    llm = make_llm(tiny_llama_dir, speculative_model=close_draft_dir, num_speculative_tokens=K)
+    engine = llm.llm_engine
+    draft_kv = engine.spec_decoder.proposer.kv
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    engine.add_request("a", random_prompts(1, VOCAB, lengths=[20], seed=17)[0], params)
+    engine.add_request("b", random_prompts(1, VOCAB, lengths=[9], seed=18)[0], params)
+    for _ in range(3):
+        engine.step()
+    assert draft_kv.get_block_ids("a") and draft_kv.get_block_ids("b")
+    engine.abort_request("a")
+    engine.step()
+    assert not draft_kv.get_block_ids("a") and draft_kv.get_block_ids("b")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert draft_kv.num_free_blocks == draft_kv.pool.num_blocks
 
 
 def test_stops_and_limits_are_never_overrun(same_llm: LLM, base_llm: LLM) -> None:
