@@ -153,22 +153,29 @@ def test_unseeded_n_samples_match_softmax(tiny_llm: LLM, tiny_vocab_dir: str) ->
 # --- finish reasons -------------------------------------------------------------------------------------
 
 
-def _ascii_stop_candidate(text: str) -> tuple[int, str] | None:
-    """A 2-character alphanumeric ASCII substring first occurring after position 0, with clean text before."""
-    for i in range(1, len(text) - 2):
-        cand = text[i : i + 2]
-        if cand.isascii() and cand.isalnum() and text.find(cand) == i and text[: i + 2].isascii():
+def _stop_candidate(text: str, length: int = 2) -> tuple[int, str] | None:
+    """A printable substring of `length` first occurring after position 0.
+
+    Random tokens decode to text with U+FFFD for invalid bytes; those are final (no later byte completes
+    them), so the text before the cut is the same whether or not generation stops there.
+
+    Length 2 usually sits inside one token; length 6 usually spans several, so the match only completes
+    on a later token than the one where it starts."""
+    for i in range(1, len(text) - length):
+        cand = text[i : i + length]
+        if cand.isprintable() and cand.strip() == cand and text.find(cand) == i and "\ufffd" not in cand:
             return i, cand
     return None
 
 
-def test_stop_strings(llm: LLM) -> None:
-    prompts = random_prompts(6, VOCAB, seed=32)
+@pytest.mark.parametrize("length", [2, 6])
+def test_stop_strings(llm: LLM, length: int) -> None:
+    prompts = random_prompts(10, VOCAB, seed=32)
     full = llm.generate(prompts, greedy(24), use_tqdm=False)
     checked = 0
     for prompt, out in zip(prompts, full):
         text = out.outputs[0].text
-        found = _ascii_stop_candidate(text)
+        found = _stop_candidate(text, length)
         if found is None:
             continue
         pos, stop = found
@@ -176,6 +183,8 @@ def test_stop_strings(llm: LLM) -> None:
         assert res.finish_reason == "stop"
         assert res.stop_reason == stop
         assert res.text == text[:pos], "the stop string and what follows must be cut"
+        assert res.token_ids == out.outputs[0].token_ids[: len(res.token_ids)]
+        assert len(res.token_ids) < len(out.outputs[0].token_ids), "generation ends at the stop string"
         kept = llm.generate([prompt], greedy(24, stop=stop, include_stop_str_in_output=True), use_tqdm=False)
         assert kept[0].outputs[0].text == text[: pos + len(stop)]
         assert kept[0].outputs[0].finish_reason == "stop"
@@ -183,7 +192,7 @@ def test_stop_strings(llm: LLM) -> None:
         two = llm.generate([prompt], greedy(24, stop=["\x00never\x00", stop]), use_tqdm=False)[0].outputs[0]
         assert two.text == text[:pos] and two.stop_reason == stop
         checked += 1
-    assert checked >= 2, "too few prompts produced ASCII text to cut"
+    assert checked >= 2, "too few prompts produced printable text to cut"
 
 
 def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
