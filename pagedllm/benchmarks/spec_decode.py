@@ -225,6 +225,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = add_cli_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0])).parse_args(argv)
+    return run_spec_decode_cmd(args)
+
+
+def run_spec_decode_cmd(args: argparse.Namespace) -> int:
+    """The whole benchmark from parsed flags (what `pagedllm bench spec-decode` would call)."""
     for flag, path in (("--model", args.model), ("--draft-model", args.draft_model)):
         if ("draft_model" in args.methods or flag == "--model") and not Path(path, "config.json").is_file():
             raise SystemExit(f"{flag}: no model at {path} (train or pass one)")
