@@ -131,14 +131,16 @@ class SpecDecoder:
         # q of the current proposals, per request (draft model, non-greedy requests only).
         self.draft_probs: dict[str, torch.Tensor] = {}
         self.adaptive = config.adaptive_num_speculative_tokens
-        # Cost of one draft token relative to a target pass. Steps here are dominated by per-operator
-        # overhead (FACTS.md), so the ratio of layer counts is a fair, deterministic estimate.
-        if config.method == "ngram":
-            self.draft_cost_per_token = NGRAM_COST_PER_TOKEN
+        # Cost of one draft token relative to a target pass, fixed at start-up so that k never depends on
+        # timing (a seeded request must stay reproducible). A small model's step is part per-operator
+        # overhead (in proportion to layers, FACTS.md) and part weight reads (in proportion to bytes): take
+        # the geometric mean of the two ratios (on the demo pair it is 0.19; measured here 0.15-0.2).
+        if isinstance(self.proposer, DraftModelProposer):
+            layer_ratio = self.proposer.runner.model_config.num_hidden_layers / engine.model_config.num_hidden_layers
+            byte_ratio = self.proposer.runner.weight_bytes() / self.target_runner.weight_bytes()
+            self.draft_cost_per_token = (layer_ratio * byte_ratio) ** 0.5
         else:
-            assert config.draft_model_config is not None
-            self.draft_cost_per_token = (config.draft_model_config.num_hidden_layers
-                                         / engine.model_config.num_hidden_layers)
+            self.draft_cost_per_token = NGRAM_COST_PER_TOKEN
         self.acceptance: dict[str, list[float]] = {}  # request id -> [decayed accepted, decayed trials]
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
 
