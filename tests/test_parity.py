@@ -38,6 +38,10 @@ ARCH_CASES: dict[str, dict[str, Any]] = {
         arch="llama", rope_scaling=LLAMA3_SCALING, rope_theta=500000.0, rope_spelling="legacy", seed=13
     ),
     "llama_linear_rope": dict(arch="llama", rope_scaling={"rope_type": "linear", "factor": 2.0}, seed=14),
+    # transformers-4-era config.json: rope_scaling {"type": ...}, torch_dtype, no head_dim.
+    "llama_linear_rope_legacy_type": dict(
+        arch="llama", rope_scaling={"type": "linear", "factor": 2.0}, rope_spelling="legacy", seed=18
+    ),
     "mistral": dict(arch="mistral", seed=15),
     "qwen2_bias_tied": dict(arch="qwen2", tie_word_embeddings=True, seed=16),
     "qwen3_qk_norm": dict(arch="qwen3", head_dim=32, seed=17),
@@ -65,9 +69,7 @@ def test_greedy_parity_with_transformers(case: str, tmp_path_factory: pytest.Tem
     prompts = random_prompts(len(PROMPT_LENGTHS), vocab_size, PROMPT_LENGTHS, seed=ARCH_CASES[case]["seed"])
 
     llm = LLM(model=model_dir, dtype="float32", seed=0)
-    params = SamplingParams(
-        temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=NUM_LOGPROBS
-    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=NUM_LOGPROBS)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert len(outputs) == len(prompts)
 
@@ -101,9 +103,7 @@ def test_prompt_logprobs_match_transformers(tmp_path_factory: pytest.TempPathFac
     prompt = random_prompts(1, 512, [90], seed=21)[0]
     # A small token budget splits the prefill into chunks; logprobs must not depend on that.
     llm = LLM(model=model_dir, dtype="float32", max_num_batched_tokens=32, max_num_seqs=4, max_model_len=256)
-    out = llm.generate(
-        [prompt], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2), use_tqdm=False
-    )[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
     want = torch.log_softmax(hf_logits(model_dir, prompt), dim=-1)
     assert out.prompt_logprobs is not None
     assert len(out.prompt_logprobs) == len(prompt)

@@ -143,6 +143,8 @@ def _rope_parameters(rope_theta: float, rope_scaling: dict[str, Any] | None) -> 
     params: dict[str, Any] = {"rope_type": "default"}
     if rope_scaling:
         params.update(rope_scaling)
+        if "type" in params:  # the pre-2024 spelling of rope_type
+            params["rope_type"] = params.pop("type")
     params["rope_theta"] = rope_theta
     return params
 
@@ -172,8 +174,10 @@ def build_model(
 ) -> str:
     """Build a random-weight checkpoint of `arch` in `dir` and return `str(dir)`.
 
-    `rope_spelling="legacy"` rewrites config.json to the top-level `rope_theta` / `rope_scaling` keys
-    that most published checkpoints use (transformers 5 writes `rope_parameters`).
+    `rope_spelling="legacy"` rewrites config.json as transformers 4 wrote it, as most published
+    checkpoints are: top-level `rope_theta` and `rope_scaling` (exactly the dict passed, so
+    {"type": "linear", ...} keeps the older `type` key), `torch_dtype` instead of `dtype`, and no
+    `head_dim` when it is hidden_size // num_attention_heads. transformers 5 writes `rope_parameters`.
     `attention_bias=None` means the architecture's usual choice (qkv bias for qwen2 only).
     `tokenizer="word"` uses a WordLevel tokenizer of `vocab_size` ids (tiny-vocabulary models).
     """
@@ -232,7 +236,7 @@ def build_model(
     model.save_pretrained(str(dir), safe_serialization=True)
 
     if rope_spelling == "legacy":
-        _rewrite_rope_legacy(dir / "config.json")
+        _rewrite_config_legacy(dir / "config.json", rope_scaling)
     return str(dir)
 
 
@@ -252,14 +256,15 @@ def _randomize_(model: torch.nn.Module, std: float, seed: int) -> None:
         model.tie_weights()
 
 
-def _rewrite_rope_legacy(config_path: Path) -> None:
+def _rewrite_config_legacy(config_path: Path, rope_scaling: dict[str, Any] | None) -> None:
     cfg = json.loads(config_path.read_text())
     rope = dict(cfg.pop("rope_parameters", None) or {})
     cfg["rope_theta"] = rope.pop("rope_theta", 10000.0)
-    if rope.get("rope_type", "default") == "default":
-        cfg["rope_scaling"] = None
-    else:
-        cfg["rope_scaling"] = rope
+    cfg["rope_scaling"] = dict(rope_scaling) if rope_scaling else None
+    if "dtype" in cfg:
+        cfg["torch_dtype"] = cfg.pop("dtype")
+    if cfg.get("head_dim") == cfg["hidden_size"] // cfg["num_attention_heads"]:
+        del cfg["head_dim"]
     config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
