@@ -125,3 +125,25 @@ def test_bfloat16_runs_close_to_transformers(tmp_path_factory: pytest.TempPathFa
     token = out.outputs[0].token_ids[0]
     # bf16 has 8 mantissa bits; a two-layer toy keeps the error near 1e-2 in logprob.
     assert out.outputs[0].logprobs[0][token].logprob == pytest.approx(want[token].item(), abs=0.15)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["dtype_key", "torch_dtype_key"])
+def test_dtype_auto_follows_the_checkpoint(tmp_path_factory: pytest.TempPathFactory, legacy: bool) -> None:
+    """dtype="auto" runs in the checkpoint's dtype (config `dtype`, or `torch_dtype` in older files)."""
+    model_dir = build_model(
+        tmp_path_factory.mktemp("bf16ckpt"),
+        "llama",
+        dtype=torch.bfloat16,
+        seed=23,
+        rope_spelling="legacy" if legacy else "new",
+    )
+    prompt = random_prompts(1, 512, [30], seed=23)[0]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
+
+    def first_logprobs(dtype: str) -> dict[int, float]:
+        out = LLM(model=model_dir, dtype=dtype).generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+        return {t: lp.logprob for t, lp in out.logprobs[0].items()}
+
+    auto = first_logprobs("auto")
+    assert auto == first_logprobs("bfloat16")
+    assert auto != first_logprobs("float32"), "fp32 and bf16 runs should not agree to the last bit"
