@@ -198,3 +198,11 @@ def test_abort_mid_generation_frees_blocks(llm: LLM, expected: list[list[int]]) 
     engine.abort_request(["abort-me", "abort-me-too"])
     assert not engine.has_unfinished_requests()
     assert_healthy(llm, expected)
+
+
+def test_longest_allowed_prompt(llm: LLM, expected: list[list[int]]) -> None:
+    """max_model_len - 1 prompt tokens leave room for exactly one new token."""
+    prompt = random_prompts(1, VOCAB, [MAX_MODEL_LEN - 1], seed=52)[0]
+    c = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)[0].outputs[0]
+    assert len(c.token_ids) == 1
+    assert_healthy(llm, expected)

@@ -7,6 +7,8 @@ model's chat template; outputs carry vLLM's fields; metrics count what was done.
 from __future__ import annotations
 
 import dataclasses
+import shutil
+from pathlib import Path
 
 import pytest
 from tiny_models import metric_values, random_prompts
@@ -215,3 +217,13 @@ def test_llm_engine_and_reset_prefix_cache(llm: LLM) -> None:
     first = ids_of(llm.generate([prompt], GREEDY, use_tqdm=False))
     llm.reset_prefix_cache()
     assert ids_of(llm.generate([prompt], GREEDY, use_tqdm=False)) == first
+
+
+def test_chat_without_template_is_a_value_error(tiny_llama_dir: str, tmp_path: Path) -> None:
+    model_dir = tmp_path / "no_template"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    (model_dir / "chat_template.jinja").unlink()
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=128)
+    with pytest.raises(ValueError, match="(?i)chat.?template"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)
+    assert len(llm.generate(TEXTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 6
