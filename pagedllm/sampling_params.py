@@ -73,7 +73,8 @@ class SamplingParams:
         check(all(isinstance(s, str) and s for s in self.stop), "stop must contain only non-empty strings.")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
               "stop_token_ids must contain only non-negative integers.")
-        check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}.")
+        check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63),
+              f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}.")
 
     @property
     def greedy(self) -> bool:

@@ -106,7 +106,7 @@ def make_child(parent: Request, index: int) -> Request:
     params = parent.sampling_params.clone()
     params.n = 1
     if params.seed is not None:
-        params.seed += index
+        params.seed = (params.seed + index + 2**63) % 2**64 - 2**63  # stays a valid torch seed
     child = Request(request_id=f"{index}_{parent.request_id}", prompt_token_ids=parent.prompt_token_ids,
                     sampling_params=params, arrival_time=parent.arrival_time, prompt=parent.prompt,
                     parent_id=parent.request_id, index=index)
