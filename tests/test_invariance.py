@@ -221,3 +221,35 @@ def test_random_engine_configs_keep_outputs(
     )
     assert token_ids(llm, prompts) == [reference[i] for i in subset]
     assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no_prefix_cache", "prefix_cache"])
+def test_logprobs_survive_preemption(tiny_llama_dir: str, prefix_caching: bool) -> None:
+    """A preempted request is recomputed: its logprobs and prompt_logprobs are neither lost nor doubled."""
+    prompts = PROMPTS[:12]
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    roomy = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False)
+    want = roomy.generate(prompts, sp, use_tqdm=False)
+    need = max(-(-(len(p) + MAX_TOKENS) // 16) for p in prompts)
+    tight = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        num_gpu_blocks_override=need + 2,
+        enable_prefix_caching=prefix_caching,
+    )
+    got = tight.generate(prompts, sp, use_tqdm=False)
+    assert metric_values(tight)["pagedllm:num_preemptions"] > 0
+    for prompt, a, b in zip(prompts, got, want):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert ca.token_ids == cb.token_ids
+        assert len(ca.logprobs) == len(ca.token_ids)
+        for ea, eb in zip(ca.logprobs, cb.logprobs):
+            assert ea.keys() == eb.keys()
+            for t in ea:
+                assert ea[t].logprob == pytest.approx(eb[t].logprob, abs=1e-5)
+        assert len(a.prompt_logprobs) == len(prompt)
+        for pos in range(1, len(prompt)):
+            t = prompt[pos]
+            assert a.prompt_logprobs[pos][t].logprob == pytest.approx(b.prompt_logprobs[pos][t].logprob, abs=1e-5)
+    assert_no_leaks(tight)

@@ -101,20 +101,22 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 def filtered_probs(
     logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
 ) -> torch.Tensor:
-    """The distribution vLLM samples from: temperature, then top-k, top-p and min-p filters, renormalized."""
+    """The distribution vLLM (V1) samples from, in its order: temperature; min-p against the full
+    distribution; top-k; then top-p over what top-k left, renormalized. The order matters when combined."""
     probs = torch.softmax(logits.double() / temperature, dim=-1)
-    keep = torch.ones_like(probs, dtype=torch.bool)
+    if min_p > 0.0:
+        probs = torch.where(probs >= min_p * probs.max(), probs, torch.zeros_like(probs))
+        probs = probs / probs.sum()
     order = torch.argsort(probs, descending=True)
     if top_k > 0:
-        keep[order[top_k:]] = False
+        probs[order[top_k:]] = 0.0
+        probs = probs / probs.sum()
     if top_p < 1.0:
         sorted_probs = probs[order]
         mass_before = torch.cumsum(sorted_probs, 0) - sorted_probs  # mass of strictly better tokens
-        keep[order[mass_before >= top_p]] = False
-    if min_p > 0.0:
-        keep &= probs >= min_p * probs.max()
-    probs = torch.where(keep, probs, torch.zeros_like(probs))
-    return probs / probs.sum()
+        probs[order[mass_before >= top_p]] = 0.0
+        probs = probs / probs.sum()
+    return probs
 
 
 @pytest.mark.parametrize(
@@ -125,8 +127,10 @@ def filtered_probs(
         dict(temperature=1.0, top_k=3),
         dict(temperature=1.0, top_p=0.7),
         dict(temperature=1.0, min_p=0.1),
+        dict(temperature=1.0, top_k=100),  # larger than the vocabulary: no filtering
+        dict(temperature=1.5, top_k=5, top_p=0.8, min_p=0.05),
     ],
-    ids=["t1", "t0.6", "top_k3", "top_p0.7", "min_p0.1"],
+    ids=["t1", "t0.6", "top_k3", "top_p0.7", "min_p0.1", "top_k_over_vocab", "all_filters"],
 )
 def test_first_token_frequencies_match_softmax(tiny_llm: LLM, tiny_vocab_dir: str, params: dict) -> None:
     prompt = [3, 4, 5, 6]
