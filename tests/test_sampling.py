@@ -262,13 +262,13 @@ def test_n_returns_indexed_samples(llm: LLM) -> None:
     assert len({tuple(c.token_ids) for c in out[0].outputs}) > 1, "3 samples at temperature 1 all equal"
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.5])
 def test_logprobs_shape_and_values(llm: LLM, tiny_llama_dir: str, temperature: float) -> None:
     prompt = random_prompts(1, VOCAB, [10], seed=36)[0]
     sp = SamplingParams(temperature=temperature, seed=5, max_tokens=6, ignore_eos=True, logprobs=3)
     c = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
     assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids) == 6
-    # The engine reports the model's distribution (vLLM's raw logprobs), position by position.
+    # The engine reports the model's own distribution, before temperature (vLLM V1's raw logprobs).
     want = torch.log_softmax(hf_logits(tiny_llama_dir, prompt + list(c.token_ids))[len(prompt) - 1 : -1], -1)
     total = 0.0
     for pos, (token, entry) in enumerate(zip(c.token_ids, c.logprobs)):
