@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -45,6 +46,8 @@ class PrefixCachingResult:
     ttft_uncached_s: float  # medians over iterations
     ttft_cached_s: float
     speedup: float  # ttft_uncached / ttft_cached
+    cpu_uncached_s: float  # process CPU time of the whole request: steadier than wall time on a shared box
+    cpu_cached_s: float
     num_cached_tokens: int  # prefix-cache hit of each cached request (full blocks of the prefix)
     tokens_computed_uncached: int
     tokens_computed_cached: int
@@ -84,15 +87,17 @@ def _random_ids(num_tokens: int, vocab_size: int, generator: torch.Generator) ->
     return torch.randint(low, vocab_size, (num_tokens,), generator=generator).tolist()
 
 
-def _ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
-    """(time to first token, prefix-cache hit in tokens) of one request run alone."""
+def _ttft(llm: Any, prompt: list[int]) -> tuple[float, float, int]:
+    """(time to first token, CPU seconds, prefix-cache hit in tokens) of one request run alone."""
     from pagedllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    cpu_start = time.process_time()
     output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    cpu_s = time.process_time() - cpu_start
     metrics = output.metrics
     assert metrics is not None and metrics.first_token_time is not None
-    return metrics.first_token_time - metrics.arrival_time, output.num_cached_tokens
+    return metrics.first_token_time - metrics.arrival_time, cpu_s, output.num_cached_tokens
 
 
 def run_prefix_caching(llm: Any, model: str, prefix_len: int, question_len: int = DEFAULT_QUESTION_LEN,
@@ -110,17 +115,21 @@ def run_prefix_caching(llm: Any, model: str, prefix_len: int, question_len: int 
 
     uncached: list[float] = []
     cached: list[float] = []
+    cpu_uncached: list[float] = []
+    cpu_cached: list[float] = []
     hits: list[int] = []
     for i in range(num_warmup + num_iters):
         cold_question, warm_question = (_random_ids(question_len, vocab_size, generator) for _ in range(2))
         if not llm.reset_prefix_cache():
             raise RuntimeError("reset_prefix_cache refused: the engine still holds requests")
-        cold_s, cold_hit = _ttft(llm, prefix + cold_question)
+        cold_s, cold_cpu_s, cold_hit = _ttft(llm, prefix + cold_question)
         assert cold_hit == 0, "the uncached request hit the cache"
-        warm_s, warm_hit = _ttft(llm, prefix + warm_question)
+        warm_s, warm_cpu_s, warm_hit = _ttft(llm, prefix + warm_question)
         if i >= num_warmup:
             uncached.append(cold_s)
             cached.append(warm_s)
+            cpu_uncached.append(cold_cpu_s)
+            cpu_cached.append(warm_cpu_s)
             hits.append(warm_hit)
     prompt_len = prefix_len + question_len
     ttft_uncached, ttft_cached = statistics.median(uncached), statistics.median(cached)
@@ -136,6 +145,8 @@ def run_prefix_caching(llm: Any, model: str, prefix_len: int, question_len: int 
         ttft_uncached_s=ttft_uncached,
         ttft_cached_s=ttft_cached,
         speedup=ttft_uncached / ttft_cached,
+        cpu_uncached_s=statistics.median(cpu_uncached),
+        cpu_cached_s=statistics.median(cpu_cached),
         num_cached_tokens=min(hits),
         tokens_computed_uncached=prompt_len,
         tokens_computed_cached=prompt_len - min(hits),
@@ -148,10 +159,13 @@ def format_prefix_caching(r: PrefixCachingResult) -> str:
     rows = [
         ("model", f"{r.model} ({r.dtype}, {r.device}, {r.num_threads} threads, block_size {r.block_size})"),
         ("prompt", f"{r.prefix_len}-token shared prefix + {r.question_len}-token question, 1 output token"),
-        ("", "TTFT (median)      tokens computed"),
-        ("uncached", f"{r.ttft_uncached_s * 1e3:>10,.1f} ms   {r.tokens_computed_uncached:>10,}"),
-        ("prefix cached", f"{r.ttft_cached_s * 1e3:>10,.1f} ms   {r.tokens_computed_cached:>10,}"),
-        ("ratio uncached/cached", f"{r.speedup:>10,.1f}x   (median of {r.num_iters} interleaved pairs)"),
+        ("", "TTFT (median)   CPU time (median)   tokens computed"),
+        ("uncached", f"{r.ttft_uncached_s * 1e3:>10,.1f} ms   {r.cpu_uncached_s * 1e3:>12,.1f} ms   "
+                     f"{r.tokens_computed_uncached:>10,}"),
+        ("prefix cached", f"{r.ttft_cached_s * 1e3:>10,.1f} ms   {r.cpu_cached_s * 1e3:>12,.1f} ms   "
+                          f"{r.tokens_computed_cached:>10,}"),
+        ("ratio uncached/cached", f"{r.speedup:>10,.1f}x   {r.cpu_uncached_s / r.cpu_cached_s:>12,.1f}x"
+                                  f"      (medians of {r.num_iters} interleaved pairs)"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
