@@ -48,11 +48,16 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin_cache", emb.sin().to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for a step's positions, [T, 1, D]; looked up once per step, used by every layer."""
+        return (self.cos_cache.index_select(0, positions).unsqueeze(1),
+                self.sin_cache.index_select(0, positions).unsqueeze(1))
+
+    @staticmethod
+    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, Hq, D], k: [T, Hkv, D]; rotate-half (non-interleaved) layout, as in Llama.
-        cos = self.cos_cache.index_select(0, positions).unsqueeze(1)
-        sin = self.sin_cache.index_select(0, positions).unsqueeze(1)
+        cos, sin = cos_sin
         return _apply(q, cos, sin), _apply(k, cos, sin)
 
 
