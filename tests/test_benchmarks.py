@@ -42,10 +42,7 @@ def test_random_dataset_has_exact_lengths_and_no_special_tokens(tokenizer: Any) 
     special = set(tokenizer.all_special_ids)
     assert all(len(r.prompt_token_ids) == 12 and not special & set(r.prompt_token_ids) for r in requests)
     assert len({tuple(r.prompt_token_ids) for r in requests}) == 5
-    assert (
-        get_requests("random", tokenizer, 5, 12, 7, seed=3)[0].prompt_token_ids
-        == requests[0].prompt_token_ids
-    )
+    assert get_requests("random", tokenizer, 5, 12, 7, seed=3)[0].prompt_token_ids == requests[0].prompt_token_ids
 
 
 def test_sharegpt_like_lengths_are_seeded_and_skewed() -> None:
@@ -139,9 +136,7 @@ def test_bench_throughput_against_transformers(
     assert hf["generated_tokens"] >= hf["output_tokens"] and ours["generated_tokens"] is None
     for result in (ours, hf):
         assert result["num_requests"] == 6 and result["elapsed_s"] > 0 and result["output_tokens_per_s"] > 0
-    assert report["ratio_output_tokens_per_s"] == pytest.approx(
-        ours["output_tokens_per_s"] / hf["output_tokens_per_s"]
-    )
+    assert report["ratio_output_tokens_per_s"] == pytest.approx(ours["output_tokens_per_s"] / hf["output_tokens_per_s"])
 
 
 def test_bench_latency_reports_roofline_fraction(
@@ -174,14 +169,8 @@ def test_bench_latency_reports_roofline_fraction(
         assert needle in table
     report = json.loads(out.read_text())
     assert report["num_iters"] == 2 and len(report["ttft_all_s"]) == 2 and report["dtype"] == "float32"
-    assert (
-        report["ttft_s"] > 0
-        and report["decode_tokens_per_s"] > 0
-        and report["memory_bandwidth_bytes_per_s"] > 0
-    )
-    assert report["roofline_fraction"] == pytest.approx(
-        report["decode_tokens_per_s"] / report["roofline_tokens_per_s"]
-    )
+    assert report["ttft_s"] > 0 and report["decode_tokens_per_s"] > 0 and report["memory_bandwidth_bytes_per_s"] > 0
+    assert report["roofline_fraction"] == pytest.approx(report["decode_tokens_per_s"] / report["roofline_tokens_per_s"])
     assert report["roofline_tokens_per_s"] == pytest.approx(
         report["memory_bandwidth_bytes_per_s"] / report["bytes_per_token"]
     )
@@ -289,9 +278,7 @@ def test_bench_serve_against_a_stub_server(
     # every request met the generous SLOs, so goodput equals the request throughput
     assert report["goodput"] == pytest.approx(report["request_throughput"])
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
-        assert (
-            set(report[name]) >= {"mean", "median", "p99"} and report[name]["p99"] >= report[name]["median"]
-        )
+        assert set(report[name]) >= {"mean", "median", "p99"} and report[name]["p99"] >= report[name]["median"]
     assert out_png.read_bytes()[:4] == b"\x89PNG"
     body = stub_server.bodies[0]
     assert body["stream"] is True and body["ignore_eos"] is True and body["max_tokens"] == 6
@@ -348,3 +335,15 @@ def test_bench_serve_against_pagedllm_serve(
         assert report["ttft_ms"]["median"] > 0
     finally:
         server.terminate()
+
+
+@pytest.mark.parametrize(
+    "name, module",
+    [("spec-decode", "pagedllm.benchmarks.spec_decode"), ("prefix-caching", "pagedllm.benchmarks.prefix_caching")],
+)
+def test_other_benchmarks_are_wired_into_pagedllm_bench(name: str, module: str) -> None:
+    pytest.importorskip(module)
+    from pagedllm.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["bench", name, "--output-json", "x.json"])
+    assert callable(args.func) and args.func.__module__ == module

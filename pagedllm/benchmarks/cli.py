@@ -169,7 +169,40 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     serve.add_argument("--output-json")
     serve.add_argument("--plot", help="PNG of the latency distributions")
     serve.set_defaults(func=run_serve_cmd)
+    _add_other_benchmarks(bench)
     return parser
+
+
+# Benchmarks that live in their own modules (built by others), wired in by name: sub-command ->
+# (module, function adding its flags, function running it, help).
+OTHER_BENCHMARKS = {
+    "spec-decode": (
+        "pagedllm.benchmarks.spec_decode",
+        "add_cli_args",
+        "run_spec_decode_cmd",
+        "speculative decoding at batch 1 against plain decoding",
+    ),
+    "prefix-caching": (
+        "pagedllm.benchmarks.prefix_caching",
+        "add_cli_args",
+        "run_cmd",
+        "time to first token with a cached long prefix against without",
+    ),
+}
+
+
+def _add_other_benchmarks(bench: argparse._SubParsersAction) -> None:
+    import importlib
+
+    for name, (module_name, add_args, run, help_text) in OTHER_BENCHMARKS.items():
+        try:
+            module = importlib.import_module(module_name)
+            add_fn, run_fn = getattr(module, add_args), getattr(module, run)
+        except (ImportError, AttributeError):
+            continue  # not built (yet): the other sub-commands still work
+        sub = bench.add_parser(name, help=help_text, description=(module.__doc__ or help_text).split("\n\n")[0])
+        add_fn(sub)
+        sub.set_defaults(func=run_fn)
 
 
 def _fail(message: str) -> int:

@@ -72,9 +72,12 @@ def run_hf(
     model: str, requests: list[SampleRequest], dtype: torch.dtype, batch_size: int = 16, device: str = "cpu"
 ) -> ThroughputResult:
     """The same requests through transformers' generate in static, left-padded batches."""
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf_model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+    # transformers 5 renamed torch_dtype to dtype; 4.x would not apply an unknown `dtype`
+    dtype_kwarg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    hf_model = AutoModelForCausalLM.from_pretrained(model, **{dtype_kwarg: dtype}).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
 
