@@ -339,6 +339,22 @@ def test_parallel_sampling_shares_prompt_blocks(tiny_llama_dir: str, prompt_len:
     assert_idle(llm)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8"])
+def test_copy_on_write_with_low_precision_kv_cache(tiny_llama_dir: str, kv_cache_dtype: str) -> None:
+    """The block copy also works on 2- and 1-byte caches (fp8 copies raw bytes): seeded samples of a
+    fork equal separate requests on the same cache dtype."""
+    n, seed = 3, 11
+    prompt = random_prompts(1, VOCAB, [4 * BLOCK + 9], seed=52)[0]
+    llm = make_llm(tiny_llama_dir, kv_cache_dtype=kv_cache_dtype)
+    params = SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=5, ignore_eos=True)
+    with recording(llm.llm_engine) as scheduled:
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert sum(len(s.blocks_to_copy) for s in scheduled) == n - 1
+    singles = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=5, ignore_eos=True) for i in range(n)]
+    assert [list(c.token_ids) for c in out.outputs] == run(llm, [prompt] * n, singles)
+    assert_idle(llm)
+
+
 # ---- longest-prefix-match scheduling ----
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
