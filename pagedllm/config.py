@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from pagedllm.platform import cpu_has_native
+
 logger = logging.getLogger(__name__)
 
 _STR_TO_DTYPE = {
@@ -21,11 +23,18 @@ _STR_TO_DTYPE = {
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-def resolve_dtype(name: str | torch.dtype, config_dtype: str | None) -> torch.dtype:
+def resolve_dtype(name: str | torch.dtype, config_dtype: str | None,
+                  device: torch.device | None = None) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
     if name == "auto":
-        return _STR_TO_DTYPE.get(str(config_dtype), torch.float32) if config_dtype else torch.float32
+        dtype = _STR_TO_DTYPE.get(str(config_dtype), torch.float32) if config_dtype else torch.float32
+        if device is not None and device.type == "cpu" and not cpu_has_native(dtype):
+            # The checkpoint's half precision would be emulated here, several times slower than fp32.
+            logger.info("dtype=auto: this CPU has no native %s matmul; running in float32 "
+                        "(pass dtype=%r to force it)", dtype, str(dtype).removeprefix("torch."))
+            return torch.float32
+        return dtype
     if name not in _STR_TO_DTYPE:
         raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {name!r}.")
     return _STR_TO_DTYPE[name]
@@ -90,8 +99,8 @@ class ModelConfig:
     bos_token_id: int | None = None
 
     @classmethod
-    def from_pretrained(cls, model: str, dtype: str | torch.dtype = "auto",
-                        max_model_len: int | None = None) -> ModelConfig:
+    def from_pretrained(cls, model: str, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
+                        device: torch.device | None = None) -> ModelConfig:
         from pagedllm.models.registry import resolve_architecture
 
         if not os.path.isdir(model):
@@ -124,7 +133,7 @@ class ModelConfig:
             model=model,
             architecture=architecture,
             hf_config=hf,
-            dtype=resolve_dtype(dtype, hf.get("dtype") or hf.get("torch_dtype")),
+            dtype=resolve_dtype(dtype, hf.get("dtype") or hf.get("torch_dtype"), device),
             vocab_size=hf["vocab_size"],
             hidden_size=hidden,
             num_hidden_layers=hf["num_hidden_layers"],

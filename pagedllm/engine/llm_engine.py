@@ -40,7 +40,8 @@ class LLMEngine:
         if args.model is None:
             raise ValueError("model must be given: a local Hugging Face model directory.")
         self.args = args
-        self.model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.max_model_len)
+        self.device = resolve_device(args.device)
+        self.model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.max_model_len, self.device)
         max_model_len = self.model_config.max_model_len
         max_num_batched_tokens = args.max_num_batched_tokens
         if max_num_batched_tokens is None:
@@ -56,7 +57,6 @@ class LLMEngine:
             block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_gpu_blocks_override=args.num_gpu_blocks_override,
             kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching)
-        self.device = resolve_device(args.device)
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
 
         self.model_runner = ModelRunner(self.model_config, self.cache_config, self.scheduler_config,

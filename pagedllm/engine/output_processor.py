@@ -141,7 +141,7 @@ class OutputProcessor:
                 index=index,
                 text=self._visible_text(sample),
                 token_ids=list(request.output_token_ids),
-                cumulative_logprob=request.cumulative_logprob,
+                cumulative_logprob=request.cumulative_logprob if logprobs is not None else None,
                 logprobs=list(logprobs) if logprobs is not None else None,
                 finish_reason=sample.finish_reason,
                 stop_reason=sample.stop_reason,

@@ -138,6 +138,8 @@ class Scheduler:
             if self.num_running + n > self.config.max_num_seqs and self.running:
                 break
             max_cached = request.target_num_tokens - (0 if request.is_fork_parent else 1)
+            if request.prompt_logprobs is not None and len(request.prompt_logprobs) < request.num_prompt_tokens:
+                max_cached = 0  # prompt logprobs need the logits of every prompt position (as in vLLM)
             cached_blocks, num_cached = self.kv.get_computed_blocks(request, max_cached)
             num_new = request.target_num_tokens - num_cached
             if not self.config.enable_chunked_prefill and num_new > budget:
