@@ -212,7 +212,10 @@ class Scheduler:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
             if request.prompt_logprobs is not None and request.request_id in model_output.prompt_logprobs:
-                request.prompt_logprobs.extend(model_output.prompt_logprobs[request.request_id])
+                # Entry i belongs to prompt token i: a recompute after preemption rewrites, never appends.
+                first = item.start_pos + 1
+                new = model_output.prompt_logprobs[request.request_id]
+                request.prompt_logprobs[first:first + len(new)] = new
             if item.sample:
                 tokens = model_output.sampled_token_ids[request.request_id]
                 num_rejected = len(item.spec_token_ids) + 1 - len(tokens)
