@@ -34,12 +34,8 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat_prompt
-from pagedllm.entrypoints.openai.serving_completions import (
-    APIError,
-    OpenAIServingCompletion,
-    ServingContext,
-    error_body,
-)
+from pagedllm.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_engine import APIError, ServingContext, error_body
 from pagedllm.version import __version__
 
 logger = logging.getLogger(__name__)

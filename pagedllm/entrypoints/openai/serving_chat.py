@@ -30,7 +30,7 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from pagedllm.entrypoints.openai.serving_completions import (
+from pagedllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
     APIError,
     ChoiceState,
