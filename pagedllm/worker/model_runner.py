@@ -6,6 +6,7 @@ It owns the model, the paged KV cache tensors and the attention backend, and kno
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -120,8 +121,14 @@ class ModelRunner:
         c = self.model_config
         # One tensor for all layers; each layer gets a [2, kv_heads, num_blocks, block_size, head_dim] view.
         # Zeroed: masked-out padding is multiplied by 0 in attention, and 0 * NaN garbage would be NaN.
-        cache = torch.zeros(c.num_hidden_layers, 2, c.num_key_value_heads, num_blocks, self.block_size,
-                            c.head_dim, dtype=self.kv_dtype, device=self.device)
+        shape = (c.num_hidden_layers, 2, c.num_key_value_heads, num_blocks, self.block_size, c.head_dim)
+        if self.device.type == "cpu":
+            # calloc'd memory: the OS hands out zero pages on first touch, so start-up does not write
+            # (and the process does not hold) gigabytes of cache that no request has used yet.
+            nbytes = math.prod(shape) * self.kv_dtype.itemsize
+            cache = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(self.kv_dtype).view(shape)
+        else:
+            cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = list(cache.unbind(0))
         logger.info("KV cache: %d blocks of %d tokens, at most %d cached tokens (%.1f MiB, %s); weights %.1f MiB",
                     num_blocks, self.block_size, num_blocks * self.block_size,
