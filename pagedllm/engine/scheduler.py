@@ -118,6 +118,10 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 continue
             num_new = min(num_new, budget)
+            if request.spec_token_ids and request.num_computed_tokens + num_new < request.num_tokens_with_spec:
+                # A cut inside the proposals drops them all: compute only the known tokens this step.
+                request.spec_token_ids = []
+                num_new = min(num_new, request.num_tokens - request.num_computed_tokens)
             while not self.kv.allocate_slots(request, num_new, num_cacheable_tokens=request.num_tokens):
                 victim = self._pick_victim(scheduled, request)
                 self._preempt(victim)
