@@ -117,10 +117,20 @@ class ModelConfig:
         kv_heads = hf.get("num_key_value_heads") or heads
         head_dim = hf.get("head_dim") or hidden // heads
         max_pos = int(hf.get("max_position_embeddings", 2048))
+        # Sliding-window attention is not implemented: within the window it equals full attention, so
+        # cap the context there rather than return outputs that differ from the model's.
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        if window and window < max_pos:
+            logger.warning("model uses sliding-window attention (window %d); context capped at %d tokens",
+                           window, window)
+            max_pos = int(window)
         if max_model_len is None:
             max_model_len = max_pos
         elif max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}.")
+        elif window and max_model_len > window:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the sliding window ({window} tokens), "
+                             "and sliding-window attention is not supported.")
         elif max_model_len > max_pos:
             logger.warning("max_model_len=%d exceeds the model's max_position_embeddings=%d",
                            max_model_len, max_pos)

@@ -1,0 +1,41 @@
+"""ModelConfig reads what published checkpoints write, and refuses what the engine cannot serve right."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tiny_models import build_model
+
+from pagedllm.config import ModelConfig
+
+
+def _with_config(path: str, **changes) -> str:
+    config_file = f"{path}/config.json"
+    with open(config_file) as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def test_sliding_window_caps_the_context(tmp_path) -> None:
+    model = _with_config(build_model(tmp_path / "m", arch="mistral"), sliding_window=64)
+    assert ModelConfig.from_pretrained(model).max_model_len == 64
+    with pytest.raises(ValueError, match="max_model_len"):
+        ModelConfig.from_pretrained(model, max_model_len=100)
+
+
+def test_qwen2_sliding_window_off_is_ignored(tmp_path) -> None:
+    model = _with_config(build_model(tmp_path / "q", arch="qwen2"), sliding_window=64, use_sliding_window=False)
+    assert ModelConfig.from_pretrained(model).max_model_len > 64
+
+
+def test_unsupported_rope_type_names_the_supported_ones(tmp_path) -> None:
+    model = _with_config(build_model(tmp_path / "r", arch="llama"),
+                         rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None)
+    from pagedllm import LLM
+
+    with pytest.raises(ValueError, match="linear"):
+        LLM(model=model)
