@@ -16,6 +16,15 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
+def position_logprobs(token_id: int, logprob: float, rank: int, top_ids: list[int] = (),
+                      top_logprobs: list[float] = ()) -> PositionLogprobs:
+    """The chosen token with its rank, then the top-N by rank (the chosen one is not listed twice)."""
+    entry: PositionLogprobs = {token_id: Logprob(logprob, rank)}
+    for top_rank, (top_id, top_logprob) in enumerate(zip(top_ids, top_logprobs), start=1):
+        entry.setdefault(top_id, Logprob(top_logprob, top_rank))
+    return entry
+
+
 @dataclass
 class RequestMetrics:
     arrival_time: float

@@ -20,7 +20,7 @@ from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.layers.sampler import processed_probs
 from pagedllm.metrics.reader import Counter, Gauge, Metric
-from pagedllm.outputs import Logprob, PositionLogprobs
+from pagedllm.outputs import position_logprobs
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import (
@@ -279,15 +279,10 @@ class SpecDecoder:
             output.sampled_logprobs[rid] = chosen_list[i:i + n]
             if num_lp is not None:
                 assert ranks is not None
-                entries: list[PositionLogprobs] = []
-                for j in range(i, i + n):
-                    entry: PositionLogprobs = {tokens[j]: Logprob(chosen_list[j], ranks[j])}
-                    if num_lp > 0:
-                        assert top_ids is not None and top_lp is not None
-                        for rank, (tid, lp) in enumerate(zip(top_ids[j][:num_lp], top_lp[j][:num_lp]), start=1):
-                            entry.setdefault(tid, Logprob(lp, rank))
-                    entries.append(entry)
-                output.logprobs[rid] = entries
+                output.logprobs[rid] = [
+                    position_logprobs(tokens[j], chosen_list[j], ranks[j], top_ids[j][:num_lp] if num_lp else [],
+                                      top_lp[j][:num_lp] if num_lp else [])
+                    for j in range(i, i + n)]
             i += n
 
     # ---- metrics ----

@@ -20,7 +20,7 @@ from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.layers.sampler import Sampler, SamplingRow
 from pagedllm.models.loader import load_model
-from pagedllm.outputs import Logprob, PositionLogprobs
+from pagedllm.outputs import PositionLogprobs, position_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -204,9 +204,6 @@ class ModelRunner:
         for i, s in enumerate(short):
             tables[i, :num_blocks[i]] = s.block_ids[:num_blocks[i]]
         max_q = int(query_lens.max())
-        key_pos = np.arange(max_blocks * bs)
-        query_pos = seq_lens[:, None] - query_lens[:, None] + np.arange(max_q)[None, :]   # [B, Q]
-        mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])
         device = self.device
         metadata.num_decodes = len(short)
         metadata.num_decode_tokens = int(query_lens.sum())
@@ -215,6 +212,10 @@ class ModelRunner:
         if len(short) == 1 and max_q == 1:
             metadata.decode_seq_len = int(seq_lens[0])
         else:
+            key_pos = np.arange(max_blocks * bs)
+            query_pos = seq_lens[:, None] - query_lens[:, None] + np.arange(max_q)[None, :]   # [B, Q]
+            keys = key_pos[None, None, :]
+            mask = (keys <= query_pos[:, :, None]) & (keys < seq_lens[:, None, None])
             additive = np.where(mask[:, None], 0.0, -np.inf).astype(np.float32)
             metadata.decode_attn_mask = torch.from_numpy(additive).to(device=device, dtype=self.model_config.dtype)
         if max_q > 1:
@@ -258,13 +259,10 @@ class ModelRunner:
                 output.sampled_logprobs[rid] = [sampled_lp[i]]
                 num_lp = s.request.sampling_params.logprobs
                 if num_lp is not None:
-                    entry: PositionLogprobs = {token_ids[i]: Logprob(sampled_lp[i], int(result.sampled_ranks[i]))}
-                    if num_lp > 0:
-                        ids = result.topk_token_ids[i, :num_lp].tolist()
-                        lps = result.topk_logprobs[i, :num_lp].tolist()
-                        for rank, (tid, lp) in enumerate(zip(ids, lps), start=1):
-                            entry.setdefault(tid, Logprob(lp, rank))
-                    output.logprobs[rid] = [entry]
+                    top_ids = result.topk_token_ids[i, :num_lp].tolist() if num_lp else []
+                    top_lps = result.topk_logprobs[i, :num_lp].tolist() if num_lp else []
+                    output.logprobs[rid] = [position_logprobs(token_ids[i], sampled_lp[i],
+                                                              int(result.sampled_ranks[i]), top_ids, top_lps)]
                 i += 1
         if verify:
             self.spec_verifier.verify(verify, hidden, output)
@@ -276,10 +274,8 @@ class ModelRunner:
         if request.generator is None and params.seed is not None:
             request.generator = torch.Generator(device=self.device)
             request.generator.manual_seed(params.seed)
-        stop_ids = list(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids += self.model_config.eos_token_ids
-        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids, request.generator, stop_ids)
+        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids, request.generator,
+                           list(params.all_stop_token_ids))
 
     def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor) -> list[PositionLogprobs]:
         logprobs = self.model.compute_logits(hidden).log_softmax(dim=-1)
@@ -289,12 +285,6 @@ class ModelRunner:
         chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
         ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1
         k = request.sampling_params.prompt_logprobs
-        top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-        result = []
-        for j, target in enumerate(targets.tolist()):
-            entry: PositionLogprobs = {target: Logprob(float(chosen[j]), int(ranks[j]))}
-            if k:
-                for rank, (tid, lp) in enumerate(zip(top_ids[j].tolist(), top_lp[j].tolist()), start=1):
-                    entry.setdefault(tid, Logprob(lp, rank))
-            result.append(entry)
-        return result
+        top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+        return [position_logprobs(target, lp, rank, ids, lps) for target, lp, rank, ids, lps in
+                zip(targets.tolist(), chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist())]
