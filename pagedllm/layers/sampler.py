@@ -34,9 +34,12 @@ class SamplerOutput:
     sampled_ranks: torch.Tensor | None    # [N] 1-based rank of the chosen token
 
 
+def has_penalties(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    penalized = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0
-                 or r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
+    penalized = [i for i, r in enumerate(rows) if has_penalties(r.params)]
     if not penalized:
         return logits
     vocab = logits.shape[-1]
@@ -81,6 +84,16 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     return logits
 
 
+def adjusted_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Logits after penalties and min_tokens suppression (a new tensor): what both the sampler and
+    speculative verification start from."""
+    logits = apply_penalties(logits.clone(), rows)
+    for i, row in enumerate(rows):
+        if row.stop_token_ids and len(row.output_token_ids) < row.params.min_tokens:
+            logits[i, row.stop_token_ids] = float("-inf")
+    return logits
+
+
 def processed_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """The distribution a request samples from (temperature, top-k, top-p, min-p); greedy rows become
     one-hot. Used by the sampler and by speculative verification alike."""
@@ -112,10 +125,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], max_logprobs: int) -> SamplerOutput:
         raw_logprobs = logits.log_softmax(dim=-1)
-        logits = apply_penalties(logits.clone(), rows)
-        for i, row in enumerate(rows):
-            if row.stop_token_ids and len(row.output_token_ids) < row.params.min_tokens:
-                logits[i, row.stop_token_ids] = float("-inf")
+        logits = adjusted_logits(logits, rows)
         greedy = all(r.params.greedy for r in rows)
         if greedy:
             token_ids = logits.argmax(dim=-1)

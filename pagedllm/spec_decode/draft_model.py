@@ -25,8 +25,8 @@ from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ScheduledRequest
 from pagedllm.kv_cache.hashing import BlockHash
 from pagedllm.kv_cache.manager import KVCacheManager
-from pagedllm.layers.sampler import SamplingRow, exponential_noise
-from pagedllm.spec_decode.rejection_sampler import adjusted_logits, request_probs, row_with_drafts
+from pagedllm.layers.sampler import SamplingRow, adjusted_logits, exponential_noise
+from pagedllm.spec_decode.rejection_sampler import request_probs, row_with_drafts
 from pagedllm.worker.model_runner import ModelRunner
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pagedllm.layers.sampler import SamplingRow, apply_penalties, processed_probs
+from pagedllm.layers.sampler import SamplingRow, adjusted_logits, has_penalties, processed_probs
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -97,8 +97,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: list[int], dra
 
 
 def needs_history(params: SamplingParams) -> bool:
-    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0 or params.min_tokens > 0)
+    return has_penalties(params) or params.min_tokens > 0
 
 
 def row_with_drafts(base: SamplingRow, draft_token_ids: list[int]) -> SamplingRow:
@@ -111,15 +110,6 @@ def row_with_drafts(base: SamplingRow, draft_token_ids: list[int]) -> SamplingRo
 def rows_with_drafts(base: SamplingRow, draft_token_ids: list[int], num_rows: int) -> list[SamplingRow]:
     """Row i sees the request's output plus its first i draft tokens."""
     return [row_with_drafts(base, draft_token_ids[:i]) for i in range(num_rows)]
-
-
-def adjusted_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Logits after penalties and min_tokens suppression, as the sampler applies them (a new tensor)."""
-    logits = apply_penalties(logits.clone(), rows)
-    for i, row in enumerate(rows):
-        if row.stop_token_ids and len(row.output_token_ids) < row.params.min_tokens:
-            logits[i, row.stop_token_ids] = float("-inf")
-    return logits
 
 
 def request_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

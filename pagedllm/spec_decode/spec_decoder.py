@@ -21,6 +21,7 @@ from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, Sched
 from pagedllm.layers.sampler import processed_probs
 from pagedllm.metrics.reader import Counter, Gauge, Metric
 from pagedllm.outputs import position_logprobs
+from pagedllm.planner.roofline import speculative_tokens_per_pass as expected_tokens_per_pass
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import (
@@ -44,13 +45,6 @@ ACCEPTANCE_PRIOR_WEIGHT = 4.0
 ACCEPTANCE_DECAY = 0.8
 # An n-gram proposal costs nothing to make, but each extra position still costs the target pass a little.
 NGRAM_COST_PER_TOKEN = 0.05
-
-
-def expected_tokens_per_pass(alpha: float, k: int) -> float:
-    """Tokens one verifying pass yields with per-token acceptance alpha: (1 - alpha^(k+1)) / (1 - alpha)."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 def best_num_speculative_tokens(alpha: float, max_k: int, cost_per_token: float) -> int:
