@@ -48,15 +48,6 @@ def _put_if_open(loop: asyncio.AbstractEventLoop, callback: Callable[..., Any], 
         pass  # the event loop is closed: nobody is left to read this
 
 
-def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
-    if future.done():
-        return  # the waiter was cancelled
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
-
-
 class RequestStream:
     """The asyncio side of one request: its outputs in order, then the end.
 
@@ -288,7 +279,7 @@ class AsyncLLMEngine:
             # count the new arrivals as waiting before their submitters stop counting them as pending
             self._engine_num_waiting = self._read_num_waiting()
         for stream, error in answers:
-            _put_if_open(stream.loop, _resolve, stream.accepted, error)
+            _put_if_open(stream.loop, _set_call_result, stream.accepted, None, error)
         aborted = [request_id for request_id in inbox.aborts if request_id in self._streams]
         if aborted:
             self.engine.abort_request(aborted)
@@ -304,10 +295,8 @@ class AsyncLLMEngine:
             _put_if_open(call.loop, _set_call_result, call.future, result, error)
 
     def _read_num_waiting(self) -> int:
-        for metric in self.engine.get_metrics():
-            if metric.name == "pagedllm:num_requests_waiting":
-                return int(metric.value)
-        return 0
+        # Read every loop iteration: the scheduler's queue itself, not a full metrics snapshot.
+        return len(self.engine.scheduler.waiting)
 
     def _recover(self, exc: Exception) -> None:
         """A step raised (a bug, or an input that got past validation): rather than take the server
@@ -356,14 +345,14 @@ class AsyncLLMEngine:
             _put_if_open(stream.loop, stream._deliver, error)
         self._streams.clear()
         for command in inbox.adds:
-            _put_if_open(command.stream.loop, _resolve, command.stream.accepted, error)
+            _put_if_open(command.stream.loop, _set_call_result, command.stream.accepted, None, error)
         for call in inbox.calls:
             _put_if_open(call.loop, _set_call_result, call.future, None, error)
 
 
 def _set_call_result(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
     if future.done():
-        return
+        return  # the waiter was cancelled
     if error is None:
         future.set_result(result)
     else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -451,8 +451,6 @@ def capacity(
     )
 
 
-def as_dict(obj: Any) -> dict[str, Any]:
-    return asdict(obj)
 
 
 def kv_variants(spec: ModelSpec) -> dict[str, ModelSpec]:

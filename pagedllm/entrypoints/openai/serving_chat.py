@@ -38,6 +38,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     abort_all,
     decoded,
     finite,
+    logprob_rank,
     merged_outputs,
     sse,
     stream_error_event,
@@ -135,7 +136,7 @@ class OpenAIServingChat:
             step = logprobs[position] if logprobs is not None and position < len(logprobs) else {}
             sampled = step.get(token_id)
             token = decoded(self.tokenizer, token_id, sampled)
-            ranked = sorted(step.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+            ranked = sorted(step.items(), key=lambda kv: logprob_rank(kv[1]))
             top = [ChatCompletionLogProb(token=(top_token := decoded(self.tokenizer, tid, lp)),
                                          logprob=finite(lp.logprob),
                                          bytes=list(top_token.encode("utf-8", errors="replace")))
@@ -171,7 +172,6 @@ class OpenAIServingChat:
 
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         states = [ChoiceState() for _ in range(request.n)]
-        num_generated = [0] * request.n
         try:
             # the role comes first, before any token, as OpenAI's stream does
             yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant",
@@ -183,7 +183,6 @@ class OpenAIServingChat:
                     state = states[completion.index]
                     if state.finished:
                         continue
-                    num_generated[completion.index] = len(completion.token_ids)
                     delta_text = completion.text[state.text_len:]
                     new_ids = completion.token_ids[state.num_tokens:]
                     new_logprobs = (completion.logprobs[state.num_tokens:]
@@ -199,7 +198,7 @@ class OpenAIServingChat:
                 if choices:
                     yield chunk(choices)
             if include_usage:
-                total = sum(num_generated)
+                total = sum(state.num_tokens for state in states)
                 yield chunk([], UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=total,
                                           total_tokens=num_prompt_tokens + total))
         except (ValueError, RuntimeError) as exc:

@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     abort_all,
     decoded,
     finite,
+    logprob_rank,
     merged_outputs,
     sse,
     stream_error_event,
@@ -116,7 +117,7 @@ class OpenAIServingCompletion:
                 if request.logprobs is not None:
                     logprobs = CompletionLogProbs()
                     if request.echo:
-                        self._add_prompt_logprobs(logprobs, output, prompt_ids)
+                        self._add_logprobs(logprobs, prompt_ids, output.prompt_logprobs, 0)
                     self._add_logprobs(logprobs, completion.token_ids, completion.logprobs,
                                        len(prompt_text))
                 choices.append(CompletionResponseChoice(
@@ -146,20 +147,14 @@ class OpenAIServingCompletion:
     def _top_logprobs(self, step: dict[int, Any]) -> dict[str, float]:
         # keyed by text, as OpenAI does: ids that decode alike (partial UTF-8) keep the likeliest
         top: dict[str, float] = {}
-        for token_id, logprob in sorted(step.items(), key=lambda kv: _rank(kv[1])):
+        for token_id, logprob in sorted(step.items(), key=lambda kv: logprob_rank(kv[1])):
             top.setdefault(decoded(self.tokenizer, token_id, logprob), finite(logprob.logprob))
         return top
-
-    def _add_prompt_logprobs(self, target: CompletionLogProbs, output: RequestOutput,
-                             prompt_ids: list[int]) -> None:
-        prompt_logprobs = getattr(output, "prompt_logprobs", None)
-        self._add_logprobs(target, prompt_ids, prompt_logprobs, 0)
 
     async def _stream(self, request: CompletionRequest, request_id: str, created: int, model_name: str,
                       prompts: list[list[int]], streams: list[RequestStream],
                       queue: asyncio.Queue[Any]) -> AsyncIterator[str]:
         states: dict[int, ChoiceState] = {}
-        num_generated: dict[int, int] = {}
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         try:
             async for prompt_index, output in merged_outputs(streams, queue):
@@ -170,7 +165,6 @@ class OpenAIServingCompletion:
                     state = states.setdefault(index, ChoiceState())
                     if state.finished:
                         continue
-                    num_generated[index] = len(completion.token_ids)
                     prefix = ""
                     if request.echo and not state.echoed:
                         prefix = self._prompt_text(output, prompt_ids)  # the first chunk repeats the prompt
@@ -181,7 +175,7 @@ class OpenAIServingCompletion:
                     if request.logprobs is not None and (new_ids or prefix):
                         logprobs = CompletionLogProbs()
                         if prefix:
-                            self._add_prompt_logprobs(logprobs, output, prompt_ids)
+                            self._add_logprobs(logprobs, prompt_ids, output.prompt_logprobs, 0)
                             state.text_offset = len(prefix)
                         new_logprobs = (completion.logprobs[state.num_tokens:]
                                         if completion.logprobs is not None else None)
@@ -200,7 +194,7 @@ class OpenAIServingCompletion:
                     yield sse(chunk.model_dump(exclude_none=False))
             if include_usage:
                 num_prompt = sum(len(p) for p in prompts)
-                total_generated = sum(num_generated.values())
+                total_generated = sum(state.num_tokens for state in states.values())
                 usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=total_generated,
                                   total_tokens=num_prompt + total_generated)
                 chunk = CompletionStreamResponse(id=request_id, created=created, model=model_name,
@@ -212,8 +206,3 @@ class OpenAIServingCompletion:
             # the client went away (this generator was cancelled) or we are done: free the blocks
             abort_all(streams)
         yield SSE_DONE
-
-
-def _rank(logprob: Any) -> int:
-    rank = getattr(logprob, "rank", None)
-    return rank if rank is not None else 1 << 30

@@ -253,4 +253,7 @@ def decoded(tokenizer: Any, token_id: int, logprob: Any) -> str:
     return text if text is not None else tokenizer.decode([token_id])
 
 
-# ---- /v1/completions -----------------------------------------------------------------------------
+def logprob_rank(logprob: Any) -> int:
+    """Sort key for a position's logprobs: by rank, entries without one last."""
+    rank = getattr(logprob, "rank", None)
+    return rank if rank is not None else 1 << 30
