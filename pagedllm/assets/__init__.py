@@ -6,6 +6,7 @@ directory's README.md): a target and a draft distilled from it for speculative d
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
@@ -21,3 +22,10 @@ def default_model_path() -> str:
 def default_draft_path() -> str:
     """Directory of the bundled draft model, distilled from the target and sharing its tokenizer."""
     return str(MODELS_DIR / DRAFT_MODEL_NAME)
+
+
+def installed_model_path() -> str | None:
+    """The bundled target's directory if it is installed (commands fall back to it when no model is
+    given), else None."""
+    path = default_model_path()
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None

@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Any
 
+from pagedllm.assets import installed_model_path
 from pagedllm.benchmarks.datasets import DATASETS
 
 # Engine flags used when the engine's own EngineArgs cannot be imported (they mirror its spelling).
@@ -52,17 +53,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _default_model() -> str | None:
-    try:
-        from pagedllm.assets import default_model_path
-    except ImportError:
-        return None
-    path = default_model_path()
-    return str(path) if path is not None and os.path.exists(path) else None
-
-
 def _resolve_model(args: argparse.Namespace) -> str:
-    model = getattr(args, "model", None) or _default_model()
+    model = getattr(args, "model", None) or installed_model_path()
     if not model:
         raise ValueError("--model is required (the bundled demo model is not installed)")
     return str(model)
@@ -305,7 +297,7 @@ def run_serve_cmd(args: argparse.Namespace) -> int:
         if args.max_concurrency is not None and args.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
         model = args.model or discover_model(args.base_url, args.api_key)
-        tokenizer_dir = args.tokenizer or (model if os.path.isdir(model) else _default_model())
+        tokenizer_dir = args.tokenizer or (model if os.path.isdir(model) else installed_model_path())
         if tokenizer_dir is None:
             raise ValueError("--tokenizer is required to build prompts (no demo model installed)")
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -28,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+
+from pagedllm.assets import installed_model_path
 
 DEFAULT_PREFIX_LEN = 4000
 DEFAULT_QUESTION_LEN = 50
@@ -70,15 +71,6 @@ def build_random_model(path: str, max_position_embeddings: int = 8192, seed: int
     model = LlamaForCausalLM(config)
     model.save_pretrained(path, safe_serialization=True)
     return path
-
-
-def default_model() -> str | None:
-    try:
-        from pagedllm.assets import default_model_path
-    except ImportError:
-        return None
-    path = default_model_path()
-    return str(path) if path is not None and os.path.exists(path) else None
 
 
 def _random_ids(num_tokens: int, vocab_size: int, generator: torch.Generator) -> list[int]:
@@ -204,7 +196,7 @@ def run_cmd(args: argparse.Namespace) -> int:
             return _fail(f"--num-threads must be at least 1, got {args.num_threads}")
         torch.set_num_threads(args.num_threads)
     with tempfile.TemporaryDirectory(prefix="pagedllm-prefix-bench-") as tmp:
-        model = default_model() if args.model is None else args.model
+        model = installed_model_path() if args.model is None else args.model
         label = model
         if model is None or model == "random":
             wanted = (args.prefix_len or DEFAULT_PREFIX_LEN) + args.question_len + 1

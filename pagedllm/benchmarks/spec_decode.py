@@ -26,11 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import pagedllm
+from pagedllm.assets import default_draft_path, default_model_path
 from pagedllm.spec_decode.spec_decoder import expected_tokens_per_pass
 
-ASSETS = Path(pagedllm.__file__).parent / "assets" / "models"
-DEFAULT_TARGET = ASSETS / "pycode-target"
-DEFAULT_DRAFT = ASSETS / "pycode-draft"
 EDIT_MARKER = "\n\n# An unchanged copy of the code above:\n"
 
 
@@ -204,8 +202,8 @@ def format_table(results: list[MethodResult]) -> str:
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--model", default=str(DEFAULT_TARGET), help="target model (default: the demo target)")
-    parser.add_argument("--draft-model", default=str(DEFAULT_DRAFT), help="draft model (default: the demo draft)")
+    parser.add_argument("--model", default=default_model_path(), help="target model (default: the demo target)")
+    parser.add_argument("--draft-model", default=default_draft_path(), help="draft model (default: the demo draft)")
     parser.add_argument("--num-speculative-tokens", "-k", type=int, default=5)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=5)

@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
+from pagedllm.assets import installed_model_path
 from pagedllm.engine.arg_utils import EngineArgs
 
 DEFAULT_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n\ndef "]
-
-
-def default_model() -> str | None:
-    try:
-        from pagedllm.assets import default_model_path
-    except ImportError:
-        return None
-    path = default_model_path()
-    return path if os.path.isdir(path) else None
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pagedllm.llm import LLM
 
-    model = args.model or default_model()
+    model = args.model or installed_model_path()
     if model is None:
         print("error: no --model given and the bundled demo model is not installed", file=sys.stderr)
         return 2

@@ -17,6 +17,8 @@ import signal
 import sys
 from typing import Any
 
+from pagedllm.assets import installed_model_path
+
 DEFAULT_HOST = "127.0.0.1"  # loopback: exposing the server is an explicit choice (--host 0.0.0.0)
 DEFAULT_PORT = 8000
 
@@ -55,12 +57,7 @@ def resolve_model(args: argparse.Namespace) -> str | None:
     model = args.model_tag or getattr(args, "model", None)
     if model:
         return str(model)
-    try:
-        from pagedllm.assets import default_model_path
-    except ImportError:
-        return None
-    path = default_model_path()
-    return str(path) if path and os.path.exists(os.path.join(path, "config.json")) else None
+    return installed_model_path()
 
 
 def run_server(args: argparse.Namespace) -> int:
