@@ -18,6 +18,7 @@ from pagedllm.kv_cache.manager import KVCacheManager, cdiv
 from pagedllm.metrics.reader import Counter, Gauge, Metric
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode import build_spec_decoder
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -67,9 +68,6 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.model_config.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.spec_decoder = None
-        from pagedllm.spec_decode import build_spec_decoder
-
         self.spec_decoder = build_spec_decoder(args, self)
 
         self._counter = itertools.count()

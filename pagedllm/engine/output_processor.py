@@ -31,6 +31,7 @@ class RequestState:
     params: SamplingParams
     root: Request
     samples: dict[int, _SampleState] = field(default_factory=dict)
+    num_decoded_prompt_logprobs: int = 0
 
     @property
     def finished(self) -> bool:
@@ -148,10 +149,12 @@ class OutputProcessor:
             ))
         prompt_logprobs = state.root.prompt_logprobs
         if prompt_logprobs is not None and self.tokenizer is not None:
-            for position in prompt_logprobs:
+            # Prompt logprobs arrive during prefill; each position is decoded once, not every step.
+            for position in prompt_logprobs[state.num_decoded_prompt_logprobs:]:
                 for token_id, logprob in (position or {}).items():
                     if logprob.decoded_token is None:
                         logprob.decoded_token = self.tokenizer.decode([token_id])
+            state.num_decoded_prompt_logprobs = len(prompt_logprobs)
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
