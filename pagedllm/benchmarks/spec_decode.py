@@ -27,7 +27,7 @@ from typing import Any
 
 import pagedllm
 from pagedllm.assets import default_draft_path, default_model_path
-from pagedllm.spec_decode.spec_decoder import expected_tokens_per_pass
+from pagedllm.spec_decode.spec_decoder import SpecDecodeStats, expected_tokens_per_pass
 
 EDIT_MARKER = "\n\n# An unchanged copy of the code above:\n"
 
@@ -156,28 +156,18 @@ def run_workload(
             predicted_speedup=1.0,
         )
         if name in stats_before:
-            st = llm.llm_engine.spec_decoder.stats
-            d = {
-                f: getattr(st, f) - getattr(stats_before[name], f)
-                for f in (
-                    "num_drafts",
-                    "num_draft_tokens",
-                    "num_accepted_tokens",
-                    "num_emitted_tokens",
-                    "num_fully_accepted",
-                    "num_verify_steps",
-                    "num_propose_calls",
-                    "verify_execute_s",
-                    "propose_s",
-                )
-            }
-            result.acceptance_rate = d["num_accepted_tokens"] / max(1, d["num_draft_tokens"])
-            trials = d["num_accepted_tokens"] + d["num_drafts"] - d["num_fully_accepted"]
-            result.alpha = d["num_accepted_tokens"] / trials if trials else 0.0
-            result.tokens_per_pass = d["num_emitted_tokens"] / d["num_drafts"] if d["num_drafts"] else 1.0
+            st, before = llm.llm_engine.spec_decoder.stats, stats_before[name]
+            # The stats of this measured run alone: the difference of the counters, read through the
+            # same properties the engine's metrics use.
+            d = SpecDecodeStats(k, **{f: getattr(st, f) - getattr(before, f) for f in (
+                "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
+                "num_fully_accepted", "num_verify_steps", "num_propose_calls", "verify_execute_s", "propose_s")})
+            result.acceptance_rate = d.acceptance_rate
+            result.alpha = d.per_token_acceptance
+            result.tokens_per_pass = d.mean_tokens_per_pass or 1.0
             result.tokens_per_pass_formula = expected_tokens_per_pass(result.alpha, k)
-            result.ms_per_step = 1000 * d["verify_execute_s"] / max(1, d["num_verify_steps"])
-            result.propose_ms_per_step = 1000 * d["propose_s"] / max(1, d["num_propose_calls"])
+            result.ms_per_step = 1000 * d.verify_execute_s / max(1, d.num_verify_steps)
+            result.propose_ms_per_step = 1000 * d.propose_s / max(1, d.num_propose_calls)
             result.predicted_speedup = (
                 result.tokens_per_pass * plain_ms / (result.ms_per_step + result.propose_ms_per_step)
             )
