@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny_models import random_prompts
 
 from pagedllm import SamplingParams
@@ -110,15 +112,51 @@ def test_snapshot_invariants_under_load(tiny_llama_dir: str) -> None:
     assert 0.0 < state["prefix_cache_hit_rate"] < 1.0
 
 
+class FakeRequest:
+    """The fields the KV cache manager reads from a request."""
+
+    def __init__(self, request_id: str, token_ids: list[int]) -> None:
+        self.request_id, self.num_computed_tokens, self.block_hashes = request_id, 0, []
+        self.all_token_ids, self.num_tokens = token_ids, len(token_ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["admit", "free", "fork"]), st.integers(0, 9), st.integers(1, 30)),
+                    max_size=30))
+def test_runs_are_the_per_block_view(ops: list[tuple[str, int, int]]) -> None:
+    """Random admissions (with prefix hits), frees and forks: the runs expand to exactly the per-block
+    view built the slow way, and no two neighbouring runs could have been merged."""
+    kv = KVCacheManager(24, 4, enable_caching=True)
+    live: list[str] = []
+    for number, (op, pick, length) in enumerate(ops):
+        if op == "admit":
+            request = FakeRequest(f"r{number}", [pick % 3] * 8 + list(range(length)))
+            cached, num_cached = kv.get_computed_blocks(request, request.num_tokens - 1)
+            if kv.allocate_slots(request, request.num_tokens - num_cached, cached):
+                live.append(request.request_id)
+        elif live and op == "free":
+            kv.free(live.pop(pick % len(live)))
+        elif live and op == "fork":
+            child = f"c{number}"
+            kv.fork(live[pick % len(live)], child)
+            live.append(child)
+    snapshot = kv.snapshot()
+    holders = snapshot.holders()
+    expected = [{"id": i, "state": snapshot.block_state(i), "ref_cnt": snapshot.ref_cnts[i],
+                 "request_ids": holders.get(i, [])} for i in range(snapshot.num_blocks)]
+    state = snapshot.to_dict()
+    assert [{k: v for k, v in block.items() if k != "count"} for block in expand_blocks(state)] == expected
+    for left, right in zip(state["blocks"], state["blocks"][1:]):
+        assert (left["state"], left["ref_cnt"], left["request_ids"]) != \
+            (right["state"], right["ref_cnt"], right["request_ids"])
+    check_kv_state({**state, "requests": [
+        {"request_id": rid, "status": "running", "block_table": table, "num_computed_tokens": 0, "num_tokens": 0}
+        for rid, table in snapshot.block_tables.items()]})
+
+
 def test_runs_summarise_a_large_pool() -> None:
     """100,000 blocks with two requests: a handful of runs, nothing lost."""
     kv = KVCacheManager(100_000, BLOCK, enable_caching=True)
-
-    class FakeRequest:
-        def __init__(self, request_id: str, token_ids: list[int]) -> None:
-            self.request_id, self.num_computed_tokens, self.block_hashes = request_id, 0, []
-            self.all_token_ids, self.num_tokens = token_ids, len(token_ids)
-
     a = FakeRequest("a", list(range(10 * BLOCK)))
     b = FakeRequest("b", list(range(10 * BLOCK)) + [7] * (3 * BLOCK + 1))
     assert kv.allocate_slots(a, a.num_tokens)

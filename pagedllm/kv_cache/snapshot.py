@@ -14,6 +14,7 @@ free queue) are a few. Its length is bounded by the runs, not by the pool.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,7 +73,8 @@ class KVCacheSnapshot:
         return BLOCK_CACHED if self.hashed[block_id] else BLOCK_FREE
 
     def holders(self) -> dict[int, list[str]]:
-        """Block id -> ids of the requests whose block table holds it."""
+        """Block id -> ids of the requests whose block table holds it (a dict of every held block:
+        for tests and small pools; `block_runs` avoids building it)."""
         holders: dict[int, list[str]] = {}
         for request_id, table in self.block_tables.items():
             for block_id in table:
@@ -82,25 +84,40 @@ class KVCacheSnapshot:
     def block_runs(self) -> list[dict[str, Any]]:
         """`blocks`, run-length encoded: {id (first of the run), count, state, ref_cnt, request_ids}.
 
-        Run boundaries are found with numpy over the whole pool; Python loops only over held blocks
-        and over the runs."""
+        Everything proportional to the pool or to the block tables is numpy; Python objects are made
+        only per run and per (shared block, holder) pair, so no garbage-collector pass is set off by
+        a hundred thousand short-lived lists."""
         num_blocks = len(self.ref_cnts)
         if num_blocks == 0:
             return []
-        holders = self.holders()
         ref_cnts = np.asarray(self.ref_cnts, dtype=np.int64)
         states = np.where(ref_cnts > 0, _USED, np.asarray(self.hashed, dtype=np.int8))
-        # blocks held by the same requests share a group number, so a run never mixes holders
-        groups = [0] * num_blocks
+        request_ids = list(self.block_tables)
+        lengths = [len(table) for table in self.block_tables.values()]
+        held = np.fromiter(itertools.chain.from_iterable(self.block_tables.values()), dtype=np.int64,
+                           count=sum(lengths))
+        holder_index = np.repeat(np.arange(len(request_ids), dtype=np.int64), lengths)
+        # holder group per block: 0 for none, 1 + request index for one holder, and for a shared block
+        # one number per distinct set of holders (above every request index)
+        groups = np.zeros(num_blocks, dtype=np.int64)
+        groups[held] = holder_index + 1
+        shared_holders: dict[int, list[str]] = {}
+        is_shared = ref_cnts[held] > 1
+        for block_id, index in zip(held[is_shared].tolist(), holder_index[is_shared].tolist()):
+            shared_holders.setdefault(block_id, []).append(request_ids[index])
         group_of: dict[tuple[str, ...], int] = {}
-        for block_id, request_ids in holders.items():
-            groups[block_id] = group_of.setdefault(tuple(request_ids), len(group_of) + 1)
-        group_ids = np.asarray(groups, dtype=np.int64)
+        for block_id, holders in shared_holders.items():
+            groups[block_id] = len(request_ids) + 1 + group_of.setdefault(tuple(holders), len(group_of))
         changes = (np.flatnonzero((states[1:] != states[:-1]) | (ref_cnts[1:] != ref_cnts[:-1])
-                                  | (group_ids[1:] != group_ids[:-1])) + 1).tolist()
-        return [{"id": start, "count": end - start, "state": self.block_state(start),
-                 "ref_cnt": self.ref_cnts[start], "request_ids": holders.get(start, [])}
-                for start, end in zip([0, *changes], [*changes, num_blocks])]
+                                  | (groups[1:] != groups[:-1])) + 1).tolist()
+        runs = []
+        for start, end in zip([0, *changes], [*changes, num_blocks]):
+            group = int(groups[start])
+            holders = shared_holders.get(start, []) if group > len(request_ids) else \
+                [request_ids[group - 1]] if group else []
+            runs.append({"id": start, "count": end - start, "state": self.block_state(start),
+                         "ref_cnt": self.ref_cnts[start], "request_ids": holders})
+        return runs
 
     def to_dict(self) -> dict[str, Any]:
         blocks = self.block_runs()
