@@ -36,7 +36,9 @@ class SnapshotBenchResult:
     num_cached_blocks: int
     num_block_tables: int
     copy_ms: float              # median snapshot() time: the engine-thread stall per poll
+    copy_cpu_ms: float          # the same in thread CPU time: steadier on a machine shared with other jobs
     to_dict_ms: float           # median to_dict() time, off the engine thread
+    to_dict_cpu_ms: float
     json_ms: float              # median json.dumps time, off the engine thread
     json_bytes: int
     num_runs: int               # entries in `blocks` (run-length encoded)
@@ -44,6 +46,10 @@ class SnapshotBenchResult:
     engine_step_ms: float       # median decode step, no snapshot
     engine_step_with_snapshot_ms: float  # median decode step followed by a snapshot
     step_slowdown: float        # engine_step_with_snapshot_ms / engine_step_ms
+    engine_step_cpu_ms: float   # the same two in thread CPU time (torch runs on this thread at 1 thread)
+    engine_step_with_snapshot_cpu_ms: float
+    step_slowdown_cpu: float
+    poll_overhead: float        # copy_cpu_ms per second: the engine time the page's 1 s polling takes
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -60,13 +66,15 @@ class _PoolRequest:
         self.num_tokens = len(token_ids)
 
 
-def _median_ms(fn: Any, num_iters: int) -> tuple[float, Any]:
-    times, result = [], None
+def _median_ms(fn: Any, num_iters: int) -> tuple[float, float, Any]:
+    """Median wall and thread-CPU milliseconds of fn(), and its last result."""
+    wall, cpu, result = [], [], None
     for _ in range(num_iters):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         result = fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times), result
+        cpu.append(time.thread_time() - start_cpu)
+        wall.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(wall), 1e3 * statistics.median(cpu), result
 
 
 def fill_pool(num_blocks: int, block_size: int, fill: float, num_requests: int, seed: int = 0) -> Any:
@@ -91,13 +99,14 @@ def fill_pool(num_blocks: int, block_size: int, fill: float, num_requests: int, 
 
 def bench_pool(num_blocks: int, block_size: int, fill: float, num_requests: int, num_iters: int) -> dict[str, Any]:
     kv = fill_pool(num_blocks, block_size, fill, num_requests)
-    copy_ms, snapshot = _median_ms(kv.snapshot, num_iters)
-    to_dict_ms, state = _median_ms(snapshot.to_dict, num_iters)
-    json_ms, body = _median_ms(lambda: json.dumps(state, separators=(",", ":")), num_iters)
+    copy_ms, copy_cpu_ms, snapshot = _median_ms(kv.snapshot, num_iters)
+    to_dict_ms, to_dict_cpu_ms, state = _median_ms(snapshot.to_dict, num_iters)
+    json_ms, _, body = _median_ms(lambda: json.dumps(state, separators=(",", ":")), num_iters)
     return {"num_used_blocks": state["num_blocks_by_state"]["used"],
             "num_cached_blocks": state["num_blocks_by_state"]["cached"],
-            "num_block_tables": len(snapshot.block_tables), "copy_ms": copy_ms, "to_dict_ms": to_dict_ms,
-            "json_ms": json_ms, "json_bytes": len(body), "num_runs": len(state["blocks"])}
+            "num_block_tables": len(snapshot.block_tables), "copy_ms": copy_ms, "copy_cpu_ms": copy_cpu_ms,
+            "to_dict_ms": to_dict_ms, "to_dict_cpu_ms": to_dict_cpu_ms, "json_ms": json_ms,
+            "json_bytes": len(body), "num_runs": len(state["blocks"])}
 
 
 def build_small_model(path: str) -> str:
@@ -113,7 +122,7 @@ def build_small_model(path: str) -> str:
 
 
 def bench_engine_step(num_blocks: int, block_size: int, num_requests: int, prompt_len: int,
-                      num_steps: int) -> tuple[float, float]:
+                      num_steps: int) -> dict[str, float]:
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.sampling_params import SamplingParams
@@ -129,40 +138,48 @@ def bench_engine_step(num_blocks: int, block_size: int, num_requests: int, promp
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                           for r in engine.scheduler.running):
         engine.step()  # prefill everything first: only decode steps are compared
-    plain, with_snapshot = [], []
-    for _ in range(num_steps):
-        start = time.perf_counter()
-        engine.step()
-        plain.append(time.perf_counter() - start)
-        start = time.perf_counter()
+    def step_with_snapshot() -> None:
         engine.step()
         engine.get_kv_cache_snapshot()
-        with_snapshot.append(time.perf_counter() - start)
+
+    plain, plain_cpu, with_snapshot, with_snapshot_cpu = [], [], [], []
+    for _ in range(num_steps):  # interleaved pairs: load drift hits both sides alike
+        wall, cpu, _ = _median_ms(engine.step, 1)
+        plain.append(wall)
+        plain_cpu.append(cpu)
+        wall, cpu, _ = _median_ms(step_with_snapshot, 1)
+        with_snapshot.append(wall)
+        with_snapshot_cpu.append(cpu)
     engine.abort_request([str(i) for i in range(num_requests)])
-    return 1e3 * statistics.median(plain), 1e3 * statistics.median(with_snapshot)
+    step_ms, step_cpu_ms = statistics.median(plain), statistics.median(plain_cpu)
+    with_ms, with_cpu_ms = statistics.median(with_snapshot), statistics.median(with_snapshot_cpu)
+    return {"engine_step_ms": step_ms, "engine_step_with_snapshot_ms": with_ms, "step_slowdown": with_ms / step_ms,
+            "engine_step_cpu_ms": step_cpu_ms, "engine_step_with_snapshot_cpu_ms": with_cpu_ms,
+            "step_slowdown_cpu": with_cpu_ms / step_cpu_ms}
 
 
 def run_snapshot_bench(num_blocks: int = 100_000, block_size: int = 16, fill: float = 0.9, num_requests: int = 64,
                        num_iters: int = 9, engine_prompt_len: int = 1024, engine_steps: int = 30
                        ) -> SnapshotBenchResult:
     pool = bench_pool(num_blocks, block_size, fill, num_requests, num_iters)
-    step_ms, step_with_snapshot_ms = bench_engine_step(num_blocks, block_size, num_requests, engine_prompt_len,
-                                                       engine_steps)
+    steps = bench_engine_step(num_blocks, block_size, num_requests, engine_prompt_len, engine_steps)
     return SnapshotBenchResult(num_blocks=num_blocks, block_size=block_size, engine_num_requests=num_requests,
-                               engine_step_ms=step_ms, engine_step_with_snapshot_ms=step_with_snapshot_ms,
-                               step_slowdown=step_with_snapshot_ms / step_ms, **pool)
+                               poll_overhead=pool["copy_cpu_ms"] / 1000.0, **pool, **steps)
 
 
 def format_result(r: SnapshotBenchResult) -> str:
     rows = [
         ("pool", f"{r.num_blocks:,} blocks of {r.block_size}: {r.num_used_blocks:,} used, "
                  f"{r.num_cached_blocks:,} cached, {r.num_block_tables} block tables"),
-        ("snapshot() on the engine thread", f"{r.copy_ms:.2f} ms"),
-        ("to_dict() off the engine thread", f"{r.to_dict_ms:.2f} ms"),
+        ("snapshot() on the engine thread", f"{r.copy_ms:.2f} ms wall, {r.copy_cpu_ms:.2f} ms CPU"),
+        ("to_dict() off the engine thread", f"{r.to_dict_ms:.2f} ms wall, {r.to_dict_cpu_ms:.2f} ms CPU"),
         ("json.dumps off the engine thread", f"{r.json_ms:.2f} ms"),
         ("JSON", f"{r.json_bytes:,} bytes, {r.num_runs:,} runs"),
-        (f"decode step, {r.engine_num_requests} requests", f"{r.engine_step_ms:.2f} ms"),
-        ("decode step + snapshot", f"{r.engine_step_with_snapshot_ms:.2f} ms ({r.step_slowdown:.3f}x)"),
+        (f"decode step, {r.engine_num_requests} requests", f"{r.engine_step_ms:.2f} ms wall, "
+                                                            f"{r.engine_step_cpu_ms:.2f} ms CPU"),
+        ("decode step + snapshot", f"{r.engine_step_with_snapshot_ms:.2f} ms wall ({r.step_slowdown:.3f}x), "
+                                   f"{r.engine_step_with_snapshot_cpu_ms:.2f} ms CPU ({r.step_slowdown_cpu:.3f}x)"),
+        ("engine time taken by 1 s polling", f"{100 * r.poll_overhead:.2f}%"),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
