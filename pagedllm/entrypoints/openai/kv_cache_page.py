@@ -19,6 +19,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from pagedllm.engine.async_engine import EngineDeadError
+from pagedllm.entrypoints.openai.serving_engine import APIError
+
 PAGE_PATH = "/kv-cache"
 STATE_PATH = "/kv-cache/state"
 
@@ -41,7 +44,10 @@ def kv_cache_router(engine: Any, verify_api_key: Callable[[Request], Awaitable[N
 
     @router.get(STATE_PATH, dependencies=[Depends(verify_api_key)])
     async def kv_cache_state() -> Response:
-        snapshot = await engine.call_on_engine_thread(lambda llm_engine: llm_engine.get_kv_cache_snapshot())
+        try:
+            snapshot = await engine.call_on_engine_thread(lambda llm_engine: llm_engine.get_kv_cache_snapshot())
+        except EngineDeadError as exc:
+            raise APIError(503, "The engine is not running.") from exc
 
         def render() -> bytes:
             return json.dumps({"model": model_name, **snapshot.to_dict()}, separators=(",", ":")).encode()
