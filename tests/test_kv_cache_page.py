@@ -203,7 +203,7 @@ SHARED_PIXELS_JS = """() => {
 def test_page_in_a_headless_browser(server: RemoteServer, browser: Any, tmp_path: Path) -> None:
     prefix = random_prompts(1, VOCAB, lengths=[PREFIX_LEN], seed=21)[0]
     tails = random_prompts(8, VOCAB, lengths=[8] * 8, seed=22)
-    bodies = [{"model": "tiny", "prompt": prefix + tail, "max_tokens": 900, "temperature": 0.0, "ignore_eos": True}
+    bodies = [{"model": "tiny", "prompt": prefix + tail, "max_tokens": 1000, "temperature": 0.0, "ignore_eos": True}
               for tail in tails]
     probe = PageProbe(browser, {"width": 1400, "height": 900})
     page = probe.page
@@ -213,11 +213,14 @@ def test_page_in_a_headless_browser(server: RemoteServer, browser: Any, tmp_path
     assert "api_key" not in page.url, "the key is taken out of the address bar"
     load = StreamingLoad(server, bodies, [None] * 8)
     try:
-        # the 1,000-token prefix's 62 full blocks are held by all 8 block tables at once
+        # the 1,000-token prefix's 62 full blocks are held by all 8 block tables at once; the page is
+        # paused in the same breath, so every check below reads one picture however fast the requests end
         page.wait_for_function(
             """() => { const s = window.kvPage.state;
-                       return s && s.requests.filter(r => r.status === 'running').length === 8
-                              && s.blocks.some(b => b.ref_cnt === 8) && window.kvPage.numSharedDrawn >= 62; }""",
+                       const seen = s && s.requests.filter(r => r.status === 'running').length === 8
+                                    && s.blocks.some(b => b.ref_cnt === 8) && window.kvPage.numSharedDrawn >= 62;
+                       if (seen) window.kvPage.setPaused(true);
+                       return seen; }""",
             timeout=120_000, polling=50)
         state = page.evaluate("() => window.kvPage.state")
         check_kv_state(state)
@@ -233,13 +236,17 @@ def test_page_in_a_headless_browser(server: RemoteServer, browser: Any, tmp_path
         selected = page.evaluate("() => window.kvPage.selected")
         assert selected.startswith("cmpl-")
         assert "block table of" in page.inner_text("#detail")
-        assert page.evaluate(SHARED_PIXELS_JS)["selected"] > 0
+        pixels = page.evaluate(SHARED_PIXELS_JS)
+        assert pixels["selected"] > 0, pixels
+        assert page.evaluate("() => window.kvPage.state") == state, "a paused page keeps its picture"
         screenshot = tmp_path / "kv-cache-page.png"
         page.screenshot(path=str(screenshot), full_page=True)
         assert screenshot.stat().st_size > 10_000
         if os.environ.get("PAGEDLLM_UPDATE_SCREENSHOT"):  # refresh the README's picture
             shutil.copyfile(screenshot, SCREENSHOT_FOR_README)
-        assert all(thread.is_alive() for thread in load.threads), "the requests ran out before the page saw them"
+        polls = page.evaluate("() => window.kvPage.polls")
+        page.click("#pause")  # the page's own button resumes the live view
+        page.wait_for_function(f"() => !window.kvPage.paused && window.kvPage.polls > {polls}", timeout=30_000)
     finally:
         load.stop()
     # the page keeps polling after the requests are gone, without errors
