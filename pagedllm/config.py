@@ -156,7 +156,7 @@ class ModelConfig:
             max_model_len=max_model_len,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rope=RopeConfig.from_hf(hf),
             hidden_act=hf.get("hidden_act", "silu"),
             eos_token_ids=eos_ids,
