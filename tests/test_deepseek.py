@@ -185,3 +185,17 @@ def test_unservable_config_is_a_load_time_error(field: str, value: Any, arch: st
     path.write_text(json.dumps(hf))
     with pytest.raises(ValueError, match=field):
         LLM(model=model_dir, dtype="float32", max_model_len=64)
+
+
+def test_bench_mla_runs_and_reports_the_planners_kv_bytes(tmp_path: Path) -> None:
+    from pagedllm.entrypoints.cli import main
+
+    out = tmp_path / "mla.json"
+    assert main(["bench", "mla", "--contexts", "40", "--batch", "2", "--steps", "1", "--num-layers", "1",
+                 "--dtype", "float32", "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {r["decode"] for r in report["decode"]} == {"absorbed", "expanded"}
+    assert all(r["relative_difference"] < 1e-4 for r in report["decode"])  # fp32: the two forms agree
+    mla, mha = report["kv_bytes_per_token"]
+    assert mla["engine_bytes_per_token"] == mla["plan_bytes_per_token"] == (512 + 64) * 1 * 4
+    assert mha["engine_bytes_per_token"] == mha["plan_bytes_per_token"] == 2 * 16 * 128 * 1 * 4

@@ -107,9 +107,17 @@ class TorchMLAAttention(TorchPagedAttention):
         # q_nope . (W_UK c) = (W_UK^T q_nope) . c: fold W_UK into the query, once per query, not per key.
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)           # [N, H, R]
         q = self._decode_queries(torch.cat([q_latent, q_pe], dim=-1), metadata)     # [B, H, Q, R + Dr]
+        num_seqs, _, max_q, dim = q.shape
+        # One KV head shared by all query heads: lay the heads out as extra query rows of a single head,
+        # so attention is two plain matmuls over the latent (GQA broadcasting would copy it per head).
+        q = q.transpose(1, 2).reshape(num_seqs, 1, max_q * num_heads, dim)           # rows (query, head)
+        mask = metadata.decode_attn_mask
+        if mask is not None and max_q > 1:
+            mask = mask.repeat_interleave(num_heads, dim=2)
         context = self._decode_context(kv_cache, metadata)                           # [B, 1, ctx, R + Dr]
-        out = F.scaled_dot_product_attention(q, context, context[..., :self.kv_lora_rank],
-                                             attn_mask=metadata.decode_attn_mask, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, context, context[..., :self.kv_lora_rank], attn_mask=mask,
+                                             scale=scale)
+        out = out.view(num_seqs, max_q, num_heads, self.kv_lora_rank).transpose(1, 2)
         out_latent = self._decode_rows(out, metadata)                                # [N, H, R]
         return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [N, H, Dv]
 
