@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from test_moe import check_parity
-from tiny_models import build_model, metric_values, random_prompts
+from tiny_models import build_model, hf_logits, metric_values, random_prompts
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.backend import AttentionMetadata
@@ -199,3 +199,18 @@ def test_bench_mla_runs_and_reports_the_planners_kv_bytes(tmp_path: Path) -> Non
     mla, mha = report["kv_bytes_per_token"]
     assert mla["engine_bytes_per_token"] == mla["plan_bytes_per_token"] == (512 + 64) * 1 * 4
     assert mha["engine_bytes_per_token"] == mha["plan_bytes_per_token"] == 2 * 16 * 128 * 1 * 4
+
+
+def test_fp8_kv_cache_stores_the_latent_in_one_byte(v3_dir: str) -> None:
+    """kv_cache_dtype='fp8' applies to the latent and rope key: a quarter of fp32's bytes, close logprobs."""
+    prompt = random_prompts(1, 500, [37], seed=9)[0]
+    llm = LLM(model=v3_dir, dtype="float32", kv_cache_dtype="fp8", max_model_len=128)
+    runner = llm.llm_engine.model_runner
+    assert runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    config = llm.llm_engine.model_config
+    assert runner.kv_cache_bytes_per_block() == config.kv_bytes_per_token(torch.float32) // 4 * 16
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, logprobs=1), use_tqdm=False)
+    token = out[0].outputs[0].token_ids[0]
+    want = torch.log_softmax(hf_logits(v3_dir, prompt)[-1], dim=-1)[token].item()
+    # e4m3 keeps 3 mantissa bits; on this random model the first logprob moves by about 0.2.
+    assert out[0].outputs[0].logprobs[0][token].logprob == pytest.approx(want, abs=0.5)
