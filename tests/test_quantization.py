@@ -68,6 +68,16 @@ def test_quantization_error_is_within_half_a_step(method: str, group: int | None
     assert q.qweight.dtype == (torch.int8 if method == "int8" else FP8_DTYPE)
 
 
+@pytest.mark.parametrize("method,group", CASES)
+def test_tensor_parallel_shards_keep_scales_with_their_channels(method: str, group: int | None) -> None:
+    q = QuantizationConfig(method, group).get_method().quantize(_weight(32, 64), torch.float32)
+    full = q.dequantize()
+    for dim in (0, 1):
+        for rank in range(2):
+            shard = q.narrow(dim, rank * full.shape[dim] // 2, full.shape[dim] // 2)
+            assert torch.equal(shard.dequantize(), full.narrow(dim, rank * full.shape[dim] // 2, full.shape[dim] // 2))
+
+
 def test_fp8_integer_cast_is_exact_for_every_code() -> None:
     codes = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).view(16, 16)
     bits = torch.empty(16, 16, dtype=torch.int16)

@@ -71,6 +71,20 @@ class QuantizedWeight(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.method.dequantize(self, dtype)
 
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
+        """The part a tensor-parallel rank keeps, scales sharded with their channels: output rows
+        (dim 0, column-parallel) take their scales; input columns (dim 1, row-parallel) keep per-channel
+        scales whole and take their groups' scales (start and length must fall on group boundaries)."""
+        qweight = self.qweight.narrow(dim, start, length).contiguous()
+        scales = self.scales
+        if dim == 0:
+            scales = scales.narrow(0, start, length)
+        elif scales.dim() == 2:
+            group = self.qweight.shape[1] // scales.shape[1]
+            assert start % group == 0 and length % group == 0, "a shard must hold whole groups"
+            scales = scales.narrow(1, start // group, length // group)
+        return QuantizedWeight(qweight, scales.contiguous(), self.method)
+
     def extra_repr(self) -> str:
         return f"{self.method.name}, shape={tuple(self.qweight.shape)}, scales={tuple(self.scales.shape)}"
 
