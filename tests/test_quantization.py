@@ -300,3 +300,30 @@ def test_cli_flags_reach_the_engine() -> None:
     engine_args = EngineArgs.from_cli_args(args)
     assert (engine_args.quantization, engine_args.quantization_group_size) == ("int8", 64)
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
+
+
+def test_bench_quantization_reports_each_method_against_the_baseline(
+        tiny_llama_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedllm.entrypoints.cli import main
+
+    out = tmp_path / "quant.json"
+    argv = ["bench", "quantization", "--model", tiny_llama_dir, "--dtype", "float32", "--batch-sizes", "1,2",
+            "--input-len", "4", "--output-len", "4", "--num-iters", "1", "--output-json", str(out)]
+    assert main(argv) == 0
+    assert "of roofline" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["method"], r["batch_size"]) for r in rows] == [
+        (m, b) for b in (1, 2) for m in ("bf16", "int8", "fp8")]
+    for r in rows:
+        assert r["decode_tokens_per_s"] > 0
+        assert r["roofline_fraction"] == pytest.approx(r["decode_tokens_per_s"] / r["roofline_tokens_per_s"])
+    base, int8 = rows[0], rows[1]
+    assert base["speedup_vs_unquantized"] == 1.0 and int8["bytes_per_step"] < 0.6 * base["bytes_per_step"]
+    with pytest.raises(SystemExit):  # argparse refuses an unknown method
+        main(["bench", "quantization", "--methods", "bf16,int4"])
+
+
+def test_quantized_weights_with_an_fp8_kv_cache(tiny_llama_dir: str) -> None:
+    llm = LLM(tiny_llama_dir, dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8", seed=0)
+    out = llm.generate([[5, 6, 7, 8]], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == GREEDY.max_tokens
