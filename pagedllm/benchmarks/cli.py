@@ -180,6 +180,12 @@ OTHER_BENCHMARKS = {
         "run_cmd",
         "time to first token with a cached long prefix against without",
     ),
+    "structured-output": (
+        "pagedllm.benchmarks.structured_output",
+        "add_cli_args",
+        "run_cmd",
+        "decode tokens/s with and without a JSON schema, and schema compile time",
+    ),
 }
 
 
