@@ -158,6 +158,14 @@ def test_regex_choice_grammar_and_json_object_outputs_match(llm: LLM) -> None:
             assert isinstance(json.loads(completion.text), dict)
 
 
+def test_a_complete_grammar_ends_even_before_min_tokens(llm: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=10,
+                            guided_decoding=GuidedDecodingParams(regex="ab"))
+    completion = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    # EOS is the only token the grammar allows once complete, so it repeats until min_tokens lets it stop
+    assert completion.text == "ab" and completion.finish_reason == "stop" and len(completion.token_ids) == 10
+
+
 def test_composes_with_every_sampling_parameter_and_parallel_sampling(llm: LLM) -> None:
     params = SamplingParams(n=4, temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, presence_penalty=0.5,
                             frequency_penalty=0.3, repetition_penalty=1.1, logprobs=2, seed=11, max_tokens=250,

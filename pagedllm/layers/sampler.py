@@ -118,7 +118,10 @@ def adjusted_logits(logits: torch.Tensor, rows: list[SamplingRow],
     logits = apply_penalties(logits, rows)
     for i, row in enumerate(rows):
         if row.stop_token_ids and len(row.output_token_ids) < row.params.min_tokens:
+            allowed_stops = logits[i, row.stop_token_ids].clone()
             logits[i, row.stop_token_ids] = float("-inf")
+            if token_bitmask is not None and not bool(torch.isfinite(logits[i]).any()):
+                logits[i, row.stop_token_ids] = allowed_stops  # the grammar is complete: it can only end here
     return logits
 
 
