@@ -192,3 +192,25 @@ def test_bad_constraints_are_400s_naming_the_field(server: RemoteServer) -> None
     assert post(chat_path, messages=MESSAGES, tools=TOOLS, tool_choice="required",
                 guided_regex="a")["param"] == "guided_regex"
     server.assert_healthy()
+
+
+def test_tools_and_tool_turns_reach_the_chat_template() -> None:
+    from transformers import AutoTokenizer
+
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedllm.entrypoints.openai.serving_chat import render_chat_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    tokenizer.chat_template = (
+        "{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}(call {{ c.function.name }} {{ c.function.arguments }}){% endfor %}"
+        "{% if m.tool_call_id %}(for {{ m.tool_call_id }}){% endif %}{% endfor %}")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone":"UTC"}'}}
+    request = ChatCompletionRequest(model="tiny", tools=TOOLS, tool_choice="required", messages=[
+        {"role": "user", "content": "time?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}])
+    text = render_chat_prompt(tokenizer, request.messages, False, None,
+                              [tool.model_dump() for tool in request.tools])
+    assert text == ('[tool get_weather][tool get_time]<user>time?<assistant>(call get_time {"zone":"UTC"})'
+                    "<tool>12:00(for call_1)")

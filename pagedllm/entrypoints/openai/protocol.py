@@ -171,6 +171,9 @@ class ChatMessage(OpenAIBaseModel):
     # content parts ([{"type": "text", "text": ...}]) are flattened to text before templating
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # earlier turns of a tool conversation, handed to the chat template as OpenAI sends them
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class FunctionDefinition(OpenAIBaseModel):

@@ -69,13 +69,15 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
             texts.append(part["text"])
         content = "\n".join(texts)
     result: dict[str, Any] = {"role": message.role, "content": content or ""}
-    if message.name is not None:
-        result["name"] = message.name
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if getattr(message, key) is not None:
+            result[key] = getattr(message, key)
     return result
 
 
 def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
-                       chat_template_kwargs: dict[str, Any] | None) -> str:
+                       chat_template_kwargs: dict[str, Any] | None,
+                       tools: list[dict[str, Any]] | None = None) -> str:
     """The prompt text the chat template makes of the messages; 400 if the template refuses them."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise APIError(400, "This model's tokenizer has no chat template; use /v1/completions.",
@@ -83,7 +85,7 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generati
     try:
         return tokenizer.apply_chat_template(
             [_message_dict(message) for message in messages], add_generation_prompt=add_generation_prompt,
-            tokenize=False, **(chat_template_kwargs or {}))
+            tokenize=False, **({"tools": tools} if tools else {}), **(chat_template_kwargs or {}))
     except APIError:
         raise
     except Exception as exc:  # jinja raises for messages the template does not accept
@@ -103,8 +105,10 @@ class OpenAIServingChat:
                            param="stream_options")
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
+        # the tool definitions go to the chat template, which shows them to models trained on tool use
+        tools = [tool.model_dump() for tool in request.tools] if request.tools else None
         text = render_chat_prompt(self.tokenizer, request.messages, request.add_generation_prompt,
-                                  request.chat_template_kwargs)
+                                  request.chat_template_kwargs, tools)
         prompt_ids = context.encode_chat(text)
         if not prompt_ids:
             raise APIError(400, "The chat template produced an empty prompt.", param="messages")
