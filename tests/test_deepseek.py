@@ -214,3 +214,8 @@ def test_fp8_kv_cache_stores_the_latent_in_one_byte(v3_dir: str) -> None:
     want = torch.log_softmax(hf_logits(v3_dir, prompt)[-1], dim=-1)[token].item()
     # e4m3 keeps 3 mantissa bits; on this random model the first logprob moves by about 0.2.
     assert out[0].outputs[0].logprobs[0][token].logprob == pytest.approx(want, abs=0.5)
+
+
+def test_weight_quantization_is_rejected_not_ignored(v3_dir: str) -> None:
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(model=v3_dir, dtype="float32", quantization="int8", max_model_len=64)

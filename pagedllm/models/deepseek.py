@@ -50,6 +50,13 @@ def validate_deepseek_config(hf: dict, model_type: str) -> None:
         MoEConfig.from_hf(hf, model_type)
 
 
+def reject_quantization(config: ModelConfig, architecture: str) -> None:
+    # Weight-only quantization covers the Llama decoder's projections; the experts' 3-D weights and
+    # MLA's kv_b_proj (sliced into W_UK / W_UV for absorbed decode) have no quantized path yet.
+    if getattr(config, "quantization", None) is not None:
+        raise ValueError(f"quantization is not supported for {architecture} yet; pass quantization=None.")
+
+
 class DeepseekMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, dtype: torch.dtype):
         super().__init__()
@@ -158,6 +165,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         del backend
         hf = config.hf_config
         validate_deepseek_config(hf, self.model_type)
+        reject_quantization(config, type(self).__name__)
         v3 = self.model_type == "deepseek_v3"
         self.config = config
         self.mla = TorchMLAAttention(config.num_attention_heads, hf["kv_lora_rank"], hf["qk_rope_head_dim"],

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import ModelConfig
+from pagedllm.models.deepseek import reject_quantization
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.moe import FusedMoE, MoEConfig
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
     def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        reject_quantization(config, "MixtralForCausalLM")
         super().__init__(config, backend)
         moe = MoEConfig.from_hf(config.hf_config, "mixtral")
         for layer in self.layers:
@@ -23,6 +25,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        reject_quantization(config, "Qwen3MoeForCausalLM")
         super().__init__(config, backend)
         hf = config.hf_config
         moe = MoEConfig.from_hf(hf, "qwen3_moe")
