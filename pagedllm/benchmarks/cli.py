@@ -180,6 +180,12 @@ OTHER_BENCHMARKS = {
         "run_cmd",
         "time to first token with a cached long prefix against without",
     ),
+    "mla": (
+        "pagedllm.benchmarks.mla",
+        "add_cli_args",
+        "run_cmd",
+        "MLA decode absorbed against expanded at 1k/8k context, and KV bytes per token against MHA",
+    ),
     "quantization": (
         "pagedllm.benchmarks.quantization",
         "add_cli_args",

@@ -120,9 +120,10 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config
-        # One tensor for all layers; each layer gets a [2, kv_heads, num_blocks, block_size, head_dim] view.
+        # One tensor for all layers; each layer gets a [2, kv_heads, num_blocks, block_size, head_dim] view
+        # (MLA: [1, 1, num_blocks, block_size, latent + rope key], see ModelConfig.kv_cache_layer_shape).
         # Zeroed: masked-out padding is multiplied by 0 in attention, and 0 * NaN garbage would be NaN.
-        shape = (c.num_hidden_layers, 2, c.num_key_value_heads, num_blocks, self.block_size, c.head_dim)
+        shape = (c.num_hidden_layers, *c.kv_cache_layer_shape(num_blocks, self.block_size))
         if self.device.type == "cpu":
             # calloc'd memory: the OS hands out zero pages on first touch, so start-up does not write
             # (and the process does not hold) gigabytes of cache that no request has used yet.
@@ -131,9 +132,11 @@ class ModelRunner:
         else:
             cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = list(cache.unbind(0))
-        logger.info("KV cache: %d blocks of %d tokens, at most %d cached tokens (%.1f MiB, %s); weights %.1f MiB",
-                    num_blocks, self.block_size, num_blocks * self.block_size,
-                    cache.numel() * cache.element_size() / 2**20, self.kv_dtype, self.weight_bytes() / 2**20)
+        logger.info("KV cache: %d blocks of %d tokens, at most %d cached tokens (%.1f MiB, %s, %d bytes per token%s); "
+                    "weights %.1f MiB", num_blocks, self.block_size, num_blocks * self.block_size,
+                    cache.numel() * cache.element_size() / 2**20, self.kv_dtype,
+                    c.kv_bytes_per_token(self.kv_dtype), ", MLA latent" if c.is_mla else "",
+                    self.weight_bytes() / 2**20)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
