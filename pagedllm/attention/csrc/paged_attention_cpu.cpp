@@ -32,12 +32,14 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kQueryTile = 16;     // query positions per work item (times the group's heads)
 constexpr int64_t kSplitTokens = 512;  // context tokens per split of a decode-like sequence
+constexpr int64_t kPrefetchBlocks = 2;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Element -> fp32. bf16 is the top half of an fp32, so it widens with a shift the compiler vectorises.
@@ -57,6 +59,130 @@ inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(ds
 template <typename T>
 inline void from_float(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// [block_size, D] tile rows j0..j1 -> fp32 [D, block_size]; rows outside stay as they were (their
+// scores are never read).
+template <typename cache_t>
+inline void transpose_to_float(const cache_t* src, float* dst, int64_t j0, int64_t j1, int64_t block_size,
+                               int64_t D) {
+  float row[1024];
+  for (int64_t j = j0; j < j1; ++j) {
+    to_float(src + j * D, row, D);
+    for (int64_t d = 0; d < D; ++d) dst[d * block_size + j] = row[d];
+  }
+}
+
+// exp(x) for x <= 0 (scores minus their running max), in plain arithmetic so `omp simd` loops
+// vectorise it: 2^(x log2 e) = 2^n * 2^f, n integer, |f| <= 1/2, 2^f by a degree-6 polynomial
+// (relative error about 2e-7, the size of fp32 rounding). Below 2^-126 it returns 0.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x * 1.44269504088896341f, -127.f);
+  const float n = (t + 12582912.f) - 12582912.f;  // round to nearest without a libm call
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += static_cast<int32_t>(n) << 23;
+  float result;
+  std::memcpy(&result, &bits, sizeof(result));
+  return n < -126.f ? 0.f : result;
+}
+
+// One query row against keys j0..j_end of one block: scores, then the online-softmax update of the
+// row's max, denominator and accumulator. k is [BS][D] or, when `transposed`, [D][BS]; v is [BS][D];
+// all fp32. A few rows (decode) take dot products from k as stored; many rows (prefill tiles) amortise
+// a transpose that turns each score row into FMAs across the block, with no horizontal reductions.
+// BS and HD are compile-time for the common shapes (0: given at run time), so that the score vector
+// and the accumulator stay in registers across the loops.
+template <int BS, int HD>
+inline void update_row_impl(const float* __restrict q, const float* __restrict kT, const float* __restrict v,
+                            int64_t j0, int64_t j_end, float* __restrict s, float& row_max, float& row_sum,
+                            float* __restrict acc, int64_t block_size_rt, int64_t head_dim_rt, bool transposed) {
+  const int64_t bs = BS ? BS : block_size_rt;
+  const int64_t D = HD ? HD : head_dim_rt;
+  if (!transposed) {
+    for (int64_t j = j0; j < j_end; ++j) {
+      const float* kj = kT + j * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += q[d] * kj[d];
+      s[j] = dot;
+    }
+  } else if constexpr (BS != 0) {
+    float local[BS] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const float qd = q[d];
+#pragma omp simd
+      for (int j = 0; j < BS; ++j) local[j] += qd * kT[d * BS + j];
+    }
+    for (int j = 0; j < BS; ++j) s[j] = local[j];
+  } else {
+    std::fill(s, s + bs, 0.f);
+    for (int64_t d = 0; d < D; ++d) {
+      const float qd = q[d];
+#pragma omp simd
+      for (int64_t j = 0; j < bs; ++j) s[j] += qd * kT[d * bs + j];
+    }
+  }
+  float block_max = kNegInf;
+  for (int64_t j = j0; j < j_end; ++j) block_max = std::max(block_max, s[j]);
+  const float new_max = std::max(row_max, block_max);
+  const float alpha = std::exp(row_max - new_max);  // exp(-inf) = 0 on the row's first block
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = j0; j < j_end; ++j) {
+    s[j] = exp_nonpositive(s[j] - new_max);
+    sum += s[j];
+  }
+  row_sum = row_sum * alpha + sum;
+  row_max = new_max;
+  if constexpr (HD != 0) {
+    float out[HD];
+#pragma omp simd
+    for (int d = 0; d < HD; ++d) out[d] = acc[d] * alpha;
+    for (int64_t j = j0; j < j_end; ++j) {
+      const float p = s[j];
+      const float* vj = v + j * HD;
+#pragma omp simd
+      for (int d = 0; d < HD; ++d) out[d] += p * vj[d];
+    }
+    for (int d = 0; d < HD; ++d) acc[d] = out[d];
+  } else {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+    for (int64_t j = j0; j < j_end; ++j) {
+      const float p = s[j];
+      const float* vj = v + j * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) acc[d] += p * vj[d];
+    }
+  }
+}
+
+template <int BS>
+inline void update_row_bs(const float* q, const float* kT, const float* v, int64_t j0, int64_t j_end, float* s,
+                          float& row_max, float& row_sum, float* acc, int64_t block_size, int64_t D, bool transposed) {
+  switch (D) {
+    case 64: return update_row_impl<BS, 64>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
+    case 128: return update_row_impl<BS, 128>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
+    default: return update_row_impl<BS, 0>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
+  }
+}
+
+inline void update_row(const float* q, const float* kT, const float* v, int64_t j0, int64_t j_end, float* s,
+                       float& row_max, float& row_sum, float* acc, int64_t block_size, int64_t D, bool transposed) {
+  switch (block_size) {
+    case 16: return update_row_bs<16>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
+    case 32: return update_row_bs<32>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
+    default: return update_row_bs<0>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
+  }
 }
 
 struct WorkItem {
@@ -102,6 +228,7 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
   const int64_t first_pos = seq_len - query_len + w.q_begin;
   const int64_t k_stop = std::min(w.k_end, seq_len - query_len + w.q_end);
   const int64_t tile_elems = block_size * D;
+  const bool transpose = rows >= 16;
   for (int64_t kb = w.k_begin; kb < k_stop; kb = (kb / block_size + 1) * block_size) {
     const int64_t logical = kb / block_size;
     const int64_t block_start = logical * block_size;
@@ -110,49 +237,38 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
     const int64_t physical = block_table[logical];
     const cache_t* k_src = kv_cache + (w.kv_head * num_blocks + physical) * tile_elems;
     const cache_t* v_src = kv_cache + ((num_kv_heads + w.kv_head) * num_blocks + physical) * tile_elems;
-    const float* k;
+    // Blocks sit anywhere in the pool, so hardware prefetchers stop at every block boundary: ask for the
+    // block kPrefetchBlocks ahead in the table while this one is computed.
+    if (block_start + kPrefetchBlocks * block_size < k_stop) {
+      const int64_t next = block_table[logical + kPrefetchBlocks];
+      const char* k_next = reinterpret_cast<const char*>(kv_cache + (w.kv_head * num_blocks + next) * tile_elems);
+      const char* v_next =
+          reinterpret_cast<const char*>(kv_cache + ((num_kv_heads + w.kv_head) * num_blocks + next) * tile_elems);
+      for (int64_t byte = 0; byte < tile_elems * static_cast<int64_t>(sizeof(cache_t)); byte += 64) {
+        __builtin_prefetch(k_next + byte);
+        __builtin_prefetch(v_next + byte);
+      }
+    }
+    // K transposed to [head_dim][block_size]: scores of one row are then FMAs across the block's keys
+    // (one vector per d), with no horizontal reductions. V stays [block_size][head_dim].
     const float* v;
     if constexpr (std::is_same_v<cache_t, float>) {
-      k = k_src;
       v = v_src;
     } else {
-      to_float(k_src + j0 * D, k_tile + j0 * D, (j1 - j0) * D);
       to_float(v_src + j0 * D, v_tile + j0 * D, (j1 - j0) * D);
-      k = k_tile;
       v = v_tile;
+    }
+    if (transpose) {
+      transpose_to_float(k_src, k_tile, j0, j1, block_size, D);
+    } else {
+      to_float(k_src + j0 * D, k_tile + j0 * D, (j1 - j0) * D);
     }
     for (int64_t m = 0; m < rows; ++m) {
       const int64_t pos = first_pos + m / group;
       const int64_t visible_end = std::min(j1, pos - block_start + 1);  // keys j < visible_end are visible
       if (visible_end <= j0) continue;
-      const float* qm = q + m * D;
-      float* s = scores + m * block_size;
-      float block_max = kNegInf;
-      for (int64_t j = j0; j < visible_end; ++j) {
-        const float* kj = k + j * D;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qm[d] * kj[d];
-        s[j] = dot;
-        block_max = std::max(block_max, dot);
-      }
-      const float new_max = std::max(row_max[m], block_max);
-      const float alpha = std::exp(row_max[m] - new_max);  // exp(-inf) = 0 on the first block
-      float* am = acc + m * D;
-      if (alpha != 1.f) {
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) am[d] *= alpha;
-      }
-      float sum = 0.f;
-      for (int64_t j = j0; j < visible_end; ++j) {
-        const float p = std::exp(s[j] - new_max);
-        sum += p;
-        const float* vj = v + j * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) am[d] += p * vj[d];
-      }
-      row_sum[m] = row_sum[m] * alpha + sum;
-      row_max[m] = new_max;
+      update_row(q + m * D, k_tile, v, j0, visible_end, scores + m * block_size, row_max[m], row_sum[m],
+                 acc + m * D, block_size, D, transpose);
     }
   }
 
@@ -299,7 +415,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const 
                   out.scalar_type() == query.scalar_type(),
               "paged_attention: query and out must be contiguous [num_tokens, num_heads, head_dim] of one dtype");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                  kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(1) == 0,
+                  kv_cache.size(4) == query.size(2) && query.size(2) <= 1024 && query.size(1) % kv_cache.size(1) == 0,
               "paged_attention: kv_cache must be contiguous [2, num_kv_heads, num_blocks, block_size, head_dim]");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   query_start_loc.scalar_type() == at::kLong && block_tables.is_contiguous() &&
