@@ -14,6 +14,7 @@ backend additionally reads the padded decode batch and the per-prefill masks bel
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -49,6 +50,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None      # [num_seqs, max_blocks], zero-padded
     max_query_len: int = 0
     max_seq_len: int = 0
+    # What a backend derives from the above once per step (`AttentionBackend.prepare_metadata`).
+    backend_data: dict[str, Any] = field(default_factory=dict)
 
 
 class AttentionBackend:
@@ -57,6 +60,9 @@ class AttentionBackend:
     name = "ABSTRACT"
     # Whether the runner must build the padded decode batch and dense masks (only the reference reads them).
     needs_dense_masks = False
+
+    def prepare_metadata(self, metadata: AttentionMetadata) -> None:
+        """Called once per step by the runner after it fills `metadata`: derive what every layer reuses."""
 
     # kv_cache for one layer: [2, num_kv_heads, num_blocks, block_size, head_dim]. Head-major, so one
     # block of one head is a contiguous [block_size, head_dim] tile.

@@ -197,6 +197,7 @@ class ModelRunner:
                 key_pos = torch.arange(seq_len, device=device)
                 prefill.attn_mask = key_pos[None, :] <= key_pos[s.start_pos:, None]
             metadata.prefills.append(prefill)
+        self.backend.prepare_metadata(metadata)
         return Batch(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
             positions=torch.from_numpy(np.concatenate(positions)).to(device),
