@@ -55,12 +55,12 @@ def paged_flash_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tab
             scores = q @ k.unsqueeze(1).transpose(-1, -2)  # [Hkv, G, Q, N]
             k_pos = torch.arange(k_start, k_start + tile_len, device=query.device)
             visible = k_pos[None, :] <= q_pos[:, None]
-            scores = scores.masked_fill(~visible, float("-inf"))
+            scores.masked_fill_(~visible, float("-inf"))
             new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
             # Rows that see nothing yet keep max -inf; shift by 0 there so exp gives 0, not NaN.
             safe_max = torch.where(new_max == float("-inf"), 0.0, new_max)
             alpha = torch.exp(row_max - safe_max)
-            p = torch.exp(scores - safe_max)
+            p = scores.sub_(safe_max).exp_()  # in place: one score tile alive at a time
             row_sum = row_sum * alpha + p.sum(dim=-1, keepdim=True)
             acc = acc * alpha + p @ v.unsqueeze(1)
             row_max = new_max
