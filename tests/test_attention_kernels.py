@@ -73,6 +73,7 @@ STEPS = [
     ([9, 700, 2000], [2, 5, 8]),
     ([300, 1200], [300, 70]),
     ([33, 1537, 64, 1000], [1, 8, 64, 3]),
+    ([1000, 515], [44, 30]),  # query rows start mid-block: the diagonal blocks are partly visible
 ]
 
 

@@ -166,6 +166,65 @@ inline void update_row_impl(const float* __restrict q, const float* __restrict k
   }
 }
 
+// Four query rows against a whole block (every key visible to every row) with K transposed: each
+// loaded K or V vector feeds four FMAs, and the 4 x BS scores and 4 x HD accumulators stay in registers.
+template <int BS, int HD>
+inline void update_rows4(const float* __restrict q, const float* __restrict kT, const float* __restrict v,
+                         float* __restrict row_max, float* __restrict row_sum, float* __restrict acc) {
+  constexpr int R = 4;
+  float s[R][BS] = {};
+  for (int d = 0; d < HD; ++d) {
+    const float* kd = kT + d * BS;
+    for (int r = 0; r < R; ++r) {
+      const float qd = q[r * HD + d];
+#pragma omp simd
+      for (int j = 0; j < BS; ++j) s[r][j] += qd * kd[j];
+    }
+  }
+  float alpha[R];
+  for (int r = 0; r < R; ++r) {
+    float block_max = kNegInf;
+    for (int j = 0; j < BS; ++j) block_max = std::max(block_max, s[r][j]);
+    const float new_max = std::max(row_max[r], block_max);
+    alpha[r] = std::exp(row_max[r] - new_max);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < BS; ++j) {
+      s[r][j] = exp_nonpositive(s[r][j] - new_max);
+      sum += s[r][j];
+    }
+    row_sum[r] = row_sum[r] * alpha[r] + sum;
+    row_max[r] = new_max;
+  }
+  float out[R][HD];
+  for (int r = 0; r < R; ++r) {
+#pragma omp simd
+    for (int d = 0; d < HD; ++d) out[r][d] = acc[r * HD + d] * alpha[r];
+  }
+  for (int j = 0; j < BS; ++j) {
+    const float* vj = v + j * HD;
+    for (int r = 0; r < R; ++r) {
+      const float p = s[r][j];
+#pragma omp simd
+      for (int d = 0; d < HD; ++d) out[r][d] += p * vj[d];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+#pragma omp simd
+    for (int d = 0; d < HD; ++d) acc[r * HD + d] = out[r][d];
+  }
+}
+
+// Rows m0..m0+3 over a whole block, if a compiled-in shape fits; false means "do them one by one".
+inline bool update_rows4_if_compiled(const float* q, const float* kT, const float* v, float* row_max,
+                                     float* row_sum, float* acc, int64_t block_size, int64_t D) {
+  if (block_size == 16 && D == 64) return update_rows4<16, 64>(q, kT, v, row_max, row_sum, acc), true;
+  if (block_size == 16 && D == 128) return update_rows4<16, 128>(q, kT, v, row_max, row_sum, acc), true;
+  if (block_size == 32 && D == 64) return update_rows4<32, 64>(q, kT, v, row_max, row_sum, acc), true;
+  if (block_size == 32 && D == 128) return update_rows4<32, 128>(q, kT, v, row_max, row_sum, acc), true;
+  return false;
+}
+
 template <int BS>
 inline void update_row_bs(const float* q, const float* kT, const float* v, int64_t j0, int64_t j_end, float* s,
                           float& row_max, float& row_sum, float* acc, int64_t block_size, int64_t D, bool transposed) {
@@ -263,7 +322,16 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
     } else {
       to_float(k_src + j0 * D, k_tile + j0 * D, (j1 - j0) * D);
     }
-    for (int64_t m = 0; m < rows; ++m) {
+    int64_t m = 0;
+    if (transpose && j0 == 0 && j1 == block_size) {
+      // Rows whose query sees the whole block (all but the diagonal), four at a time.
+      // Positions grow with m, so row m seeing the block's last key means rows m..m+3 all do.
+      for (; m + 4 <= rows && first_pos + m / group >= block_start + block_size - 1; m += 4) {
+        if (!update_rows4_if_compiled(q + m * D, k_tile, v, row_max + m, row_sum + m, acc + m * D, block_size, D))
+          break;
+      }
+    }
+    for (; m < rows; ++m) {
       const int64_t pos = first_pos + m / group;
       const int64_t visible_end = std::min(j1, pos - block_start + 1);  // keys j < visible_end are visible
       if (visible_end <= j0) continue;
