@@ -86,3 +86,21 @@ def test_fp8_cache_through_the_cpu_kernel_matches_the_reference(tiny_llama_dir: 
         llm = LLM(model=tiny_llama_dir, dtype="float32", kv_cache_dtype="fp8", attention_backend=backend)
         tokens[backend] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens["CPU_FLASH"] == tokens["TORCH_SDPA"]
+
+
+def test_bench_attention_runs_and_writes_json(tiny_llama_dir: str, tmp_path) -> None:
+    import json
+
+    from pagedllm.entrypoints.cli import build_parser
+
+    out = tmp_path / "attention.json"
+    args = build_parser().parse_args([
+        "bench", "attention", "--model", tiny_llama_dir, "--contexts", "40", "--batch-sizes", "1,2",
+        "--prefill", "64,20", "--num-iters", "1", "--bandwidth-mib", "16", "--e2e-context", "48",
+        "--e2e-output-len", "2", "--output-json", str(out)])
+    assert args.func(args) == 0
+    report = json.loads(out.read_text())
+    assert report["backend"] == "CPU_FLASH"
+    assert [(r["kind"], r["batch"]) for r in report["kernels"]] == [("decode", 1), ("decode", 2), ("prefill", 1)]
+    assert all(r["backend_ms"] > 0 and r["kv_bytes"] > 0 for r in report["kernels"])
+    assert [r["batch"] for r in report["e2e"]] == [1, 2] and all(r["backend_tok_s"] > 0 for r in report["e2e"])

@@ -167,15 +167,17 @@ def _decode_tok_s(llm: Any, prompts: list[list[int]], output_len: int) -> float:
 def run_e2e(result: AttentionBenchResult, model: str, context: int, batch_sizes: list[int], output_len: int,
             dtype: str) -> None:
     from pagedllm import LLM
+    from pagedllm.config import ModelConfig
 
+    vocab_size = ModelConfig.from_pretrained(model).vocab_size
     gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(3, 1000, (context - 16,), generator=gen).tolist()
+    prefix = torch.randint(3, vocab_size, (context - 16,), generator=gen).tolist()
     tok_s: dict[tuple[str, int], float] = {}
     for name in (REFERENCE, result.backend):
         llm = LLM(model=model, dtype=dtype, attention_backend=name, max_model_len=context + output_len + 1,
                   max_num_seqs=max(batch_sizes), block_size=result.block_size, enable_prefix_caching=True)
         for batch in batch_sizes:
-            prompts = [prefix + torch.randint(3, 1000, (16,), generator=gen).tolist() for _ in range(batch)]
+            prompts = [prefix + torch.randint(3, vocab_size, (16,), generator=gen).tolist() for _ in range(batch)]
             tok_s[name, batch] = _decode_tok_s(llm, prompts, output_len)
         del llm
     for batch in batch_sizes:
@@ -233,6 +235,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--e2e-output-len", type=int, default=16)
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--bandwidth-mib", type=int, default=512,
+                        help="buffer of the bandwidth probe; keep it well above the last-level cache")
     parser.add_argument("--output-json")
 
 
@@ -254,7 +258,7 @@ def run_cmd(args: argparse.Namespace) -> int:
         backend=args.backend, device="cpu", dtype=str(dtype).removeprefix("torch."),
         num_threads=torch.get_num_threads(), num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, block_size=args.block_size,
-        memory_bandwidth_bytes_per_s=measure_memory_bandwidth(512 * 2**20))
+        memory_bandwidth_bytes_per_s=measure_memory_bandwidth(args.bandwidth_mib * 2**20))
     print(format_result(result), flush=True)
     run_kernels(result, args.contexts, args.batch_sizes, tuple(args.prefill), dtype, args.num_iters)
     if not args.skip_e2e:
