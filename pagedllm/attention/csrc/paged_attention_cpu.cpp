@@ -39,7 +39,7 @@ namespace {
 
 constexpr int64_t kQueryTile = 16;     // query positions per work item (times the group's heads)
 constexpr int64_t kSplitTokens = 512;  // context tokens per split of a decode-like sequence
-constexpr int64_t kPrefetchBlocks = 2;
+constexpr int64_t kPrefetchBlocks = 4;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Element -> fp32. bf16 is the top half of an fp32, so it widens with a shift the compiler vectorises.
@@ -304,8 +304,8 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
       const char* v_next =
           reinterpret_cast<const char*>(kv_cache + ((num_kv_heads + w.kv_head) * num_blocks + next) * tile_elems);
       for (int64_t byte = 0; byte < tile_elems * static_cast<int64_t>(sizeof(cache_t)); byte += 64) {
-        __builtin_prefetch(k_next + byte);
-        __builtin_prefetch(v_next + byte);
+        __builtin_prefetch(k_next + byte, 0, 2);
+        __builtin_prefetch(v_next + byte, 0, 2);
       }
     }
     // K transposed to [head_dim][block_size]: scores of one row are then FMAs across the block's keys
