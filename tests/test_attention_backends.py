@@ -104,3 +104,13 @@ def test_bench_attention_runs_and_writes_json(tiny_llama_dir: str, tmp_path) -> 
     assert [(r["kind"], r["batch"]) for r in report["kernels"]] == [("decode", 1), ("decode", 2), ("prefill", 1)]
     assert all(r["backend_ms"] > 0 and r["kv_bytes"] > 0 for r in report["kernels"])
     assert [r["batch"] for r in report["e2e"]] == [1, 2] and all(r["backend_tok_s"] > 0 for r in report["e2e"])
+
+
+def test_triton_block_size_is_checked_when_the_engine_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # stands in for a CUDA device
+    assert resolve_backend_name("TRITON", CPU, torch.bfloat16, block_size=16) == "TRITON"
+    with pytest.raises(ValueError, match="block_size"):
+        resolve_backend_name("TRITON", CPU, torch.bfloat16, block_size=8)
+    with pytest.raises(ValueError, match="fp8"):
+        resolve_backend_name("TRITON", CPU, torch.float8_e4m3fn, block_size=16)

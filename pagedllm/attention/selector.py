@@ -44,7 +44,8 @@ def default_backend_name(device: torch.device, kv_cache_dtype: torch.dtype) -> s
     return "TORCH_SDPA"
 
 
-def resolve_backend_name(name: str | None, device: torch.device, kv_cache_dtype: torch.dtype) -> str:
+def resolve_backend_name(name: str | None, device: torch.device, kv_cache_dtype: torch.dtype,
+                         block_size: int | None = None) -> str:
     """The backend to use; ValueError (naming the parameter) for an unknown or unusable choice."""
     source = "attention_backend"
     if name is None and os.environ.get(ENV_VAR):
@@ -62,12 +63,17 @@ def resolve_backend_name(name: str | None, device: torch.device, kv_cache_dtype:
         if kv_cache_dtype.itemsize == 1:
             raise ValueError(f"{source}=TRITON does not read an fp8 KV cache; use TORCH_SDPA or another "
                              "kv_cache_dtype.")
+        if block_size is not None:
+            from pagedllm.attention.triton_paged import _check_block_size
+
+            _check_block_size(block_size)
     return name
 
 
 def get_attn_backend(name: str | None, num_heads: int, num_kv_heads: int, head_dim: int,
-                     dtype: torch.dtype, kv_cache_dtype: torch.dtype, device: torch.device) -> AttentionBackend:
-    name = resolve_backend_name(name, device, kv_cache_dtype)
+                     dtype: torch.dtype, kv_cache_dtype: torch.dtype, device: torch.device,
+                     block_size: int | None = None) -> AttentionBackend:
+    name = resolve_backend_name(name, device, kv_cache_dtype, block_size)
     if name == "TORCH_SDPA":
         from pagedllm.attention.torch_paged import TorchPagedAttention as backend_class
     elif name == "TORCH_FLASH":

@@ -176,9 +176,10 @@ def _dot_fp32(kv_cache: torch.Tensor) -> bool:
 
 
 def _check_block_size(block_size: int) -> None:
-    # A page is one tl.arange tile, and decode splits start on page boundaries.
-    if block_size & (block_size - 1) or SPLIT_TOKENS % block_size:
-        raise ValueError(f"block_size must be a power of two dividing {SPLIT_TOKENS} for the TRITON attention "
+    # A page is one tl.arange tile and one tl.dot dimension (at least 16 on GPUs), and decode splits
+    # start on page boundaries.
+    if block_size < 16 or block_size & (block_size - 1) or SPLIT_TOKENS % block_size:
+        raise ValueError(f"block_size must be a power of two from 16 to {SPLIT_TOKENS} for the TRITON attention "
                          f"backend, got {block_size}.")
 
 

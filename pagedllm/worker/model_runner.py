@@ -72,7 +72,7 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, model_config.dtype)
         self.backend = get_attn_backend(cache_config.attention_backend, model_config.num_attention_heads,
                                         model_config.num_key_value_heads, model_config.head_dim, model_config.dtype,
-                                        self.kv_dtype, device)
+                                        self.kv_dtype, device, self.block_size)
         self.model = load_model(model_config, self.backend, device)
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
