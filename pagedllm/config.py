@@ -226,6 +226,8 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+    # TORCH_SDPA, TORCH_FLASH, CPU_FLASH, TRITON; None: PAGEDLLM_ATTENTION_BACKEND, else the device's default
+    attention_backend: str | None = None
     num_blocks: int = 0  # decided at start-up from the memory budget
 
 

@@ -174,6 +174,12 @@ OTHER_BENCHMARKS = {
         "run_spec_decode_cmd",
         "speculative decoding at batch 1 against plain decoding",
     ),
+    "attention": (
+        "pagedllm.benchmarks.attention",
+        "add_cli_args",
+        "run_cmd",
+        "paged attention kernels against gather + SDPA: per-layer decode time, KV bandwidth, e2e tok/s",
+    ),
     "prefix-caching": (
         "pagedllm.benchmarks.prefix_caching",
         "add_cli_args",
