@@ -70,7 +70,10 @@ class ModelRunner:
         self.device = device
         self.block_size = cache_config.block_size
         self.kv_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, model_config.dtype)
-        self.backend = get_attn_backend(cache_config.attention_backend, model_config.num_attention_heads,
+        # MLA layers attend through their own latent-cache attention (attention/mla.py), which reads the
+        # reference backend's padded decode batch and masks: the runner must build those for them.
+        backend_name = "TORCH_SDPA" if model_config.is_mla else cache_config.attention_backend
+        self.backend = get_attn_backend(backend_name, model_config.num_attention_heads,
                                         model_config.num_key_value_heads, model_config.head_dim, model_config.dtype,
                                         self.kv_dtype, device, self.block_size)
         self.model = load_model(model_config, self.backend, device)
