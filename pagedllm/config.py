@@ -163,9 +163,14 @@ class ModelConfig:
             bos_token_id=generation.get("bos_token_id", hf.get("bos_token_id")),
         )
 
-    def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
+    def get_num_kv_heads(self, tp_size: int = 1) -> int:
+        """KV heads one rank holds: a share of them, or one (replicated) when there are fewer than ranks."""
+        return max(1, self.num_key_value_heads // tp_size)
+
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype, tp_size: int = 1) -> int:
+        """KV cache bytes per token on one rank."""
         element = torch.empty((), dtype=kv_dtype).element_size()
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element
+        return 2 * self.num_hidden_layers * self.get_num_kv_heads(tp_size) * self.head_dim * element
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -184,6 +189,31 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     num_blocks: int = 0  # decided at start-up from the memory budget
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split over processes: tensor parallelism, all ranks on this host."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"  # "uni": in this process; "mp": one process per rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    def verify_with_model_config(self, model: ModelConfig) -> None:
+        """Every rank must hold whole heads and an equal slice of the MLP."""
+        tp = self.tensor_parallel_size
+        checks = [("num_attention_heads", model.num_attention_heads), ("intermediate_size", model.intermediate_size)]
+        for name, value in checks:
+            if value % tp:
+                raise ValueError(f"{name} ({value}) of {model.model!r} must be divisible by "
+                                 f"tensor_parallel_size ({tp}).")
+        kv = model.num_key_value_heads
+        if kv % tp and tp % kv:
+            raise ValueError(f"num_key_value_heads ({kv}) of {model.model!r} and tensor_parallel_size ({tp}) must "
+                             "divide one another (KV heads are split, or replicated when there are fewer than ranks).")
 
 
 @dataclass

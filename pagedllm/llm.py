@@ -74,6 +74,11 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes now (they also stop when the LLM is collected, at exit,
+        and when this process dies)."""
+        self.llm_engine.shutdown()
+
 
 def render_chat(tokenizer, messages: ChatMessages, add_generation_prompt: bool = True,
                 chat_template: str | None = None) -> list[int]:

@@ -31,6 +31,7 @@ class EngineArgs:
     num_speculative_tokens: int | None = None
     speculative_config: dict[str, Any] | None = None
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # "uni" | "mp"; default: uni at TP 1, mp above
     enforce_eager: bool = True
     trust_remote_code: bool = False
 
@@ -52,8 +53,15 @@ class EngineArgs:
               f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
         check(self.scheduling_policy in ("fcfs", "lpm"),
               f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}.")
-        check(self.tensor_parallel_size == 1,
-              f"tensor_parallel_size must be 1 in this build, got {self.tensor_parallel_size}.")
+        check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+              f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size}.")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
+        check(self.distributed_executor_backend in ("uni", "mp"),
+              f"distributed_executor_backend must be 'uni' or 'mp', got {self.distributed_executor_backend!r}.")
+        check(self.distributed_executor_backend == "mp" or self.tensor_parallel_size == 1,
+              f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size={self.tensor_parallel_size} "
+              "needs 'mp'.")
         check(self.max_logprobs >= 0, f"max_logprobs must be non-negative, got {self.max_logprobs}.")
         if isinstance(self.speculative_config, str):
             self.speculative_config = json.loads(self.speculative_config)
@@ -87,6 +95,8 @@ class EngineArgs:
         add("--speculative-config", type=json.loads, default=None,
             help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
         add("--tensor-parallel-size", "-tp", type=int, default=1)
+        add("--distributed-executor-backend", default=None, choices=["uni", "mp"],
+            help="uni: one process; mp: one worker process per tensor-parallel rank (default: uni at TP 1)")
         add("--enforce-eager", action=bool_flag, default=True)
         return parser
 

@@ -9,17 +9,17 @@ from collections import Counter as TallyCounter
 from collections.abc import Iterable
 from typing import Any
 
-from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_device
+from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, resolve_device
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
+from pagedllm.executor.abstract import Executor
 from pagedllm.kv_cache.manager import KVCacheManager, cdiv
 from pagedllm.metrics.reader import Counter, Gauge, Metric
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode import build_spec_decoder
-from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +58,21 @@ class LLMEngine:
             block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_gpu_blocks_override=args.num_gpu_blocks_override,
             kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching)
+        self.parallel_config = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                              distributed_executor_backend=args.distributed_executor_backend or "uni")
+        self.parallel_config.verify_with_model_config(self.model_config)
+        if self.parallel_config.world_size > 1 and (args.speculative_model or args.speculative_config):
+            raise ValueError("speculative decoding (speculative_model / speculative_config) is not supported with "
+                             f"tensor_parallel_size={self.parallel_config.world_size} yet; use "
+                             "tensor_parallel_size=1.")
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
 
-        self.model_runner = ModelRunner(self.model_config, self.cache_config, self.scheduler_config,
-                                        self.device, seed=args.seed)
-        num_blocks = self.model_runner.determine_num_blocks()
+        executor_class = Executor.get_class(self.parallel_config)
+        self.model_executor = executor_class(self.model_config, self.cache_config, self.scheduler_config,
+                                             self.parallel_config, self.device, seed=args.seed)
+        num_blocks = self.model_executor.determine_num_blocks()
         self.cache_config.num_blocks = num_blocks
-        self.model_runner.allocate_kv_cache(num_blocks)
+        self.model_executor.initialize_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.model_config.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -78,6 +86,15 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
+
+    @property
+    def model_runner(self):
+        """The in-process model runner (single-process executor only; the speculative decoder drives it)."""
+        return self.model_executor.driver_worker.model_runner
+
+    def shutdown(self) -> None:
+        """Stop the workers (a no-op in one process); the engine cannot step afterwards."""
+        self.model_executor.shutdown()
 
     # ---- requests in ----
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -158,7 +175,7 @@ class LLMEngine:
         if self.spec_decoder is not None:
             model_output = self.spec_decoder.execute(scheduler_output)
         else:
-            model_output = self.model_runner.execute(scheduler_output)
+            model_output = self.model_executor.execute_model(scheduler_output)
         updated, finished, forked = self.scheduler.update(scheduler_output, model_output)
         self.output_processor.add_forked(forked)
         now = time.time()

@@ -36,6 +36,8 @@ class SchedulerOutput:
     num_batched_tokens: int
     blocks_to_copy: list[tuple[int, int]]
     preempted_ids: list[str]
+    # Requests that left the engine since the last step: workers in other processes drop their copies.
+    finished_req_ids: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:
@@ -64,6 +66,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.finished_req_ids: set[str] = set()
 
     # ---- bookkeeping ----
     def add_request(self, request: Request) -> None:
@@ -98,6 +101,7 @@ class Scheduler:
                 pass
         self.kv.free(request.request_id)
         del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
 
     # ---- the plan for one step ----
     def schedule(self) -> SchedulerOutput:
@@ -168,7 +172,12 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             blocks_to_copy=self.kv.take_pending_copies(),
             preempted_ids=preempted,
+            finished_req_ids=self._take_finished_req_ids(),
         )
+
+    def _take_finished_req_ids(self) -> set[str]:
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return finished
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -282,5 +291,6 @@ class Scheduler:
         self.running[position:position + 1] = children
         self.kv.free(parent.request_id)
         del self.requests[parent.request_id]
+        self.finished_req_ids.add(parent.request_id)
         parent.status = RequestStatus.FINISHED_STOPPED
         return children

@@ -29,19 +29,21 @@ def _safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in found]
 
 
-def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.device) -> torch.nn.Module:
+def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.device,
+               tp_rank: int = 0, tp_size: int = 1) -> torch.nn.Module:
+    """The model with this rank's shard of every weight; only that shard is read from the files."""
     model_class = get_model_class(config.architecture)
-    model = model_class(config, backend)
+    model = model_class(config, backend, tp_rank, tp_size)
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(path, framework="pt")) for path in
                    _safetensors_files(config.model)]
         where = {name: handle for handle in handles for name in handle.keys()}
 
-        def get_tensor(name: str) -> torch.Tensor:
+        def get_slice(name: str):
             if name not in where:
                 raise ValueError(f"checkpoint {config.model!r} lacks weight {name!r}.")
-            return where[name].get_tensor(name)
+            return where[name].get_slice(name)
 
         with torch.no_grad():
-            model.load_weights(get_tensor, set(where))
+            model.load_weights(get_slice, set(where))
     return model.to(device).eval()

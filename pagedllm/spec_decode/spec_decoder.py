@@ -205,17 +205,14 @@ class SpecDecoder:
         state[0] = ACCEPTANCE_DECAY * state[0] + num_accepted
         state[1] = ACCEPTANCE_DECAY * state[1] + num_accepted + (num_accepted < num_draft)
 
-    # ---- called by the target runner with the hidden rows of every verified request ----
-    def verify(self, verify: list[tuple[ScheduledRequest, int]], hidden: torch.Tensor,
+    # ---- called by the target runner with the logits of the k+1 positions of every verified request ----
+    def verify(self, verify: list[tuple[ScheduledRequest, int]], logits: torch.Tensor,
                output: ModelRunnerOutput) -> None:
         runner = self.target_runner
-        row_index: list[int] = []
         rows = []
-        for s, first in verify:
+        for s, _ in verify:
             k = len(s.spec_token_ids)
-            row_index.extend(range(first, first + k + 1))
             rows.extend(rows_with_drafts(runner.sampling_row(s.request), s.spec_token_ids, k + 1))
-        logits = runner.model.compute_logits(hidden[row_index])
         raw_logprobs = logits.log_softmax(dim=-1)
         adjusted = adjusted_logits(logits, rows)
         probs = None if all(r.params.greedy for r in rows) else processed_probs(adjusted, rows)
