@@ -213,7 +213,6 @@ def worker_main(fd: int, rank: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the engine decides
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     conn = Connection(fd)
-    from pagedllm.distributed.parallel_state import destroy_distributed_environment
     from pagedllm.worker.worker import Worker
 
     worker = None
@@ -239,8 +238,6 @@ def worker_main(fd: int, rank: int) -> int:
             conn.send(("ok", result))
     except (BrokenPipeError, ConnectionResetError):
         pass
-    finally:
-        destroy_distributed_environment()
     return 0
 
 
@@ -249,5 +246,10 @@ if __name__ == "__main__":
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--rank", type=int, required=True)
     cli = parser.parse_args()
-    sys.exit(worker_main(cli.fd, cli.rank))
+    code = worker_main(cli.fd, cli.rank)
+    # Skip the interpreter's teardown (and the process group's, which waits on peers that are exiting
+    # too): nothing here outlives the process, and the engine is waiting for us to go.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 

@@ -1,0 +1,168 @@
+"""Tensor parallelism (issue 10): TP 2 and 4 over real gloo processes give TP 1's outputs.
+
+Each model gets one LLM per tensor-parallel size, reused for every assertion (a worker process costs
+seconds to start on a 2-core machine). The engine runs with chunked prefill (a 24-token budget), prefix
+caching (prompts share a prefix) and a KV pool small enough to force preemption, so the sharded engine
+walks every scheduling path; greedy and seeded sampled outputs must still equal TP 1's token for token.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from tiny_models import build_model, metric_values, random_prompts
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.executor.abstract import ExecutorDeadError
+
+VOCAB = 512
+MAX_TOKENS = 10
+BLOCK_SIZE = 8
+ENGINE_ARGS = dict(dtype="float32", block_size=BLOCK_SIZE, max_model_len=128, enable_chunked_prefill=True,
+                   max_num_batched_tokens=24, enable_prefix_caching=True, num_gpu_blocks_override=14)
+
+
+def make_prompts() -> list[list[int]]:
+    shared = random_prompts(1, VOCAB, [20], seed=11)[0]
+    return random_prompts(4, VOCAB, [5, 17, 30, 41], seed=12) + [shared + s for s in
+                                                               random_prompts(3, VOCAB, [1, 9, 14], seed=13)]
+
+
+PROMPTS = make_prompts()
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+SAMPLED = [SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=100 + i, max_tokens=MAX_TOKENS,
+                          ignore_eos=True) for i in range(len(PROMPTS))]
+
+
+def run(llm: LLM) -> tuple[list[list[int]], list[list[int]]]:
+    greedy = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    sampled = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, SAMPLED, use_tqdm=False)]
+    return greedy, sampled
+
+
+def check_against_tp1(model_dir: str, tp: int, num_kv_heads_total: int) -> None:
+    reference_llm = LLM(model=model_dir, **ENGINE_ARGS)
+    want = run(reference_llm)
+    base = reference_llm.llm_engine.model_executor.collective_rpc("shard_info")[0]
+    llm = LLM(model=model_dir, tensor_parallel_size=tp, **ENGINE_ARGS)
+    try:
+        assert llm.llm_engine.parallel_config.distributed_executor_backend == "mp"
+        assert run(llm) == want
+        metrics = metric_values(llm)
+        assert metrics["pagedllm:num_preemptions"] > 0, "the pool should be small enough to preempt"
+        assert metrics["pagedllm:prefix_cache_hits"] > 0
+        assert metrics["pagedllm:kv_cache_free_blocks"] == metrics["pagedllm:kv_cache_total_blocks"]
+        infos = llm.llm_engine.model_executor.collective_rpc("shard_info")
+        assert [info["rank"] for info in infos] == list(range(tp))
+        kv_heads = max(1, num_kv_heads_total // tp)
+        replicated_kv = num_kv_heads_total < tp
+        for info in infos:
+            # Each rank's KV cache holds only its heads, for every block of the shared block table.
+            assert info["num_kv_heads"] == kv_heads
+            assert info["kv_cache_shape"] == (2, kv_heads, base["num_blocks"], BLOCK_SIZE,
+                                              base["kv_cache_shape"][-1])
+            if not replicated_kv:  # every sharded weight is split exactly N ways
+                assert info["sharded_weight_bytes"] * tp == base["sharded_weight_bytes"]
+            assert info["replicated_weight_bytes"] == base["replicated_weight_bytes"]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gqa_kv_heads_split(tmp_path, tp: int) -> None:
+    """8 query heads, 4 KV heads: at TP 2 and 4 each rank holds whole KV heads of its own."""
+    model = build_model(tmp_path / "gqa", "llama", hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
+                        seed=21)
+    check_against_tp1(model, tp, num_kv_heads_total=4)
+
+
+@pytest.mark.slow
+def test_mqa_kv_head_replicated(tmp_path) -> None:
+    """One KV head and 4 ranks: the KV head is replicated on every rank (as vLLM does)."""
+    model = build_model(tmp_path / "mqa", "llama", num_attention_heads=4, num_key_value_heads=1, seed=22)
+    check_against_tp1(model, 4, num_kv_heads_total=1)
+
+
+@pytest.mark.slow
+def test_qwen2_bias_and_tied_embeddings(tiny_qwen2_dir: str) -> None:
+    check_against_tp1(tiny_qwen2_dir, 2, num_kv_heads_total=2)
+
+
+def test_heads_not_divisible_is_a_value_error(tiny_llama_dir: str) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(model=tiny_llama_dir, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="distributed_executor_backend"):
+        LLM(model=tiny_llama_dir, tensor_parallel_size=2, distributed_executor_backend="uni")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes (its parent has not reaped it yet).
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [pid for pid in pids if _alive(pid)]
+        if not alive:
+            return []
+        time.sleep(0.2)
+    return [pid for pid in pids if _alive(pid)]
+
+
+@pytest.mark.slow
+def test_killed_worker_fails_fast_and_leaves_no_process(tiny_llama_dir: str) -> None:
+    llm = LLM(model=tiny_llama_dir, dtype="float32", tensor_parallel_size=2, max_model_len=128)
+    pids = [info["pid"] for info in llm.llm_engine.model_executor.collective_rpc("shard_info")]
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(ExecutorDeadError, match="rank 1"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 30
+    assert _wait_gone(pids, 10) == [], "every worker must be stopped once one is gone"
+    with pytest.raises(ExecutorDeadError):  # the engine stays dead, it does not hang
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sigterm", "exit"])
+def test_engine_exit_leaves_no_worker(tiny_llama_dir: str, how: str) -> None:
+    """The engine's process ends (SIGTERM, or a script that returns without shutdown()): workers follow."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        from pagedllm import LLM, SamplingParams
+        llm = LLM(model={tiny_llama_dir!r}, dtype="float32", tensor_parallel_size=2, max_model_len=128)
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+        pids = [i["pid"] for i in llm.llm_engine.model_executor.collective_rpc("shard_info")]
+        print(" ".join(map(str, pids)), flush=True)
+        if {how == "sigterm"!r}:
+            time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PAGEDLLM_LOGGING_LEVEL": "WARNING"})
+    try:
+        line = proc.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 2, line
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        assert _wait_gone(pids, 15) == []
+    finally:
+        proc.kill()
+        proc.wait()
