@@ -19,7 +19,7 @@ from pagedllm.kv_cache.manager import KVCacheManager, cdiv
 from pagedllm.metrics.reader import Counter, Gauge, Metric
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.spec_decode import build_spec_decoder
+from pagedllm.spec_decode import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -61,22 +61,21 @@ class LLMEngine:
         self.parallel_config = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                               distributed_executor_backend=args.distributed_executor_backend or "uni")
         self.parallel_config.verify_with_model_config(self.model_config)
-        if self.parallel_config.world_size > 1 and (args.speculative_model or args.speculative_config):
-            raise ValueError("speculative decoding (speculative_model / speculative_config) is not supported with "
-                             f"tensor_parallel_size={self.parallel_config.world_size} yet; use "
-                             "tensor_parallel_size=1.")
+        self.speculative_config = SpeculativeConfig.from_engine_args(args, self.model_config)
+        if self.speculative_config is not None:
+            self.scheduler_config.num_speculative_tokens = self.speculative_config.num_speculative_tokens
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
 
         executor_class = Executor.get_class(self.parallel_config)
         self.model_executor = executor_class(self.model_config, self.cache_config, self.scheduler_config,
-                                             self.parallel_config, self.device, seed=args.seed)
+                                             self.parallel_config, self.device, seed=args.seed,
+                                             speculative_config=self.speculative_config)
         num_blocks = self.model_executor.determine_num_blocks()
         self.cache_config.num_blocks = num_blocks
         self.model_executor.initialize_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.model_config.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.spec_decoder = build_spec_decoder(args, self)
 
         self._counter = itertools.count()
         self.num_prompt_tokens = 0
@@ -89,8 +88,16 @@ class LLMEngine:
 
     @property
     def model_runner(self):
-        """The in-process model runner (single-process executor only; the speculative decoder drives it)."""
-        return self.model_executor.driver_worker.model_runner
+        """The model runner, where it lives in this process (distributed_executor_backend='uni')."""
+        worker = getattr(self.model_executor, "driver_worker", None)
+        if worker is None:
+            raise AttributeError("the model runners live in worker processes (distributed_executor_backend='mp')")
+        return worker.model_runner
+
+    @property
+    def spec_decoder(self):
+        """The in-process model runner's speculative decoder (None without speculative decoding)."""
+        return self.model_runner.spec_decoder
 
     def shutdown(self) -> None:
         """Stop the workers (a no-op in one process); the engine cannot step afterwards."""
@@ -172,10 +179,7 @@ class LLMEngine:
         for item in scheduler_output.scheduled:
             if item.request.metrics.first_scheduled_time is None:
                 item.request.metrics.first_scheduled_time = now
-        if self.spec_decoder is not None:
-            model_output = self.spec_decoder.execute(scheduler_output)
-        else:
-            model_output = self.model_executor.execute_model(scheduler_output)
+        model_output = self.model_executor.execute_model(scheduler_output)
         updated, finished, forked = self.scheduler.update(scheduler_output, model_output)
         self.output_processor.add_forked(forked)
         now = time.time()
@@ -186,14 +190,17 @@ class LLMEngine:
             metrics.last_token_time = now
         outputs, stopped = self.output_processor.process(updated)
         self.scheduler.finish_requests([r.request_id for r in stopped], RequestStatus.FINISHED_STOPPED)
+        self.scheduler.update_draft_token_ids(model_output.spec_token_ids)
         self.num_generation_tokens += sum(len(t) for t in model_output.sampled_token_ids.values())
         for output in outputs:
             if output.finished:
                 output.metrics.finished_time = now
                 for completion in output.outputs:
                     self.finished_reasons[completion.finish_reason or "abort"] += 1
-        if self.spec_decoder is not None:
-            self.spec_decoder.propose(self.scheduler.running)
+        if not self.scheduler.has_unfinished_requests() and self.scheduler.finished_req_ids:
+            # Going idle: tell the workers now which requests are gone, so what they hold for them (a
+            # draft's KV blocks, their copies of the requests) is freed without waiting for more work.
+            self.model_executor.execute_model(self.scheduler.schedule())
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -223,8 +230,8 @@ class LLMEngine:
         for reason in ("stop", "length", "abort"):
             metrics.append(Counter("pagedllm:request_success", self.finished_reasons[reason],
                                    {"finished_reason": reason}))
-        if self.spec_decoder is not None:
-            metrics.extend(self.spec_decoder.metrics())
+        if self.speculative_config is not None:
+            metrics.extend(self.model_executor.collective_rpc("spec_decode_metrics")[0])
         return metrics
 
     def next_request_id(self) -> str:

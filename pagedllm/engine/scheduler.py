@@ -54,6 +54,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals for the next step
 
 
 class Scheduler:
@@ -258,6 +259,13 @@ class Scheduler:
             if request.is_fork_parent and request.num_computed_tokens >= request.target_num_tokens:
                 forked.extend(self._fork(request))
         return updated, finished, forked
+
+    def update_draft_token_ids(self, spec_token_ids: dict[str, list[int]]) -> None:
+        """Store the proposals drafted past this step's tokens; those of finished requests are dropped."""
+        for request_id, tokens in spec_token_ids.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.spec_token_ids = tokens
 
     def _check_stop(self, request: Request, token: int) -> bool:
         params = request.sampling_params

@@ -17,6 +17,7 @@ import torch
 
 from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from pagedllm.spec_decode import SpeculativeConfig
 
 EXECUTOR_BACKENDS = ("uni", "mp")
 
@@ -27,13 +28,15 @@ class ExecutorDeadError(RuntimeError):
 
 class Executor(ABC):
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-                 parallel_config: ParallelConfig, device: torch.device, seed: int = 0):
+                 parallel_config: ParallelConfig, device: torch.device, seed: int = 0,
+                 speculative_config: SpeculativeConfig | None = None):
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.parallel_config = parallel_config
         self.device = device
         self.seed = seed
+        self.speculative_config = speculative_config
 
     @staticmethod
     def get_class(parallel_config: ParallelConfig) -> type[Executor]:

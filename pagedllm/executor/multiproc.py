@@ -97,7 +97,8 @@ class MultiprocExecutor(Executor):
                 self.workers.append(WorkerHandle(rank, process, conn))
             init = dict(model_config=self.model_config, cache_config=self.cache_config,
                         scheduler_config=self.scheduler_config, parallel_config=pc, device=self.device,
-                        seed=self.seed, distributed_init_method=init_method,
+                        seed=self.seed, speculative_config=self.speculative_config,
+                        distributed_init_method=init_method,
                         num_threads=torch.get_num_threads())
             for worker in self.workers:
                 worker.conn.send(("init", (), init))

@@ -13,7 +13,8 @@ class UniProcExecutor(Executor):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.driver_worker = Worker(self.model_config, self.cache_config, self.scheduler_config,
-                                    self.parallel_config, self.device, seed=self.seed, rank=0)
+                                    self.parallel_config, self.device, seed=self.seed, rank=0,
+                                    speculative_config=self.speculative_config)
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         return [getattr(self.driver_worker, method)(*args, **(kwargs or {}))]

@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +25,10 @@ from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, Sched
 from pagedllm.layers.sampler import Sampler, SamplingRow
 from pagedllm.models.loader import load_model
 from pagedllm.outputs import PositionLogprobs, position_logprobs
+
+if TYPE_CHECKING:
+    from pagedllm.spec_decode import SpeculativeConfig
+    from pagedllm.spec_decode.spec_decoder import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +71,8 @@ def available_cpu_memory() -> int:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, device: torch.device, seed: int = 0,
-                 tp_rank: int = 0, tp_size: int = 1, ranks_per_host: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1, ranks_per_host: int = 1,
+                 speculative_config: SpeculativeConfig | None = None):
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
@@ -82,8 +89,13 @@ class ModelRunner:
         generator.manual_seed(seed)
         self.sampler = Sampler(generator)
         self.kv_caches: list[torch.Tensor] = []
-        # Set by the speculative decoder: scores k+1 positions per request and accepts/rejects.
-        self.spec_verifier = None
+        # Speculative decoding: verifies the k+1 positions of each request and drafts the next proposals.
+        # Rank 0 only: it alone sees the logits, and the draft runs there unsharded.
+        self.spec_decoder: SpecDecoder | None = None
+        if speculative_config is not None and tp_rank == 0:
+            from pagedllm.spec_decode.spec_decoder import SpecDecoder  # the drafter holds a ModelRunner itself
+
+            self.spec_decoder = SpecDecoder(speculative_config, self, seed=seed)
 
     # ---- KV cache ----
     def kv_cache_bytes_per_block(self) -> int:
@@ -91,6 +103,11 @@ class ModelRunner:
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def draft_weight_bytes(self) -> int:
+        if self.spec_decoder is not None and hasattr(self.spec_decoder.proposer, "runner"):
+            return self.spec_decoder.proposer.runner.weight_bytes()
+        return 0
 
     def activation_bytes_estimate(self) -> int:
         c = self.model_config
@@ -105,6 +122,11 @@ class ModelRunner:
         per_block = self.kv_cache_bytes_per_block()
         if cfg.num_gpu_blocks_override is not None:
             return cfg.num_gpu_blocks_override
+        # A draft model's KV pool has a block for each target block plus one per running request (at most
+        # one per target block): its bytes come out of the same budget (its weights are already loaded,
+        # so measured memory has them).
+        draft_per_block = self.spec_decoder.draft_kv_cache_bytes_per_block() if self.spec_decoder else 0
+        max_blocks = None
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
         elif self.device.type == "cuda":
@@ -117,9 +139,13 @@ class ModelRunner:
             # Ranks on one host each take their share of it.
             budget = (int(available_cpu_memory() * cfg.gpu_memory_utilization) // self.ranks_per_host
                       - self.activation_bytes_estimate())
-            max_tokens = self.scheduler_config.max_num_seqs * self.scheduler_config.max_model_len
-            budget = min(budget, (max_tokens // self.block_size + 1) * per_block)
-        num_blocks = budget // per_block
+            max_blocks = self.scheduler_config.max_num_seqs * self.scheduler_config.max_model_len // self.block_size + 1
+        max_num_seqs = self.scheduler_config.max_num_seqs
+        num_blocks = (budget - draft_per_block * max_num_seqs) // (per_block + draft_per_block)
+        if num_blocks < max_num_seqs:  # fewer blocks than sequences: the draft's extra is one per block
+            num_blocks = budget // (per_block + 2 * draft_per_block)
+        if max_blocks is not None:
+            num_blocks = min(num_blocks, max_blocks)
         if num_blocks <= 0:
             raise ValueError(f"No memory left for the KV cache (budget {budget} bytes, {per_block} bytes per "
                              "block); raise gpu_memory_utilization or kv_cache_memory_bytes.")
@@ -138,6 +164,8 @@ class ModelRunner:
         else:
             cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = list(cache.unbind(0))
+        if self.spec_decoder is not None:
+            self.spec_decoder.allocate(num_blocks)
         rank = f"rank {self.tp_rank}/{self.tp_size}: " if self.tp_size > 1 else ""
         logger.info("%sKV cache: %d blocks of %d tokens, at most %d cached tokens (%.1f MiB, %s, %d KV heads); "
                     "weights %.1f MiB", rank, num_blocks, self.block_size, num_blocks * self.block_size,
@@ -159,13 +187,18 @@ class ModelRunner:
     # ---- one step ----
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter()
+        if self.spec_decoder is not None:
+            self.spec_decoder.free_requests(scheduler_output.finished_req_ids | set(scheduler_output.preempted_ids))
         self.copy_blocks(scheduler_output.blocks_to_copy)
         output = ModelRunnerOutput()
-        if not scheduler_output.scheduled:
-            return output
-        batch = self.prepare(scheduler_output.scheduled)
-        hidden = self.forward(batch)
-        self.sample(batch, hidden, output)
+        if scheduler_output.scheduled:
+            batch = self.prepare(scheduler_output.scheduled)
+            hidden = self.forward(batch)
+            self.sample(batch, hidden, output)
+        if self.spec_decoder is not None and scheduler_output.scheduled:
+            self.spec_decoder.record_step(time.perf_counter() - start, output)
+            self.spec_decoder.propose(batch.order, output)
         return output
 
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -238,7 +271,7 @@ class ModelRunner:
 
     def sample(self, batch: Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
         """Sample the next token of every request that reached its last known token. Requests carrying
-        speculative tokens are handed, with the logits of their k+1 positions, to `self.spec_verifier`.
+        speculative tokens are handed, with the logits of their k+1 positions, to `self.spec_decoder`.
         Every row that needs logits goes through the LM head in one call (one gather under TP)."""
         sample_rows: list[int] = []
         verify: list[tuple[ScheduledRequest, int]] = []  # (request, first row of its k+1 positions)
@@ -287,7 +320,8 @@ class ModelRunner:
                                                               int(result.sampled_ranks[i]), top_ids, top_lps)]
                 i += 1
         if verify:
-            self.spec_verifier.verify(verify, all_logits[num_sample:num_sample + num_verify], output)
+            assert self.spec_decoder is not None
+            self.spec_decoder.verify(verify, all_logits[num_sample:num_sample + num_verify], output)
         offset = num_sample + num_verify
         for s, _, count in prompt_lp:
             output.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(s, all_logits[offset:offset + count])

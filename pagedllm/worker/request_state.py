@@ -44,6 +44,7 @@ class WorkerSchedulerOutput:
     scheduled: list[ScheduledRequestData]
     blocks_to_copy: list[tuple[int, int]]
     finished_req_ids: set[str]
+    preempted_ids: list[str]
 
 
 @dataclass(eq=False)
@@ -88,7 +89,7 @@ class SchedulerOutputEncoder:
                 request.request_id, request.all_token_ids[sent:], s.num_new_tokens, s.start_pos, s.block_ids,
                 s.sample, s.spec_token_ids, request.num_prompt_logprobs_computed))
         return WorkerSchedulerOutput(new_requests, scheduled, scheduler_output.blocks_to_copy,
-                                     scheduler_output.finished_req_ids)
+                                     scheduler_output.finished_req_ids, scheduler_output.preempted_ids)
 
 
 class RequestStates:
@@ -112,5 +113,5 @@ class RequestStates:
                 request=state, num_new_tokens=data.num_new_tokens, start_pos=data.start_pos,  # type: ignore[arg-type]
                 block_ids=data.block_ids, sample=data.sample, spec_token_ids=data.spec_token_ids))
         return SchedulerOutput(scheduled=scheduled, num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
-                               blocks_to_copy=message.blocks_to_copy, preempted_ids=[],
+                               blocks_to_copy=message.blocks_to_copy, preempted_ids=message.preempted_ids,
                                finished_req_ids=message.finished_req_ids)

@@ -16,6 +16,8 @@ import torch
 from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.distributed.parallel_state import init_distributed_environment
 from pagedllm.engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from pagedllm.metrics.reader import Metric
+from pagedllm.spec_decode import SpeculativeConfig
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.request_state import RequestStates, WorkerSchedulerOutput
 
@@ -25,7 +27,7 @@ logger = logging.getLogger(__name__)
 class Worker:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
                  parallel_config: ParallelConfig, device: torch.device, seed: int = 0, rank: int = 0,
-                 distributed_init_method: str | None = None):
+                 speculative_config: SpeculativeConfig | None = None, distributed_init_method: str | None = None):
         self.rank = rank
         self.parallel_config = parallel_config
         tp_size = parallel_config.tensor_parallel_size
@@ -39,7 +41,8 @@ class Worker:
                                          backend="nccl" if device.type == "cuda" else "gloo")
         self.model_runner = ModelRunner(model_config, cache_config, scheduler_config, device, seed=seed,
                                         tp_rank=rank, tp_size=tp_size,
-                                        ranks_per_host=tp_size if device.type == "cpu" else 1)
+                                        ranks_per_host=tp_size if device.type == "cpu" else 1,
+                                        speculative_config=speculative_config)
         self.request_states = RequestStates()
 
     def determine_num_blocks(self) -> int:
@@ -56,6 +59,10 @@ class Worker:
         """A step planned in the engine's process: rank 0 returns the sampled tokens, the others None."""
         output = self.model_runner.execute(self.request_states.apply(message))
         return output if self.rank == 0 else None
+
+    def spec_decode_metrics(self) -> list[Metric]:
+        spec_decoder = self.model_runner.spec_decoder
+        return spec_decoder.metrics() if spec_decoder is not None else []
 
     def shard_info(self) -> dict[str, Any]:
         """What this rank holds: bytes of sharded and of replicated weights, and its KV cache's shape."""
