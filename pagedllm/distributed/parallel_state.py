@@ -18,6 +18,8 @@ import torch.distributed as dist
 _TP_GROUP: dist.ProcessGroup | None = None
 _TP_RANK = 0
 _TP_WORLD_SIZE = 1
+# Bytes of the tensors this process has put through each collective, for benchmarks (bytes per token).
+collective_bytes = {"all_reduce": 0, "all_gather": 0, "gather": 0}
 
 
 def init_distributed_environment(rank: int, world_size: int, init_method: str, backend: str,
@@ -50,6 +52,7 @@ def tensor_model_parallel_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     if _TP_WORLD_SIZE == 1:
         return tensor
     dist.all_reduce(tensor, group=_TP_GROUP)
+    collective_bytes["all_reduce"] += tensor.numel() * tensor.element_size()
     return tensor
 
 
@@ -59,6 +62,7 @@ def tensor_model_parallel_all_gather(tensor: torch.Tensor, dim: int = -1) -> tor
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(_TP_WORLD_SIZE)]
     dist.all_gather(parts, tensor.contiguous(), group=_TP_GROUP)
+    collective_bytes["all_gather"] += tensor.numel() * tensor.element_size()
     return torch.cat(parts, dim=dim)
 
 
@@ -69,4 +73,5 @@ def tensor_model_parallel_gather(tensor: torch.Tensor, dim: int = -1, dst: int =
     tensor = tensor.contiguous()
     parts = [torch.empty_like(tensor) for _ in range(_TP_WORLD_SIZE)] if _TP_RANK == dst else None
     dist.gather(tensor, parts, dst=dst, group=_TP_GROUP)
+    collective_bytes["gather"] += tensor.numel() * tensor.element_size()
     return torch.cat(parts, dim=dim) if parts is not None else None

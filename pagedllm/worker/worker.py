@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from pagedllm.distributed.parallel_state import init_distributed_environment
+from pagedllm.distributed.parallel_state import collective_bytes, init_distributed_environment
 from pagedllm.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from pagedllm.metrics.reader import Metric
 from pagedllm.spec_decode import SpeculativeConfig
@@ -44,6 +44,7 @@ class Worker:
                                         ranks_per_host=tp_size if device.type == "cpu" else 1,
                                         speculative_config=speculative_config)
         self.request_states = RequestStates()
+        self.num_computed_tokens = 0  # tokens run through the model, for per-token communication figures
 
     def determine_num_blocks(self) -> int:
         return self.model_runner.determine_num_blocks()
@@ -53,12 +54,18 @@ class Worker:
         self.model_runner.allocate_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.num_computed_tokens += scheduler_output.num_batched_tokens
         return self.model_runner.execute(scheduler_output)
 
     def execute_model_remote(self, message: WorkerSchedulerOutput) -> ModelRunnerOutput | None:
         """A step planned in the engine's process: rank 0 returns the sampled tokens, the others None."""
-        output = self.model_runner.execute(self.request_states.apply(message))
+        output = self.execute_model(self.request_states.apply(message))
         return output if self.rank == 0 else None
+
+    def communication_stats(self) -> dict[str, int]:
+        """Bytes this rank put through each collective, and the tokens computed meanwhile."""
+        return {**{f"{name}_bytes": n for name, n in collective_bytes.items()},
+                "num_computed_tokens": self.num_computed_tokens}
 
     def spec_decode_metrics(self) -> list[Metric]:
         spec_decoder = self.model_runner.spec_decoder
