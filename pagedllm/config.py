@@ -193,14 +193,21 @@ class CacheConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the model is split over processes: tensor parallelism, all ranks on this host."""
+    """How the model is split over processes: tensor parallelism, over one host or several (nnodes)."""
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "uni"  # "uni": in this process; "mp": one process per rank
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # host:port of node 0, where the ranks meet (TCP rendezvous)
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
 
     def verify_with_model_config(self, model: ModelConfig) -> None:
         """Every rank must hold whole heads and an equal slice of the MLP."""

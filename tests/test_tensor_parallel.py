@@ -245,3 +245,74 @@ def test_seed_call_with_bundled_models() -> None:
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
     finally:
         llm.shutdown()
+
+
+# --- two hosts: network namespaces joined by a veth pair, one rank in each ----------------------------------
+
+
+def _make_two_hosts(tag: str) -> tuple[list[str], str | None]:
+    """Namespaces n0 (10.231.0.1) and n1 (10.231.0.2); returns (their names, why not if they cannot be made)."""
+    import shutil
+
+    if shutil.which("ip") is None:
+        return [], "the `ip` command (iproute2) is not installed"
+    names = [f"pgl{tag}n0", f"pgl{tag}n1"]
+    veths = [f"pgl{tag}v0", f"pgl{tag}v1"]
+    commands = [["ip", "netns", "add", names[0]], ["ip", "netns", "add", names[1]],
+                ["ip", "link", "add", veths[0], "type", "veth", "peer", "name", veths[1]]]
+    for i in range(2):
+        commands += [["ip", "link", "set", veths[i], "netns", names[i]],
+                     ["ip", "-n", names[i], "addr", "add", f"10.231.0.{i + 1}/24", "dev", veths[i]],
+                     ["ip", "-n", names[i], "link", "set", veths[i], "up"],
+                     ["ip", "-n", names[i], "link", "set", "lo", "up"]]
+    for command in commands:
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            _remove_hosts(names)
+            return [], f"cannot create network namespaces here ({' '.join(command)}: {done.stderr.strip()})"
+    return names, None
+
+
+def _remove_hosts(names: list[str]) -> None:
+    for name in names:  # deleting a namespace deletes the veth end inside it, and so the pair
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.mark.slow
+def test_two_nodes_in_network_namespaces_equal_one_host(tiny_llama_dir: str) -> None:
+    names, why_not = _make_two_hosts(str(os.getpid() % 100000))
+    if why_not:
+        pytest.skip(why_not)
+    prompts = PROMPTS[:4]
+    script = textwrap.dedent(f"""
+        import json, sys
+        from pagedllm import LLM, SamplingParams
+        node_rank = int(sys.argv[1])
+        llm = LLM(model={tiny_llama_dir!r}, tensor_parallel_size=2, nnodes=2, node_rank=node_rank,
+                  dist_init_addr="10.231.0.1:29517", **{ENGINE_ARGS!r})
+        if node_rank == 0:
+            outs = llm.generate({prompts!r}, SamplingParams(temperature=0.0, max_tokens={MAX_TOKENS}, ignore_eos=True),
+                                use_tqdm=False)
+            print(json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+            llm.shutdown()
+    """)
+    procs = []
+    try:
+        for node_rank in (1, 0):
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": f"{names[node_rank][:-2]}v{node_rank}",
+                   "PAGEDLLM_LOGGING_LEVEL": "WARNING"}
+            procs.append(subprocess.Popen(["ip", "netns", "exec", names[node_rank], sys.executable, "-c", script,
+                                           str(node_rank)], stdout=subprocess.PIPE, text=True, env=env))
+        node0_out, _ = procs[1].communicate(timeout=300)
+        assert procs[1].returncode == 0
+        assert procs[0].wait(timeout=60) == 0, "node 1 exits once node 0 shuts its ranks down"
+        want = [list(o.outputs[0].token_ids) for o in LLM(model=tiny_llama_dir, **ENGINE_ARGS).generate(
+            prompts, GREEDY, use_tqdm=False)]
+        import json
+
+        assert json.loads(node0_out.strip().splitlines()[-1]) == want
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        _remove_hosts(names)

@@ -11,11 +11,13 @@ Collectives go over torch.distributed: gloo on CPU, NCCL on CUDA.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 _TP_GROUP: dist.ProcessGroup | None = None
+_CPU_GROUP: dist.ProcessGroup | None = None  # gloo, for Python objects (the default group when on CPU)
 _TP_RANK = 0
 _TP_WORLD_SIZE = 1
 # Bytes of the tensors this process has put through each collective, for benchmarks (bytes per token).
@@ -25,18 +27,19 @@ collective_bytes = {"all_reduce": 0, "all_gather": 0, "gather": 0}
 def init_distributed_environment(rank: int, world_size: int, init_method: str, backend: str,
                                  timeout_s: float = 600.0) -> None:
     """Join the default group (TCP rendezvous at `init_method`, e.g. tcp://host:port); it is the TP group."""
-    global _TP_GROUP, _TP_RANK, _TP_WORLD_SIZE
+    global _TP_GROUP, _CPU_GROUP, _TP_RANK, _TP_WORLD_SIZE
     dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     _TP_GROUP = dist.group.WORLD
+    _CPU_GROUP = _TP_GROUP if backend == "gloo" else dist.new_group(backend="gloo")
     _TP_RANK, _TP_WORLD_SIZE = rank, world_size
 
 
 def destroy_distributed_environment() -> None:
-    global _TP_GROUP, _TP_RANK, _TP_WORLD_SIZE
+    global _TP_GROUP, _CPU_GROUP, _TP_RANK, _TP_WORLD_SIZE
     if dist.is_initialized():
         dist.destroy_process_group()
-    _TP_GROUP, _TP_RANK, _TP_WORLD_SIZE = None, 0, 1
+    _TP_GROUP, _CPU_GROUP, _TP_RANK, _TP_WORLD_SIZE = None, None, 0, 1
 
 
 def get_tensor_model_parallel_rank() -> int:
@@ -64,6 +67,20 @@ def tensor_model_parallel_all_gather(tensor: torch.Tensor, dim: int = -1) -> tor
     dist.all_gather(parts, tensor.contiguous(), group=_TP_GROUP)
     collective_bytes["all_gather"] += tensor.numel() * tensor.element_size()
     return torch.cat(parts, dim=dim)
+
+
+def broadcast_object(obj: Any = None, src: int = 0) -> Any:
+    """Rank `src`'s Python object, on every rank (pickled, over gloo)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=_CPU_GROUP)
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's Python object, in rank order, on every rank."""
+    out: list[Any] = [None] * _TP_WORLD_SIZE
+    dist.all_gather_object(out, obj, group=_CPU_GROUP)
+    return out
 
 
 def tensor_model_parallel_gather(tensor: torch.Tensor, dim: int = -1, dst: int = 0) -> torch.Tensor | None:

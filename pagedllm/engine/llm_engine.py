@@ -7,7 +7,10 @@ import logging
 import time
 from collections import Counter as TallyCounter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, resolve_device
 from pagedllm.engine.arg_utils import EngineArgs
@@ -36,34 +39,72 @@ def load_tokenizer(path: str):
         return None
 
 
+@dataclass
+class EngineConfig:
+    device: torch.device
+    model_config: ModelConfig
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+    parallel_config: ParallelConfig
+    speculative_config: SpeculativeConfig | None
+
+
+def create_engine_config(args: EngineArgs) -> EngineConfig:
+    """Every config the engine and its workers run with, validated (the same on every node)."""
+    if args.model is None:
+        raise ValueError("model must be given: a local Hugging Face model directory.")
+    device = resolve_device(args.device)
+    model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.max_model_len, device)
+    max_model_len = model_config.max_model_len
+    max_num_batched_tokens = args.max_num_batched_tokens
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = 2048 if args.enable_chunked_prefill else max(2048, max_model_len)
+    elif not args.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_model_len "
+                         f"({max_model_len}) when chunked prefill is disabled.")
+    scheduler_config = SchedulerConfig(
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+        scheduling_policy=args.scheduling_policy)
+    cache_config = CacheConfig(
+        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching)
+    parallel_config = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                     distributed_executor_backend=args.distributed_executor_backend or "uni",
+                                     nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
+    parallel_config.verify_with_model_config(model_config)
+    speculative_config = SpeculativeConfig.from_engine_args(args, model_config)
+    if speculative_config is not None:
+        scheduler_config.num_speculative_tokens = speculative_config.num_speculative_tokens
+    return EngineConfig(device, model_config, scheduler_config, cache_config, parallel_config, speculative_config)
+
+
+def run_worker_node(args: EngineArgs) -> None:
+    """node_rank > 0 of a multi-node group: host this node's tensor-parallel ranks until node 0's engine
+    shuts them down (only node 0 schedules and serves)."""
+    config = create_engine_config(args)
+    from pagedllm.executor.multiproc import MultiprocExecutor
+
+    executor = MultiprocExecutor(config.model_config, config.cache_config, config.scheduler_config,
+                                 config.parallel_config, config.device, seed=args.seed,
+                                 speculative_config=config.speculative_config)
+    executor.wait_for_workers()
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs):
-        if args.model is None:
-            raise ValueError("model must be given: a local Hugging Face model directory.")
+        if args.node_rank > 0:
+            raise ValueError(f"node_rank={args.node_rank}: only node 0 runs the engine; other nodes host their "
+                             "ranks (LLM(..., node_rank=R) and `pagedllm serve --node-rank R` do that).")
         self.args = args
-        self.device = resolve_device(args.device)
-        self.model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.max_model_len, self.device)
-        max_model_len = self.model_config.max_model_len
-        max_num_batched_tokens = args.max_num_batched_tokens
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if args.enable_chunked_prefill else max(2048, max_model_len)
-        elif not args.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_model_len "
-                             f"({max_model_len}) when chunked prefill is disabled.")
-        self.scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-            scheduling_policy=args.scheduling_policy)
-        self.cache_config = CacheConfig(
-            block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_gpu_blocks_override=args.num_gpu_blocks_override,
-            kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching)
-        self.parallel_config = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
-                                              distributed_executor_backend=args.distributed_executor_backend or "uni")
-        self.parallel_config.verify_with_model_config(self.model_config)
-        self.speculative_config = SpeculativeConfig.from_engine_args(args, self.model_config)
-        if self.speculative_config is not None:
-            self.scheduler_config.num_speculative_tokens = self.speculative_config.num_speculative_tokens
+        config = create_engine_config(args)
+        self.device = config.device
+        self.model_config = config.model_config
+        self.scheduler_config = config.scheduler_config
+        self.cache_config = config.cache_config
+        self.parallel_config = config.parallel_config
+        self.speculative_config = config.speculative_config
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
 
         executor_class = Executor.get_class(self.parallel_config)

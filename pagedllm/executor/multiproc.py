@@ -16,6 +16,12 @@ not after `LLM.shutdown()`, garbage collection, interpreter exit, SIGTERM or SIG
 
 Workers are started as `python -m pagedllm.executor.multiproc` subprocesses, not with multiprocessing's
 spawn, so a user's script without an `if __name__ == "__main__"` guard is never re-imported.
+
+Several nodes (nnodes > 1, as in SGLang): every node starts its own ranks, which meet at node 0's
+dist_init_addr (torch.distributed's TCP rendezvous). A pipe cannot reach another host, so there the
+engine talks to rank 0 alone, and rank 0 relays each call to every rank over a gloo group
+(broadcast_object_list), then gathers every rank's answer (all_gather_object) and reports a rank that
+raised by its number. Nodes other than 0 run no engine: they host their ranks until rank 0 says stop.
 """
 
 from __future__ import annotations
@@ -79,15 +85,18 @@ class MultiprocExecutor(Executor):
         self.encoder = SchedulerOutputEncoder()
         self.workers: list[WorkerHandle] = []
         self.dead: str | None = None
-        init_method = f"tcp://127.0.0.1:{get_open_port()}"
+        # Several nodes: calls go to rank 0, which relays them (see the module docstring).
+        self.relay = pc.nnodes > 1
+        init_method = f"tcp://{pc.dist_init_addr}" if self.relay else f"tcp://127.0.0.1:{get_open_port()}"
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in [env.get("PYTHONPATH")] if p])
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and not self.relay:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: rendezvous and traffic over loopback
+        first_rank = pc.node_rank * pc.ranks_per_node
         self._finalizer = weakref.finalize(self, _stop_workers, self.workers)
         try:
-            for rank in range(pc.world_size):
+            for rank in range(first_rank, first_rank + pc.ranks_per_node):
                 parent_conn, child_conn = socket.socketpair()
                 process = subprocess.Popen(
                     [sys.executable, "-m", "pagedllm.executor.multiproc", "--fd", str(child_conn.fileno()),
@@ -102,7 +111,7 @@ class MultiprocExecutor(Executor):
                         num_threads=torch.get_num_threads())
             for worker in self.workers:
                 worker.conn.send(("init", (), init))
-            self._collect(STARTUP_TIMEOUT_S, "start-up")
+            self._collect(self.workers, STARTUP_TIMEOUT_S, "start-up")
         except BaseException:
             self.shutdown()
             raise
@@ -113,13 +122,17 @@ class MultiprocExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
                        timeout_s: float = EXECUTE_TIMEOUT_S) -> list[Any]:
         self.check_health()
-        for worker in self.workers:
+        if self.parallel_config.node_rank != 0:
+            raise RuntimeError("only node 0 calls the workers")
+        targets = self.workers[:1] if self.relay else self.workers
+        for worker in targets:
             try:
                 worker.conn.send((method, args, kwargs or {}))
             except OSError:
                 self._fail(f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) "
                            f"{worker.describe_exit()}")
-        return self._collect(timeout_s, method)
+        results = self._collect(targets, timeout_s, method)
+        return results[0] if self.relay else results  # rank 0 relayed: it answers with every rank's result
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         message = self.encoder.encode(scheduler_output)
@@ -127,15 +140,24 @@ class MultiprocExecutor(Executor):
         assert output is not None
         return output
 
-    def _collect(self, timeout_s: float, what: str) -> list[Any]:
-        """Every worker's answer to the call just sent; fails fast on a dead, hung or raising worker."""
-        results: list[Any] = [None] * len(self.workers)
-        pending = {worker.conn: i for i, worker in enumerate(self.workers)}
+    def wait_for_workers(self) -> None:
+        """A node other than 0: wait while this node's ranks serve rank 0's calls, until they exit."""
+        try:
+            for worker in self.workers:
+                worker.process.wait()
+        finally:
+            self.shutdown()
+
+    def _collect(self, targets: list[WorkerHandle], timeout_s: float, what: str) -> list[Any]:
+        """The answers of `targets` to the call just sent; fails fast on a dead, hung or raising worker
+        (and watches every local worker, not only the targets)."""
+        results: list[Any] = [None] * len(targets)
+        pending = {worker.conn: i for i, worker in enumerate(targets)}
         deadline = time.monotonic() + timeout_s
         while pending:
             for conn in wait(list(pending), timeout=POLL_INTERVAL_S):
                 i = pending.pop(conn)  # type: ignore[call-overload]
-                worker = self.workers[i]
+                worker = targets[i]
                 try:
                     status, payload = conn.recv()  # type: ignore[union-attr]
                 except (EOFError, OSError):
@@ -146,15 +168,15 @@ class MultiprocExecutor(Executor):
                     self._fail(f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) "
                                f"{worker.describe_exit()} during {what}")
                 if status == "error":
-                    self._fail(f"tensor-parallel worker rank {worker.rank} raised during {what}:\n{payload}")
+                    rank, error = payload
+                    self._fail(f"tensor-parallel worker rank {rank} raised during {what}:\n{error}")
                 results[i] = payload
-            for i in pending.values():
-                worker = self.workers[i]
+            for worker in self.workers:
                 if worker.process.poll() is not None:
                     self._fail(f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) "
                                f"{worker.describe_exit()} during {what}")
             if pending and time.monotonic() > deadline:
-                ranks = sorted(self.workers[i].rank for i in pending.values())
+                ranks = sorted(targets[i].rank for i in pending.values())
                 self._fail(f"tensor-parallel worker rank(s) {ranks} did not answer {what} within {timeout_s:.0f} s")
         return results
 
@@ -216,30 +238,73 @@ def worker_main(fd: int, rank: int) -> int:
     conn = Connection(fd)
     from pagedllm.worker.worker import Worker
 
-    worker = None
     try:
-        while True:
-            try:
-                method, args, kwargs = conn.recv()
-            except EOFError:
-                break
-            if method == "shutdown":
-                break
-            try:
-                if method == "init":
-                    torch.set_num_threads(kwargs.pop("num_threads"))
-                    worker = Worker(rank=rank, **kwargs)
-                    result = None
-                else:
-                    assert worker is not None
-                    result = getattr(worker, method)(*args, **kwargs)
-            except Exception:
-                conn.send(("error", traceback.format_exc()))
-                continue
-            conn.send(("ok", result))
-    except (BrokenPipeError, ConnectionResetError):
+        method, args, kwargs = conn.recv()
+        assert method == "init", method
+        try:
+            torch.set_num_threads(kwargs.pop("num_threads"))
+            worker = Worker(rank=rank, **kwargs)
+        except Exception:
+            conn.send(("error", (rank, traceback.format_exc())))
+            return 1
+        conn.send(("ok", None))
+        if worker.parallel_config.nnodes > 1:
+            if rank == 0:
+                _serve_relaying(worker, conn)
+            else:
+                _serve_relayed(worker)
+        else:
+            _serve(worker, conn)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
         pass
     return 0
+
+
+def _call(worker: Any, method: str, args: tuple, kwargs: dict[str, Any]) -> tuple[str, Any]:
+    try:
+        return "ok", getattr(worker, method)(*args, **kwargs)
+    except Exception:
+        return "error", (worker.rank, traceback.format_exc())
+
+
+def _serve(worker: Any, conn: Connection) -> None:
+    """One host: every rank gets each call on its own pipe and answers on it."""
+    while True:
+        method, args, kwargs = conn.recv()
+        if method == "shutdown":
+            return
+        conn.send(_call(worker, method, args, kwargs))
+
+
+def _serve_relaying(worker: Any, conn: Connection) -> None:
+    """Rank 0 of several nodes: pass each call on to every rank, answer with all their results."""
+    from pagedllm.distributed.parallel_state import all_gather_object, broadcast_object
+
+    while True:
+        method, args, kwargs = conn.recv()
+        try:
+            broadcast_object((method, args, kwargs))
+        except Exception:
+            if method == "shutdown":
+                return
+            conn.send(("error", (worker.rank, "lost contact with the other ranks:\n" + traceback.format_exc())))
+            return
+        if method == "shutdown":
+            return
+        answers = all_gather_object(_call(worker, method, args, kwargs))
+        errors = [payload for status, payload in answers if status == "error"]
+        conn.send(("error", errors[0]) if errors else ("ok", [payload for _, payload in answers]))
+
+
+def _serve_relayed(worker: Any) -> None:
+    """Any other rank of several nodes: take calls from rank 0, send the answer back to it."""
+    from pagedllm.distributed.parallel_state import all_gather_object, broadcast_object
+
+    while True:
+        method, args, kwargs = broadcast_object()
+        if method == "shutdown":
+            return
+        all_gather_object(_call(worker, method, args, kwargs))
 
 
 if __name__ == "__main__":

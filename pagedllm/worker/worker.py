@@ -32,7 +32,7 @@ class Worker:
         self.parallel_config = parallel_config
         tp_size = parallel_config.tensor_parallel_size
         if device.type == "cuda" and tp_size > 1:
-            device = torch.device("cuda", rank)
+            device = torch.device("cuda", rank % parallel_config.ranks_per_node)
             torch.cuda.set_device(device)
         self.device = device
         if tp_size > 1:
@@ -41,7 +41,7 @@ class Worker:
                                          backend="nccl" if device.type == "cuda" else "gloo")
         self.model_runner = ModelRunner(model_config, cache_config, scheduler_config, device, seed=seed,
                                         tp_rank=rank, tp_size=tp_size,
-                                        ranks_per_host=tp_size if device.type == "cpu" else 1,
+                                        ranks_per_host=parallel_config.ranks_per_node if device.type == "cpu" else 1,
                                         speculative_config=speculative_config)
         self.request_states = RequestStates()
         self.num_computed_tokens = 0  # tokens run through the model, for per-token communication figures
