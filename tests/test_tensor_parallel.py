@@ -37,23 +37,32 @@ def make_prompts() -> list[list[int]]:
 PROMPTS = make_prompts()
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 SAMPLED = [SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=100 + i, max_tokens=MAX_TOKENS,
-                          ignore_eos=True) for i in range(len(PROMPTS))]
+                          ignore_eos=True, n=2 if i == 1 else 1, repetition_penalty=1.2 if i == 2 else 1.0,
+                          logprobs=2 if i == 3 else None, prompt_logprobs=1 if i == 3 else None)
+           for i in range(len(PROMPTS))]
 
 
-def run(llm: LLM) -> tuple[list[list[int]], list[list[int]]]:
+def run(llm: LLM) -> tuple[list[list[int]], list[list[list[int]]], list[float]]:
+    """Greedy tokens, seeded sampled tokens (every sample of n=2), and the logprobs one request asked for."""
     greedy = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    sampled = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, SAMPLED, use_tqdm=False)]
-    return greedy, sampled
+    outs = llm.generate(PROMPTS, SAMPLED, use_tqdm=False)
+    sampled = [[list(c.token_ids) for c in o.outputs] for o in outs]
+    logprobs = [lp[t].logprob for c in outs[3].outputs for t, lp in zip(c.token_ids, c.logprobs)]
+    logprobs += [lp[t].logprob for t, lp in zip(outs[3].prompt_token_ids[1:], outs[3].prompt_logprobs[1:])]
+    return greedy, sampled, logprobs
 
 
-def check_against_tp1(model_dir: str, tp: int, num_kv_heads_total: int) -> None:
+def check_against_tp1(model_dir: str, tp: int, num_kv_heads_total: int, then_raise: bool = False) -> None:
     reference_llm = LLM(model=model_dir, **ENGINE_ARGS)
-    want = run(reference_llm)
+    want_greedy, want_sampled, want_logprobs = run(reference_llm)
     base = reference_llm.llm_engine.model_executor.collective_rpc("shard_info")[0]
     llm = LLM(model=model_dir, tensor_parallel_size=tp, **ENGINE_ARGS)
     try:
         assert llm.llm_engine.parallel_config.distributed_executor_backend == "mp"
-        assert run(llm) == want
+        greedy, sampled, logprobs = run(llm)
+        assert greedy == want_greedy
+        assert sampled == want_sampled
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)  # all-reduce order moves the last bits
         metrics = metric_values(llm)
         assert metrics["pagedllm:num_preemptions"] > 0, "the pool should be small enough to preempt"
         assert metrics["pagedllm:prefix_cache_hits"] > 0
@@ -70,6 +79,10 @@ def check_against_tp1(model_dir: str, tp: int, num_kv_heads_total: int) -> None:
             if not replicated_kv:  # every sharded weight is split exactly N ways
                 assert info["sharded_weight_bytes"] * tp == base["sharded_weight_bytes"]
             assert info["replicated_weight_bytes"] == base["replicated_weight_bytes"]
+        if then_raise:  # a worker that raises fails the engine at once, naming the rank, and stops them all
+            with pytest.raises(ExecutorDeadError, match=r"rank \d raised"):
+                llm.llm_engine.model_executor.collective_rpc("no_such_method")
+            assert _wait_gone([info["pid"] for info in infos], 10) == []
     finally:
         llm.shutdown()
 
@@ -92,7 +105,7 @@ def test_mqa_kv_head_replicated(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_qwen2_bias_and_tied_embeddings(tiny_qwen2_dir: str) -> None:
-    check_against_tp1(tiny_qwen2_dir, 2, num_kv_heads_total=2)
+    check_against_tp1(tiny_qwen2_dir, 2, num_kv_heads_total=2, then_raise=True)
 
 
 def test_heads_not_divisible_is_a_value_error(tiny_llama_dir: str) -> None:

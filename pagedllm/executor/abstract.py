@@ -10,6 +10,7 @@ runs it on every tensor-parallel rank and returns rank 0's sampled tokens:
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -19,7 +20,7 @@ from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerC
 from pagedllm.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from pagedllm.spec_decode import SpeculativeConfig
 
-EXECUTOR_BACKENDS = ("uni", "mp")
+logger = logging.getLogger(__name__)
 
 
 class ExecutorDeadError(RuntimeError):
@@ -56,7 +57,10 @@ class Executor(ABC):
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit on every rank: the minimum over ranks (all ranks share one block table)."""
-        return min(self.collective_rpc("determine_num_blocks"))
+        per_rank = self.collective_rpc("determine_num_blocks")
+        if len(per_rank) > 1:
+            logger.info("KV blocks that fit, by rank: %s; every rank allocates %d", per_rank, min(per_rank))
+        return min(per_rank)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
