@@ -104,10 +104,12 @@ class ModelRunner:
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-    def draft_weight_bytes(self) -> int:
-        if self.spec_decoder is not None and hasattr(self.spec_decoder.proposer, "runner"):
-            return self.spec_decoder.proposer.runner.weight_bytes()
-        return 0
+    def draft_bytes(self) -> int:
+        """The draft model's weights and KV pool on this rank (0 without one)."""
+        runner = getattr(self.spec_decoder.proposer, "runner", None) if self.spec_decoder is not None else None
+        if runner is None:
+            return 0
+        return runner.weight_bytes() + sum(c.numel() * c.element_size() for c in runner.kv_caches)
 
     def activation_bytes_estimate(self) -> int:
         c = self.model_config
@@ -167,10 +169,11 @@ class ModelRunner:
         if self.spec_decoder is not None:
             self.spec_decoder.allocate(num_blocks)
         rank = f"rank {self.tp_rank}/{self.tp_size}: " if self.tp_size > 1 else ""
+        draft = f"; draft weights and KV {self.draft_bytes() / 2**20:.1f} MiB" if self.draft_bytes() else ""
         logger.info("%sKV cache: %d blocks of %d tokens, at most %d cached tokens (%.1f MiB, %s, %d KV heads); "
-                    "weights %.1f MiB", rank, num_blocks, self.block_size, num_blocks * self.block_size,
+                    "weights %.1f MiB%s", rank, num_blocks, self.block_size, num_blocks * self.block_size,
                     cache.numel() * cache.element_size() / 2**20, self.kv_dtype, self.num_kv_heads,
-                    self.weight_bytes() / 2**20)
+                    self.weight_bytes() / 2**20, draft)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
