@@ -18,7 +18,7 @@ import time
 import pytest
 from tiny_models import build_model, metric_values, random_prompts
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, GuidedDecodingParams, SamplingParams
 from pagedllm.executor.abstract import ExecutorDeadError
 
 VOCAB = 512
@@ -203,8 +203,12 @@ def perturbed_copy(src: str, dst, noise: float, seed: int = 0) -> str:
 def test_speculative_decoding_with_tp2_equals_plain_tp1(tiny_llama_dir: str, tmp_path, proposer: str) -> None:
     prompts = PROMPTS + [[11, 12, 13, 14] * 6]  # a repetitive prompt, so n-gram lookups fire
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    # A grammar too: its bitmask travels with the plan and rank 0 masks the verified positions.
+    guided = SamplingParams(temperature=0.0, max_tokens=16, guided_decoding=GuidedDecodingParams(
+        regex=r"[a-z]{2,5}-[0-9]{3}"))
     plain = LLM(model=tiny_llama_dir, **ENGINE_ARGS)
     want = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params, use_tqdm=False)]
+    want_guided = [o.outputs[0].text for o in plain.generate(prompts[:3], guided, use_tqdm=False)]
     if proposer == "draft_model":
         spec = dict(speculative_model=perturbed_copy(tiny_llama_dir, tmp_path / "draft", noise=0.03),
                     num_speculative_tokens=4)
@@ -215,6 +219,7 @@ def test_speculative_decoding_with_tp2_equals_plain_tp1(tiny_llama_dir: str, tmp
     try:
         got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == want
+        assert [o.outputs[0].text for o in llm.generate(prompts[:3], guided, use_tqdm=False)] == want_guided
         metrics = metric_values(llm)
         assert metrics["pagedllm:spec_decode_num_accepted_tokens"] > 0
         assert metrics["pagedllm:num_preemptions"] > 0

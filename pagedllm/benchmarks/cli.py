@@ -186,6 +186,12 @@ OTHER_BENCHMARKS = {
         "run_cmd",
         "cost of the /kv-cache/state snapshot at a 100,000-block pool against a plain decode step",
     ),
+    "structured-output": (
+        "pagedllm.benchmarks.structured_output",
+        "add_cli_args",
+        "run_cmd",
+        "decode tokens/s with and without a JSON schema, and schema compile time",
+    ),
 }
 
 

@@ -24,6 +24,7 @@ from pagedllm.metrics.reader import Counter, Gauge, Metric
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode import SpeculativeConfig
+from pagedllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,10 @@ class LLMEngine:
         self.cache_config.num_blocks = num_blocks
         self.model_executor.initialize_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.model_config.eos_token_ids)
+        self.structured_output_manager = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                                 self.model_config.eos_token_ids)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.model_config.eos_token_ids,
+                                   self.structured_output_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
 
         self._counter = itertools.count()
@@ -202,6 +206,10 @@ class LLMEngine:
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.args.max_logprobs:
             raise ValueError(f"prompt_logprobs must be at most max_logprobs={self.args.max_logprobs}, "
                              f"got {params.prompt_logprobs}.")
+        if params.guided_decoding is not None:
+            if self.tokenizer is None:
+                raise ValueError("guided_decoding needs the model's tokenizer, and this model has none.")
+            self.structured_output_manager.compile(params.guided_decoding)  # ValueError if it cannot compile
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):

@@ -19,6 +19,7 @@ from pagedllm.engine.request import Request, RequestStatus, make_child
 from pagedllm.kv_cache.manager import KVCacheManager
 from pagedllm.kv_cache.snapshot import KVCacheSnapshot, RequestBlocks
 from pagedllm.outputs import PositionLogprobs
+from pagedllm.structured_output import GrammarBitmask, StructuredOutputManager
 
 
 @dataclass
@@ -39,6 +40,8 @@ class SchedulerOutput:
     preempted_ids: list[str]
     # Requests that left the engine since the last step: workers in other processes drop their copies.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Allowed tokens of the rows that sample under a grammar (None when no scheduled request has one).
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -60,8 +63,10 @@ class ModelRunnerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 eos_token_ids: Iterable[int] = ()):
+                 eos_token_ids: Iterable[int] = (),
+                 structured_output_manager: StructuredOutputManager | None = None):
         self.config = config
+        self.structured_output_manager = structured_output_manager
         self.kv = kv_cache_manager
         self.eos_token_ids = set(eos_token_ids)
         self.waiting: deque[Request] = deque()
@@ -104,6 +109,8 @@ class Scheduler:
         self.kv.free(request.request_id)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.free(request.request_id)
 
     def kv_cache_snapshot(self) -> KVCacheSnapshot:
         """The KV cache manager's snapshot plus every unfinished request's place in it. Call it between
@@ -183,12 +190,14 @@ class Scheduler:
                 scheduled[request.request_id] = self._scheduled(request, num_new)
                 budget -= num_new
 
+        som = self.structured_output_manager
         return SchedulerOutput(
             scheduled=list(scheduled.values()),
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             blocks_to_copy=self.kv.take_pending_copies(),
             preempted_ids=preempted,
             finished_req_ids=self._take_finished_req_ids(),
+            grammar_bitmask=som.grammar_bitmask(list(scheduled.values())) if som is not None else None,
         )
 
     def _take_finished_req_ids(self) -> set[str]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -55,6 +56,16 @@ EXECUTE_TIMEOUT_S = float(os.environ.get("PAGEDLLM_WORKER_EXECUTE_TIMEOUT_S", "6
 # How often a wait looks at the processes themselves (a dead worker's pipe usually reports EOF at once).
 POLL_INTERVAL_S = 0.5
 SHUTDOWN_GRACE_S = 5.0
+
+
+def send(conn: Connection, obj: Any) -> None:
+    """Plain pickle, not Connection.send: multiprocessing's pickler would hand tensors over as shared
+    file descriptors, which needs a multiprocessing-spawned peer; these workers are plain subprocesses."""
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
 
 
 def get_open_port(host: str = "127.0.0.1") -> int:
@@ -110,7 +121,7 @@ class MultiprocExecutor(Executor):
                         distributed_init_method=init_method,
                         num_threads=torch.get_num_threads())
             for worker in self.workers:
-                worker.conn.send(("init", (), init))
+                send(worker.conn, ("init", (), init))
             self._collect(self.workers, STARTUP_TIMEOUT_S, "start-up")
         except BaseException:
             self.shutdown()
@@ -127,7 +138,7 @@ class MultiprocExecutor(Executor):
         targets = self.workers[:1] if self.relay else self.workers
         for worker in targets:
             try:
-                worker.conn.send((method, args, kwargs or {}))
+                send(worker.conn, (method, args, kwargs or {}))
             except OSError:
                 self._fail(f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) "
                            f"{worker.describe_exit()}")
@@ -159,7 +170,7 @@ class MultiprocExecutor(Executor):
                 i = pending.pop(conn)  # type: ignore[call-overload]
                 worker = targets[i]
                 try:
-                    status, payload = conn.recv()  # type: ignore[union-attr]
+                    status, payload = recv(conn)  # type: ignore[arg-type]
                 except (EOFError, OSError):
                     try:  # a closed pipe usually means the process is exiting: report its exit code
                         worker.process.wait(timeout=POLL_INTERVAL_S)
@@ -204,7 +215,7 @@ def _stop_workers(workers: list[WorkerHandle]) -> None:
     """Ask each worker to exit, then terminate, then kill whatever is left; reap them all."""
     for worker in workers:
         try:
-            worker.conn.send(("shutdown", (), {}))
+            send(worker.conn, ("shutdown", (), {}))
         except OSError:
             pass
     deadline = time.monotonic() + SHUTDOWN_GRACE_S
@@ -239,15 +250,15 @@ def worker_main(fd: int, rank: int) -> int:
     from pagedllm.worker.worker import Worker
 
     try:
-        method, args, kwargs = conn.recv()
+        method, args, kwargs = recv(conn)
         assert method == "init", method
         try:
             torch.set_num_threads(kwargs.pop("num_threads"))
             worker = Worker(rank=rank, **kwargs)
         except Exception:
-            conn.send(("error", (rank, traceback.format_exc())))
+            send(conn, ("error", (rank, traceback.format_exc())))
             return 1
-        conn.send(("ok", None))
+        send(conn, ("ok", None))
         if worker.parallel_config.nnodes > 1:
             if rank == 0:
                 _serve_relaying(worker, conn)
@@ -270,10 +281,10 @@ def _call(worker: Any, method: str, args: tuple, kwargs: dict[str, Any]) -> tupl
 def _serve(worker: Any, conn: Connection) -> None:
     """One host: every rank gets each call on its own pipe and answers on it."""
     while True:
-        method, args, kwargs = conn.recv()
+        method, args, kwargs = recv(conn)
         if method == "shutdown":
             return
-        conn.send(_call(worker, method, args, kwargs))
+        send(conn, _call(worker, method, args, kwargs))
 
 
 def _serve_relaying(worker: Any, conn: Connection) -> None:
@@ -281,19 +292,19 @@ def _serve_relaying(worker: Any, conn: Connection) -> None:
     from pagedllm.distributed.parallel_state import all_gather_object, broadcast_object
 
     while True:
-        method, args, kwargs = conn.recv()
+        method, args, kwargs = recv(conn)
         try:
             broadcast_object((method, args, kwargs))
         except Exception:
             if method == "shutdown":
                 return
-            conn.send(("error", (worker.rank, "lost contact with the other ranks:\n" + traceback.format_exc())))
+            send(conn, ("error", (worker.rank, "lost contact with the other ranks:\n" + traceback.format_exc())))
             return
         if method == "shutdown":
             return
         answers = all_gather_object(_call(worker, method, args, kwargs))
         errors = [payload for status, payload in answers if status == "error"]
-        conn.send(("error", errors[0]) if errors else ("ok", [payload for _, payload in answers]))
+        send(conn, ("error", errors[0]) if errors else ("ok", [payload for _, payload in answers]))
 
 
 def _serve_relayed(worker: Any) -> None:

@@ -25,6 +25,7 @@ from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, Sched
 from pagedllm.layers.sampler import Sampler, SamplingRow
 from pagedllm.models.loader import load_model
 from pagedllm.outputs import PositionLogprobs, position_logprobs
+from pagedllm.structured_output import GrammarBitmask
 
 if TYPE_CHECKING:
     from pagedllm.spec_decode import SpeculativeConfig
@@ -198,7 +199,7 @@ class ModelRunner:
         if scheduler_output.scheduled:
             batch = self.prepare(scheduler_output.scheduled)
             hidden = self.forward(batch)
-            self.sample(batch, hidden, output)
+            self.sample(batch, hidden, output, scheduler_output.grammar_bitmask)
         if self.spec_decoder is not None and scheduler_output.scheduled:
             self.spec_decoder.record_step(time.perf_counter() - start, output)
             self.spec_decoder.propose(batch.order, output)
@@ -272,7 +273,8 @@ class ModelRunner:
             metadata.decode_query_index = torch.from_numpy(index).to(device)
             metadata.decode_query_valid = torch.from_numpy(valid.reshape(-1)).to(device)
 
-    def sample(self, batch: Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+    def sample(self, batch: Batch, hidden: torch.Tensor, output: ModelRunnerOutput,
+               grammar_bitmask: GrammarBitmask | None = None) -> None:
         """Sample the next token of every request that reached its last known token. Requests carrying
         speculative tokens are handed, with the logits of their k+1 positions, to `self.spec_decoder`.
         Every row that needs logits goes through the LM head in one call (one gather under TP)."""
@@ -305,7 +307,11 @@ class ModelRunner:
             rows = [self.sampling_row(s.request) for s in batch.order if s.sample and not s.spec_token_ids]
             logits = all_logits[:num_sample]
             max_logprobs = max((r.params.logprobs or 0) for r in rows)
-            result = self.sampler(logits, rows, max_logprobs)
+            token_bitmask = None
+            if grammar_bitmask is not None:
+                sampled = [s for s in batch.order if s.sample and not s.spec_token_ids]
+                token_bitmask = grammar_bitmask.select((s.request.request_id, i, 1) for i, s in enumerate(sampled))
+            result = self.sampler(logits, rows, max_logprobs, token_bitmask)
             token_ids = result.token_ids.tolist()
             sampled_lp = result.sampled_logprobs.tolist()
             i = 0
@@ -324,7 +330,8 @@ class ModelRunner:
                 i += 1
         if verify:
             assert self.spec_decoder is not None
-            self.spec_decoder.verify(verify, all_logits[num_sample:num_sample + num_verify], output)
+            self.spec_decoder.verify(verify, all_logits[num_sample:num_sample + num_verify], output,
+                                     grammar_bitmask)
         offset = num_sample + num_verify
         for s, _, count in prompt_lp:
             output.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(s, all_logits[offset:offset + count])

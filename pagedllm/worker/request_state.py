@@ -17,6 +17,7 @@ import torch
 
 from pagedllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import GrammarBitmask
 
 
 @dataclass
@@ -45,6 +46,7 @@ class WorkerSchedulerOutput:
     blocks_to_copy: list[tuple[int, int]]
     finished_req_ids: set[str]
     preempted_ids: list[str]
+    grammar_bitmask: GrammarBitmask | None
 
 
 @dataclass(eq=False)
@@ -89,7 +91,8 @@ class SchedulerOutputEncoder:
                 request.request_id, request.all_token_ids[sent:], s.num_new_tokens, s.start_pos, s.block_ids,
                 s.sample, s.spec_token_ids, request.num_prompt_logprobs_computed))
         return WorkerSchedulerOutput(new_requests, scheduled, scheduler_output.blocks_to_copy,
-                                     scheduler_output.finished_req_ids, scheduler_output.preempted_ids)
+                                     scheduler_output.finished_req_ids, scheduler_output.preempted_ids,
+                                     scheduler_output.grammar_bitmask)
 
 
 class RequestStates:
@@ -114,4 +117,4 @@ class RequestStates:
                 block_ids=data.block_ids, sample=data.sample, spec_token_ids=data.spec_token_ids))
         return SchedulerOutput(scheduled=scheduled, num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
                                blocks_to_copy=message.blocks_to_copy, preempted_ids=message.preempted_ids,
-                               finished_req_ids=message.finished_req_ids)
+                               finished_req_ids=message.finished_req_ids, grammar_bitmask=message.grammar_bitmask)
