@@ -37,6 +37,8 @@ class EngineArgs:
     dist_init_addr: str | None = None  # "HOST:PORT" of node 0, where all ranks meet (TCP rendezvous)
     enforce_eager: bool = True
     trust_remote_code: bool = False
+    quantization: str | None = None
+    quantization_group_size: int | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -76,6 +78,9 @@ class EngineArgs:
               f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size={self.tensor_parallel_size} "
               "needs 'mp'.")
         check(self.max_logprobs >= 0, f"max_logprobs must be non-negative, got {self.max_logprobs}.")
+        from pagedllm.layers.quantization import validate_quantization
+
+        validate_quantization(self.quantization, self.quantization_group_size)
         if isinstance(self.speculative_config, str):
             self.speculative_config = json.loads(self.speculative_config)
 
@@ -114,6 +119,12 @@ class EngineArgs:
         add("--node-rank", type=int, default=0, help="this host's index (node 0 schedules and serves)")
         add("--dist-init-addr", default=None, help="HOST:PORT of node 0, where all ranks meet (nnodes > 1)")
         add("--enforce-eager", action=bool_flag, default=True)
+        add("--quantization", "-q", default=None, choices=["int8", "fp8", "compressed-tensors"],
+            help="weight-only quantization of the linear layers, applied as the weights load (int8: "
+            "symmetric per output channel; fp8: e4m3 per output channel); a checkpoint with a "
+            "compressed-tensors quantization_config is read as stored")
+        add("--quantization-group-size", type=int, default=None,
+            help="with --quantization int8: one scale per this many input channels instead of per row")
         return parser
 
     @classmethod

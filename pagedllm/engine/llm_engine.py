@@ -56,7 +56,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     if args.model is None:
         raise ValueError("model must be given: a local Hugging Face model directory.")
     device = resolve_device(args.device)
-    model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.max_model_len, device)
+    model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.max_model_len, device,
+                                               args.quantization, args.quantization_group_size)
     max_model_len = model_config.max_model_len
     max_num_batched_tokens = args.max_num_batched_tokens
     if max_num_batched_tokens is None:
@@ -76,6 +77,9 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                                      distributed_executor_backend=args.distributed_executor_backend or "uni",
                                      nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
     parallel_config.verify_with_model_config(model_config)
+    if model_config.quantization is not None and parallel_config.world_size > 1:
+        raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet: the quantized "
+                         "projections are not sharded; use tensor_parallel_size=1.")
     speculative_config = SpeculativeConfig.from_engine_args(args, model_config)
     if speculative_config is not None:
         scheduler_config.num_speculative_tokens = speculative_config.num_speculative_tokens

@@ -26,8 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce, tensor_model_parallel_gather
+from pagedllm.layers.quantization import linear
 
 GetSlice = Callable[[str], Any]  # name -> a safetensors slice (supports get_shape() and [a:b] / [:, a:b])
+# (param, checkpoint names) -> True if it installed a weight-only quantized projection in param's place
+LoadLinear = Callable[[torch.Tensor, tuple[str, ...]], bool]
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -53,11 +56,13 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param(sum(shard_sizes), dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)  # F.linear, or a weight-only quantized matmul
 
-    def load(self, get_slice: GetSlice, weight_names: list[str], bias_names: list[str] | None = None) -> None:
+    def load(self, get_slice: GetSlice, weight_names: list[str], bias_names: list[str] | None = None,
+             load_linear: LoadLinear | None = None) -> None:
+        quantized = load_linear is not None and load_linear(self.weight, tuple(weight_names))
         for param, names in ((self.weight, weight_names), (self.bias, bias_names)):
-            if param is None:
+            if param is None or (quantized and param is self.weight):
                 continue
             offset = 0
             for name, size, index in zip(names, self.shard_sizes, self.shard_indices):
@@ -111,13 +116,15 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)  # F.linear, or a weight-only quantized matmul
+        out = tensor_model_parallel_all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias  # added once, after the sum
 
-    def load(self, get_slice: GetSlice, weight_name: str, bias_name: str | None = None) -> None:
+    def load(self, get_slice: GetSlice, weight_name: str, bias_name: str | None = None,
+             load_linear: LoadLinear | None = None) -> None:
         n = self.input_size_per_rank
-        self.weight.copy_(get_slice(weight_name)[:, self.tp_rank * n:(self.tp_rank + 1) * n])
+        if load_linear is None or not load_linear(self.weight, (weight_name,)):
+            self.weight.copy_(get_slice(weight_name)[:, self.tp_rank * n:(self.tp_rank + 1) * n])
         if self.bias is not None and bias_name is not None:
             self.bias.copy_(get_slice(bias_name)[:])
 

@@ -16,6 +16,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.layers.activation import get_act_and_mul
 from pagedllm.layers.linear import (
     GetSlice,
+    LoadLinear,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -116,7 +117,12 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     # ---- weight loading: Hugging Face names -> our fused, sharded parameters ----
-    def load_weights(self, get_slice: GetSlice, names: set[str]) -> None:
+    # The projections weight-only quantization replaces; embeddings and the LM head stay in the model dtype.
+    quantizable_weights = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
+
+    def load_weights(self, get_slice: GetSlice, names: set[str],
+                     load_linear: LoadLinear | None = None) -> None:
+        """`load_linear(param, checkpoint names)` may install a quantized projection in param's place."""
         def copy(dst: torch.Tensor, name: str) -> None:  # replicated on every rank
             dst.copy_(get_slice(name)[:])
 
@@ -128,12 +134,13 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             attn = layer.self_attn
             attn.qkv_proj.load(get_slice, [f"{p}self_attn.{x}_proj.weight" for x in "qkv"],
-                               [f"{p}self_attn.{x}_proj.bias" for x in "qkv"])
-            attn.o_proj.load(get_slice, f"{p}self_attn.o_proj.weight")
+                               [f"{p}self_attn.{x}_proj.bias" for x in "qkv"], load_linear)
+            attn.o_proj.load(get_slice, f"{p}self_attn.o_proj.weight", load_linear=load_linear)
             if attn.q_norm is not None:
                 copy(attn.q_norm.weight, f"{p}self_attn.q_norm.weight")
                 copy(attn.k_norm.weight, f"{p}self_attn.k_norm.weight")
-            layer.mlp.gate_up_proj.load(get_slice, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"])
-            layer.mlp.down_proj.load(get_slice, f"{p}mlp.down_proj.weight")
+            layer.mlp.gate_up_proj.load(get_slice, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"],
+                                        load_linear=load_linear)
+            layer.mlp.down_proj.load(get_slice, f"{p}mlp.down_proj.weight", load_linear=load_linear)
             copy(layer.input_layernorm.weight, f"{p}input_layernorm.weight")
             copy(layer.post_attention_layernorm.weight, f"{p}post_attention_layernorm.weight")
