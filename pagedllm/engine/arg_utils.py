@@ -33,6 +33,11 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
     trust_remote_code: bool = False
+    # Per-request bounds on the lists a client may send: every step checks each running request's
+    # stop strings, so a 100,000-entry list would slow every other request down.
+    max_stop_strings: int = 128
+    max_stop_string_len: int = 1024
+    max_stop_token_ids: int = 1024
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -55,6 +60,9 @@ class EngineArgs:
         check(self.tensor_parallel_size == 1,
               f"tensor_parallel_size must be 1 in this build, got {self.tensor_parallel_size}.")
         check(self.max_logprobs >= 0, f"max_logprobs must be non-negative, got {self.max_logprobs}.")
+        for name in ("max_stop_strings", "max_stop_string_len", "max_stop_token_ids"):
+            check(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
+                  f"{name} must be a non-negative integer, got {getattr(self, name)!r}.")
         if isinstance(self.speculative_config, str):
             self.speculative_config = json.loads(self.speculative_config)
 
@@ -88,6 +96,9 @@ class EngineArgs:
             help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
         add("--tensor-parallel-size", "-tp", type=int, default=1)
         add("--enforce-eager", action=bool_flag, default=True)
+        add("--max-stop-strings", type=int, default=128, help="most stop strings one request may give")
+        add("--max-stop-string-len", type=int, default=1024, help="longest stop string, in characters")
+        add("--max-stop-token-ids", type=int, default=1024, help="most stop_token_ids one request may give")
         return parser
 
     @classmethod

@@ -13,7 +13,7 @@ from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_d
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request, RequestStatus
-from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
 from pagedllm.kv_cache.manager import KVCacheManager, cdiv
 from pagedllm.metrics.reader import Counter, Gauge, Metric
 from pagedllm.outputs import RequestOutput
@@ -74,6 +74,8 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.finished_reasons: TallyCounter[str] = TallyCounter()
+        # user request id -> the exception that ended it in the last step (see step())
+        self.failed_requests: dict[str, Exception] = {}
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -136,6 +138,20 @@ class LLMEngine:
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.args.max_logprobs:
             raise ValueError(f"prompt_logprobs must be at most max_logprobs={self.args.max_logprobs}, "
                              f"got {params.prompt_logprobs}.")
+        # Everything below would otherwise fail (or slow every request) inside a step.
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids contains token id {bad[0]}, outside the vocabulary [0, {vocab}).")
+        if len(params.stop_token_ids) > self.args.max_stop_token_ids:
+            raise ValueError(f"stop_token_ids has {len(params.stop_token_ids)} entries; the limit is "
+                             f"max_stop_token_ids={self.args.max_stop_token_ids}.")
+        if len(params.stop) > self.args.max_stop_strings:
+            raise ValueError(f"stop has {len(params.stop)} strings; the limit is "
+                             f"max_stop_strings={self.args.max_stop_strings}.")
+        longest = max((len(stop) for stop in params.stop), default=0)
+        if longest > self.args.max_stop_string_len:
+            raise ValueError(f"stop has a string of {longest} characters; the limit is "
+                             f"max_stop_string_len={self.args.max_stop_string_len}.")
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):
@@ -150,15 +166,68 @@ class LLMEngine:
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
+        """One scheduling step. A request that makes the model run fail is ended alone: its id lands
+        in `failed_requests` (read it after each step) and the other requests carry on."""
+        self.failed_requests.clear()
         scheduler_output = self.scheduler.schedule()
         now = time.time()
         for item in scheduler_output.scheduled:
             if item.request.metrics.first_scheduled_time is None:
                 item.request.metrics.first_scheduled_time = now
+        try:
+            model_output = self._execute(scheduler_output)
+        except Exception as exc:
+            if len(scheduler_output.scheduled) <= 1:
+                for item in scheduler_output.scheduled:
+                    self._fail_request(item.request, exc)
+                return []
+            return self._isolate_failure(scheduler_output, exc)
+        return self._finish_step(scheduler_output, model_output)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.spec_decoder is not None:
-            model_output = self.spec_decoder.execute(scheduler_output)
-        else:
-            model_output = self.model_runner.execute(scheduler_output)
+            return self.spec_decoder.execute(scheduler_output)
+        return self.model_runner.execute(scheduler_output)
+
+    def _isolate_failure(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """Run the failed step's requests one at a time: the ones that fail alone are the culprits.
+
+        Safe to retry because a step changes request state only after the model ran: the scheduler
+        already allocated every request's slots, so each one can run its part of the plan alone.
+        """
+        logger.error("engine step of %d requests failed (%s: %s); retrying them one at a time",
+                     len(scheduler_output.scheduled), type(exc).__name__, exc)
+        outputs: list[RequestOutput] = []
+        copies = scheduler_output.blocks_to_copy  # copying a block twice is harmless
+        for item in scheduler_output.scheduled:
+            if item.request.request_id not in self.scheduler.requests:
+                continue  # a sibling of an earlier culprit, ended with it
+            single = SchedulerOutput(scheduled=[item], num_batched_tokens=item.num_new_tokens,
+                                     blocks_to_copy=copies, preempted_ids=[])
+            copies = []
+            try:
+                model_output = self._execute(single)
+            except Exception as item_exc:
+                self._fail_request(item.request, item_exc)
+                continue
+            outputs += self._finish_step(single, model_output, propose=False)
+        if self.spec_decoder is not None:
+            self.spec_decoder.propose(self.scheduler.running)
+        return outputs
+
+    def _fail_request(self, request: Request, exc: Exception) -> None:
+        """End the user request this (sample of a) request belongs to; the error goes to the log only."""
+        group_id = request.parent_id or request.request_id
+        logger.error("request %s failed inside a step and was ended", group_id, exc_info=exc)
+        state = self.output_processor.states.get(group_id)
+        for member in ([state.root, *(s.request for s in state.samples.values())] if state else [request]):
+            # the failed step may have put hashes on blocks whose KV it never wrote
+            self.kv_cache_manager.forget_uncomputed(member)
+        self.abort_request(group_id)
+        self.failed_requests[group_id] = exc
+
+    def _finish_step(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput,
+                     propose: bool = True) -> list[RequestOutput]:
         updated, finished, forked = self.scheduler.update(scheduler_output, model_output)
         self.output_processor.add_forked(forked)
         now = time.time()
@@ -175,7 +244,7 @@ class LLMEngine:
                 output.metrics.finished_time = now
                 for completion in output.outputs:
                     self.finished_reasons[completion.finish_reason or "abort"] += 1
-        if self.spec_decoder is not None:
+        if propose and self.spec_decoder is not None:
             self.spec_decoder.propose(self.scheduler.running)
         return outputs
 
