@@ -409,6 +409,7 @@ def test_never_read_stream_memory_stays_flat(tiny_llama_dir: str, tmp_path_facto
                    "the unread request to finish generating")
         peak = rss_kib(server.proc.pid, "VmHWM")
         growth_mib = (peak - baseline) / 1024
+        print(f"never-read stream: server peak RSS grew {growth_mib:.0f} MiB")  # shown with pytest -s
         # generous: the request's own state (16 x 1,000 tokens x 21 logprobs) is about 50 MiB
         assert growth_mib < 128, f"server RSS grew {growth_mib:.0f} MiB for one unread stream"
         server.assert_healthy()

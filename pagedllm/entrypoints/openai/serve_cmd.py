@@ -100,11 +100,12 @@ def run_server(args: argparse.Namespace) -> int:
     if not args.served_model_name and os.path.isdir(model):
         args.served_model_name = [os.path.basename(model.rstrip("/"))]  # "pycode-target", not a path
     args.model = model
-    for flag in ("max_waiting_requests", "max_prompt_chars", "read_timeout", "write_timeout",
-                 "tokenize_timeout", "timeout_keep_alive"):
+    for flag, low in (("max_waiting_requests", 0), ("max_prompt_chars", 1), ("read_timeout", 1e-3),
+                      ("write_timeout", 1e-3), ("tokenize_timeout", 1e-3), ("timeout_keep_alive", 0)):
         value = getattr(args, flag)
-        if value is not None and value < 0:
-            print(f"pagedllm serve: --{flag.replace('_', '-')} must be >= 0", file=sys.stderr)
+        if value is not None and value < low:
+            print(f"pagedllm serve: --{flag.replace('_', '-')} must be "
+                  f"{'>= 0' if low == 0 else 'positive'}", file=sys.stderr)
             return 2
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.model = model
