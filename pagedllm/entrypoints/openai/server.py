@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
+from pagedllm.entrypoints.openai.kv_cache_page import kv_cache_router
 from pagedllm.entrypoints.openai.limits import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_MAX_WAITING_REQUESTS,
@@ -354,4 +355,5 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | 
         return DetokenizeResponse(prompt=await context.run_tokenizer(lambda tok: tok.decode(tokens), "tokens"))
 
     app.include_router(api)
+    app.include_router(kv_cache_router(engine, verify_api_key, config.served_model_names[0]))
     return app
