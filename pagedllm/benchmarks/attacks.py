@@ -146,7 +146,8 @@ def waiting_peak(url: str) -> float:
 
 
 def attack_big_prompt(url: str) -> tuple[int, int, str]:
-    body = json.dumps({"prompt": "def f(x):\n    return x\n" * 170_000, "max_tokens": 4}).encode()
+    # under the 4 MB body limit, so it reaches the server's prompt checks
+    body = json.dumps({"prompt": "def f(x): return x; " * 195_000, "max_tokens": 4}).encode()
     status = post(url, "/v1/completions", body)
     return 1, int(status >= 500 or status == 0), f"{len(body) / 1e6:.1f} MB -> {status}"
 

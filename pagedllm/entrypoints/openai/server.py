@@ -106,6 +106,10 @@ class ServerConfig:
         )
 
 
+# scope["extensions"] key of a callable that drops the connection (set by our uvicorn protocol)
+ABORT_CONNECTION = "pagedllm.abort_connection"
+
+
 class StalledClient(Exception):
     """A response write waited longer than the write timeout: the client stopped reading."""
 
@@ -137,8 +141,13 @@ class ConnectionGuardMiddleware:
         try:
             await self.app(scope, receive, timed_send)
         except StalledClient:
-            # returning without finishing the response makes uvicorn close the connection
-            logger.warning("closed a connection whose client did not read for %.0f s", self.write_timeout)
+            # drop the connection and whatever the client left unread; without the hook, returning
+            # with the response unfinished makes uvicorn close it
+            abort_connection = (scope.get("extensions") or {}).get(ABORT_CONNECTION)
+            if abort_connection is not None:
+                abort_connection()
+                await asyncio.sleep(0)  # let uvicorn see the connection lost before this returns
+            logger.info("closed a connection whose client did not read for %.0f s", self.write_timeout)
 
 
 class BodySizeLimitMiddleware:

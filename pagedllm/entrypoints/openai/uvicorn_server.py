@@ -19,6 +19,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.entrypoints.openai.server import ABORT_CONNECTION
 
 # after the engine's requests were ended, how long handlers get to send their answers
 ANSWER_GRACE_S = 5.0
@@ -35,6 +36,10 @@ class ReadTimeoutH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         self._watch_headers()
+        if self.cycle is not None:
+            # lets the app drop a stalled client's connection at once (ConnectionGuardMiddleware):
+            # close() would first try to flush what the client never reads
+            self.cycle.scope.setdefault("extensions", {})[ABORT_CONNECTION] = self.transport.abort
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_headers_timer()
@@ -58,7 +63,7 @@ class ReadTimeoutH11Protocol(H11Protocol):
     def _headers_timed_out(self) -> None:
         self._headers_timer = None
         if self._awaiting_headers() and not self.transport.is_closing():
-            self.logger.warning("closed a connection that sent no complete request headers in %.0f s",
+            self.logger.debug("closed a connection that sent no complete request headers in %.0f s",
                                 self.read_timeout)
             self.transport.close()
 
