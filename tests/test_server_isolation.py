@@ -400,7 +400,8 @@ def test_never_read_stream_memory_stays_flat(tiny_llama_dir: str, tmp_path_facto
                           extra_args=["--max-model-len", str(MAX_MODEL_LEN), "--write-timeout", "600"])
     sock = None
     try:
-        assert completion(server, n=2, logprobs=5).status_code == 200  # warm up every code path
+        # warm up every code path with the same shape, so the baseline includes the allocator's pools
+        assert completion(server, n=16, logprobs=20, max_tokens=16).status_code == 200
         baseline = rss_kib(server.proc.pid, "VmRSS")
         finished_before = server.metrics().get("pagedllm:request_success_total", 0)
         sock = connect(server, receive_buffer=4096)
@@ -410,8 +411,9 @@ def test_never_read_stream_memory_stays_flat(tiny_llama_dir: str, tmp_path_facto
         peak = rss_kib(server.proc.pid, "VmHWM")
         growth_mib = (peak - baseline) / 1024
         print(f"never-read stream: server peak RSS grew {growth_mib:.0f} MiB")  # shown with pytest -s
-        # generous: the request's own state (16 x 1,000 tokens x 21 logprobs) is about 50 MiB
-        assert growth_mib < 128, f"server RSS grew {growth_mib:.0f} MiB for one unread stream"
+        # generous: the request's own state (16 x 1,000 positions x 21 logprobs) takes about 100 MiB
+        # here; the unbounded queue of every step's cumulative copy took 245 MiB
+        assert growth_mib < 170, f"server RSS grew {growth_mib:.0f} MiB for one unread stream"
         server.assert_healthy()
     finally:
         if sock is not None:
