@@ -38,6 +38,8 @@ class EngineArgs:
     max_stop_strings: int = 128
     max_stop_string_len: int = 1024
     max_stop_token_ids: int = 1024
+    quantization: str | None = None
+    quantization_group_size: int | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -63,6 +65,9 @@ class EngineArgs:
         for name in ("max_stop_strings", "max_stop_string_len", "max_stop_token_ids"):
             check(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
                   f"{name} must be a non-negative integer, got {getattr(self, name)!r}.")
+        from pagedllm.layers.quantization import validate_quantization
+
+        validate_quantization(self.quantization, self.quantization_group_size)
         if isinstance(self.speculative_config, str):
             self.speculative_config = json.loads(self.speculative_config)
 
@@ -99,6 +104,12 @@ class EngineArgs:
         add("--max-stop-strings", type=int, default=128, help="most stop strings one request may give")
         add("--max-stop-string-len", type=int, default=1024, help="longest stop string, in characters")
         add("--max-stop-token-ids", type=int, default=1024, help="most stop_token_ids one request may give")
+        add("--quantization", "-q", default=None, choices=["int8", "fp8", "compressed-tensors"],
+            help="weight-only quantization of the linear layers, applied as the weights load (int8: "
+            "symmetric per output channel; fp8: e4m3 per output channel); a checkpoint with a "
+            "compressed-tensors quantization_config is read as stored")
+        add("--quantization-group-size", type=int, default=None,
+            help="with --quantization int8: one scale per this many input channels instead of per row")
         return parser
 
     @classmethod

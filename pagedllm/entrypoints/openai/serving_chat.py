@@ -44,6 +44,12 @@ from pagedllm.entrypoints.openai.serving_engine import (
     stream_response,
     until_disconnect,
 )
+from pagedllm.entrypoints.openai.structured_outputs import (
+    ToolCallStream,
+    guided_decoding_params,
+    tool_calls_from_text,
+    tool_mode,
+)
 from pagedllm.outputs import RequestOutput
 
 # SamplingParams calls the chat API's top_logprobs "logprobs"
@@ -62,8 +68,9 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
             texts.append(part["text"])
         content = "\n".join(texts)
     result: dict[str, Any] = {"role": message.role, "content": content or ""}
-    if message.name is not None:
-        result["name"] = message.name
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if getattr(message, key) is not None:
+            result[key] = getattr(message, key)
     return result
 
 
@@ -95,7 +102,8 @@ def chat_template_kwargs(request: ChatCompletionRequest, trust_request_chat_temp
 
 
 def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
-                       template_kwargs: dict[str, Any] | None) -> str:
+                       template_kwargs: dict[str, Any] | None,
+                       tools: list[dict[str, Any]] | None = None) -> str:
     """The prompt text the chat template makes of the messages; 400 if the template refuses them.
     Runs on a tokenizer worker thread (ServingContext.encode_chat), not on the event loop."""
     if getattr(tokenizer, "chat_template", None) is None and not (template_kwargs or {}).get("chat_template"):
@@ -104,7 +112,7 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generati
     try:
         return tokenizer.apply_chat_template(
             [_message_dict(message) for message in messages], add_generation_prompt=add_generation_prompt,
-            tokenize=False, **(template_kwargs or {}))
+            tokenize=False, **({"tools": tools} if tools else {}), **(template_kwargs or {}))
     except APIError:
         raise
     except Exception as exc:  # jinja raises for messages the template does not accept
@@ -139,8 +147,10 @@ class OpenAIServingChat:
             raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
         template_kwargs = chat_template_kwargs(request, context.trust_request_chat_template)
         context.check_prompt_chars(messages_chars(request.messages), "messages")
+        # the tool definitions go to the chat template, which shows them to models trained on tool use
+        tools = [tool.model_dump() for tool in request.tools] if request.tools else None
         prompt_ids = await context.encode_chat(lambda tokenizer: render_chat_prompt(
-            tokenizer, request.messages, request.add_generation_prompt, template_kwargs))
+            tokenizer, request.messages, request.add_generation_prompt, template_kwargs, tools))
         if not prompt_ids:
             raise APIError(400, "The chat template produced an empty prompt.", param="messages")
         requested = request.max_completion_tokens or request.max_tokens
@@ -151,6 +161,7 @@ class OpenAIServingChat:
         renames = {**_PARAM_RENAMES, "max_tokens": "max_completion_tokens"} \
             if request.max_completion_tokens else _PARAM_RENAMES
         params = context.build_params(request, max_tokens, logprobs, renames=renames)
+        params.guided_decoding = guided_decoding_params(request)
         request_id = random_id("chatcmpl")
         streams, queue = await context.submit(request_id, [prompt_ids], params, request, renames)
         created = int(time.time())
@@ -193,11 +204,19 @@ class OpenAIServingChat:
 
     def _response(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
                   num_prompt_tokens: int, final: RequestOutput) -> ChatCompletionResponse:
-        choices = [ChatCompletionResponseChoice(
-            index=completion.index, message=ChatResponseMessage(content=completion.text),
-            logprobs=self._logprobs(request, completion.token_ids, completion.logprobs),
-            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
-            for completion in final.outputs]
+        forced_tools = tool_mode(request) is not None
+        choices = []
+        for completion in final.outputs:
+            message = ChatResponseMessage(content=completion.text)
+            finish_reason = completion.finish_reason
+            tool_calls = tool_calls_from_text(request, completion.text) if forced_tools else None
+            if tool_calls:  # a complete call: OpenAI's shape, content null
+                message = ChatResponseMessage(content=None, tool_calls=tool_calls)
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            choices.append(ChatCompletionResponseChoice(
+                index=completion.index, message=message,
+                logprobs=self._logprobs(request, completion.token_ids, completion.logprobs),
+                finish_reason=finish_reason, stop_reason=completion.stop_reason))
         choices.sort(key=lambda choice: choice.index)
         num_generated = sum(len(completion.token_ids) for completion in final.outputs)
         return ChatCompletionResponse(
@@ -211,12 +230,13 @@ class OpenAIServingChat:
         def chunk(choices: list[ChatCompletionResponseStreamChoice], usage: UsageInfo | None = None) -> str:
             payload = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
                                                    choices=choices, usage=usage).model_dump()
-            for choice in payload["choices"]:  # as OpenAI: a delta carries only what it has
-                choice["delta"] = {key: value for key, value in choice["delta"].items() if value is not None}
+            for choice, model in zip(payload["choices"], choices):  # as OpenAI: a delta carries only what it has
+                choice["delta"] = model.delta.model_dump(exclude_none=True)
             return sse(payload)
 
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         states = [ChoiceState() for _ in range(request.n)]
+        tool_streams = [ToolCallStream(request) for _ in range(request.n)] if tool_mode(request) else None
         try:
             # the role comes first, before any token, as OpenAI's stream does
             yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant",
@@ -235,11 +255,18 @@ class OpenAIServingChat:
                     state.text_len = len(completion.text)
                     state.num_tokens = len(completion.token_ids)
                     state.finished = completion.finish_reason is not None
+                    delta = DeltaMessage(content=delta_text)
+                    finish_reason = completion.finish_reason
+                    if tool_streams is not None:  # the text is a tool call: sent as tool_calls deltas
+                        tool_stream = tool_streams[completion.index]
+                        delta = DeltaMessage(tool_calls=tool_stream.add(delta_text) or None)
+                        if finish_reason == "stop" and tool_stream.num_calls:
+                            finish_reason = "tool_calls"
                     if delta_text or new_ids or state.finished:
                         choices.append(ChatCompletionResponseStreamChoice(
-                            index=completion.index, delta=DeltaMessage(content=delta_text),
+                            index=completion.index, delta=delta,
                             logprobs=self._logprobs(request, new_ids, new_logprobs),
-                            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+                            finish_reason=finish_reason, stop_reason=completion.stop_reason))
                 if choices:
                     yield chunk(choices)
             if include_usage:
