@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import json as _json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
