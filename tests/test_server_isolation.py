@@ -433,10 +433,10 @@ def poison_sampler(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     real = runner.sampler
 
     class PoisonedSampler:
-        def __call__(self, logits: Any, rows: list[Any], max_logprobs: int) -> Any:
+        def __call__(self, logits: Any, rows: list[Any], *args: Any, **kwargs: Any) -> Any:
             if any(row.params.seed == POISON_SEED for row in rows):
                 raise IndexError("index 9000 is out of bounds for dimension 1 with size 512")
-            return real(logits, rows, max_logprobs)
+            return real(logits, rows, *args, **kwargs)
 
     monkeypatch.setattr(runner, "sampler", PoisonedSampler())
 
