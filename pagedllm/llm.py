@@ -75,6 +75,11 @@ class LLM:
                     if output.finished:
                         finals[output.request_id] = output
                         bar.update(1)
+                failed = [request_id for request_id in ids if request_id in engine.failed_requests]
+                if failed:  # the step ended these alone; the call as a whole cannot succeed
+                    engine.abort_request(ids)
+                    raise RuntimeError(f"request {failed[0]} failed inside the engine "
+                                       "(see the log)") from engine.failed_requests[failed[0]]
         return [finals[request_id] for request_id in ids]
 
     def get_metrics(self) -> list[Metric]:

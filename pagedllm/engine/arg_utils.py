@@ -38,6 +38,11 @@ class EngineArgs:
     dist_init_addr: str | None = None  # "HOST:PORT" of node 0, where all ranks meet (TCP rendezvous)
     enforce_eager: bool = True
     trust_remote_code: bool = False
+    # Per-request bounds on the lists a client may send: every step checks each running request's
+    # stop strings, so a 100,000-entry list would slow every other request down.
+    max_stop_strings: int = 128
+    max_stop_string_len: int = 1024
+    max_stop_token_ids: int = 1024
     quantization: str | None = None
     quantization_group_size: int | None = None
 
@@ -79,6 +84,9 @@ class EngineArgs:
               f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size={self.tensor_parallel_size} "
               "needs 'mp'.")
         check(self.max_logprobs >= 0, f"max_logprobs must be non-negative, got {self.max_logprobs}.")
+        for name in ("max_stop_strings", "max_stop_string_len", "max_stop_token_ids"):
+            check(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
+                  f"{name} must be a non-negative integer, got {getattr(self, name)!r}.")
         from pagedllm.layers.quantization import validate_quantization
 
         validate_quantization(self.quantization, self.quantization_group_size)
@@ -123,6 +131,9 @@ class EngineArgs:
         add("--node-rank", type=int, default=0, help="this host's index (node 0 schedules and serves)")
         add("--dist-init-addr", default=None, help="HOST:PORT of node 0, where all ranks meet (nnodes > 1)")
         add("--enforce-eager", action=bool_flag, default=True)
+        add("--max-stop-strings", type=int, default=128, help="most stop strings one request may give")
+        add("--max-stop-string-len", type=int, default=1024, help="longest stop string, in characters")
+        add("--max-stop-token-ids", type=int, default=1024, help="most stop_token_ids one request may give")
         add("--quantization", "-q", default=None, choices=["int8", "fp8", "compressed-tensors"],
             help="weight-only quantization of the linear layers, applied as the weights load (int8: "
             "symmetric per output channel; fp8: e4m3 per output channel); a checkpoint with a "
