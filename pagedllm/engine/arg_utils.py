@@ -33,6 +33,11 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
     trust_remote_code: bool = False
+    # torch intra-op threads for this process (None: OMP_NUM_THREADS, else torch's default)
+    num_threads: int | None = None
+    # "auto": defaults from the model's generation_config.json; "vllm": SamplingParams' own; or a
+    # directory holding a generation_config.json
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -54,6 +59,10 @@ class EngineArgs:
               f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}.")
         check(self.tensor_parallel_size == 1,
               f"tensor_parallel_size must be 1 in this build, got {self.tensor_parallel_size}.")
+        check(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
+              f"num_threads must be a positive integer, got {self.num_threads!r}.")
+        check(isinstance(self.generation_config, str) and bool(self.generation_config),
+              f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}.")
         check(self.max_logprobs >= 0, f"max_logprobs must be non-negative, got {self.max_logprobs}.")
         if isinstance(self.speculative_config, str):
             self.speculative_config = json.loads(self.speculative_config)
@@ -88,6 +97,16 @@ class EngineArgs:
             help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
         add("--tensor-parallel-size", "-tp", type=int, default=1)
         add("--enforce-eager", action=bool_flag, default=True)
+        add("--num-threads", type=int, default=None,
+            help="torch CPU threads (default: $OMP_NUM_THREADS, else one per physical core). On a machine "
+                 "shared with other jobs, 1 can be many times faster than 2")
+        add("--generation-config", default="auto",
+            help="'auto': default sampling from the model's generation_config.json (max_new_tokens, "
+                 "do_sample, temperature, top_p, top_k, min_p, repetition_penalty); 'vllm': "
+                 "SamplingParams' own defaults; or a directory with a generation_config.json")
+        add("--trust-remote-code", action="store_true",
+            help="accepted for vLLM compatibility: pagedllm never runs code from a model directory, and "
+                 "refuses a model whose config needs custom code (auto_map) for its architecture")
         return parser
 
     @classmethod

@@ -17,6 +17,7 @@ from pagedllm.engine.scheduler import Scheduler
 from pagedllm.kv_cache.manager import KVCacheManager, cdiv
 from pagedllm.metrics.reader import Counter, Gauge, Metric
 from pagedllm.outputs import RequestOutput
+from pagedllm.platform import configure_threads
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode import build_spec_decoder
 from pagedllm.worker.model_runner import ModelRunner
@@ -42,7 +43,10 @@ class LLMEngine:
             raise ValueError("model must be given: a local Hugging Face model directory.")
         self.args = args
         self.device = resolve_device(args.device)
-        self.model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.max_model_len, self.device)
+        self.num_threads = configure_threads(args.num_threads)
+        self.model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.max_model_len, self.device,
+                                                        trust_remote_code=args.trust_remote_code,
+                                                        generation_config=args.generation_config)
         max_model_len = self.model_config.max_model_len
         max_num_batched_tokens = args.max_num_batched_tokens
         if max_num_batched_tokens is None:

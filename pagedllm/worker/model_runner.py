@@ -49,6 +49,30 @@ class Batch:
     query_starts: list[int]
 
 
+# vLLM's CPU backend reserves VLLM_CPU_KVCACHE_SPACE GiB (default 4) for the KV cache; ours is the same
+# idea under our own name, and the default is also capped by what the engine could ever use.
+CPU_KVCACHE_SPACE_ENV = "PAGEDLLM_CPU_KVCACHE_SPACE"
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * 2**30
+
+
+def cpu_kv_cache_space_bytes() -> int | None:
+    """PAGEDLLM_CPU_KVCACHE_SPACE (GiB, fractions allowed) in bytes, or None when unset."""
+    value = os.environ.get(CPU_KVCACHE_SPACE_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = -1.0
+    if not gib > 0:
+        raise ValueError(f"{CPU_KVCACHE_SPACE_ENV} must be a positive number of GiB, got {value!r}.")
+    return int(gib * 2**30)
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+
+
 def available_cpu_memory() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -95,27 +119,40 @@ class ModelRunner:
         return tokens * per_token + logits
 
     def determine_num_blocks(self) -> int:
+        num_blocks, self.kv_budget_source = self._kv_cache_budget_blocks()
+        return num_blocks
+
+    def _kv_cache_budget_blocks(self) -> tuple[int, str]:
+        """(number of blocks, where their budget came from, for the start-up line)."""
         cfg = self.cache_config
         per_block = self.kv_cache_bytes_per_block()
         if cfg.num_gpu_blocks_override is not None:
-            return cfg.num_gpu_blocks_override
+            return cfg.num_gpu_blocks_override, "num_gpu_blocks_override"
         if cfg.kv_cache_memory_bytes is not None:
-            budget = cfg.kv_cache_memory_bytes
+            budget, source = cfg.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             budget = int(total * cfg.gpu_memory_utilization) - used - self.activation_bytes_estimate()
+            source = f"gpu_memory_utilization={cfg.gpu_memory_utilization}"
+        elif (space := cpu_kv_cache_space_bytes()) is not None:
+            budget, source = space, f"{CPU_KVCACHE_SPACE_ENV}={os.environ[CPU_KVCACHE_SPACE_ENV]} GiB"
         else:
-            # On CPU: a share of the memory still available (weights are already loaded), but never
-            # more than every sequence at full length could use, so a small model does not take the host.
-            budget = int(available_cpu_memory() * cfg.gpu_memory_utilization) - self.activation_bytes_estimate()
-            max_tokens = self.scheduler_config.max_num_seqs * self.scheduler_config.max_model_len
-            budget = min(budget, (max_tokens // self.block_size + 1) * per_block)
+            # On CPU, like vLLM's VLLM_CPU_KVCACHE_SPACE: a fixed default rather than a share of the
+            # host, which other processes share and which nothing reserves for us; and never more than
+            # every sequence at full length could use, nor more than the memory available now.
+            full_length = (self.scheduler_config.max_num_seqs * self.scheduler_config.max_model_len
+                           // self.block_size + 1) * per_block
+            available = int(available_cpu_memory() * cfg.gpu_memory_utilization) - self.activation_bytes_estimate()
+            candidates = {f"the {DEFAULT_CPU_KV_CACHE_BYTES / 2**30:g} GiB default": DEFAULT_CPU_KV_CACHE_BYTES,
+                          "max_num_seqs x max_model_len": full_length,
+                          f"gpu_memory_utilization={cfg.gpu_memory_utilization} of available memory": available}
+            source, budget = min(candidates.items(), key=lambda item: item[1])
         num_blocks = budget // per_block
         if num_blocks <= 0:
             raise ValueError(f"No memory left for the KV cache (budget {budget} bytes, {per_block} bytes per "
                              "block); raise gpu_memory_utilization or kv_cache_memory_bytes.")
-        return int(num_blocks)
+        return int(num_blocks), source
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config
@@ -130,9 +167,16 @@ class ModelRunner:
         else:
             cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = list(cache.unbind(0))
-        logger.info("KV cache: %d blocks of %d tokens, at most %d cached tokens (%.1f MiB, %s); weights %.1f MiB",
-                    num_blocks, self.block_size, num_blocks * self.block_size,
-                    cache.numel() * cache.element_size() / 2**20, self.kv_dtype, self.weight_bytes() / 2**20)
+        num_tokens = num_blocks * self.block_size
+        max_model_len = self.scheduler_config.max_model_len
+        logger.info("KV cache: %s (%s, from %s) = %d blocks of %d tokens = %d tokens, room for %s sequences of "
+                    "max_model_len %d%s; weights %s",
+                    _gib(cache.numel() * cache.element_size()), str(self.kv_dtype).removeprefix("torch."),
+                    getattr(self, "kv_budget_source", "the budget"), num_blocks, self.block_size, num_tokens,
+                    f"{num_tokens / max_model_len:.1f}".removesuffix(".0"), max_model_len,
+                    "; host memory is taken lazily, as blocks are first written (set --kv-cache-memory-bytes "
+                    f"or {CPU_KVCACHE_SPACE_ENV}=GiB to change)" if self.device.type == "cpu" else "",
+                    _gib(self.weight_bytes()))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:

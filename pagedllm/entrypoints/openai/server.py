@@ -14,6 +14,7 @@ import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -52,6 +53,7 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting_requests: int | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    log_requests: bool = False  # one INFO line per request (`pagedllm serve` turns it on)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace | ServerConfig | None, model_path: str) -> ServerConfig:
@@ -66,6 +68,7 @@ class ServerConfig:
             max_waiting_requests=getattr(args, "max_waiting_requests", None),
             max_request_body_bytes=getattr(args, "max_request_body_bytes", None)
             or DEFAULT_MAX_REQUEST_BODY_BYTES,
+            log_requests=args is not None and not getattr(args, "disable_log_requests", False),
         )
 
 
@@ -163,6 +166,15 @@ def _install_error_handlers(app: FastAPI) -> None:
                                        "InternalServerError"))
 
 
+def _default_sampling_params(engine: AsyncLLMEngine) -> dict[str, Any]:
+    get_diff = getattr(engine.model_config, "get_diff_sampling_param", None)
+    defaults = get_diff() if get_diff is not None else {}
+    if defaults:
+        logger.info("Default sampling parameters come from the model's generation config: %s "
+                    "(explicit request fields win; --generation-config vllm turns this off)", defaults)
+    return defaults
+
+
 def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | None = None) -> FastAPI:
     """The server for `engine`; its lifespan starts the engine thread and shuts it down at exit."""
     model_path = str(getattr(engine.model_config, "model", "") or "")
@@ -177,7 +189,9 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | 
         tokenizer = engine.tokenizer
     context = ServingContext(engine=engine, tokenizer=tokenizer, served_model_names=config.served_model_names,
                              max_model_len=int(engine.model_config.max_model_len),
-                             max_waiting_requests=config.max_waiting_requests)
+                             max_waiting_requests=config.max_waiting_requests,
+                             log_requests=config.log_requests,
+                             default_sampling_params=_default_sampling_params(engine))
     completions = OpenAIServingCompletion(context)
     chat = OpenAIServingChat(context)
 

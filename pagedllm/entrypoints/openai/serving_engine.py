@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,6 +21,8 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 413: "RequestEntityTooLarge", 500: "InternalServerError", 503: "ServiceUnavailable"}
@@ -80,6 +83,9 @@ class ServingContext:
     served_model_names: list[str]
     max_model_len: int
     max_waiting_requests: int | None = None
+    log_requests: bool = False
+    # SamplingParams fields from the model's generation config ({} with --generation-config vllm)
+    default_sampling_params: dict[str, Any] = field(default_factory=dict)
     vocab_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -109,8 +115,8 @@ class ServingContext:
                            f"However, your request has {num_prompt_tokens} input tokens. Please reduce "
                            "the length of the input.", param=prompt_param)
         room = self.max_model_len - num_prompt_tokens
-        if max_tokens is None:
-            return room
+        if max_tokens is None:  # the rest of the context, unless the generation config bounds it (vLLM)
+            return min(room, self.default_sampling_params.get("max_tokens") or room)
         if max_tokens > room:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. "
                            f"However, you requested {num_prompt_tokens + max_tokens} tokens "
@@ -139,7 +145,8 @@ class ServingContext:
                      prompt_logprobs: int | None = None,
                      renames: dict[str, str] | None = None) -> SamplingParams:
         try:
-            return request.build_sampling_params(max_tokens, logprobs, prompt_logprobs)
+            return request.build_sampling_params(max_tokens, logprobs, prompt_logprobs,
+                                                 self.default_sampling_params)
         except ValueError as exc:
             raise APIError(400, str(exc), param=param_of(str(exc), set(type(request).model_fields),
                                                          renames)) from exc
@@ -151,6 +158,9 @@ class ServingContext:
                      ) -> tuple[list[RequestStream], asyncio.Queue[Any]]:
         """One engine request per prompt, all feeding one queue; 400 if the engine refuses one."""
         self.admit(len(prompts))
+        if self.log_requests:
+            logger.info("Received request %s: %s prompt tokens, params: %s", request_id,
+                        "+".join(str(len(prompt)) for prompt in prompts), params)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         arrival_time = time.time()
         # all prompts go to the engine in one iteration, so they start together
