@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     for output in outputs:
         for completion in output.outputs:
             num_generated += len(completion.token_ids)
-            logprobs = _logprob_rows(llm, completion) if args.logprobs is not None else None
+            logprobs = _logprob_rows(llm, completion, args.logprobs) if args.logprobs is not None else None
             if args.json:
                 record = {"prompt": output.prompt, "index": completion.index, "text": completion.text,
                           "finish_reason": completion.finish_reason, "num_tokens": len(completion.token_ids)}
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _logprob_rows(llm: Any, completion: Any) -> list[dict[str, Any]]:
+def _logprob_rows(llm: Any, completion: Any, num_top: int) -> list[dict[str, Any]]:
     """Per generated token: its text, log-probability and the top-N alternatives by rank."""
     tokenizer = llm.get_tokenizer()
 
@@ -126,9 +126,9 @@ def _logprob_rows(llm: Any, completion: Any) -> list[dict[str, Any]]:
     rows = []
     for token_id, position in zip(completion.token_ids, completion.logprobs or ()):
         chosen = position[token_id]
-        ranked = sorted(((tid, lp) for tid, lp in position.items() if lp.rank is not None),
-                        key=lambda item: item[1].rank)
+        # the position holds the chosen token plus the top num_top; the chosen one may rank below them
+        top = sorted(((tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= num_top),
+                     key=lambda item: item[1].rank)
         rows.append({"token": text(token_id, chosen), "logprob": chosen.logprob, "rank": chosen.rank,
-                     "top_logprobs": [{"token": text(tid, lp), "logprob": lp.logprob}
-                                      for tid, lp in ranked if lp.rank >= 1][: len(position)]})
+                     "top_logprobs": [{"token": text(tid, lp), "logprob": lp.logprob} for tid, lp in top]})
     return rows

@@ -169,11 +169,11 @@ class ModelRunner:
         self.kv_caches = list(cache.unbind(0))
         num_tokens = num_blocks * self.block_size
         max_model_len = self.scheduler_config.max_model_len
-        logger.info("KV cache: %s (%s, from %s) = %d blocks of %d tokens = %d tokens, room for %s sequences of "
+        logger.info("KV cache: %s (%s, from %s) = %d blocks of %d tokens = %d tokens, room for %d sequences of "
                     "max_model_len %d%s; weights %s",
                     _gib(cache.numel() * cache.element_size()), str(self.kv_dtype).removeprefix("torch."),
                     getattr(self, "kv_budget_source", "the budget"), num_blocks, self.block_size, num_tokens,
-                    f"{num_tokens / max_model_len:.1f}".removesuffix(".0"), max_model_len,
+                    num_blocks // -(-max_model_len // self.block_size), max_model_len,
                     "; host memory is taken lazily, as blocks are first written (set --kv-cache-memory-bytes "
                     f"or {CPU_KVCACHE_SPACE_ENV}=GiB to change)" if self.device.type == "cpu" else "",
                     _gib(self.weight_bytes()))
