@@ -186,7 +186,7 @@ def test_readme_block_extraction() -> None:
             "```py\nnot run\n```\n```\nnot run\n```\n")
     blocks = readme_blocks(text)
     assert [(b.language, b.line) for b in blocks] == [("python", 1), ("bash", 7)]
-    assert bash_commands(blocks[1].code) == ["echo a   b"]
+    assert bash_commands(blocks[1].code) == ["echo a    b"]
     assert is_pip_install('pip install -e ".[test]"') and is_pip_install("python -m pip install x")
     assert not is_pip_install("pagedllm generate")
     assert is_serve("pagedllm serve --port 8000 --api-key secret   # comment") and not is_serve("pagedllm plan")
