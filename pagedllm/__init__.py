@@ -3,11 +3,11 @@
 import os
 
 # OpenMP threads that finish a parallel region early spin, waiting for the others; on a machine
-# shared with other jobs they spin against them. Measured here (2 cores, one busy-loop competitor,
-# 32 prompts x 128 tokens): 2 torch threads gave 58 output tok/s with GNU OpenMP's default wait
-# policy, 83 with ACTIVE and 601 with PASSIVE (1 thread: 540-580 under any policy). It must be set
-# before torch loads its OpenMP runtime, hence here, before any import of torch; an explicit
-# OMP_WAIT_POLICY in the environment wins.
+# shared with other jobs they spin against them. Measured on 2 cores with one busy-loop competitor
+# (32 prompts x 128 tokens, output tok/s, three runs): 2 torch threads gave 58/46/1481 with GNU
+# OpenMP's default wait policy, 83/23/<14 with ACTIVE and 601/404/634 with PASSIVE, where 1 thread gave
+# 137-577. It must be set before torch loads its OpenMP runtime, hence here, before any import of
+# torch; an explicit OMP_WAIT_POLICY in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pagedllm.llm import LLM  # noqa: E402

@@ -27,14 +27,17 @@ SUBCOMMANDS = {
 USER_ERRORS = (ValueError, NotImplementedError, FileNotFoundError, NotADirectoryError, PermissionError)
 
 
+def _has_default(action: argparse.Action) -> bool:
+    # identity, not equality: a default of 0 or 0.0 is worth showing, though 0 == False
+    return not (action.default is None or action.default is False or action.default is argparse.SUPPRESS)
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends '(default: X)' only where the help text does not already state its default."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         help_text = action.help or ""
-        if not help_text and action.default not in (None, False, argparse.SUPPRESS):
-            return f"(default: {action.default})"
-        if "default" in help_text.lower() or action.default in (None, False, argparse.SUPPRESS):
+        if "default" in help_text.lower() or not _has_default(action):
             return help_text
         return super()._get_help_string(action)
 
@@ -42,8 +45,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def _use_formatter(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = HelpFormatter
     for action in parser._actions:
-        if action.help is None and action.default not in (None, False, argparse.SUPPRESS):
-            action.help = ""  # so the formatter still shows the flag's default
+        if action.help is None and _has_default(action):
+            action.help = "(default: %(default)s)"  # argparse prints nothing for a flag without help
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 _use_formatter(sub)
