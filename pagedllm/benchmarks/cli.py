@@ -170,6 +170,12 @@ OTHER_BENCHMARKS = {
         "run_cmd",
         "time to first token with a cached long prefix against without",
     ),
+    "kv-cache-snapshot": (
+        "pagedllm.benchmarks.kv_cache_snapshot",
+        "add_cli_args",
+        "run_cmd",
+        "cost of the /kv-cache/state snapshot at a 100,000-block pool against a plain decode step",
+    ),
 }
 
 

@@ -15,6 +15,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.kv_cache.manager import KVCacheManager, cdiv
+from pagedllm.kv_cache.snapshot import KVCacheSnapshot
 from pagedllm.metrics.reader import Counter, Gauge, Metric
 from pagedllm.outputs import RequestOutput
 from pagedllm.platform import configure_threads
@@ -191,6 +192,11 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def get_kv_cache_snapshot(self) -> KVCacheSnapshot:
+        """Every KV block and every request's block table as of now (GET /kv-cache/state). Call it
+        between steps; it only copies numbers, the JSON is built by the snapshot elsewhere."""
+        return self.scheduler.kv_cache_snapshot()
 
     def get_metrics(self) -> list[Metric]:
         kv = self.kv_cache_manager

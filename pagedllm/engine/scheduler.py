@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pagedllm.config import SchedulerConfig
 from pagedllm.engine.request import Request, RequestStatus, make_child
 from pagedllm.kv_cache.manager import KVCacheManager
+from pagedllm.kv_cache.snapshot import KVCacheSnapshot, RequestBlocks
 from pagedllm.outputs import PositionLogprobs
 
 
@@ -98,6 +99,20 @@ class Scheduler:
                 pass
         self.kv.free(request.request_id)
         del self.requests[request.request_id]
+
+    def kv_cache_snapshot(self) -> KVCacheSnapshot:
+        """The KV cache manager's snapshot plus every unfinished request's place in it. Call it between
+        steps, so that block tables, reference counts and token counts agree."""
+        snapshot = self.kv.snapshot()
+        snapshot.num_preemptions = self.num_preemptions
+        snapshot.requests = [
+            RequestBlocks(request_id=request.request_id, status=request.status.name.lower(),
+                          block_table=snapshot.block_tables.get(request.request_id, []),
+                          num_computed_tokens=request.num_computed_tokens,
+                          num_cached_tokens=max(request.num_cached_tokens, 0), num_tokens=request.num_tokens,
+                          num_prompt_tokens=request.num_prompt_tokens, parent_id=request.parent_id)
+            for request in self.requests.values()]
+        return snapshot
 
     # ---- the plan for one step ----
     def schedule(self) -> SchedulerOutput:
