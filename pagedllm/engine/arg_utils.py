@@ -38,6 +38,8 @@ class EngineArgs:
     # "auto": defaults from the model's generation_config.json; "vllm": SamplingParams' own; or a
     # directory holding a generation_config.json
     generation_config: str = "auto"
+    quantization: str | None = None
+    quantization_group_size: int | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -64,6 +66,9 @@ class EngineArgs:
         check(isinstance(self.generation_config, str) and bool(self.generation_config),
               f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}.")
         check(self.max_logprobs >= 0, f"max_logprobs must be non-negative, got {self.max_logprobs}.")
+        from pagedllm.layers.quantization import validate_quantization
+
+        validate_quantization(self.quantization, self.quantization_group_size)
         if isinstance(self.speculative_config, str):
             self.speculative_config = json.loads(self.speculative_config)
 
@@ -107,6 +112,12 @@ class EngineArgs:
         add("--trust-remote-code", action="store_true",
             help="accepted for vLLM compatibility: pagedllm never runs code from a model directory, and "
                  "refuses a model whose config needs custom code (auto_map) for its architecture")
+        add("--quantization", "-q", default=None, choices=["int8", "fp8", "compressed-tensors"],
+            help="weight-only quantization of the linear layers, applied as the weights load (int8: "
+            "symmetric per output channel; fp8: e4m3 per output channel); a checkpoint with a "
+            "compressed-tensors quantization_config is read as stored")
+        add("--quantization-group-size", type=int, default=None,
+            help="with --quantization int8: one scale per this many input channels instead of per row")
         return parser
 
     @classmethod

@@ -21,6 +21,7 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.platform import configure_threads
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode import build_spec_decoder
+from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class LLMEngine:
         self.device = resolve_device(args.device)
         self.num_threads = configure_threads(args.num_threads)
         self.model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.max_model_len, self.device,
+                                                        args.quantization, args.quantization_group_size,
                                                         trust_remote_code=args.trust_remote_code,
                                                         generation_config=args.generation_config)
         max_model_len = self.model_config.max_model_len
@@ -71,7 +73,10 @@ class LLMEngine:
         self.cache_config.num_blocks = num_blocks
         self.model_runner.allocate_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.model_config.eos_token_ids)
+        self.structured_output_manager = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                                 self.model_config.eos_token_ids)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.model_config.eos_token_ids,
+                                   self.structured_output_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.spec_decoder = build_spec_decoder(args, self)
 
@@ -141,6 +146,10 @@ class LLMEngine:
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.args.max_logprobs:
             raise ValueError(f"prompt_logprobs must be at most max_logprobs={self.args.max_logprobs}, "
                              f"got {params.prompt_logprobs}.")
+        if params.guided_decoding is not None:
+            if self.tokenizer is None:
+                raise ValueError("guided_decoding needs the model's tokenizer, and this model has none.")
+            self.structured_output_manager.compile(params.guided_decoding)  # ValueError if it cannot compile
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):

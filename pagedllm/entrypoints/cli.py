@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "serve": "pagedllm.entrypoints.openai.serve_cmd",
     "plan": "pagedllm.planner.cli",
     "bench": "pagedllm.benchmarks.cli",
+    "quantize": "pagedllm.entrypoints.quantize_cmd",
 }
 
 # Errors a user can cause (a bad flag value, a missing file, an unsupported feature): one line, exit 2.

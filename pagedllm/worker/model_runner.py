@@ -21,6 +21,7 @@ from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, Sched
 from pagedllm.layers.sampler import Sampler, SamplingRow
 from pagedllm.models.loader import load_model
 from pagedllm.outputs import PositionLogprobs, position_logprobs
+from pagedllm.structured_output import GrammarBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -156,9 +157,10 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config
-        # One tensor for all layers; each layer gets a [2, kv_heads, num_blocks, block_size, head_dim] view.
+        # One tensor for all layers; each layer gets a [2, kv_heads, num_blocks, block_size, head_dim] view
+        # (MLA: [1, 1, num_blocks, block_size, latent + rope key], see ModelConfig.kv_cache_layer_shape).
         # Zeroed: masked-out padding is multiplied by 0 in attention, and 0 * NaN garbage would be NaN.
-        shape = (c.num_hidden_layers, 2, c.num_key_value_heads, num_blocks, self.block_size, c.head_dim)
+        shape = (c.num_hidden_layers, *c.kv_cache_layer_shape(num_blocks, self.block_size))
         if self.device.type == "cpu":
             # calloc'd memory: the OS hands out zero pages on first touch, so start-up does not write
             # (and the process does not hold) gigabytes of cache that no request has used yet.
@@ -169,9 +171,10 @@ class ModelRunner:
         self.kv_caches = list(cache.unbind(0))
         num_tokens = num_blocks * self.block_size
         max_model_len = self.scheduler_config.max_model_len
-        logger.info("KV cache: %s (%s, from %s) = %d blocks of %d tokens = %d tokens, room for %d sequences of "
-                    "max_model_len %d%s; weights %s",
+        logger.info("KV cache: %s (%s, %d bytes per token%s, from %s) = %d blocks of %d tokens = %d tokens, room "
+                    "for %d sequences of max_model_len %d%s; weights %s",
                     _gib(cache.numel() * cache.element_size()), str(self.kv_dtype).removeprefix("torch."),
+                    c.kv_bytes_per_token(self.kv_dtype), ", MLA latent" if c.is_mla else "",
                     getattr(self, "kv_budget_source", "the budget"), num_blocks, self.block_size, num_tokens,
                     num_blocks // -(-max_model_len // self.block_size), max_model_len,
                     "; host memory is taken lazily, as blocks are first written (set --kv-cache-memory-bytes "
@@ -199,7 +202,7 @@ class ModelRunner:
             return output
         batch = self.prepare(scheduler_output.scheduled)
         hidden = self.forward(batch)
-        self.sample(batch, hidden, output)
+        self.sample(batch, hidden, output, scheduler_output.grammar_bitmask)
         return output
 
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -270,7 +273,8 @@ class ModelRunner:
             metadata.decode_query_index = torch.from_numpy(index).to(device)
             metadata.decode_query_valid = torch.from_numpy(valid.reshape(-1)).to(device)
 
-    def sample(self, batch: Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+    def sample(self, batch: Batch, hidden: torch.Tensor, output: ModelRunnerOutput,
+               grammar_bitmask: GrammarBitmask | None = None) -> None:
         """Sample the next token of every request that reached its last known token. Requests carrying
         speculative tokens are handed, with the rows of their k+1 positions, to `self.spec_verifier`."""
         sample_rows, rows = [], []
@@ -291,7 +295,11 @@ class ModelRunner:
         if rows:
             logits = self.model.compute_logits(hidden[sample_rows])
             max_logprobs = max((r.params.logprobs or 0) for r in rows)
-            result = self.sampler(logits, rows, max_logprobs)
+            token_bitmask = None
+            if grammar_bitmask is not None:
+                sampled = [s for s in batch.order if s.sample and not s.spec_token_ids]
+                token_bitmask = grammar_bitmask.select((s.request.request_id, i, 1) for i, s in enumerate(sampled))
+            result = self.sampler(logits, rows, max_logprobs, token_bitmask)
             token_ids = result.token_ids.tolist()
             sampled_lp = result.sampled_logprobs.tolist()
             i = 0
@@ -309,7 +317,7 @@ class ModelRunner:
                                                               int(result.sampled_ranks[i]), top_ids, top_lps)]
                 i += 1
         if verify:
-            self.spec_verifier.verify(verify, hidden, output)
+            self.spec_verifier.verify(verify, hidden, output, grammar_bitmask)
         for s, start, count in prompt_lp:
             output.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(s, hidden[start:start + count])
 
