@@ -43,6 +43,11 @@ class EngineArgs:
     max_stop_strings: int = 128
     max_stop_string_len: int = 1024
     max_stop_token_ids: int = 1024
+    # torch intra-op threads for this process (None: OMP_NUM_THREADS, else torch's default)
+    num_threads: int | None = None
+    # "auto": defaults from the model's generation_config.json; "vllm": SamplingParams' own; or a
+    # directory holding a generation_config.json
+    generation_config: str = "auto"
     quantization: str | None = None
     quantization_group_size: int | None = None
 
@@ -83,6 +88,10 @@ class EngineArgs:
         check(self.distributed_executor_backend == "mp" or (self.tensor_parallel_size == 1 and self.nnodes == 1),
               f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size={self.tensor_parallel_size} "
               "needs 'mp'.")
+        check(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
+              f"num_threads must be a positive integer, got {self.num_threads!r}.")
+        check(isinstance(self.generation_config, str) and bool(self.generation_config),
+              f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}.")
         check(self.max_logprobs >= 0, f"max_logprobs must be non-negative, got {self.max_logprobs}.")
         for name in ("max_stop_strings", "max_stop_string_len", "max_stop_token_ids"):
             check(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
@@ -134,6 +143,16 @@ class EngineArgs:
         add("--max-stop-strings", type=int, default=128, help="most stop strings one request may give")
         add("--max-stop-string-len", type=int, default=1024, help="longest stop string, in characters")
         add("--max-stop-token-ids", type=int, default=1024, help="most stop_token_ids one request may give")
+        add("--num-threads", type=int, default=None,
+            help="torch CPU threads (default: $OMP_NUM_THREADS, else one per physical core). On a machine "
+                 "shared with other jobs, 1 can be many times faster than 2")
+        add("--generation-config", default="auto",
+            help="'auto': default sampling from the model's generation_config.json (max_new_tokens, "
+                 "do_sample, temperature, top_p, top_k, min_p, repetition_penalty); 'vllm': "
+                 "SamplingParams' own defaults; or a directory with a generation_config.json")
+        add("--trust-remote-code", action="store_true",
+            help="accepted for vLLM compatibility: pagedllm never runs code from a model directory, and "
+                 "refuses a model whose config needs custom code (auto_map) for its architecture")
         add("--quantization", "-q", default=None, choices=["int8", "fp8", "compressed-tensors"],
             help="weight-only quantization of the linear layers, applied as the weights load (int8: "
             "symmetric per output channel; fp8: e4m3 per output channel); a checkpoint with a "

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.metrics.stat_logger import LoggingStatLogger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -164,9 +165,11 @@ class _Inbox:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, observers: Iterable[StepObserver] = ()) -> None:
+    def __init__(self, engine: LLMEngine, observers: Iterable[StepObserver] = (), log_stats: bool = False) -> None:
         self.engine = engine
         self.observers = list(observers)
+        # vLLM's periodic "Avg prompt throughput ... Running ... KV cache usage" line (the server's default)
+        self.stat_logger = LoggingStatLogger() if log_stats else None
         self._cond = threading.Condition()
         self._inbox = _Inbox()
         self._stopping = False
@@ -181,8 +184,9 @@ class AsyncLLMEngine:
         self._num_pending_adds = 0  # event-loop state
 
     @classmethod
-    def from_engine_args(cls, engine_args: Any, observers: Iterable[StepObserver] = ()) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_engine_args(engine_args), observers)
+    def from_engine_args(cls, engine_args: Any, observers: Iterable[StepObserver] = (),
+                         log_stats: bool = False) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_engine_args(engine_args), observers, log_stats)
 
     # ---- properties read by the server ----------------------------------------------------------
 
@@ -311,6 +315,8 @@ class AsyncLLMEngine:
                         self._fail(list(self.engine.failed_requests))
                 self._engine_num_waiting = self._read_num_waiting()  # after steps and aborts alike
                 self._has_work = self.engine.has_unfinished_requests()
+                if self.stat_logger is not None:
+                    self.stat_logger.maybe_log(self.engine, idle=not self._has_work)
         except BaseException as exc:  # a failure we could not recover from: fail every request, loudly
             logger.exception("engine loop died")
             self.dead_error = exc

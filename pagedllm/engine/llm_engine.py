@@ -22,6 +22,7 @@ from pagedllm.kv_cache.manager import KVCacheManager, cdiv
 from pagedllm.kv_cache.snapshot import KVCacheSnapshot
 from pagedllm.metrics.reader import Counter, Gauge, Metric
 from pagedllm.outputs import RequestOutput
+from pagedllm.platform import configure_threads
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode import SpeculativeConfig
 from pagedllm.structured_output import StructuredOutputManager
@@ -57,7 +58,9 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         raise ValueError("model must be given: a local Hugging Face model directory.")
     device = resolve_device(args.device)
     model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.max_model_len, device,
-                                               args.quantization, args.quantization_group_size)
+                                               args.quantization, args.quantization_group_size,
+                                               trust_remote_code=args.trust_remote_code,
+                                               generation_config=args.generation_config)
     max_model_len = model_config.max_model_len
     max_num_batched_tokens = args.max_num_batched_tokens
     if max_num_batched_tokens is None:
@@ -105,6 +108,7 @@ class LLMEngine:
             raise ValueError(f"node_rank={args.node_rank}: only node 0 runs the engine; other nodes host their "
                              "ranks (LLM(..., node_rank=R) and `pagedllm serve --node-rank R` do that).")
         self.args = args
+        self.num_threads = configure_threads(args.num_threads)  # before the executor: its workers take it
         config = create_engine_config(args)
         self.device = config.device
         self.model_config = config.model_config

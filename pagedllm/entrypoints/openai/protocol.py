@@ -128,10 +128,16 @@ class SamplingRequestFields(OpenAIRequestModel):
     guided_whitespace_pattern: str | None = None
 
     def build_sampling_params(self, max_tokens: int, logprobs: int | None,
-                              prompt_logprobs: int | None = None) -> SamplingParams:
-        """SamplingParams raises ValueError naming the field for values out of range."""
+                              prompt_logprobs: int | None = None,
+                              defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams raises ValueError naming the field for values out of range. `defaults` (the
+        model's generation config) fill the fields the request left unset; set fields always win."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         optional: dict[str, Any] = {
+            name: value for name, value in (defaults or {}).items()
+            if name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        }
+        optional |= {
             name: value for name, value in (
                 ("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k),
                 ("min_p", self.min_p), ("repetition_penalty", self.repetition_penalty),

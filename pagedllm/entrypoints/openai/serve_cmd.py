@@ -36,16 +36,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server",
         description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, ...).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+)
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="model directory or Hugging Face id (default: the bundled demo model)")
+                        help="local Hugging Face-format model directory; nothing is downloaded "
+                             "(default: the bundled demo model, served as 'pycode-target')")
+    parser.add_argument("--model", dest="model", default=None,
+                        help="the model directory, as a flag (vLLM's older spelling of MODEL)")
     parser.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
     parser.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on the API (default: "
                              "$PAGEDLLM_API_KEY, else open)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
-                        help="model name(s) clients use (default: the model path)")
+                        help="model name(s) clients use (default: the model directory's name; 'pycode-target' "
+                             "for the bundled model)")
     parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                         help="sequences (prompts x n) that may wait for their first token; beyond it "
                              "answer 503, and 400 to a request larger than the limit (0: unbounded)")
@@ -69,6 +73,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                         help="seconds in-flight requests may run on after SIGTERM; then they are "
                              "answered 503 (streams: an error event and [DONE])")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="do not log each request (its id, prompt length and sampling parameters)")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="do not log throughput, running/waiting requests and KV usage every 5 s")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     EngineArgs.add_cli_args(parser)
@@ -77,7 +85,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def resolve_model(args: argparse.Namespace) -> str | None:
-    model = args.model_tag or getattr(args, "model", None)
+    tag, flag = args.model_tag, getattr(args, "model", None)
+    if tag and flag and tag != flag:
+        raise ValueError(f"two models given: {tag!r} (positional) and --model {flag!r}; give one.")
+    model = tag or flag
     if model:
         return str(model)
     return installed_model_path()
@@ -115,7 +126,7 @@ def run_server(args: argparse.Namespace) -> int:
         # Not node 0: no engine and no HTTP; host this node's ranks until node 0 shuts them down.
         run_worker_node(engine_args)
         return 0
-    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    engine = AsyncLLMEngine.from_engine_args(engine_args, log_stats=not args.disable_log_stats)
     app = build_app(engine, args)
     server = make_server(app, engine, args.host, args.port, args.uvicorn_log_level,
                          grace_period=args.timeout_graceful_shutdown, read_timeout=args.read_timeout,

@@ -19,6 +19,7 @@ import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -77,6 +78,7 @@ class ServerConfig:
     read_timeout: float = DEFAULT_READ_TIMEOUT_S
     write_timeout: float = DEFAULT_WRITE_TIMEOUT_S
     tokenize_timeout: float = DEFAULT_TOKENIZE_TIMEOUT_S
+    log_requests: bool = False  # one INFO line per request (`pagedllm serve` turns it on)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace | ServerConfig | None, model_path: str) -> ServerConfig:
@@ -103,6 +105,7 @@ class ServerConfig:
             read_timeout=float(arg("read_timeout", DEFAULT_READ_TIMEOUT_S)),
             write_timeout=float(arg("write_timeout", DEFAULT_WRITE_TIMEOUT_S)),
             tokenize_timeout=float(arg("tokenize_timeout", DEFAULT_TOKENIZE_TIMEOUT_S)),
+            log_requests=args is not None and not getattr(args, "disable_log_requests", False),
         )
 
 
@@ -258,6 +261,15 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(internal_error(exc))
 
 
+def _default_sampling_params(engine: AsyncLLMEngine) -> dict[str, Any]:
+    get_diff = getattr(engine.model_config, "get_diff_sampling_param", None)
+    defaults = get_diff() if get_diff is not None else {}
+    if defaults:
+        logger.info("Default sampling parameters come from the model's generation config: %s "
+                    "(explicit request fields win; --generation-config vllm turns this off)", defaults)
+    return defaults
+
+
 def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | None = None) -> FastAPI:
     """The server for `engine`; its lifespan starts the engine thread and shuts it down at exit."""
     model_path = str(getattr(engine.model_config, "model", "") or "")
@@ -274,7 +286,9 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | 
     context = ServingContext(engine=engine, tokenizer=tokenizer, served_model_names=config.served_model_names,
                              max_model_len=max_model_len, max_waiting_requests=config.max_waiting_requests,
                              max_prompt_chars=config.max_prompt_chars or max_model_len * PROMPT_CHARS_PER_TOKEN,
-                             trust_request_chat_template=config.trust_request_chat_template)
+                             trust_request_chat_template=config.trust_request_chat_template,
+                             log_requests=config.log_requests,
+                             default_sampling_params=_default_sampling_params(engine))
     completions = OpenAIServingCompletion(context)
     chat = OpenAIServingChat(context)
 

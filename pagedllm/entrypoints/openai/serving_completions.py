@@ -106,8 +106,16 @@ class OpenAIServingCompletion:
             finals[index] = output
         return [output for output in finals if output is not None]
 
-    def _prompt_text(self, output: RequestOutput, prompt_ids: list[int]) -> str:
-        return output.prompt if output.prompt is not None else self.tokenizer.decode(prompt_ids)
+    def _prompt_text(self, request: CompletionRequest, prompt_index: int, output: RequestOutput,
+                     prompt_ids: list[int]) -> str:
+        """What echo repeats: the prompt as the client sent it, not with the BOS the tokenizer added."""
+        if isinstance(request.prompt, str):
+            return request.prompt
+        if request.prompt and isinstance(request.prompt[0], str):
+            return request.prompt[prompt_index]  # type: ignore[return-value]
+        if output.prompt is not None:
+            return output.prompt
+        return self.tokenizer.decode(prompt_ids)
 
     def _response(self, request: CompletionRequest, request_id: str, created: int, model_name: str,
                   prompts: list[list[int]], finals: list[RequestOutput]) -> CompletionResponse:
@@ -115,7 +123,7 @@ class OpenAIServingCompletion:
         num_generated = 0
         for prompt_index, output in enumerate(finals):
             prompt_ids = prompts[prompt_index]
-            prompt_text = self._prompt_text(output, prompt_ids) if request.echo else ""
+            prompt_text = self._prompt_text(request, prompt_index, output, prompt_ids) if request.echo else ""
             for completion in output.outputs:
                 num_generated += len(completion.token_ids)
                 logprobs = None
@@ -172,7 +180,8 @@ class OpenAIServingCompletion:
                         continue
                     prefix = ""
                     if request.echo and not state.echoed:
-                        prefix = self._prompt_text(output, prompt_ids)  # the first chunk repeats the prompt
+                        # the first chunk repeats the prompt
+                        prefix = self._prompt_text(request, prompt_index, output, prompt_ids)
                         state.echoed = True
                     delta_text = prefix + completion.text[state.text_len:]
                     new_ids = completion.token_ids[state.num_tokens:]

@@ -172,6 +172,9 @@ class ServingContext:
     max_prompt_chars: int | None = None
     trust_request_chat_template: bool = False
     tokenizer_pool: TokenizerPool | None = None
+    log_requests: bool = False
+    # SamplingParams fields from the model's generation config ({} with --generation-config vllm)
+    default_sampling_params: dict[str, Any] = field(default_factory=dict)
     vocab_size: int = field(init=False)
     num_waiting_sequences: int = field(init=False, default=0)
     peak_waiting_sequences: int = field(init=False, default=0)
@@ -212,8 +215,8 @@ class ServingContext:
                            f"However, your request has {num_prompt_tokens} input tokens. Please reduce "
                            "the length of the input.", param=prompt_param)
         room = self.max_model_len - num_prompt_tokens
-        if max_tokens is None:
-            return room
+        if max_tokens is None:  # the rest of the context, unless the generation config bounds it (vLLM)
+            return min(room, self.default_sampling_params.get("max_tokens") or room)
         if max_tokens > room:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. "
                            f"However, you requested {num_prompt_tokens + max_tokens} tokens "
@@ -271,7 +274,8 @@ class ServingContext:
                      prompt_logprobs: int | None = None,
                      renames: dict[str, str] | None = None) -> SamplingParams:
         try:
-            return request.build_sampling_params(max_tokens, logprobs, prompt_logprobs)
+            return request.build_sampling_params(max_tokens, logprobs, prompt_logprobs,
+                                                 self.default_sampling_params)
         except ValueError as exc:
             raise APIError(400, str(exc), param=param_of(str(exc), set(type(request).model_fields),
                                                          renames)) from exc
@@ -283,6 +287,9 @@ class ServingContext:
                      ) -> tuple[list[RequestStream], OutputQueue]:
         """One engine request per prompt, all feeding one queue; 400 if the engine refuses one."""
         admission = self.admit(len(prompts) * params.n, "n" if params.n > 1 else "prompt", params.n)
+        if self.log_requests:
+            logger.info("Received request %s: %s prompt tokens, params: %s", request_id,
+                        "+".join(str(len(prompt)) for prompt in prompts), params)
         queue = OutputQueue()
         arrival_time = time.time()
         # all prompts go to the engine in one iteration, so they start together
