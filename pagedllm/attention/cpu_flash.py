@@ -9,6 +9,7 @@ no compiler (or a failed build) one line is logged and the same algorithm runs i
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -52,8 +53,15 @@ def load_cpu_kernels() -> bool:
         flags = ["-O3", "-fopenmp-simd", "-std=c++17"]
         if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
             flags.append("-march=native")
-        cpp_extension.load(name="pagedllm_cpu_attention", sources=[_SOURCE], extra_cflags=flags,
-                           build_directory=build_dir, is_python_module=False, verbose=False)
+        # torch's build lock is a plain file: a process killed mid-build leaves it behind and every later
+        # load would wait on it forever. An flock dies with its holder, so whoever holds ours may clear it.
+        with open(build_dir + ".flock", "w") as flock_file:
+            fcntl.flock(flock_file, fcntl.LOCK_EX)
+            stale = os.path.join(build_dir, "lock")
+            if os.path.exists(stale):
+                os.remove(stale)
+            cpp_extension.load(name="pagedllm_cpu_attention", sources=[_SOURCE], extra_cflags=flags,
+                               build_directory=build_dir, is_python_module=False, verbose=False)
         elapsed = time.perf_counter() - start
         if elapsed > 1.0:
             logger.info("Built the CPU attention kernel in %.0f s (cached in %s)", elapsed, build_dir)
