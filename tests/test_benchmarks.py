@@ -174,6 +174,18 @@ def test_bench_latency_reports_roofline_fraction(
     assert report["roofline_tokens_per_s"] == pytest.approx(
         report["memory_bandwidth_bytes_per_s"] / report["bytes_per_token"]
     )
+    # the tiny model's weights fit in any L3: the roofline is flagged as meaningless where the size is known
+    if report["last_level_cache_bytes"] is not None:
+        assert report["weights_fit_in_cache"] and "last-level cache" in table
+
+
+def test_last_level_cache_size_parsing(tmp_path: Path) -> None:
+    from pagedllm.benchmarks.latency import last_level_cache_bytes
+
+    for text, want in (("32768K\n", 32 << 20), ("96M", 96 << 20), ("1048576", 1 << 20), ("junk", None)):
+        (tmp_path / "size").write_text(text)
+        assert last_level_cache_bytes(str(tmp_path / "size")) == want
+    assert last_level_cache_bytes(str(tmp_path / "missing")) is None
 
 
 def test_bench_rejects_bad_flags(tiny_llama_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
