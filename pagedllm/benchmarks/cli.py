@@ -191,6 +191,12 @@ OTHER_BENCHMARKS = {
         "run_cmd",
         "time to first token with a cached long prefix against without",
     ),
+    "quantization": (
+        "pagedllm.benchmarks.quantization",
+        "add_cli_args",
+        "run_cmd",
+        "decode tokens/s with int8 / fp8 weights against bf16, and their roofline fractions",
+    ),
     "kv-cache-snapshot": (
         "pagedllm.benchmarks.kv_cache_snapshot",
         "add_cli_args",

@@ -44,7 +44,8 @@ class LLMEngine:
             raise ValueError("model must be given: a local Hugging Face model directory.")
         self.args = args
         self.device = resolve_device(args.device)
-        self.model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.max_model_len, self.device)
+        self.model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.max_model_len, self.device,
+                                                        args.quantization, args.quantization_group_size)
         max_model_len = self.model_config.max_model_len
         max_num_batched_tokens = args.max_num_batched_tokens
         if max_num_batched_tokens is None:
