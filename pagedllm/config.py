@@ -187,18 +187,23 @@ class ModelConfig:
     def is_mla(self) -> bool:
         return self.kv_lora_rank is not None
 
-    def kv_cache_layer_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """One layer's cache tensor: [2 (K, V), kv_heads, blocks, block_size, head_dim], or for MLA
-        [1, 1, blocks, block_size, kv_lora_rank + qk_rope_head_dim] (one latent + rope key per token;
+    def get_num_kv_heads(self, tp_size: int = 1) -> int:
+        """KV heads one rank holds: a share of them, or one (replicated) when there are fewer than ranks."""
+        return max(1, self.num_key_value_heads // tp_size)
+
+    def kv_cache_layer_shape(self, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
+        """One rank's cache tensor for one layer: [2 (K, V), kv_heads, blocks, block_size, head_dim], or for
+        MLA [1, 1, blocks, block_size, kv_lora_rank + qk_rope_head_dim] (one latent + rope key per token;
         the same block axis, so block copies and the pool treat both alike)."""
         if self.is_mla:
             return (1, 1, num_blocks, block_size, self.kv_lora_rank + self.qk_rope_head_dim)
-        return (2, self.num_key_value_heads, num_blocks, block_size, self.head_dim)
+        return (2, self.get_num_kv_heads(tp_size), num_blocks, block_size, self.head_dim)
 
-    def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype, tp_size: int = 1) -> int:
+        """KV cache bytes per token on one rank."""
         element = torch.empty((), dtype=kv_dtype).element_size()
         return self.num_hidden_layers * kv_elements_per_token_per_layer(
-            self.num_key_value_heads, self.head_dim, self.kv_lora_rank, self.qk_rope_head_dim) * element
+            self.get_num_kv_heads(tp_size), self.head_dim, self.kv_lora_rank, self.qk_rope_head_dim) * element
 
 
 def kv_elements_per_token_per_layer(num_kv_heads: int, head_dim: int, kv_lora_rank: int | None = None,
@@ -229,6 +234,45 @@ class CacheConfig:
     # TORCH_SDPA, TORCH_FLASH, CPU_FLASH, TRITON; None: PAGEDLLM_ATTENTION_BACKEND, else the device's default
     attention_backend: str | None = None
     num_blocks: int = 0  # decided at start-up from the memory budget
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split over processes: tensor parallelism, over one host or several (nnodes)."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"  # "uni": in this process; "mp": one process per rank
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # host:port of node 0, where the ranks meet (TCP rendezvous)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    def verify_with_model_config(self, model: ModelConfig) -> None:
+        """Every rank must hold whole heads and an equal slice of the MLP."""
+        tp = self.tensor_parallel_size
+        if tp > 1 and model.architecture in _NO_TENSOR_PARALLEL:
+            raise ValueError(f"tensor_parallel_size={tp} is not supported for {model.architecture} yet (its MLA "
+                             "attention and experts are not sharded); use tensor_parallel_size=1.")
+        checks = [("num_attention_heads", model.num_attention_heads), ("intermediate_size", model.intermediate_size)]
+        for name, value in checks:
+            if value % tp:
+                raise ValueError(f"{name} ({value}) of {model.model!r} must be divisible by "
+                                 f"tensor_parallel_size ({tp}).")
+        kv = model.num_key_value_heads
+        if kv % tp and tp % kv:
+            raise ValueError(f"num_key_value_heads ({kv}) of {model.model!r} and tensor_parallel_size ({tp}) must "
+                             "divide one another (KV heads are split, or replicated when there are fewer than ranks).")
+
+
+# Architectures whose layers (MLA, mixtures of experts) have no sharded form yet.
+_NO_TENSOR_PARALLEL = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.engine.llm_engine import LLMEngine, PromptType, run_worker_node
 from pagedllm.metrics.reader import Metric
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -18,7 +18,14 @@ ChatMessages = list[dict[str, Any]]
 
 class LLM:
     def __init__(self, model: str, **kwargs: Any):
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        args = EngineArgs(model=model, **kwargs)
+        if args.node_rank > 0:
+            # Several nodes: only node 0 runs the engine. Here the call hosts this node's tensor-parallel
+            # ranks and returns when node 0 shuts them down; this LLM cannot generate.
+            run_worker_node(args)
+            self.llm_engine: LLMEngine | None = None
+            return
+        self.llm_engine = LLMEngine.from_engine_args(args)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -26,6 +33,8 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        if self.llm_engine is None:
+            raise ValueError("node_rank > 0: this LLM hosted worker ranks; generate on node 0.")
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompt_list)
@@ -73,6 +82,11 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes now (they also stop when the LLM is collected, at exit,
+        and when this process dies)."""
+        self.llm_engine.shutdown()
 
 
 def render_chat(tokenizer, messages: ChatMessages, add_generation_prompt: bool = True,

@@ -243,6 +243,33 @@ def _fail(message: str) -> int:
     return 2
 
 
+def tensor_parallel_summary(llm: Any) -> dict[str, Any] | None:
+    """Under tensor parallelism: bytes rank 0 all-reduced per computed token, beside the planner's figure."""
+    from pagedllm.planner import roofline as rl
+
+    engine = llm.llm_engine
+    tp = engine.parallel_config.tensor_parallel_size
+    if tp == 1:
+        return None
+    stats = engine.model_executor.collective_rpc("communication_stats")[0]
+    config = engine.model_config
+    spec = rl.ModelSpec.from_hf_config(config.hf_config, name=config.model)
+    return {
+        "tensor_parallel_size": tp,
+        "all_reduce_bytes_per_token": stats["all_reduce_bytes"] / max(1, stats["num_computed_tokens"]),
+        "planner_all_reduce_bytes_per_token": rl.all_reduce_bytes_per_token(spec, tp, config.dtype.itemsize),
+        "logits_gather_bytes": stats["gather_bytes"],
+    }
+
+
+def format_tensor_parallel(summary: dict[str, Any] | None) -> str:
+    if summary is None:
+        return "tensor parallel size 1 (no collectives)"
+    return (f"tensor parallel size {summary['tensor_parallel_size']}: all-reduced "
+            f"{summary['all_reduce_bytes_per_token']:,.0f} B per token (planner: "
+            f"{summary['planner_all_reduce_bytes_per_token']:,.0f} B)")
+
+
 def run_throughput_cmd(args: argparse.Namespace) -> int:
     from pagedllm.benchmarks.datasets import get_requests
     from pagedllm.benchmarks.throughput import format_results, run_hf_batch_sizes, run_pagedllm, throughput_report
@@ -268,6 +295,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
 
     profiler = StepProfiler() if args.profile else None
     results = [run_pagedllm(llm, requests, use_tqdm=not args.disable_tqdm, profiler=profiler)]
+    tp_summary = tensor_parallel_summary(llm)
     dtype = model_config.dtype
     device = str(getattr(model_config, "device", None) or getattr(llm.llm_engine, "device", "cpu"))
     # the most requests our engine can run at once here: transformers also runs at that static batch
@@ -284,6 +312,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
         f"tokens, {str(dtype).removeprefix('torch.')}"
     )
     print(format_results(results))
+    print(format_tensor_parallel(tp_summary))
     if profiler is not None:
         print(profiler.format())
     config = {
@@ -298,6 +327,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "mean_prompt_len": mean_prompt,
         "mean_output_len": mean_output,
+        "tensor_parallel": tp_summary,
     }
     report = throughput_report(results, config)
     if profiler is not None:
@@ -319,8 +349,10 @@ def run_latency_cmd(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc))
     result = run_latency(llm, model, prompt.prompt_token_ids, args.output_len, args.num_iters, args.num_iters_warmup)
+    tp_summary = tensor_parallel_summary(llm)
     print(format_latency(result))
-    _write_json(args.output_json, result.to_dict())
+    print(format_tensor_parallel(tp_summary))
+    _write_json(args.output_json, {**result.to_dict(), "tensor_parallel": tp_summary})
     return 0
 
 

@@ -65,11 +65,14 @@ class StepProfiler:
         scheduler = engine.scheduler
         for name in ("schedule", "update", "finish_requests"):
             self.wrap(scheduler, name, "scheduling")
-        runner = engine.model_runner
-        self.wrap(runner, "prepare", "input preparation")
-        self.wrap(runner, "forward", "forward")
-        self.wrap(runner.model, "compute_logits", "forward")
-        self.wrap(runner, "sample", "sampling")
+        # None where the runners live in worker processes (distributed_executor_backend='mp'): the
+        # workers' time then shows as "other", the engine waiting on them
+        runner = getattr(engine, "model_runner", None)
+        if runner is not None:
+            self.wrap(runner, "prepare", "input preparation")
+            self.wrap(runner, "forward", "forward")
+            self.wrap(runner.model, "compute_logits", "forward")
+            self.wrap(runner, "sample", "sampling")
         self.wrap(Sampler, "__call__", "sampling")  # called through the type, so wrapped on the class
         self.wrap(engine.output_processor, "process", "output processing")
         self.wrap(IncrementalDetokenizer, "add_tokens", "detokenisation")

@@ -177,6 +177,8 @@ class AsyncLLMEngine:
             self._cond.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.shutdown()  # the engine's worker processes, if it has any
 
     # ---- requests -------------------------------------------------------------------------------
 

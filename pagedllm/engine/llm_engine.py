@@ -7,21 +7,24 @@ import logging
 import time
 from collections import Counter as TallyCounter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_device
+import torch
+
+from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, resolve_device
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
+from pagedllm.executor.abstract import Executor
 from pagedllm.kv_cache.manager import KVCacheManager, cdiv
 from pagedllm.kv_cache.snapshot import KVCacheSnapshot
 from pagedllm.metrics.reader import Counter, Gauge, Metric
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.spec_decode import build_spec_decoder
+from pagedllm.spec_decode import SpeculativeConfig
 from pagedllm.structured_output import StructuredOutputManager
-from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -38,44 +41,92 @@ def load_tokenizer(path: str):
         return None
 
 
+@dataclass
+class EngineConfig:
+    device: torch.device
+    model_config: ModelConfig
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+    parallel_config: ParallelConfig
+    speculative_config: SpeculativeConfig | None
+
+
+def create_engine_config(args: EngineArgs) -> EngineConfig:
+    """Every config the engine and its workers run with, validated (the same on every node)."""
+    if args.model is None:
+        raise ValueError("model must be given: a local Hugging Face model directory.")
+    device = resolve_device(args.device)
+    model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.max_model_len, device,
+                                               args.quantization, args.quantization_group_size)
+    max_model_len = model_config.max_model_len
+    max_num_batched_tokens = args.max_num_batched_tokens
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = 2048 if args.enable_chunked_prefill else max(2048, max_model_len)
+    elif not args.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_model_len "
+                         f"({max_model_len}) when chunked prefill is disabled.")
+    scheduler_config = SchedulerConfig(
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+        scheduling_policy=args.scheduling_policy)
+    cache_config = CacheConfig(
+        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
+        attention_backend=args.attention_backend)
+    parallel_config = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                     distributed_executor_backend=args.distributed_executor_backend or "uni",
+                                     nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
+    parallel_config.verify_with_model_config(model_config)
+    if model_config.quantization is not None and parallel_config.world_size > 1:
+        raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet: the quantized "
+                         "projections are not sharded; use tensor_parallel_size=1.")
+    speculative_config = SpeculativeConfig.from_engine_args(args, model_config)
+    if speculative_config is not None:
+        scheduler_config.num_speculative_tokens = speculative_config.num_speculative_tokens
+    return EngineConfig(device, model_config, scheduler_config, cache_config, parallel_config, speculative_config)
+
+
+def run_worker_node(args: EngineArgs) -> None:
+    """node_rank > 0 of a multi-node group: host this node's tensor-parallel ranks until node 0's engine
+    shuts them down (only node 0 schedules and serves)."""
+    config = create_engine_config(args)
+    from pagedllm.executor.multiproc import MultiprocExecutor
+
+    executor = MultiprocExecutor(config.model_config, config.cache_config, config.scheduler_config,
+                                 config.parallel_config, config.device, seed=args.seed,
+                                 speculative_config=config.speculative_config)
+    executor.wait_for_workers()
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs):
-        if args.model is None:
-            raise ValueError("model must be given: a local Hugging Face model directory.")
+        if args.node_rank > 0:
+            raise ValueError(f"node_rank={args.node_rank}: only node 0 runs the engine; other nodes host their "
+                             "ranks (LLM(..., node_rank=R) and `pagedllm serve --node-rank R` do that).")
         self.args = args
-        self.device = resolve_device(args.device)
-        self.model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.max_model_len, self.device,
-                                                        args.quantization, args.quantization_group_size)
-        max_model_len = self.model_config.max_model_len
-        max_num_batched_tokens = args.max_num_batched_tokens
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if args.enable_chunked_prefill else max(2048, max_model_len)
-        elif not args.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_model_len "
-                             f"({max_model_len}) when chunked prefill is disabled.")
-        self.scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-            scheduling_policy=args.scheduling_policy)
-        self.cache_config = CacheConfig(
-            block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_gpu_blocks_override=args.num_gpu_blocks_override,
-            kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
-            attention_backend=args.attention_backend)
+        config = create_engine_config(args)
+        self.device = config.device
+        self.model_config = config.model_config
+        self.scheduler_config = config.scheduler_config
+        self.cache_config = config.cache_config
+        self.parallel_config = config.parallel_config
+        self.speculative_config = config.speculative_config
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
 
-        self.model_runner = ModelRunner(self.model_config, self.cache_config, self.scheduler_config,
-                                        self.device, seed=args.seed)
-        num_blocks = self.model_runner.determine_num_blocks()
+        executor_class = Executor.get_class(self.parallel_config)
+        self.model_executor = executor_class(self.model_config, self.cache_config, self.scheduler_config,
+                                             self.parallel_config, self.device, seed=args.seed,
+                                             speculative_config=self.speculative_config)
+        num_blocks = self.model_executor.determine_num_blocks()
         self.cache_config.num_blocks = num_blocks
-        self.model_runner.allocate_kv_cache(num_blocks)
+        self.model_executor.initialize_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.structured_output_manager = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                                  self.model_config.eos_token_ids)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.model_config.eos_token_ids,
                                    self.structured_output_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.spec_decoder = build_spec_decoder(args, self)
 
         self._counter = itertools.count()
         self.num_prompt_tokens = 0
@@ -85,6 +136,23 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
+
+    @property
+    def model_runner(self):
+        """The model runner, where it lives in this process (distributed_executor_backend='uni')."""
+        worker = getattr(self.model_executor, "driver_worker", None)
+        if worker is None:
+            raise AttributeError("the model runners live in worker processes (distributed_executor_backend='mp')")
+        return worker.model_runner
+
+    @property
+    def spec_decoder(self):
+        """The in-process model runner's speculative decoder (None without speculative decoding)."""
+        return self.model_runner.spec_decoder
+
+    def shutdown(self) -> None:
+        """Stop the workers (a no-op in one process); the engine cannot step afterwards."""
+        self.model_executor.shutdown()
 
     # ---- requests in ----
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -166,10 +234,7 @@ class LLMEngine:
         for item in scheduler_output.scheduled:
             if item.request.metrics.first_scheduled_time is None:
                 item.request.metrics.first_scheduled_time = now
-        if self.spec_decoder is not None:
-            model_output = self.spec_decoder.execute(scheduler_output)
-        else:
-            model_output = self.model_runner.execute(scheduler_output)
+        model_output = self.model_executor.execute_model(scheduler_output)
         updated, finished, forked = self.scheduler.update(scheduler_output, model_output)
         self.output_processor.add_forked(forked)
         now = time.time()
@@ -180,14 +245,17 @@ class LLMEngine:
             metrics.last_token_time = now
         outputs, stopped = self.output_processor.process(updated)
         self.scheduler.finish_requests([r.request_id for r in stopped], RequestStatus.FINISHED_STOPPED)
+        self.scheduler.update_draft_token_ids(model_output.spec_token_ids)
         self.num_generation_tokens += sum(len(t) for t in model_output.sampled_token_ids.values())
         for output in outputs:
             if output.finished:
                 output.metrics.finished_time = now
                 for completion in output.outputs:
                     self.finished_reasons[completion.finish_reason or "abort"] += 1
-        if self.spec_decoder is not None:
-            self.spec_decoder.propose(self.scheduler.running)
+        if not self.scheduler.has_unfinished_requests() and self.scheduler.finished_req_ids:
+            # Going idle: tell the workers now which requests are gone, so what they hold for them (a
+            # draft's KV blocks, their copies of the requests) is freed without waiting for more work.
+            self.model_executor.execute_model(self.scheduler.schedule())
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -222,8 +290,8 @@ class LLMEngine:
         for reason in ("stop", "length", "abort"):
             metrics.append(Counter("pagedllm:request_success", self.finished_reasons[reason],
                                    {"finished_reason": reason}))
-        if self.spec_decoder is not None:
-            metrics.extend(self.spec_decoder.metrics())
+        if self.speculative_config is not None:
+            metrics.extend(self.model_executor.collective_rpc("spec_decode_metrics")[0])
         return metrics
 
     def next_request_id(self) -> str:

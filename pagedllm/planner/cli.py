@@ -98,6 +98,13 @@ def build_plan(spec: rl.ModelSpec, hw: HardwareSpec, inputs: PlanInputs) -> dict
             "time_to_prefill_context_s": ctx / prefill_tps,
             "flops_per_context": rl.prefill_flops(spec, ctx),
         },
+        "tensor_parallel": {
+            "tensor_parallel_size": tp,
+            "all_reduce_bytes_per_token": rl.all_reduce_bytes_per_token(spec, tp, wb),
+            "all_reduce_link_bytes_per_token_per_rank": rl.all_reduce_bytes_per_token(spec, tp, wb)
+            * 2 * (tp - 1) / tp,
+            "logits_gather_bytes_per_sampled_token": rl.logits_gather_bytes_per_token(spec, tp, wb),
+        },
         "speculative": {
             "acceptance_rate": inputs.acceptance_rate,
             "num_speculative_tokens": inputs.num_speculative_tokens,
@@ -207,6 +214,14 @@ def format_plan(plan: dict[str, Any]) -> str:
             f"{spec['batch1_tokens_per_s_upper_bound']:,.1f} tokens/s",
         ),
     ]
+    tpc = plan["tensor_parallel"]
+    if tpc["tensor_parallel_size"] > 1:
+        rows.append((
+            f"all-reduce, TP {tpc['tensor_parallel_size']}",
+            f"{tpc['all_reduce_bytes_per_token']:,.0f} B per token (2 per layer + embedding; "
+            f"{tpc['all_reduce_link_bytes_per_token_per_rank']:,.0f} B over each rank's link in a ring); "
+            f"logits gather {tpc['logits_gather_bytes_per_sampled_token']:,.0f} B per sampled token",
+        ))
     if batch == 1:  # the batch row already says it
         rows = [
             row

@@ -83,6 +83,12 @@ def run_server(args: argparse.Namespace) -> int:
         return 2
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.model = model
+    if engine_args.node_rank > 0:
+        from pagedllm.engine.llm_engine import run_worker_node
+
+        # Not node 0: no engine and no HTTP; host this node's ranks until node 0 shuts them down.
+        run_worker_node(engine_args)
+        return 0
     engine = AsyncLLMEngine.from_engine_args(engine_args)
     app = build_app(engine, args)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
