@@ -44,13 +44,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--model", default=None, help="model directory (default: the bundled demo model)")
     if "--seed" not in parser._option_string_actions:
         parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--num-threads",
-        type=int,
-        default=None,
-        help="torch CPU threads for every backend in the run (default: torch's). On a CPU shared with other "
-        "jobs, fewer threads than cores can be many times faster: OpenMP threads wait for each other",
-    )
+    if "--num-threads" not in parser._option_string_actions:
+        parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
 
 
 def _resolve_model(args: argparse.Namespace) -> str:
@@ -63,13 +58,6 @@ def _resolve_model(args: argparse.Namespace) -> str:
 def _build_llm(args: argparse.Namespace, model: str) -> Any:
     from pagedllm import LLM
 
-    if args.num_threads is not None:
-        import torch
-
-        if args.num_threads < 1:
-            raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
-        torch.set_num_threads(args.num_threads)
-
     engine_args = _engine_args_class()
     if engine_args is not None:
         args.model = model
@@ -79,6 +67,8 @@ def _build_llm(args: argparse.Namespace, model: str) -> Any:
             flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag in _FALLBACK_ENGINE_FLAGS
         }
     kwargs["model"] = model
+    if getattr(args, "num_threads", None) is not None:
+        kwargs["num_threads"] = args.num_threads
     return LLM(**kwargs)
 
 

@@ -38,6 +38,16 @@ class EngineArgs:
     dist_init_addr: str | None = None  # "HOST:PORT" of node 0, where all ranks meet (TCP rendezvous)
     enforce_eager: bool = True
     trust_remote_code: bool = False
+    # Per-request bounds on the lists a client may send: every step checks each running request's
+    # stop strings, so a 100,000-entry list would slow every other request down.
+    max_stop_strings: int = 128
+    max_stop_string_len: int = 1024
+    max_stop_token_ids: int = 1024
+    # torch intra-op threads for this process (None: OMP_NUM_THREADS, else torch's default)
+    num_threads: int | None = None
+    # "auto": defaults from the model's generation_config.json; "vllm": SamplingParams' own; or a
+    # directory holding a generation_config.json
+    generation_config: str = "auto"
     quantization: str | None = None
     quantization_group_size: int | None = None
 
@@ -78,7 +88,14 @@ class EngineArgs:
         check(self.distributed_executor_backend == "mp" or (self.tensor_parallel_size == 1 and self.nnodes == 1),
               f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size={self.tensor_parallel_size} "
               "needs 'mp'.")
+        check(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
+              f"num_threads must be a positive integer, got {self.num_threads!r}.")
+        check(isinstance(self.generation_config, str) and bool(self.generation_config),
+              f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}.")
         check(self.max_logprobs >= 0, f"max_logprobs must be non-negative, got {self.max_logprobs}.")
+        for name in ("max_stop_strings", "max_stop_string_len", "max_stop_token_ids"):
+            check(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
+                  f"{name} must be a non-negative integer, got {getattr(self, name)!r}.")
         from pagedllm.layers.quantization import validate_quantization
 
         validate_quantization(self.quantization, self.quantization_group_size)
@@ -123,6 +140,19 @@ class EngineArgs:
         add("--node-rank", type=int, default=0, help="this host's index (node 0 schedules and serves)")
         add("--dist-init-addr", default=None, help="HOST:PORT of node 0, where all ranks meet (nnodes > 1)")
         add("--enforce-eager", action=bool_flag, default=True)
+        add("--max-stop-strings", type=int, default=128, help="most stop strings one request may give")
+        add("--max-stop-string-len", type=int, default=1024, help="longest stop string, in characters")
+        add("--max-stop-token-ids", type=int, default=1024, help="most stop_token_ids one request may give")
+        add("--num-threads", type=int, default=None,
+            help="torch CPU threads (default: $OMP_NUM_THREADS, else one per physical core). On a machine "
+                 "shared with other jobs, 1 can be many times faster than 2")
+        add("--generation-config", default="auto",
+            help="'auto': default sampling from the model's generation_config.json (max_new_tokens, "
+                 "do_sample, temperature, top_p, top_k, min_p, repetition_penalty); 'vllm': "
+                 "SamplingParams' own defaults; or a directory with a generation_config.json")
+        add("--trust-remote-code", action="store_true",
+            help="accepted for vLLM compatibility: pagedllm never runs code from a model directory, and "
+                 "refuses a model whose config needs custom code (auto_map) for its architecture")
         add("--quantization", "-q", default=None, choices=["int8", "fp8", "compressed-tensors"],
             help="weight-only quantization of the linear layers, applied as the weights load (int8: "
             "symmetric per output channel; fp8: e4m3 per output channel); a checkpoint with a "

@@ -16,12 +16,13 @@ from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerC
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request, RequestStatus
-from pagedllm.engine.scheduler import Scheduler
-from pagedllm.executor.abstract import Executor
+from pagedllm.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from pagedllm.executor.abstract import Executor, ExecutorDeadError
 from pagedllm.kv_cache.manager import KVCacheManager, cdiv
 from pagedllm.kv_cache.snapshot import KVCacheSnapshot
 from pagedllm.metrics.reader import Counter, Gauge, Metric
 from pagedllm.outputs import RequestOutput
+from pagedllm.platform import configure_threads
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode import SpeculativeConfig
 from pagedllm.structured_output import StructuredOutputManager
@@ -57,7 +58,9 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         raise ValueError("model must be given: a local Hugging Face model directory.")
     device = resolve_device(args.device)
     model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.max_model_len, device,
-                                               args.quantization, args.quantization_group_size)
+                                               args.quantization, args.quantization_group_size,
+                                               trust_remote_code=args.trust_remote_code,
+                                               generation_config=args.generation_config)
     max_model_len = model_config.max_model_len
     max_num_batched_tokens = args.max_num_batched_tokens
     if max_num_batched_tokens is None:
@@ -105,6 +108,7 @@ class LLMEngine:
             raise ValueError(f"node_rank={args.node_rank}: only node 0 runs the engine; other nodes host their "
                              "ranks (LLM(..., node_rank=R) and `pagedllm serve --node-rank R` do that).")
         self.args = args
+        self.num_threads = configure_threads(args.num_threads)  # before the executor: its workers take it
         config = create_engine_config(args)
         self.device = config.device
         self.model_config = config.model_config
@@ -132,6 +136,8 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.finished_reasons: TallyCounter[str] = TallyCounter()
+        # user request id -> the exception that ended it in the last step (see step())
+        self.failed_requests: dict[str, Exception] = {}
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -211,6 +217,20 @@ class LLMEngine:
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.args.max_logprobs:
             raise ValueError(f"prompt_logprobs must be at most max_logprobs={self.args.max_logprobs}, "
                              f"got {params.prompt_logprobs}.")
+        # Everything below would otherwise fail (or slow every request) inside a step.
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids contains token id {bad[0]}, outside the vocabulary [0, {vocab}).")
+        if len(params.stop_token_ids) > self.args.max_stop_token_ids:
+            raise ValueError(f"stop_token_ids has {len(params.stop_token_ids)} entries; the limit is "
+                             f"max_stop_token_ids={self.args.max_stop_token_ids}.")
+        if len(params.stop) > self.args.max_stop_strings:
+            raise ValueError(f"stop has {len(params.stop)} strings; the limit is "
+                             f"max_stop_strings={self.args.max_stop_strings}.")
+        longest = max((len(stop) for stop in params.stop), default=0)
+        if longest > self.args.max_stop_string_len:
+            raise ValueError(f"stop has a string of {longest} characters; the limit is "
+                             f"max_stop_string_len={self.args.max_stop_string_len}.")
         if params.guided_decoding is not None:
             if self.tokenizer is None:
                 raise ValueError("guided_decoding needs the model's tokenizer, and this model has none.")
@@ -229,12 +249,67 @@ class LLMEngine:
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
+        """One scheduling step. A request that makes the model run fail is ended alone: its id lands
+        in `failed_requests` (read it after each step) and the other requests carry on."""
+        self.failed_requests.clear()
         scheduler_output = self.scheduler.schedule()
         now = time.time()
         for item in scheduler_output.scheduled:
             if item.request.metrics.first_scheduled_time is None:
                 item.request.metrics.first_scheduled_time = now
-        model_output = self.model_executor.execute_model(scheduler_output)
+        try:
+            model_output = self.model_executor.execute_model(scheduler_output)
+        except ExecutorDeadError:
+            raise  # a dead worker process is fatal for the engine, not one request's fault
+        except Exception as exc:
+            if len(scheduler_output.scheduled) <= 1:
+                for item in scheduler_output.scheduled:
+                    self._fail_request(item.request, exc)
+                return []
+            return self._isolate_failure(scheduler_output, exc)
+        return self._finish_step(scheduler_output, model_output)
+
+    def _isolate_failure(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """Run the failed step's requests one at a time: the ones that fail alone are the culprits.
+
+        Safe to retry because a step changes request state only after the model ran: the scheduler
+        already allocated every request's slots, so each one can run its part of the plan alone.
+        """
+        logger.error("engine step of %d requests failed (%s: %s); retrying them one at a time",
+                     len(scheduler_output.scheduled), type(exc).__name__, exc)
+        outputs: list[RequestOutput] = []
+        # Block copies and the finished ids go with the first retry only (copying a block twice is harmless);
+        # the step's grammar bitmask is keyed by request id, so every retry can carry it whole.
+        copies, finished_req_ids = scheduler_output.blocks_to_copy, scheduler_output.finished_req_ids
+        for item in scheduler_output.scheduled:
+            if item.request.request_id not in self.scheduler.requests:
+                continue  # a sibling of an earlier culprit, ended with it
+            single = SchedulerOutput(scheduled=[item], num_batched_tokens=item.num_new_tokens,
+                                     blocks_to_copy=copies, preempted_ids=[], finished_req_ids=finished_req_ids,
+                                     grammar_bitmask=scheduler_output.grammar_bitmask)
+            copies, finished_req_ids = [], set()
+            try:
+                model_output = self.model_executor.execute_model(single)
+            except ExecutorDeadError:
+                raise
+            except Exception as item_exc:
+                self._fail_request(item.request, item_exc)
+                continue
+            outputs += self._finish_step(single, model_output)
+        return outputs
+
+    def _fail_request(self, request: Request, exc: Exception) -> None:
+        """End the user request this (sample of a) request belongs to; the error goes to the log only."""
+        group_id = request.parent_id or request.request_id
+        logger.error("request %s failed inside a step and was ended", group_id, exc_info=exc)
+        state = self.output_processor.states.get(group_id)
+        for member in ([state.root, *(s.request for s in state.samples.values())] if state else [request]):
+            # the failed step may have put hashes on blocks whose KV it never wrote
+            self.kv_cache_manager.forget_uncomputed(member)
+        self.abort_request(group_id)
+        self.failed_requests[group_id] = exc
+
+    def _finish_step(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput) -> list[RequestOutput]:
         updated, finished, forked = self.scheduler.update(scheduler_output, model_output)
         self.output_processor.add_forked(forked)
         now = time.time()

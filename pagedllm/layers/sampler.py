@@ -184,10 +184,11 @@ def adjusted_logits(logits: torch.Tensor, rows: list[SamplingRow],
     return logits
 
 
-def _filter_params(rows: list[SamplingRow], dtype: torch.dtype, device: torch.device
+def _filter_params(rows: list[SamplingRow], dtype: torch.dtype, device: torch.device, vocab: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     temperature = torch.tensor([r.params.temperature for r in rows], dtype=dtype, device=device)
-    top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.long, device=device)
+    # clamped to the vocabulary in Python, so a top_k of 2**63 or more never reaches an int64 tensor
+    top_k = torch.tensor([min(r.params.top_k, vocab) for r in rows], dtype=torch.long, device=device)
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=dtype, device=device)
     min_p = torch.tensor([r.params.min_p for r in rows], dtype=dtype, device=device)
     return temperature, top_k, top_p, min_p
@@ -196,7 +197,7 @@ def _filter_params(rows: list[SamplingRow], dtype: torch.dtype, device: torch.de
 def processed_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """The distribution a request samples from (temperature, top-k, top-p, min-p); greedy rows become
     one-hot. Used by the sampler and by speculative verification alike."""
-    temperature, top_k, top_p, min_p = _filter_params(rows, logits.dtype, logits.device)
+    temperature, top_k, top_p, min_p = _filter_params(rows, logits.dtype, logits.device, logits.shape[-1])
     greedy = temperature < 1e-5
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
     probs = apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p).softmax(dim=-1)
@@ -249,7 +250,7 @@ class Sampler:
         top-k/top-p set lies within the candidates race only over those (min-p compares against the best
         kept token, which is the first candidate, so it applies there too); the others race over the full
         vocabulary. Either way argmax(p / q) with q ~ Exp(1) draws index j with probability p_j."""
-        temperature, top_k, top_p, min_p = _filter_params(rows, logits.dtype, logits.device)
+        temperature, top_k, top_p, min_p = _filter_params(rows, logits.dtype, logits.device, logits.shape[-1])
         scaled = logits / temperature.unsqueeze(1)
         vocab = logits.shape[-1]
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)

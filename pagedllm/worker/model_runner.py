@@ -58,6 +58,30 @@ class Batch:
     query_starts: list[int]
 
 
+# vLLM's CPU backend reserves VLLM_CPU_KVCACHE_SPACE GiB (default 4) for the KV cache; ours is the same
+# idea under our own name, and the default is also capped by what the engine could ever use.
+CPU_KVCACHE_SPACE_ENV = "PAGEDLLM_CPU_KVCACHE_SPACE"
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * 2**30
+
+
+def cpu_kv_cache_space_bytes() -> int | None:
+    """PAGEDLLM_CPU_KVCACHE_SPACE (GiB, fractions allowed) in bytes, or None when unset."""
+    value = os.environ.get(CPU_KVCACHE_SPACE_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = -1.0
+    if not gib > 0:
+        raise ValueError(f"{CPU_KVCACHE_SPACE_ENV} must be a positive number of GiB, got {value!r}.")
+    return int(gib * 2**30)
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+
+
 def available_cpu_memory() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -125,38 +149,50 @@ class ModelRunner:
         return tokens * per_token + logits
 
     def determine_num_blocks(self) -> int:
+        num_blocks, self.kv_budget_source = self._kv_cache_budget_blocks()
+        return num_blocks
+
+    def _kv_cache_budget_blocks(self) -> tuple[int, str]:
+        """(number of blocks, where their budget came from, for the start-up line)."""
         cfg = self.cache_config
         per_block = self.kv_cache_bytes_per_block()
         if cfg.num_gpu_blocks_override is not None:
-            return cfg.num_gpu_blocks_override
+            return cfg.num_gpu_blocks_override, "num_gpu_blocks_override"
         # A draft model's KV pool has a block for each target block plus one per running request (at most
         # one per target block): its bytes come out of the same budget (its weights are already loaded,
         # so measured memory has them).
         draft_per_block = self.spec_decoder.draft_kv_cache_bytes_per_block() if self.spec_decoder else 0
         max_blocks = None
         if cfg.kv_cache_memory_bytes is not None:
-            budget = cfg.kv_cache_memory_bytes
+            budget, source = cfg.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             budget = int(total * cfg.gpu_memory_utilization) - used - self.activation_bytes_estimate()
+            source = f"gpu_memory_utilization={cfg.gpu_memory_utilization}"
+        elif (space := cpu_kv_cache_space_bytes()) is not None:
+            budget, source = space, f"{CPU_KVCACHE_SPACE_ENV}={os.environ[CPU_KVCACHE_SPACE_ENV]} GiB"
         else:
-            # On CPU: a share of the memory still available (weights are already loaded), but never
-            # more than every sequence at full length could use, so a small model does not take the host.
-            # Ranks on one host each take their share of it.
-            budget = (int(available_cpu_memory() * cfg.gpu_memory_utilization) // self.ranks_per_host
-                      - self.activation_bytes_estimate())
+            # On CPU, like vLLM's VLLM_CPU_KVCACHE_SPACE: a fixed default rather than a share of the
+            # host, which other processes share and which nothing reserves for us; and never more than
+            # every sequence at full length could use, nor more than the memory available now (ranks on
+            # one host each take their share of it).
             max_blocks = self.scheduler_config.max_num_seqs * self.scheduler_config.max_model_len // self.block_size + 1
+            available = (int(available_cpu_memory() * cfg.gpu_memory_utilization) // self.ranks_per_host
+                         - self.activation_bytes_estimate())
+            candidates = {f"the {DEFAULT_CPU_KV_CACHE_BYTES / 2**30:g} GiB default": DEFAULT_CPU_KV_CACHE_BYTES,
+                          f"gpu_memory_utilization={cfg.gpu_memory_utilization} of available memory": available}
+            source, budget = min(candidates.items(), key=lambda item: item[1])
         max_num_seqs = self.scheduler_config.max_num_seqs
         num_blocks = (budget - draft_per_block * max_num_seqs) // (per_block + draft_per_block)
         if num_blocks < max_num_seqs:  # fewer blocks than sequences: the draft's extra is one per block
             num_blocks = budget // (per_block + 2 * draft_per_block)
-        if max_blocks is not None:
-            num_blocks = min(num_blocks, max_blocks)
+        if max_blocks is not None and num_blocks > max_blocks:
+            num_blocks, source = max_blocks, "max_num_seqs x max_model_len"
         if num_blocks <= 0:
             raise ValueError(f"No memory left for the KV cache (budget {budget} bytes, {per_block} bytes per "
                              "block); raise gpu_memory_utilization or kv_cache_memory_bytes.")
-        return int(num_blocks)
+        return int(num_blocks), source
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config
@@ -175,12 +211,18 @@ class ModelRunner:
         if self.spec_decoder is not None:
             self.spec_decoder.allocate(num_blocks)
         rank = f"rank {self.tp_rank}/{self.tp_size}: " if self.tp_size > 1 else ""
-        draft = f"; draft weights and KV {self.draft_bytes() / 2**20:.1f} MiB" if self.draft_bytes() else ""
-        logger.info("%sKV cache: %d blocks of %d tokens, at most %d cached tokens (%.1f MiB, %s, %d bytes per token%s, "
-                    "%d KV heads); weights %.1f MiB%s", rank, num_blocks, self.block_size,
-                    num_blocks * self.block_size, cache.numel() * cache.element_size() / 2**20, self.kv_dtype,
+        draft = f"; draft weights and KV {_gib(self.draft_bytes())}" if self.draft_bytes() else ""
+        num_tokens = num_blocks * self.block_size
+        max_model_len = self.scheduler_config.max_model_len
+        logger.info("%sKV cache: %s (%s, %d bytes per token%s, %d KV heads, from %s) = %d blocks of %d tokens = %d "
+                    "tokens, room for %d sequences of max_model_len %d%s; weights %s%s",
+                    rank, _gib(cache.numel() * cache.element_size()), str(self.kv_dtype).removeprefix("torch."),
                     c.kv_bytes_per_token(self.kv_dtype, self.tp_size), ", MLA latent" if c.is_mla else "",
-                    self.num_kv_heads, self.weight_bytes() / 2**20, draft)
+                    self.num_kv_heads, getattr(self, "kv_budget_source", "the budget"), num_blocks, self.block_size,
+                    num_tokens, num_blocks // -(-max_model_len // self.block_size), max_model_len,
+                    "; host memory is taken lazily, as blocks are first written (set --kv-cache-memory-bytes "
+                    f"or {CPU_KVCACHE_SPACE_ENV}=GiB to change)" if self.device.type == "cpu" else "",
+                    _gib(self.weight_bytes()), draft)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
