@@ -119,6 +119,7 @@ def test_bench_throughput_against_transformers(
         "--hf-batch-size",
         "4",
         "--disable-tqdm",
+        "--profile",
         "--output-json",
         str(out),
         *ENGINE_FLAGS,
@@ -126,8 +127,15 @@ def test_bench_throughput_against_transformers(
     assert _cli(argv) == 0
     table = capsys.readouterr().out
     assert "pagedllm" in table and "transformers" in table and "ratio" in table and "output tok/s" in table
+    assert "engine overhead" in table and "sampling" in table
     report = json.loads(out.read_text())
-    ours, hf = report["results"]
+    # transformers at the usual static batch (4) and at ours (all 6 requests at once)
+    ours, hf, hf_same = report["results"]
+    assert hf["backend"] == "transformers (static batch 4)" and hf_same["backend"] == "transformers (static batch 6)"
+    assert set(report["ratios_output_tokens_per_s"]) == {hf["backend"], hf_same["backend"]}
+    profile = report["profile"]
+    assert profile["steps"] > 0 and profile["seconds"]["forward"] > 0 and 0 < profile["overhead_fraction"] < 1
+    assert profile["total_s"] <= ours["elapsed_s"]
     requested = round(report["config"]["mean_output_len"] * 6)
     # ignore_eos: every request yields exactly its requested output length, on both sides
     assert ours["output_tokens"] == hf["output_tokens"] == requested
@@ -174,6 +182,18 @@ def test_bench_latency_reports_roofline_fraction(
     assert report["roofline_tokens_per_s"] == pytest.approx(
         report["memory_bandwidth_bytes_per_s"] / report["bytes_per_token"]
     )
+    # the tiny model's weights fit in any L3: the roofline is flagged as meaningless where the size is known
+    if report["last_level_cache_bytes"] is not None:
+        assert report["weights_fit_in_cache"] and "last-level cache" in table
+
+
+def test_last_level_cache_size_parsing(tmp_path: Path) -> None:
+    from pagedllm.benchmarks.latency import last_level_cache_bytes
+
+    for text, want in (("32768K\n", 32 << 20), ("96M", 96 << 20), ("1048576", 1 << 20), ("junk", None)):
+        (tmp_path / "size").write_text(text)
+        assert last_level_cache_bytes(str(tmp_path / "size")) == want
+    assert last_level_cache_bytes(str(tmp_path / "missing")) is None
 
 
 def test_bench_rejects_bad_flags(tiny_llama_dir: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -101,8 +101,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "Hugging Face transformers' generate on the same requests.",
     )
     _add_dataset_args(throughput, num_prompts=100)
-    throughput.add_argument("--compare", choices=["hf"], help="also run transformers' generate and print the ratio")
+    throughput.add_argument(
+        "--compare",
+        choices=["hf"],
+        help="also run transformers' generate, at --hf-batch-size and at our engine's batch size "
+        "(min(num prompts, max_num_seqs)), and print the ratios",
+    )
     throughput.add_argument("--hf-batch-size", type=int, default=16, help="static batch size for --compare hf")
+    throughput.add_argument(
+        "--profile",
+        action="store_true",
+        help="split pagedllm's step time into scheduling, input preparation, forward, sampling, "
+        "detokenisation and output processing, and print the engine overhead",
+    )
     throughput.add_argument("--output-json")
     throughput.add_argument("--disable-tqdm", action="store_true")
     _add_engine_args(throughput)
@@ -251,7 +262,7 @@ def format_tensor_parallel(summary: dict[str, Any] | None) -> str:
 
 def run_throughput_cmd(args: argparse.Namespace) -> int:
     from pagedllm.benchmarks.datasets import get_requests
-    from pagedllm.benchmarks.throughput import format_results, run_hf, run_pagedllm, throughput_report
+    from pagedllm.benchmarks.throughput import format_results, run_hf_batch_sizes, run_pagedllm, throughput_report
 
     try:
         model = _resolve_model(args)
@@ -270,21 +281,20 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         return _fail(str(exc))
-    results = [run_pagedllm(llm, requests, use_tqdm=not args.disable_tqdm)]
+    from pagedllm.benchmarks.profile import StepProfiler
+
+    profiler = StepProfiler() if args.profile else None
+    results = [run_pagedllm(llm, requests, use_tqdm=not args.disable_tqdm, profiler=profiler)]
     tp_summary = tensor_parallel_summary(llm)
     dtype = model_config.dtype
     device = str(getattr(model_config, "device", None) or getattr(llm.llm_engine, "device", "cpu"))
+    # the most requests our engine can run at once here: transformers also runs at that static batch
+    our_batch = min(len(requests), llm.llm_engine.scheduler.config.max_num_seqs)
     del llm  # free its weights and KV cache before transformers loads its own copy
     if args.compare == "hf":
-        results.append(
-            run_hf(
-                model,
-                requests,
-                dtype,
-                args.hf_batch_size,
-                device="cuda" if device.startswith("cuda") else "cpu",
-            )
-        )
+        batch_sizes = [args.hf_batch_size] + ([our_batch] if our_batch != args.hf_batch_size else [])
+        device = "cuda" if device.startswith("cuda") else "cpu"
+        results.extend(run_hf_batch_sizes(model, requests, dtype, batch_sizes, device=device))
     mean_prompt = sum(r.prompt_len for r in requests) / len(requests)
     mean_output = sum(r.output_len for r in requests) / len(requests)
     print(
@@ -293,6 +303,8 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     )
     print(format_results(results))
     print(format_tensor_parallel(tp_summary))
+    if profiler is not None:
+        print(profiler.format())
     config = {
         "model": model,
         "dataset": args.dataset,
@@ -307,7 +319,10 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
         "mean_output_len": mean_output,
         "tensor_parallel": tp_summary,
     }
-    _write_json(args.output_json, throughput_report(results, config))
+    report = throughput_report(results, config)
+    if profiler is not None:
+        report["profile"] = profiler.to_dict()
+    _write_json(args.output_json, report)
     return 0
 
 

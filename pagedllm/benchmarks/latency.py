@@ -3,7 +3,9 @@ the memory-bandwidth roofline.
 
 The roofline is the planner's: bandwidth (measured here, in the same run) divided by the bytes one
 decode step reads (every weight plus the cached KV at the mean context of the run). Timings come from
-the engine's own RequestMetrics, so they exclude Python-side setup around `generate`.
+the engine's own RequestMetrics, so they exclude Python-side setup around `generate`. When the weights fit
+in the CPU's last-level cache, decode reads them from cache, not DRAM, and the report says the roofline
+then means nothing (a 32 MiB L3 holds a 16M-parameter bf16 model).
 """
 
 from __future__ import annotations
@@ -41,9 +43,31 @@ class LatencyResult:
     plan_command: str = ""  # the `pagedllm plan` line that predicts the same bound
     ttft_all_s: list[float] = field(default_factory=list)
     decode_tokens_per_s_all: list[float] = field(default_factory=list)
+    weight_bytes: float = 0.0
+    last_level_cache_bytes: int | None = None  # CPU only, from sysfs; None where unknown
+
+    @property
+    def weights_fit_in_cache(self) -> bool:
+        return self.last_level_cache_bytes is not None and self.weight_bytes <= self.last_level_cache_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "weights_fit_in_cache": self.weights_fit_in_cache}
+
+
+def last_level_cache_bytes(path: str = "/sys/devices/system/cpu/cpu0/cache/index3/size") -> int | None:
+    """The CPU's L3 size as Linux reports it ("32768K"); None where the file is missing or unreadable."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    try:
+        if text and text[-1].upper() in units:
+            return int(text[:-1]) * units[text[-1].upper()]
+        return int(text)
+    except ValueError:
+        return None
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -132,6 +156,8 @@ def run_latency(
         + (f" --quantization {quantization.method}" if quantization is not None else ""),
         ttft_all_s=list(ttfts),
         decode_tokens_per_s_all=list(decode_rates),
+        weight_bytes=rl.weight_bytes(spec, wb),
+        last_level_cache_bytes=None if on_cuda else last_level_cache_bytes(),
     )
 
 
@@ -156,4 +182,11 @@ def format_latency(r: LatencyResult) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
-    return "\n".join([*lines, f"(the planner's prediction: {r.plan_command})"])
+    lines.append(f"(the planner's prediction: {r.plan_command})")
+    if r.weights_fit_in_cache:
+        lines.append(
+            f"WARNING: the weights ({r.weight_bytes / 2**20:,.1f} MiB) fit in the CPU's last-level cache "
+            f"({r.last_level_cache_bytes / 2**20:,.0f} MiB): decode reads them from cache, so the DRAM "
+            "roofline above says nothing about this model; measure a model larger than the cache."
+        )
+    return "\n".join(lines)

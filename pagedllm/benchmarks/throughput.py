@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pagedllm.benchmarks.datasets import SampleRequest
+from pagedllm.benchmarks.profile import StepProfiler
 
 
 @dataclass
@@ -51,8 +52,10 @@ class ThroughputResult:
         }
 
 
-def run_pagedllm(llm: Any, requests: list[SampleRequest], use_tqdm: bool = False) -> ThroughputResult:
-    """Time one LLM.generate call over every request (after a short warm-up outside the timing)."""
+def run_pagedllm(llm: Any, requests: list[SampleRequest], use_tqdm: bool = False,
+                 profiler: StepProfiler | None = None) -> ThroughputResult:
+    """Time one LLM.generate call over every request (after a short warm-up outside the timing); with a
+    profiler, split the timed run's step time into phases."""
     from pagedllm import SamplingParams
 
     warmup = [{"prompt_token_ids": r.prompt_token_ids} for r in requests[:2]]
@@ -61,9 +64,15 @@ def run_pagedllm(llm: Any, requests: list[SampleRequest], use_tqdm: bool = False
     params = [
         SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, detokenize=False) for r in requests
     ]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
-    elapsed = time.perf_counter() - start
+    if profiler is not None:
+        profiler.attach(llm.llm_engine)
+    try:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+        elapsed = time.perf_counter() - start
+    finally:
+        if profiler is not None:
+            profiler.detach()
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return ThroughputResult("pagedllm", len(requests), elapsed, sum(r.prompt_len for r in requests), output_tokens)
 
@@ -72,6 +81,14 @@ def run_hf(
     model: str, requests: list[SampleRequest], dtype: torch.dtype, batch_size: int = 16, device: str = "cpu"
 ) -> ThroughputResult:
     """The same requests through transformers' generate in static, left-padded batches."""
+    return run_hf_batch_sizes(model, requests, dtype, [batch_size], device)[0]
+
+
+def run_hf_batch_sizes(
+    model: str, requests: list[SampleRequest], dtype: torch.dtype, batch_sizes: list[int], device: str = "cpu"
+) -> list[ThroughputResult]:
+    """One transformers run per static batch size, on one loaded model: a user's usual batch, and the batch
+    our engine ran at, so a ratio is not only continuous batching's effect."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -100,22 +117,25 @@ def run_hf(
         )
 
     ordered = sorted(requests, key=lambda r: r.prompt_len)
-    batches = [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
+    results = []
     with torch.inference_mode():
         generate([SampleRequest(r.prompt_token_ids, "", r.prompt_len, 4) for r in ordered[:2]])  # warm-up
-        start = time.perf_counter()
-        for batch in batches:
-            generate(batch)
-        elapsed = time.perf_counter() - start
+        for batch_size in batch_sizes:
+            batches = [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
+            start = time.perf_counter()
+            for batch in batches:
+                generate(batch)
+            elapsed = time.perf_counter() - start
+            results.append(ThroughputResult(
+                f"transformers (static batch {batch_size})",
+                len(requests),
+                elapsed,
+                sum(r.prompt_len for r in requests),
+                sum(r.output_len for r in requests),
+                generated_tokens=sum(len(b) * max(r.output_len for r in b) for b in batches),
+            ))
     gc.collect()
-    return ThroughputResult(
-        f"transformers (static batch {batch_size})",
-        len(requests),
-        elapsed,
-        sum(r.prompt_len for r in requests),
-        sum(r.output_len for r in requests),
-        generated_tokens=sum(len(b) * max(r.output_len for r in b) for b in batches),
-    )
+    return results
 
 
 def format_results(results: list[ThroughputResult]) -> str:
@@ -127,10 +147,10 @@ def format_results(results: list[ThroughputResult]) -> str:
             f"{r.backend:<32} {r.num_requests:>8} {r.elapsed_s:>10.2f} {r.requests_per_s:>8.2f} "
             f"{r.total_tokens_per_s:>12.1f} {r.output_tokens_per_s:>13.1f}"
         )
-    if len(results) == 2:
+    for other in results[1:]:
         lines.append(
-            f"ratio {results[0].backend} / {results[1].backend}: "
-            f"{results[0].output_tokens_per_s / results[1].output_tokens_per_s:.2f}x output tokens/s"
+            f"ratio {results[0].backend} / {other.backend}: "
+            f"{results[0].output_tokens_per_s / other.output_tokens_per_s:.2f}x output tokens/s"
         )
     return "\n".join(lines)
 
@@ -138,7 +158,11 @@ def format_results(results: list[ThroughputResult]) -> str:
 def throughput_report(results: list[ThroughputResult], config: dict[str, Any]) -> dict[str, Any]:
     report: dict[str, Any] = {"config": config, "results": [r.to_dict() for r in results]}
     report["config"]["num_threads"] = torch.get_num_threads()
-    if len(results) == 2:
+    if len(results) >= 2:
+        # against the first baseline (transformers at --hf-batch-size); every baseline in "ratios"
+        report["ratios_output_tokens_per_s"] = {
+            r.backend: results[0].output_tokens_per_s / r.output_tokens_per_s for r in results[1:]
+        }
         report["ratio_output_tokens_per_s"] = results[0].output_tokens_per_s / results[1].output_tokens_per_s
         report["ratio_total_tokens_per_s"] = results[0].total_tokens_per_s / results[1].total_tokens_per_s
     return report

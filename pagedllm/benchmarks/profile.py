@@ -1,0 +1,116 @@
+"""`pagedllm bench throughput --profile`: where an engine step's time goes.
+
+Wraps the engine's own methods for the duration of a run and charges each call's exclusive time (its own
+time minus that of wrapped calls inside it) to one phase: scheduling, input preparation, forward (the
+model and its LM head), sampling, detokenisation, output processing, and "other" (the rest of
+LLMEngine.step). Engine overhead is every phase but forward. Wall-clock timers, no tracing of every
+Python call, so the profile barely slows the run; on CUDA the forward is asynchronous and its time lands
+on whichever phase first waits for the device, so read the split there with care.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import defaultdict
+from typing import Any
+
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.layers.sampler import Sampler
+
+PHASES = ("scheduling", "input preparation", "forward", "sampling", "detokenisation", "output processing", "other")
+_MISSING = object()
+
+
+class StepProfiler:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.steps = 0
+        self._children: list[float] = []  # per active wrapped call: time spent in wrapped calls inside it
+        self._patches: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, owner: Any, name: str, phase: str) -> None:
+        """Time owner.name (an instance's method, or a class's function) as `phase`; absent names are
+        skipped, so the profile follows the engine's layout where it has the method."""
+        fn = getattr(owner, name, None)
+        if fn is None:
+            return
+        profiler = self
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            profiler._children.append(0.0)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                profiler.seconds[phase] += elapsed - profiler._children.pop()
+                if profiler._children:
+                    profiler._children[-1] += elapsed
+
+        self._patches.append((owner, name, vars(owner).get(name, _MISSING)))
+        setattr(owner, name, timed)
+
+    def attach(self, engine: Any) -> StepProfiler:
+        step = engine.step
+
+        def counted_step(*args: Any, **kwargs: Any) -> Any:
+            self.steps += 1
+            return step(*args, **kwargs)
+
+        self._patches.append((engine, "step", vars(engine).get("step", _MISSING)))
+        engine.step = counted_step
+        self.wrap(engine, "step", "other")
+        scheduler = engine.scheduler
+        for name in ("schedule", "update", "finish_requests"):
+            self.wrap(scheduler, name, "scheduling")
+        # None where the runners live in worker processes (distributed_executor_backend='mp'): the
+        # workers' time then shows as "other", the engine waiting on them
+        runner = getattr(engine, "model_runner", None)
+        if runner is not None:
+            self.wrap(runner, "prepare", "input preparation")
+            self.wrap(runner, "forward", "forward")
+            self.wrap(runner.model, "compute_logits", "forward")
+            self.wrap(runner, "sample", "sampling")
+        self.wrap(Sampler, "__call__", "sampling")  # called through the type, so wrapped on the class
+        self.wrap(engine.output_processor, "process", "output processing")
+        self.wrap(IncrementalDetokenizer, "add_tokens", "detokenisation")
+        return self
+
+    def detach(self) -> None:
+        for owner, name, original in reversed(self._patches):
+            if original is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        self._patches.clear()
+
+    def __enter__(self) -> StepProfiler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def overhead_fraction(self) -> float:
+        total = self.total_s
+        return (total - self.seconds["forward"]) / total if total else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "seconds": {p: self.seconds[p] for p in PHASES},
+                "total_s": self.total_s, "overhead_fraction": self.overhead_fraction}
+
+    def format(self) -> str:
+        total = self.total_s or float("nan")
+        lines = [f"{'phase':<20} {'seconds':>9} {'of step':>8} {'ms/step':>8}"]
+        for phase in PHASES:
+            s = self.seconds[phase]
+            lines.append(f"{phase:<20} {s:>9.3f} {s / total:>8.1%} {1e3 * s / max(self.steps, 1):>8.2f}")
+        lines.append(f"{self.steps} steps; engine overhead (all but forward): "
+                     f"{self.overhead_fraction:.1%} of step time")
+        return "\n".join(lines)
