@@ -596,7 +596,7 @@ def engine_completions(model_dir: Path, prompts: list[str], max_tokens: int) -> 
 
 def stage_card(a: argparse.Namespace) -> None:
     work = a.ckpt_dir
-    tok_dir, _, val_stream, corpus = prepare_data(a)
+    tok_dir, train_stream, val_stream, corpus = prepare_data(a)
     seq_len = TrainArgs(steps=1, lr=0).seq_len
     # Card numbers are computed as the test computes them: saved bf16 weights, run in fp32.
     target_dir, draft_dir = a.out / TARGET_NAME, a.out / DRAFT_NAME
@@ -621,6 +621,8 @@ def stage_card(a: argparse.Namespace) -> None:
     for name, model in (("target", target), ("draft", draft)):
         loss = eval_loss(model, windows, bf16=False)
         slice_loss = eval_loss(model, slice_windows, bf16=False)
+        # The same measure on training text: a large gap would mean the repeated epochs memorised it.
+        train_loss = eval_loss(model, val_windows(train_stream, seq_len, a.val_windows), bf16=False)
         train_stats = json.loads((work / f"{name}_train.json").read_text())
         results[name] = {
             "params": num_params(model),
@@ -628,9 +630,12 @@ def stage_card(a: argparse.Namespace) -> None:
             "val_loss": loss,
             "val_ppl": math.exp(loss),
             "val_slice_loss": slice_loss,
+            "train_text_loss": train_loss,
+            "epochs": train_stats["train_tokens"] / len(train_stream),
             **train_stats,
         }
-        log(f"{name}: val loss {loss:.4f} (ppl {math.exp(loss):.1f}), slice {slice_loss:.4f}")
+        log(f"{name}: val loss {loss:.4f} (ppl {math.exp(loss):.1f}), slice {slice_loss:.4f}, "
+            f"training text {train_loss:.4f}")
     log(f"greedy agreement {results['agreement']:.3f} (slice {results['slice_agreement']:.3f})")
     results["sample_max_tokens"] = SAMPLE_MAX_TOKENS
     results["samples"], results["parses"] = {}, {}
@@ -666,9 +671,9 @@ def render_card(name: str, r: dict) -> str:
 
     def row(key: str) -> str:
         m = r[key]
-        return (f"| {key} | {m['params'] / 1e6:.2f}M | {m['train_steps']} | {m['train_tokens'] / 1e6:.2f}M | "
-                f"{m['train_seconds'] / 60:.0f} min | {m['val_loss']:.3f} | {m['val_ppl']:.1f} | "
-                f"{m['val_slice_loss']:.3f} |")
+        return (f"| {key} | {m['params'] / 1e6:.2f}M | {m['train_steps']} | {m['train_tokens'] / 1e6:.2f}M "
+                f"({m['epochs']:.1f} epochs) | {m['train_seconds'] / 60:.0f} min | {m['val_loss']:.3f} | "
+                f"{m['val_ppl']:.1f} | {m['val_slice_loss']:.3f} | {m['train_text_loss']:.3f} |")
 
     def sample_block(who: str) -> str:
         return "\n".join(
@@ -751,10 +756,12 @@ windows of the validation split, computed from the saved bf16 weights in fp32. A
 ln({r['vocab_size']}) = {r['uniform_loss']:.3f}. The slice column is the {r['val_slice_tokens']:,}-token
 slice stored in `pycode-target/val_slice.json` (the first {r['val_slice_windows']} of those windows), which
 `tests/test_demo_models.py` recomputes. Validation files differ a lot in how predictable they are, so
-the slice and the full set give different numbers; compare models on one of them.
+the slice and the full set give different numbers; compare models on one of them. The last column is
+the same measure on windows of the training split: the gap to the validation loss shows how much of
+the repeated epochs went into memorising the training files rather than into Python in general.
 
-| model | params | steps | tokens | train time | val loss | val ppl | slice loss |
-|---|---|---|---|---|---|---|---|
+| model | params | steps | tokens | train time | val loss | val ppl | slice loss | training-text loss |
+|---|---|---|---|---|---|---|---|---|
 {row('target')}
 {row('draft')}
 
