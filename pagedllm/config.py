@@ -7,11 +7,14 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pagedllm.platform import cpu_has_native
+
+if TYPE_CHECKING:
+    from pagedllm.layers.quantization import QuantizationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +100,14 @@ class ModelConfig:
     hidden_act: str = "silu"
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    # Weight-only quantization of the linear projections (None: weights stay in `dtype`).
+    quantization: QuantizationConfig | None = None
 
     @classmethod
     def from_pretrained(cls, model: str, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
-                        device: torch.device | None = None) -> ModelConfig:
+                        device: torch.device | None = None, quantization: str | None = None,
+                        quantization_group_size: int | None = None) -> ModelConfig:
+        from pagedllm.layers.quantization import resolve_quantization
         from pagedllm.models.registry import resolve_architecture
 
         if not os.path.isdir(model):
@@ -161,6 +168,7 @@ class ModelConfig:
             hidden_act=hf.get("hidden_act", "silu"),
             eos_token_ids=eos_ids,
             bos_token_id=generation.get("bos_token_id", hf.get("bos_token_id")),
+            quantization=resolve_quantization(quantization, quantization_group_size, hf),
         )
 
     def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:

@@ -2,9 +2,109 @@
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass, field
+from typing import Any
 
 _SAMPLING_EPS = 1e-5
+# Grammar backends GuidedDecodingParams.backend accepts: llguidance is the one bundled (vLLM calls it
+# "guidance"); "auto" picks it.
+GUIDED_DECODING_BACKENDS = ("auto", "guidance", "llguidance")
+
+
+@dataclass
+class GuidedDecodingParams:
+    """Constrain a request's output (vLLM's API): exactly one of a JSON schema, a regex, a list of choices,
+    a grammar (Lark, or GBNF/EBNF as llama.cpp writes it) or any JSON object.
+
+    Checked here, so a bad spec is a ValueError naming its field before the request reaches the engine;
+    the tokenizer-specific compile happens (once per spec, cached) when the engine admits the request.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    backend: str | None = None
+    # vLLM's option: JSON without whitespace between tokens (no indentation a model can wander into).
+    disable_any_whitespace: bool = False
+    # vLLM's option: the whitespace JSON may have between tokens, as a regex (e.g. r"[ ]?").
+    whitespace_pattern: str | None = None
+
+    @staticmethod
+    def from_optional(json: str | dict[str, Any] | None = None, regex: str | None = None,
+                      choice: list[str] | None = None, grammar: str | None = None,
+                      json_object: bool | None = None, backend: str | None = None,
+                      disable_any_whitespace: bool = False,
+                      whitespace_pattern: str | None = None) -> GuidedDecodingParams | None:
+        if all(arg is None for arg in (json, regex, choice, grammar, json_object)):
+            return None
+        return GuidedDecodingParams(json=json, regex=regex, choice=choice, grammar=grammar,
+                                    json_object=json_object, backend=backend,
+                                    disable_any_whitespace=disable_any_whitespace,
+                                    whitespace_pattern=whitespace_pattern)
+
+    def __post_init__(self) -> None:
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            # pydantic models: their schema, as vLLM accepts them
+            schema = getattr(self.json, "model_json_schema", None)
+            if schema is None:
+                raise ValueError("json must be a JSON schema (a dict or a JSON string), "
+                                 f"got {type(self.json).__name__}.")
+            self.json = schema()
+        if self.json_object is False:
+            self.json_object = None
+        kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) is not None]
+        if len(kinds) != 1:
+            raise ValueError("guided_decoding must have exactly one of json, regex, choice, grammar or json_object; "
+                             f"got {kinds or 'none'}.")
+        if self.backend is not None and self.backend not in GUIDED_DECODING_BACKENDS:
+            raise ValueError(f"backend must be one of {list(GUIDED_DECODING_BACKENDS)}, got {self.backend!r}.")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("choice must be a non-empty list of strings.")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string.")
+        if isinstance(self.json, str):
+            try:
+                self.json = _json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"json is not valid JSON: {exc}.") from exc
+        if isinstance(self.json, str) or (self.json is not None and not isinstance(self.json, dict)):
+            raise ValueError("json must be a JSON schema object.")
+        from pagedllm.structured_output.grammar import validate_spec
+
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise ValueError("whitespace_pattern must be a string (a regex).")
+        validate_spec(*self.compile_key)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "regex", "choice", "grammar" or "json_object"."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    @property
+    def compile_key(self) -> tuple[str, str, bool, str | None]:
+        """What the compiled grammar depends on: (kind, spec, disable_any_whitespace, whitespace_pattern)."""
+        return self.kind, self.spec, self.disable_any_whitespace, self.whitespace_pattern
+
+    @property
+    def spec(self) -> str:
+        """The constraint as one string: the cache key of its compiled grammar. Keys keep their order: a
+        schema's property order is the order its properties are generated in."""
+        value = {"json": self.json, "choice": self.choice, "json_object": True}.get(self.kind)
+        if value is None:
+            return getattr(self, self.kind)
+        return _json.dumps(value, ensure_ascii=False)
 
 
 @dataclass
@@ -29,6 +129,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    guided_decoding: GuidedDecodingParams | None = None
     # Filled by the engine: every token id that ends generation (eos plus stop_token_ids).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -73,6 +174,8 @@ class SamplingParams:
         check(all(isinstance(s, str) and s for s in self.stop), "stop must contain only non-empty strings.")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
               "stop_token_ids must contain only non-negative integers.")
+        check(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
+              f"guided_decoding must be a GuidedDecodingParams, got {type(self.guided_decoding).__name__}.")
         check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63),
               f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}.")
 

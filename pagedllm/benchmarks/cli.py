@@ -180,6 +180,24 @@ OTHER_BENCHMARKS = {
         "run_cmd",
         "time to first token with a cached long prefix against without",
     ),
+    "quantization": (
+        "pagedllm.benchmarks.quantization",
+        "add_cli_args",
+        "run_cmd",
+        "decode tokens/s with int8 / fp8 weights against bf16, and their roofline fractions",
+    ),
+    "kv-cache-snapshot": (
+        "pagedllm.benchmarks.kv_cache_snapshot",
+        "add_cli_args",
+        "run_cmd",
+        "cost of the /kv-cache/state snapshot at a 100,000-block pool against a plain decode step",
+    ),
+    "structured-output": (
+        "pagedllm.benchmarks.structured_output",
+        "add_cli_args",
+        "run_cmd",
+        "decode tokens/s with and without a JSON schema, and schema compile time",
+    ),
 }
 
 

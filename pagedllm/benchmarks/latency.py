@@ -98,6 +98,9 @@ def run_latency(
     spec = rl.ModelSpec.from_hf_config(hf_config if isinstance(hf_config, dict) else hf_config.to_dict(), name=model)
     mean_context = len(prompt_ids) + output_len // 2
     wb, kb = rl.dtype_bytes(weight_dtype), rl.dtype_bytes(kv_dtype)
+    quantization = getattr(model_config, "quantization", None)
+    if quantization is not None:  # the projections' quantized bytes, embeddings and LM head in the model dtype
+        wb = rl.quantized_weight_dtype_bytes(spec, wb, quantization.method, quantization.group_size)
     bytes_per_token = rl.decode_bytes_per_token(spec, mean_context, 1, wb, kb)
     roofline = bandwidth / bytes_per_token
     if on_cuda:  # no quick peak-FLOP measurement on GPUs here; decode at batch 1 is memory-bound anyway
@@ -125,7 +128,8 @@ def run_latency(
         planner_limited_by=bound.limited_by,
         num_threads=torch.get_num_threads(),
         plan_command=f"pagedllm plan --model {model} --hardware {'cpu' if not on_cuda else '<gpu preset>'} "
-        f"--context {mean_context} --batch 1 --dtype {weight_dtype} --kv-cache-dtype {kv_dtype}",
+        f"--context {mean_context} --batch 1 --dtype {weight_dtype} --kv-cache-dtype {kv_dtype}"
+        + (f" --quantization {quantization.method}" if quantization is not None else ""),
         ttft_all_s=list(ttfts),
         decode_tokens_per_s_all=list(decode_rates),
     )

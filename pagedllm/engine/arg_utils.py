@@ -33,6 +33,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
     trust_remote_code: bool = False
+    quantization: str | None = None
+    quantization_group_size: int | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -55,6 +57,9 @@ class EngineArgs:
         check(self.tensor_parallel_size == 1,
               f"tensor_parallel_size must be 1 in this build, got {self.tensor_parallel_size}.")
         check(self.max_logprobs >= 0, f"max_logprobs must be non-negative, got {self.max_logprobs}.")
+        from pagedllm.layers.quantization import validate_quantization
+
+        validate_quantization(self.quantization, self.quantization_group_size)
         if isinstance(self.speculative_config, str):
             self.speculative_config = json.loads(self.speculative_config)
 
@@ -88,6 +93,12 @@ class EngineArgs:
             help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
         add("--tensor-parallel-size", "-tp", type=int, default=1)
         add("--enforce-eager", action=bool_flag, default=True)
+        add("--quantization", "-q", default=None, choices=["int8", "fp8", "compressed-tensors"],
+            help="weight-only quantization of the linear layers, applied as the weights load (int8: "
+            "symmetric per output channel; fp8: e4m3 per output channel); a checkpoint with a "
+            "compressed-tensors quantization_config is read as stored")
+        add("--quantization-group-size", type=int, default=None,
+            help="with --quantization int8: one scale per this many input channels instead of per row")
         return parser
 
     @classmethod

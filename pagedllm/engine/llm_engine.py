@@ -15,10 +15,12 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.kv_cache.manager import KVCacheManager, cdiv
+from pagedllm.kv_cache.snapshot import KVCacheSnapshot
 from pagedllm.metrics.reader import Counter, Gauge, Metric
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode import build_spec_decoder
+from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -42,7 +44,8 @@ class LLMEngine:
             raise ValueError("model must be given: a local Hugging Face model directory.")
         self.args = args
         self.device = resolve_device(args.device)
-        self.model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.max_model_len, self.device)
+        self.model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.max_model_len, self.device,
+                                                        args.quantization, args.quantization_group_size)
         max_model_len = self.model_config.max_model_len
         max_num_batched_tokens = args.max_num_batched_tokens
         if max_num_batched_tokens is None:
@@ -66,7 +69,10 @@ class LLMEngine:
         self.cache_config.num_blocks = num_blocks
         self.model_runner.allocate_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.model_config.eos_token_ids)
+        self.structured_output_manager = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                                 self.model_config.eos_token_ids)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.model_config.eos_token_ids,
+                                   self.structured_output_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.spec_decoder = build_spec_decoder(args, self)
 
@@ -136,6 +142,10 @@ class LLMEngine:
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.args.max_logprobs:
             raise ValueError(f"prompt_logprobs must be at most max_logprobs={self.args.max_logprobs}, "
                              f"got {params.prompt_logprobs}.")
+        if params.guided_decoding is not None:
+            if self.tokenizer is None:
+                raise ValueError("guided_decoding needs the model's tokenizer, and this model has none.")
+            self.structured_output_manager.compile(params.guided_decoding)  # ValueError if it cannot compile
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):
@@ -187,6 +197,11 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def get_kv_cache_snapshot(self) -> KVCacheSnapshot:
+        """Every KV block and every request's block table as of now (GET /kv-cache/state). Call it
+        between steps; it only copies numbers, the JSON is built by the snapshot elsewhere."""
+        return self.scheduler.kv_cache_snapshot()
 
     def get_metrics(self) -> list[Metric]:
         kv = self.kv_cache_manager

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from pagedllm.config import SchedulerConfig
 from pagedllm.engine.request import Request, RequestStatus, make_child
 from pagedllm.kv_cache.manager import KVCacheManager
+from pagedllm.kv_cache.snapshot import KVCacheSnapshot, RequestBlocks
 from pagedllm.outputs import PositionLogprobs
+from pagedllm.structured_output import GrammarBitmask, StructuredOutputManager
 
 
 @dataclass
@@ -36,6 +38,8 @@ class SchedulerOutput:
     num_batched_tokens: int
     blocks_to_copy: list[tuple[int, int]]
     preempted_ids: list[str]
+    # Allowed tokens of the rows that sample under a grammar (None when no scheduled request has one).
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -56,8 +60,10 @@ class ModelRunnerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 eos_token_ids: Iterable[int] = ()):
+                 eos_token_ids: Iterable[int] = (),
+                 structured_output_manager: StructuredOutputManager | None = None):
         self.config = config
+        self.structured_output_manager = structured_output_manager
         self.kv = kv_cache_manager
         self.eos_token_ids = set(eos_token_ids)
         self.waiting: deque[Request] = deque()
@@ -98,6 +104,22 @@ class Scheduler:
                 pass
         self.kv.free(request.request_id)
         del self.requests[request.request_id]
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.free(request.request_id)
+
+    def kv_cache_snapshot(self) -> KVCacheSnapshot:
+        """The KV cache manager's snapshot plus every unfinished request's place in it. Call it between
+        steps, so that block tables, reference counts and token counts agree."""
+        snapshot = self.kv.snapshot()
+        snapshot.num_preemptions = self.num_preemptions
+        snapshot.requests = [
+            RequestBlocks(request_id=request.request_id, status=request.status.name.lower(),
+                          block_table=snapshot.block_tables.get(request.request_id, []),
+                          num_computed_tokens=request.num_computed_tokens,
+                          num_cached_tokens=max(request.num_cached_tokens, 0), num_tokens=request.num_tokens,
+                          num_prompt_tokens=request.num_prompt_tokens, parent_id=request.parent_id)
+            for request in self.requests.values()]
+        return snapshot
 
     # ---- the plan for one step ----
     def schedule(self) -> SchedulerOutput:
@@ -163,11 +185,13 @@ class Scheduler:
                 scheduled[request.request_id] = self._scheduled(request, num_new)
                 budget -= num_new
 
+        som = self.structured_output_manager
         return SchedulerOutput(
             scheduled=list(scheduled.values()),
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             blocks_to_copy=self.kv.take_pending_copies(),
             preempted_ids=preempted,
+            grammar_bitmask=som.grammar_bitmask(list(scheduled.values())) if som is not None else None,
         )
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:

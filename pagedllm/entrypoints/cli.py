@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "serve": "pagedllm.entrypoints.openai.serve_cmd",
     "plan": "pagedllm.planner.cli",
     "bench": "pagedllm.benchmarks.cli",
+    "quantize": "pagedllm.entrypoints.quantize_cmd",
 }
 
 

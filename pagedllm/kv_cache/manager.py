@@ -13,6 +13,7 @@ from typing import Protocol
 
 from pagedllm.kv_cache.block_pool import BlockPool, KVCacheBlock
 from pagedllm.kv_cache.hashing import BlockHash, extend_block_hashes
+from pagedllm.kv_cache.snapshot import KVCacheSnapshot
 
 
 class CacheableRequest(Protocol):
@@ -155,3 +156,17 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+    def snapshot(self) -> KVCacheSnapshot:
+        """Copy every block's reference count and hash flag and every block table, for the /kv-cache
+        page. Only copies (O(num_blocks) attribute reads), so it is cheap to run between two steps;
+        `KVCacheSnapshot.to_dict()` does the rest elsewhere."""
+        blocks = self.pool.blocks
+        return KVCacheSnapshot(
+            block_size=self.block_size, num_blocks=self.pool.num_blocks,
+            num_free_blocks=self.pool.num_free_blocks,
+            ref_cnts=[block.ref_cnt for block in blocks],
+            hashed=[block.block_hash is not None for block in blocks],
+            block_tables={request_id: [block.block_id for block in table]
+                          for request_id, table in self.req_to_blocks.items()},
+            prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits)

@@ -5,6 +5,8 @@ temperature, apply top-k, top-p and min-p, and sample with the exponential-race 
 (argmax(p / q), q ~ Exp(1)), which needs one random draw per vocabulary entry and so lets a seeded row
 use its own generator: a seeded request samples the same tokens alone or in any batch.
 Logprobs are reported from the raw model distribution, as vLLM does by default.
+Structured outputs arrive as a TokenBitmask (a tensor, never a grammar): the rows it names have every
+token the grammar forbids set to -inf, in one batched fill, before anything else looks at them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,28 @@ class SamplerOutput:
     topk_logprobs: torch.Tensor | None    # [N, K]
     topk_token_ids: torch.Tensor | None   # [N, K]
     sampled_ranks: torch.Tensor | None    # [N] 1-based rank of the chosen token
+
+
+@dataclass
+class TokenBitmask:
+    """Allowed tokens for some rows of a logits tensor: bit j of word w of bitmask[i] allows token
+    32 * w + j in logits row logit_rows[i]."""
+
+    bitmask: torch.Tensor   # [R, ceil(V / 32)] int32
+    logit_rows: list[int]   # [R]
+
+
+_BIT_POSITIONS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
+    """In place: forbidden tokens of the masked rows become -inf (the other rows are not touched)."""
+    vocab = logits.shape[-1]
+    bitmask = mask.bitmask.to(logits.device, non_blocking=True)
+    bits = (bitmask.unsqueeze(-1) >> _BIT_POSITIONS.to(logits.device)) & 1     # [R, W, 32]
+    forbidden = (bits == 0).view(bitmask.shape[0], -1)[:, :vocab]
+    rows = torch.tensor(mask.logit_rows, dtype=torch.long, device=logits.device)
+    logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
 
 
 def has_penalties(params: SamplingParams) -> bool:
@@ -84,13 +108,20 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     return logits
 
 
-def adjusted_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Logits after penalties and min_tokens suppression (a new tensor): what both the sampler and
-    speculative verification start from."""
-    logits = apply_penalties(logits.clone(), rows)
+def adjusted_logits(logits: torch.Tensor, rows: list[SamplingRow],
+                    token_bitmask: TokenBitmask | None = None) -> torch.Tensor:
+    """Logits after the grammar mask, penalties and min_tokens suppression (a new tensor): what both the
+    sampler and speculative verification start from."""
+    logits = logits.clone()
+    if token_bitmask is not None:
+        apply_token_bitmask(logits, token_bitmask)
+    logits = apply_penalties(logits, rows)
     for i, row in enumerate(rows):
         if row.stop_token_ids and len(row.output_token_ids) < row.params.min_tokens:
+            allowed_stops = logits[i, row.stop_token_ids].clone()
             logits[i, row.stop_token_ids] = float("-inf")
+            if token_bitmask is not None and not bool(torch.isfinite(logits[i]).any()):
+                logits[i, row.stop_token_ids] = allowed_stops  # the grammar is complete: it can only end here
     return logits
 
 
@@ -123,9 +154,10 @@ class Sampler:
     def __init__(self, generator: torch.Generator | None = None):
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], max_logprobs: int) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], max_logprobs: int,
+                 token_bitmask: TokenBitmask | None = None) -> SamplerOutput:
         raw_logprobs = logits.log_softmax(dim=-1)
-        logits = adjusted_logits(logits, rows)
+        logits = adjusted_logits(logits, rows, token_bitmask)
         greedy = all(r.params.greedy for r in rows)
         if greedy:
             token_ids = logits.argmax(dim=-1)

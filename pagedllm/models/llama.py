@@ -16,6 +16,7 @@ from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.config import ModelConfig
 from pagedllm.layers.activation import get_act_and_mul
 from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.quantization import linear
 from pagedllm.layers.rotary import RotaryEmbedding
 
 
@@ -43,7 +44,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
-        qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)
+        qkv = linear(hidden, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -52,7 +53,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary.apply(cos_sin, q, k)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
-        return F.linear(out.reshape(-1, self.q_size), self.o_weight)
+        return linear(out.reshape(-1, self.q_size), self.o_weight)
 
 
 class LlamaMLP(nn.Module):
@@ -63,7 +64,7 @@ class LlamaMLP(nn.Module):
         self.act_and_mul = get_act_and_mul(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.act_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight)
+        return linear(self.act_and_mul(linear(x, self.gate_up_weight)), self.down_weight)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -105,8 +106,14 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, self.lm_head).float()
 
     # ---- weight loading: Hugging Face names -> our fused parameters ----
-    def load_weights(self, get_tensor: Callable[[str], torch.Tensor], names: set[str]) -> None:
+    # The projections weight-only quantization replaces; embeddings and the LM head stay in the model dtype.
+    quantizable_weights = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+
+    def load_weights(self, get_tensor: Callable[[str], torch.Tensor], names: set[str],
+                     load_linear: Callable[[torch.Tensor, tuple[str, ...]], bool] | None = None) -> None:
         def copy(dst: torch.Tensor, *srcs: str) -> None:
+            if load_linear is not None and load_linear(dst, srcs):
+                return  # a quantized projection, installed in dst's place by the loader
             dst.copy_(torch.cat([get_tensor(name) for name in srcs], dim=0) if len(srcs) > 1
                       else get_tensor(srcs[0]))
 

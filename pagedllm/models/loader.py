@@ -1,8 +1,15 @@
-"""Load a local Hugging Face checkpoint (safetensors, single file or sharded) into our own layers."""
+"""Load a local Hugging Face checkpoint (safetensors, single file or sharded) into our own layers.
+
+With weight-only quantization the linear projections are quantized one at a time as they are read
+(full-precision checkpoint) or read as stored (compressed-tensors checkpoint), so the full-precision
+model is never held in memory: each projection's parameter is replaced by a QuantizedWeight before
+the next one is read.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from contextlib import ExitStack
 
@@ -11,7 +18,11 @@ from safetensors import safe_open
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import ModelConfig
+from pagedllm.layers.quantization import QuantizationConfig, QuantizedWeight
+from pagedllm.layers.quantization.compressed_tensors import has_quantized, read_quantized
 from pagedllm.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
 
 
 def _safetensors_files(model_dir: str) -> list[str]:
@@ -29,6 +40,60 @@ def _safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in found]
 
 
+class QuantizedLinearLoader:
+    """Called by a model's load_weights for each parameter it fills: for a quantizable projection it
+    builds the QuantizedWeight from the checkpoint names (fused projections: their rows concatenated,
+    scales with their channels) and puts it in the parameter's place."""
+
+    def __init__(self, model: torch.nn.Module, config: QuantizationConfig, model_dtype: torch.dtype,
+                 get_tensor, names: set[str]):
+        self.config = config
+        self.method = config.get_method()
+        self.model_dtype = model_dtype
+        self.get_tensor = get_tensor
+        self.names = names
+        quantizable = set(getattr(model, "quantizable_weights", ()))
+        self.slots = {id(param): (module, attr) for module in model.modules()
+                      for attr, param in module.named_parameters(recurse=False) if attr in quantizable}
+        self.num_quantized = 0
+        self.full_precision_bytes = 0
+        self.quantized_bytes = 0
+
+    def __call__(self, dst: torch.Tensor, srcs: tuple[str, ...]) -> bool:
+        slot = self.slots.pop(id(dst), None)
+        if slot is None:
+            return False
+        prefixes = [name.removesuffix(".weight") for name in srcs]
+        if self.config.from_checkpoint:
+            stored = [has_quantized(prefix, self.names) for prefix in prefixes]
+            if not any(stored):
+                return False  # left in full precision by the checkpoint's `ignore` list
+            if not all(stored):
+                raise ValueError(f"checkpoint quantizes only some of {prefixes}, which this model fuses.")
+            parts = [read_quantized(p, self.get_tensor, self.names, self.method, self.model_dtype)
+                     for p in prefixes]
+            qweight = QuantizedWeight(torch.cat([p.qweight.data for p in parts]),
+                                      torch.cat([p.scales.data for p in parts]), self.method) \
+                if len(parts) > 1 else parts[0]
+        else:
+            full = torch.cat([self.get_tensor(n) for n in srcs]) if len(srcs) > 1 else self.get_tensor(srcs[0])
+            if tuple(full.shape) != tuple(dst.shape):
+                raise ValueError(f"checkpoint weights {list(srcs)} have shape {tuple(full.shape)}, "
+                                 f"expected {tuple(dst.shape)}.")
+            qweight = self.method.quantize(full, self.model_dtype)
+            del full
+        if tuple(qweight.shape) != tuple(dst.shape):
+            raise ValueError(f"checkpoint weights {prefixes} have shape {tuple(qweight.shape)}, "
+                             f"expected {tuple(dst.shape)}.")
+        module, attr = slot
+        self.full_precision_bytes += dst.numel() * dst.element_size()
+        self.quantized_bytes += qweight.nbytes()
+        self.num_quantized += 1
+        del module._parameters[attr]  # frees the (never written) full-precision parameter
+        setattr(module, attr, qweight)
+        return True
+
+
 def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.device) -> torch.nn.Module:
     model_class = get_model_class(config.architecture)
     model = model_class(config, backend)
@@ -42,6 +107,19 @@ def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.dev
                 raise ValueError(f"checkpoint {config.model!r} lacks weight {name!r}.")
             return where[name].get_tensor(name)
 
+        names = set(where)
         with torch.no_grad():
-            model.load_weights(get_tensor, set(where))
+            if config.quantization is None:
+                model.load_weights(get_tensor, names)
+            else:
+                config.quantization.get_method().check_device(device, config.dtype)
+                loader = QuantizedLinearLoader(model, config.quantization, config.dtype, get_tensor, names)
+                model.load_weights(get_tensor, names, loader)
+                logger.info("quantization=%s%s: %d linear weights %s, %.1f MiB in %s -> %.1f MiB",
+                            config.quantization.method,
+                            f" (group size {config.quantization.group_size})" if config.quantization.group_size
+                            else "", loader.num_quantized,
+                            "read as stored" if config.quantization.from_checkpoint else "quantized on load",
+                            loader.full_precision_bytes / 2**20, str(config.dtype).removeprefix("torch."),
+                            loader.quantized_bytes / 2**20)
     return model.to(device).eval()

@@ -24,6 +24,7 @@ class PlanInputs:
     block_size: int = 16
     acceptance_rate: float = 0.8
     num_speculative_tokens: int = 5
+    quantization: str | None = None  # weight-only int8 / fp8 of the linear projections
 
     def validate(self) -> None:
         for name in ("context", "batch", "tp", "block_size"):
@@ -45,9 +46,13 @@ def build_plan(spec: rl.ModelSpec, hw: HardwareSpec, inputs: PlanInputs) -> dict
     auto_kv = weight_dtype if rl.dtype_bytes(weight_dtype) >= 2 else spec.dtype
     kv_dtype = auto_kv if inputs.kv_cache_dtype == "auto" else inputs.kv_cache_dtype
     wb, kb = rl.dtype_bytes(weight_dtype), rl.dtype_bytes(kv_dtype)
+    wb_total = wb
+    if inputs.quantization:
+        # the projections at 1 byte plus scales; embeddings, LM head and norms stay in the weight dtype
+        wb, wb_total = (rl.quantized_weight_dtype_bytes(spec, wb, inputs.quantization, decode=d) for d in (True, False))
     ctx, batch, tp = inputs.context, inputs.batch, inputs.tp
     ridge = hw.ridge_point
-    cap = rl.capacity(spec, hw.memory_bytes, inputs.gpu_memory_utilization, tp, wb, kb, inputs.block_size, ctx)
+    cap = rl.capacity(spec, hw.memory_bytes, inputs.gpu_memory_utilization, tp, wb_total, kb, inputs.block_size, ctx)
     decode = rl.decode_bound(spec, ctx, batch, wb, kb, hw.peak_flops, hw.memory_bandwidth, tp)
     decode_1 = rl.decode_bound(spec, ctx, 1, wb, kb, hw.peak_flops, hw.memory_bandwidth, tp)
     tokens_per_pass = rl.speculative_tokens_per_pass(inputs.acceptance_rate, inputs.num_speculative_tokens)
@@ -60,7 +65,8 @@ def build_plan(spec: rl.ModelSpec, hw: HardwareSpec, inputs: PlanInputs) -> dict
             "num_params": spec.num_params,
             "num_active_params": spec.num_active_params,
             "weight_dtype": weight_dtype,
-            "weight_bytes": rl.weight_bytes(spec, wb),
+            "weight_bytes": rl.weight_bytes(spec, wb_total),
+            "quantization": inputs.quantization,
         },
         "hardware": {**asdict(hw), "ridge_point_flops_per_byte": ridge},
         "inputs": {**asdict(inputs), "kv_cache_dtype_resolved": kv_dtype},
@@ -145,7 +151,9 @@ def format_plan(plan: dict[str, Any]) -> str:
             f"{hw['name']}: {_rate(hw['peak_flops'], 'FLOP/s')}, {_rate(hw['memory_bandwidth'], 'B/s')}, "
             f"{_bytes(hw['memory_bytes'])} x tp {inp['tp']}",
         ),
-        ("dtypes", f"weights {m['weight_dtype']}, KV {inp['kv_cache_dtype_resolved']}"),
+        ("dtypes", f"weights {m['weight_dtype']}"
+         + (f" ({m['quantization']} linear projections)" if m.get("quantization") else "")
+         + f", KV {inp['kv_cache_dtype_resolved']}"),
         ("", ""),
         ("ridge point", f"{roof['ridge_point_flops_per_byte']:,.1f} FLOPs/byte"),
         (
@@ -238,6 +246,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--batch", type=int, default=PlanInputs.batch, help="concurrent sequences")
     parser.add_argument("--dtype", default="auto", help="weight dtype (auto = the model's)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (= activation dtype), bfloat16, fp8, ...")
+    parser.add_argument("--quantization", choices=["int8", "fp8"], default=None,
+                        help="weight-only quantization of the linear projections (embeddings and LM head stay "
+                        "in --dtype)")
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     parser.add_argument("--gpu-memory-utilization", type=float, default=PlanInputs.gpu_memory_utilization)
     parser.add_argument("--block-size", type=int, default=PlanInputs.block_size)
@@ -280,8 +291,11 @@ def run_plan(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             acceptance_rate=args.acceptance_rate,
             num_speculative_tokens=args.num_speculative_tokens,
+            quantization=args.quantization,
         )
         inputs.validate()
+        if args.quantization:
+            rl.linear_weight_params(spec)  # refuses the model shapes it cannot size
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

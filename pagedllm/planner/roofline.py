@@ -220,6 +220,34 @@ def weight_bytes(spec: ModelSpec, weight_dtype_bytes: float | None = None) -> fl
     return spec.num_params * (weight_dtype_bytes if weight_dtype_bytes is not None else dtype_bytes(spec.dtype))
 
 
+def linear_weight_params(spec: ModelSpec) -> tuple[int, int]:
+    """(weights, output channels) of the decoder layers' linear projections (q, k, v, o, gate, up,
+    down): what weight-only quantization replaces. Embeddings, the LM head, norms and biases are not."""
+    if spec.is_mla or spec.is_moe:
+        raise ValueError("weight-only quantization sizes are planned for dense (non-MLA, non-MoE) models only")
+    h, q_out, kv_out = spec.hidden_size, spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    per_layer = 2 * h * q_out + 2 * h * kv_out + 3 * h * spec.intermediate_size
+    rows = q_out + 2 * kv_out + h + 2 * spec.intermediate_size + h
+    return spec.num_layers * per_layer, spec.num_layers * rows
+
+
+def quantized_weight_dtype_bytes(
+    spec: ModelSpec, weight_dtype_bytes: float, quantization: str, group_size: int | None = None, decode: bool = True
+) -> float:
+    """Average bytes per weight when the linear projections are weight-only quantized (1 byte each, plus
+    one scale per output channel, or per group of group_size weights: in the model dtype for int8, fp32
+    for fp8) and everything else stays at weight_dtype_bytes. A drop-in weight_dtype_bytes for the
+    functions here: decode=True averages over the weights a decode step reads, False over all of them."""
+    if quantization not in ("int8", "fp8"):
+        raise ValueError(f"quantization must be 'int8' or 'fp8', got {quantization!r}")
+    linear, rows = linear_weight_params(spec)
+    scale_bytes = weight_dtype_bytes if quantization == "int8" else 4
+    scales = (linear / group_size if group_size else rows) * scale_bytes
+    assert spec.num_params is not None
+    total = decode_weight_params(spec, 1) if decode else spec.num_params
+    return (linear + scales + (total - linear) * weight_dtype_bytes) / total
+
+
 # --- KV cache ----------------------------------------------------------------------------------
 
 

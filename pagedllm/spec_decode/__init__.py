@@ -2,7 +2,7 @@
 
 Configured with vLLM's two spellings: `LLM(model=..., speculative_model=draft, num_speculative_tokens=k)`
 or `speculative_config={"method": "draft_model" | "ngram", "model": ..., "num_speculative_tokens": k,
-"prompt_lookup_min": ..., "prompt_lookup_max": ...}` (also `--speculative-model`,
+"prompt_lookup_min": ..., "prompt_lookup_max": ..., "quantization": "int8" | "fp8"}` (also `--speculative-model`,
 `--num-speculative-tokens`, `--speculative-config` on the command line).
 """
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 METHODS = ("draft_model", "ngram")
 CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-               "adaptive_num_speculative_tokens")
+               "adaptive_num_speculative_tokens", "quantization")
 # vLLM's default when neither bound is given: look up 5-grams only.
 DEFAULT_PROMPT_LOOKUP = 5
 
@@ -72,6 +72,8 @@ class SpeculativeConfig:
             raise ValueError(f"adaptive_num_speculative_tokens must be true or false, got {adaptive!r}.")
         config = cls(method=method, num_speculative_tokens=k, adaptive_num_speculative_tokens=adaptive)
         if method == "ngram":
+            if raw.get("quantization") is not None:
+                raise ValueError("speculative_config quantization applies to a draft model, not to method 'ngram'.")
             low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
             # vLLM: one bound given means both; none means 5.
             low = low if low is not None else (high if high is not None else DEFAULT_PROMPT_LOOKUP)
@@ -88,7 +90,9 @@ class SpeculativeConfig:
         name = "speculative_config model" if args.speculative_config else "speculative_model"
         if not isinstance(model, str) or not os.path.isdir(model):
             raise ValueError(f"{name} must be a local model directory; {model!r} does not exist.")
-        draft = ModelConfig.from_pretrained(model, args.dtype, target.max_model_len)
+        # As in vLLM, the draft is quantized only when speculative_config says so (or its checkpoint is).
+        draft = ModelConfig.from_pretrained(model, args.dtype, target.max_model_len,
+                                            quantization=raw.get("quantization"))
         if draft.vocab_size != target.vocab_size:
             raise ValueError(f"{name} has vocab_size {draft.vocab_size} but the target has {target.vocab_size}: "
                              "the draft must share the target's tokenizer and vocabulary.")

@@ -31,6 +31,7 @@ from pagedllm.spec_decode.rejection_sampler import (
     rejection_sample,
     rows_with_drafts,
 )
+from pagedllm.structured_output import GrammarBitmask
 
 if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import LLMEngine
@@ -207,7 +208,7 @@ class SpecDecoder:
 
     # ---- called by the target runner with the hidden rows of every verified request ----
     def verify(self, verify: list[tuple[ScheduledRequest, int]], hidden: torch.Tensor,
-               output: ModelRunnerOutput) -> None:
+               output: ModelRunnerOutput, grammar_bitmask: GrammarBitmask | None = None) -> None:
         runner = self.target_runner
         row_index: list[int] = []
         rows = []
@@ -217,7 +218,16 @@ class SpecDecoder:
             rows.extend(rows_with_drafts(runner.sampling_row(s.request), s.spec_token_ids, k + 1))
         logits = runner.model.compute_logits(hidden[row_index])
         raw_logprobs = logits.log_softmax(dim=-1)
-        adjusted = adjusted_logits(logits, rows)
+        # Under a grammar p is the masked target distribution at every position, so a draft token the
+        # grammar refuses has p = 0 and is rejected, and the output stays a sample of the constrained target.
+        token_bitmask = None
+        if grammar_bitmask is not None:
+            starts = [0]
+            for s, _ in verify:
+                starts.append(starts[-1] + len(s.spec_token_ids) + 1)
+            token_bitmask = grammar_bitmask.select((s.request.request_id, start, len(s.spec_token_ids) + 1)
+                                                   for (s, _), start in zip(verify, starts))
+        adjusted = adjusted_logits(logits, rows, token_bitmask)
         probs = None if all(r.params.greedy for r in rows) else processed_probs(adjusted, rows)
         target_ids = (adjusted if probs is None else probs).argmax(dim=-1).tolist()
 

@@ -21,6 +21,7 @@ from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, Sched
 from pagedllm.layers.sampler import Sampler, SamplingRow
 from pagedllm.models.loader import load_model
 from pagedllm.outputs import PositionLogprobs, position_logprobs
+from pagedllm.structured_output import GrammarBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ class ModelRunner:
             return output
         batch = self.prepare(scheduler_output.scheduled)
         hidden = self.forward(batch)
-        self.sample(batch, hidden, output)
+        self.sample(batch, hidden, output, scheduler_output.grammar_bitmask)
         return output
 
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -226,7 +227,8 @@ class ModelRunner:
             metadata.decode_query_index = torch.from_numpy(index).to(device)
             metadata.decode_query_valid = torch.from_numpy(valid.reshape(-1)).to(device)
 
-    def sample(self, batch: Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+    def sample(self, batch: Batch, hidden: torch.Tensor, output: ModelRunnerOutput,
+               grammar_bitmask: GrammarBitmask | None = None) -> None:
         """Sample the next token of every request that reached its last known token. Requests carrying
         speculative tokens are handed, with the rows of their k+1 positions, to `self.spec_verifier`."""
         sample_rows, rows = [], []
@@ -247,7 +249,11 @@ class ModelRunner:
         if rows:
             logits = self.model.compute_logits(hidden[sample_rows])
             max_logprobs = max((r.params.logprobs or 0) for r in rows)
-            result = self.sampler(logits, rows, max_logprobs)
+            token_bitmask = None
+            if grammar_bitmask is not None:
+                sampled = [s for s in batch.order if s.sample and not s.spec_token_ids]
+                token_bitmask = grammar_bitmask.select((s.request.request_id, i, 1) for i, s in enumerate(sampled))
+            result = self.sampler(logits, rows, max_logprobs, token_bitmask)
             token_ids = result.token_ids.tolist()
             sampled_lp = result.sampled_logprobs.tolist()
             i = 0
@@ -265,7 +271,7 @@ class ModelRunner:
                                                               int(result.sampled_ranks[i]), top_ids, top_lps)]
                 i += 1
         if verify:
-            self.spec_verifier.verify(verify, hidden, output)
+            self.spec_verifier.verify(verify, hidden, output, grammar_bitmask)
         for s, start, count in prompt_lp:
             output.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(s, hidden[start:start + count])
 

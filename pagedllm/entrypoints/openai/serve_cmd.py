@@ -88,6 +88,9 @@ def run_server(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown, access_log=False)
     server = uvicorn.Server(config)
+    logging.getLogger(__name__).info(
+        "KV cache page: %s%s", page_url(args.host, args.port),
+        " (add ?api_key=KEY: the server has an API key)" if args.api_key else "")
     # uvicorn takes over SIGTERM/SIGINT while it runs and, after its graceful shutdown, re-raises
     # the signal against the handlers it found; with the default handlers that would kill the
     # process with the signal instead of exiting 0. Harmless handlers make the re-raise a no-op.
@@ -98,6 +101,17 @@ def run_server(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0 if server.started else 1
+
+
+def page_url(host: str, port: int) -> str:
+    """The live KV-cache page's address as a browser on this machine reaches it."""
+    from pagedllm.entrypoints.openai.kv_cache_page import PAGE_PATH
+
+    if host in ("", "0.0.0.0", "::"):
+        host = "127.0.0.1"  # listening everywhere includes loopback
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}{PAGE_PATH}"
 
 
 def _exit_now(signum: int, frame: Any) -> None:

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.entrypoints.openai.kv_cache_page import kv_cache_router
 from pagedllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -258,4 +259,5 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | 
         return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
 
     app.include_router(api)
+    app.include_router(kv_cache_router(engine, verify_api_key, config.served_model_names[0]))
     return app

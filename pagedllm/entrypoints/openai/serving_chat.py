@@ -45,6 +45,12 @@ from pagedllm.entrypoints.openai.serving_engine import (
     stream_response,
     until_disconnect,
 )
+from pagedllm.entrypoints.openai.structured_outputs import (
+    ToolCallStream,
+    guided_decoding_params,
+    tool_calls_from_text,
+    tool_mode,
+)
 from pagedllm.outputs import RequestOutput
 
 # SamplingParams calls the chat API's top_logprobs "logprobs"
@@ -63,13 +69,15 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
             texts.append(part["text"])
         content = "\n".join(texts)
     result: dict[str, Any] = {"role": message.role, "content": content or ""}
-    if message.name is not None:
-        result["name"] = message.name
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if getattr(message, key) is not None:
+            result[key] = getattr(message, key)
     return result
 
 
 def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
-                       chat_template_kwargs: dict[str, Any] | None) -> str:
+                       chat_template_kwargs: dict[str, Any] | None,
+                       tools: list[dict[str, Any]] | None = None) -> str:
     """The prompt text the chat template makes of the messages; 400 if the template refuses them."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise APIError(400, "This model's tokenizer has no chat template; use /v1/completions.",
@@ -77,7 +85,7 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generati
     try:
         return tokenizer.apply_chat_template(
             [_message_dict(message) for message in messages], add_generation_prompt=add_generation_prompt,
-            tokenize=False, **(chat_template_kwargs or {}))
+            tokenize=False, **({"tools": tools} if tools else {}), **(chat_template_kwargs or {}))
     except APIError:
         raise
     except Exception as exc:  # jinja raises for messages the template does not accept
@@ -97,8 +105,10 @@ class OpenAIServingChat:
                            param="stream_options")
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
+        # the tool definitions go to the chat template, which shows them to models trained on tool use
+        tools = [tool.model_dump() for tool in request.tools] if request.tools else None
         text = render_chat_prompt(self.tokenizer, request.messages, request.add_generation_prompt,
-                                  request.chat_template_kwargs)
+                                  request.chat_template_kwargs, tools)
         prompt_ids = context.encode_chat(text)
         if not prompt_ids:
             raise APIError(400, "The chat template produced an empty prompt.", param="messages")
@@ -106,6 +116,7 @@ class OpenAIServingChat:
         max_tokens = context.check_length(len(prompt_ids), requested, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = context.build_params(request, max_tokens, logprobs, renames=_PARAM_RENAMES)
+        params.guided_decoding = guided_decoding_params(request)
         request_id = random_id("chatcmpl")
         streams, queue = await context.submit(request_id, [prompt_ids], params, request, _PARAM_RENAMES)
         created = int(time.time())
@@ -148,11 +159,19 @@ class OpenAIServingChat:
 
     def _response(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
                   num_prompt_tokens: int, final: RequestOutput) -> ChatCompletionResponse:
-        choices = [ChatCompletionResponseChoice(
-            index=completion.index, message=ChatResponseMessage(content=completion.text),
-            logprobs=self._logprobs(request, completion.token_ids, completion.logprobs),
-            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
-            for completion in final.outputs]
+        forced_tools = tool_mode(request) is not None
+        choices = []
+        for completion in final.outputs:
+            message = ChatResponseMessage(content=completion.text)
+            finish_reason = completion.finish_reason
+            tool_calls = tool_calls_from_text(request, completion.text) if forced_tools else None
+            if tool_calls:  # a complete call: OpenAI's shape, content null
+                message = ChatResponseMessage(content=None, tool_calls=tool_calls)
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            choices.append(ChatCompletionResponseChoice(
+                index=completion.index, message=message,
+                logprobs=self._logprobs(request, completion.token_ids, completion.logprobs),
+                finish_reason=finish_reason, stop_reason=completion.stop_reason))
         choices.sort(key=lambda choice: choice.index)
         num_generated = sum(len(completion.token_ids) for completion in final.outputs)
         return ChatCompletionResponse(
@@ -166,12 +185,13 @@ class OpenAIServingChat:
         def chunk(choices: list[ChatCompletionResponseStreamChoice], usage: UsageInfo | None = None) -> str:
             payload = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
                                                    choices=choices, usage=usage).model_dump()
-            for choice in payload["choices"]:  # as OpenAI: a delta carries only what it has
-                choice["delta"] = {key: value for key, value in choice["delta"].items() if value is not None}
+            for choice, model in zip(payload["choices"], choices):  # as OpenAI: a delta carries only what it has
+                choice["delta"] = model.delta.model_dump(exclude_none=True)
             return sse(payload)
 
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         states = [ChoiceState() for _ in range(request.n)]
+        tool_streams = [ToolCallStream(request) for _ in range(request.n)] if tool_mode(request) else None
         try:
             # the role comes first, before any token, as OpenAI's stream does
             yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant",
@@ -190,11 +210,18 @@ class OpenAIServingChat:
                     state.text_len = len(completion.text)
                     state.num_tokens = len(completion.token_ids)
                     state.finished = completion.finish_reason is not None
+                    delta = DeltaMessage(content=delta_text)
+                    finish_reason = completion.finish_reason
+                    if tool_streams is not None:  # the text is a tool call: sent as tool_calls deltas
+                        tool_stream = tool_streams[completion.index]
+                        delta = DeltaMessage(tool_calls=tool_stream.add(delta_text) or None)
+                        if finish_reason == "stop" and tool_stream.num_calls:
+                            finish_reason = "tool_calls"
                     if delta_text or new_ids or state.finished:
                         choices.append(ChatCompletionResponseStreamChoice(
-                            index=completion.index, delta=DeltaMessage(content=delta_text),
+                            index=completion.index, delta=delta,
                             logprobs=self._logprobs(request, new_ids, new_logprobs),
-                            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+                            finish_reason=finish_reason, stop_reason=completion.stop_reason))
                 if choices:
                     yield chunk(choices)
             if include_usage:

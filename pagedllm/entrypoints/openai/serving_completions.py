@@ -40,6 +40,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     stream_response,
     until_disconnect,
 )
+from pagedllm.entrypoints.openai.structured_outputs import guided_decoding_params
 from pagedllm.outputs import RequestOutput
 
 
@@ -81,6 +82,7 @@ class OpenAIServingCompletion:
         max_tokens = min(context.check_length(len(p), request.max_tokens, "prompt") for p in prompts)
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         params = context.build_params(request, max_tokens, request.logprobs, prompt_logprobs)
+        params.guided_decoding = guided_decoding_params(request)
         request_id = random_id("cmpl")
         streams, queue = await context.submit(request_id, prompts, params, request)
         created = int(time.time())

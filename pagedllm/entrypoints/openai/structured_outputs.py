@@ -1,0 +1,184 @@
+"""Structured outputs on the server: response_format, vLLM's guided_* extras, and tool calls.
+
+A request names at most one constraint: response_format ({"type": "json_object"} or {"type":
+"json_schema", "json_schema": {"name", "schema", "strict"}}; "text" is none), guided_json, guided_regex,
+guided_choice or guided_grammar, or, on chat, tools with tool_choice. A named function or "required"
+constrains the output to the function's arguments schema (for "required", to a JSON list of calls, each
+one of the tools: vLLM's format) and the answer carries OpenAI's `tool_calls`. "auto" needs a model that
+decides on its own to call a tool, and no bundled model does: it is refused with a 400.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionNamedToolChoiceParam,
+    ChatCompletionRequest,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    SamplingRequestFields,
+    ToolCall,
+    random_id,
+)
+from pagedllm.entrypoints.openai.serving_engine import APIError
+from pagedllm.sampling_params import GuidedDecodingParams
+
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def _make(param: str, whitespace_pattern: str | None, backend: str | None, **kind: Any) -> GuidedDecodingParams:
+    try:
+        return GuidedDecodingParams(whitespace_pattern=whitespace_pattern, backend=backend, **kind)
+    except ValueError as exc:
+        raise APIError(400, f"{param}: {exc}", param=param) from exc
+
+
+def guided_decoding_params(request: SamplingRequestFields) -> GuidedDecodingParams | None:
+    """The constraint of response_format or a guided_* field; 400 naming the field if bad or several."""
+    given: list[tuple[str, dict[str, Any]]] = []
+    if isinstance(request, ChatCompletionRequest) and tool_mode(request) is not None:
+        given.append(("tools", {"json": tool_schema(request)}))
+    response_format = request.response_format
+    if response_format is not None and response_format.type != "text":
+        if response_format.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        else:
+            schema = response_format.json_schema.json_schema if response_format.json_schema else None
+            if schema is None:
+                raise APIError(400, "response_format of type json_schema needs json_schema.schema.",
+                               param="response_format")
+            given.append(("response_format", {"json": schema}))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        value = getattr(request, name)
+        if value is not None:
+            given.append((name, {kind: value}))
+    if not given:
+        if request.guided_whitespace_pattern is not None or request.guided_decoding_backend is not None:
+            name = "guided_whitespace_pattern" if request.guided_whitespace_pattern is not None \
+                else "guided_decoding_backend"
+            raise APIError(400, f"{name} needs a constraint (response_format or a guided_* field).", param=name)
+        return None
+    if len(given) > 1:
+        names = [name for name, _ in given]
+        raise APIError(400, f"Only one structured-output constraint can be given, got {names}.", param=names[1])
+    param, kind = given[0]
+    return _make(param, request.guided_whitespace_pattern, request.guided_decoding_backend, **kind)
+
+
+# ---- tools -------------------------------------------------------------------------------------------
+
+
+def tool_mode(request: ChatCompletionRequest) -> str | None:
+    """"named", "required", or None (no tool call is forced); 400 for "auto" and for bad combinations."""
+    choice = request.tool_choice
+    if not request.tools:
+        if choice is not None and choice != "none":
+            raise APIError(400, "tool_choice needs tools.", param="tool_choice")
+        return None
+    if choice is None or choice == "auto":
+        raise APIError(400, 'tool_choice "auto" is not supported: no bundled model decides on its own to call '
+                       'a tool. Name a function or use "required" (or "none").', param="tool_choice")
+    if choice == "none":
+        return None
+    if isinstance(choice, ChatCompletionNamedToolChoiceParam):
+        if choice.function.name not in {tool.function.name for tool in request.tools}:
+            raise APIError(400, f"tool_choice names function {choice.function.name!r}, which is not among "
+                           "the tools.", param="tool_choice")
+        return "named"
+    return "required"
+
+
+def tool_schema(request: ChatCompletionRequest) -> dict[str, Any]:
+    assert request.tools
+    if isinstance(request.tool_choice, ChatCompletionNamedToolChoiceParam):
+        tool = next(t for t in request.tools if t.function.name == request.tool_choice.function.name)
+        return tool.function.parameters or _EMPTY_PARAMETERS
+    # "required": a list of calls, each naming one tool and giving arguments in its schema (vLLM's format;
+    # closed objects, so a call ends after its two keys instead of collecting arbitrary extra ones)
+    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                               "parameters": tool.function.parameters or _EMPTY_PARAMETERS},
+              "required": ["name", "parameters"], "additionalProperties": False} for tool in request.tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if request.parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    return schema
+
+
+def tool_calls_from_text(request: ChatCompletionRequest, text: str) -> list[ToolCall] | None:
+    """OpenAI's tool_calls for a finished output, or None if the text is not a complete call (cut by
+    max_tokens or a stop string)."""
+    if isinstance(request.tool_choice, ChatCompletionNamedToolChoiceParam):
+        try:
+            json.loads(text)
+        except ValueError:
+            return None
+        return [ToolCall(function=FunctionCall(name=request.tool_choice.function.name, arguments=text))]
+    try:
+        calls = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and "name" in c for c in calls):
+        return None
+    return [ToolCall(function=FunctionCall(name=c["name"], arguments=json.dumps(c.get("parameters", {}),
+                                                                                 ensure_ascii=False)))
+            for c in calls]
+
+
+@dataclass
+class ToolCallStream:
+    """Turns one choice's growing text into OpenAI's streamed tool_calls deltas.
+
+    Named function: a first delta with the call's id and name, then the arguments text as it comes.
+    "required": each call of the list is sent whole (id, name, arguments) as soon as it is complete.
+    """
+
+    request: ChatCompletionRequest
+    text: str = ""
+    num_calls: int = 0
+    scan_pos: int = 0
+    sent_any: bool = False
+    ids: list[str] = field(default_factory=list)
+
+    def add(self, delta_text: str) -> list[DeltaToolCall]:
+        self.text += delta_text
+        choice = self.request.tool_choice
+        if isinstance(choice, ChatCompletionNamedToolChoiceParam):
+            deltas = []
+            if not self.sent_any:
+                self.sent_any = True
+                self.num_calls = 1
+                self.ids.append(random_id("chatcmpl-tool"))
+                deltas.append(DeltaToolCall(index=0, id=self.ids[0], type="function",
+                                            function=DeltaFunctionCall(name=choice.function.name, arguments="")))
+            if delta_text:
+                deltas.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta_text)))
+            return deltas
+        return self._complete_calls()
+
+    def _complete_calls(self) -> list[DeltaToolCall]:
+        decoder = json.JSONDecoder()
+        deltas = []
+        while True:
+            pos = self.scan_pos
+            while pos < len(self.text) and self.text[pos] in " \t\r\n,[":
+                pos += 1
+            if pos >= len(self.text) or self.text[pos] != "{":
+                return deltas
+            try:
+                call, end = decoder.raw_decode(self.text, pos)
+            except ValueError:
+                return deltas  # this call is not complete yet
+            self.scan_pos = end
+            if not isinstance(call, dict) or "name" not in call:
+                continue
+            self.ids.append(random_id("chatcmpl-tool"))
+            arguments = json.dumps(call.get("parameters", {}), ensure_ascii=False)
+            deltas.append(DeltaToolCall(index=self.num_calls, id=self.ids[-1], type="function",
+                                        function=DeltaFunctionCall(name=call["name"], arguments=arguments)))
+            self.num_calls += 1

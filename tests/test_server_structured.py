@@ -1,0 +1,216 @@
+"""Structured outputs through the server (issue 21): response_format, vLLM's guided_* extras and forced
+tool calls, with the real `openai` client against `pagedllm serve` on the bundled demo model, streamed
+and not; bad constraints are a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from test_server import RemoteServer
+
+from pagedllm.assets import default_model_path
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "stops": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
+    },
+    "required": ["city", "days", "unit", "stops"],
+    "additionalProperties": False,
+}
+TIME_SCHEMA = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
+               "required": ["zone"], "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast",
+                                      "parameters": SCHEMA}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME_SCHEMA}},
+]
+# The demo model writes Python, and JSON's flexible whitespace lets it indent forever: no whitespace.
+COMPACT = {"guided_whitespace_pattern": ""}
+MESSAGES = [{"role": "user", "content": "# plan a trip\nconfig = "}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    server = RemoteServer(default_model_path(), tmp_path_factory.mktemp("structured_server"))
+    yield server
+    server.terminate()
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return server.client()
+
+
+def chat(client: openai.OpenAI, **kwargs: Any):
+    kwargs.setdefault("max_tokens", 150)
+    return client.chat.completions.create(model="tiny", messages=MESSAGES, **kwargs)
+
+
+def stream_chat(client: openai.OpenAI, **kwargs: Any) -> tuple[str, dict[int, dict], str | None]:
+    """(content, tool calls by index assembled from their deltas, finish_reason) of a streamed chat."""
+    content, calls, finish = "", {}, None
+    for chunk in chat(client, stream=True, **kwargs):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = call["id"] or delta.id
+                if delta.function is not None:
+                    call["name"] += delta.function.name or ""
+                    call["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema_and_json_object(client: openai.OpenAI, stream: bool) -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA, "strict": True}}
+    for seed in range(3):
+        if stream:
+            content, _, finish = stream_chat(client, response_format=response_format, temperature=1.0, seed=seed,
+                                             extra_body=COMPACT)
+        else:
+            choice = chat(client, response_format=response_format, temperature=1.0, seed=seed,
+                          extra_body=COMPACT).choices[0]
+            content, finish = choice.message.content, choice.finish_reason
+        assert finish == "stop"
+        jsonschema.validate(json.loads(content), SCHEMA)
+    text = client.completions.create(model="tiny", prompt="x = ", max_tokens=60, temperature=0.0,
+                                     extra_body={"response_format": {"type": "json_object"}, **COMPACT})
+    assert text.choices[0].text.startswith("{")
+    plain = chat(client, response_format={"type": "text"}, temperature=0.0, max_tokens=8)
+    assert plain.choices[0].message.content == chat(client, temperature=0.0, max_tokens=8).choices[0].message.content
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_guided_extras_on_completions_and_chat(client: openai.OpenAI, stream: bool) -> None:
+    regex, choices = r"[a-z]{3}_[0-9]{2}", ["alpha", "beta", "gamma delta"]
+    for seed in range(3):
+        for extra, check in (({"guided_regex": regex}, lambda t: re.fullmatch(regex, t)),
+                             ({"guided_choice": choices}, lambda t: t in choices),
+                             ({"guided_json": SCHEMA, **COMPACT}, lambda t: jsonschema.validate(json.loads(t), SCHEMA)
+                              or True)):
+            kwargs = dict(model="tiny", prompt="name = ", max_tokens=150, temperature=1.0, seed=seed, extra_body=extra)
+            if stream:
+                text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs))
+            else:
+                text = client.completions.create(**kwargs).choices[0].text
+            assert check(text), (extra, text)
+            content, _, _ = stream_chat(client, extra_body=extra, temperature=1.0, seed=seed) if stream else (
+                chat(client, extra_body=extra, temperature=1.0, seed=seed).choices[0].message.content, None, None)
+            assert check(content), (extra, content)
+    grammar = 'root ::= "n = " [1-9] [0-9]?'
+    text = client.completions.create(model="tiny", prompt="x", max_tokens=10, extra_body={"guided_grammar": grammar})
+    assert re.fullmatch(r"n = [1-9][0-9]?", text.choices[0].text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_tool_choice_returns_tool_calls(client: openai.OpenAI, stream: bool) -> None:
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(2):
+        kwargs = dict(tools=TOOLS, tool_choice=tool_choice, temperature=1.0, seed=seed, extra_body=COMPACT)
+        if stream:
+            content, calls, finish = stream_chat(client, **kwargs)
+            assert content == "" and list(calls) == [0]
+            call = calls[0]
+            assert call["id"]
+        else:
+            choice = chat(client, **kwargs).choices[0]
+            content, finish = choice.message.content, choice.finish_reason
+            assert content is None and len(choice.message.tool_calls) == 1
+            tool_call = choice.message.tool_calls[0]
+            assert tool_call.id and tool_call.type == "function"
+            call = {"name": tool_call.function.name, "arguments": tool_call.function.arguments}
+        assert finish == "tool_calls"
+        assert call["name"] == "get_weather"
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMA)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_tool_choice_picks_among_tools(client: openai.OpenAI, stream: bool) -> None:
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+    names = set()
+    for seed in range(4):
+        kwargs = dict(tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed, max_tokens=200,
+                      extra_body={**COMPACT, "parallel_tool_calls": False})
+        if stream:
+            _, calls, finish = stream_chat(client, **kwargs)
+            calls_list = [calls[i] for i in sorted(calls)]
+        else:
+            choice = chat(client, **kwargs).choices[0]
+            finish = choice.finish_reason
+            calls_list = [{"name": c.function.name, "arguments": c.function.arguments}
+                          for c in choice.message.tool_calls]
+        assert finish == "tool_calls" and len(calls_list) == 1
+        for call in calls_list:
+            jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+            names.add(call["name"])
+    assert names <= set(schemas)
+    # "none": tools are ignored, the answer is plain text
+    plain = chat(client, tools=TOOLS, tool_choice="none", temperature=0.0, max_tokens=8).choices[0]
+    assert plain.message.tool_calls is None and plain.finish_reason == "length"
+
+
+def test_bad_constraints_are_400s_naming_the_field(server: RemoteServer) -> None:
+    def post(path: str, **body: Any) -> dict:
+        base = {"model": "tiny", "max_tokens": 5}
+        base.update({"prompt": "x"} if path.endswith("completions") and "messages" not in body else {})
+        response = server.post(path, {**base, **body})
+        assert response.status_code == 400, response.text
+        return response.json()["error"]
+
+    completions, chat_path = "/v1/completions", "/v1/chat/completions"
+    assert post(completions, guided_regex="(unclosed")["param"] == "guided_regex"
+    error = post(completions, guided_json={"type": "object", "properties": {"a": {"type": "nope"}}})
+    assert error["param"] == "guided_json" and "JSON schema" in error["message"]
+    error = post(completions, guided_json={"not": {"type": "string"}})
+    assert error["param"] == "guided_json" and "cannot be compiled" in error["message"]
+    assert post(completions, guided_choice=[])["param"] == "guided_choice"
+    assert post(completions, guided_regex="a", guided_choice=["b"])["param"] == "guided_choice"
+    assert post(completions, response_format={"type": "json_schema", "json_schema": {"name": "x"}})["param"] \
+        == "response_format"
+    error = post(chat_path, messages=MESSAGES, response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "required": "oops"}}})
+    assert error["param"] == "response_format"
+    error = post(chat_path, messages=MESSAGES, tools=TOOLS, tool_choice="auto")
+    assert error["param"] == "tool_choice" and "auto" in error["message"]
+    assert post(chat_path, messages=MESSAGES, tools=TOOLS)["param"] == "tool_choice"  # the default is auto
+    assert post(chat_path, messages=MESSAGES, tools=TOOLS,
+                tool_choice={"type": "function", "function": {"name": "missing"}})["param"] == "tool_choice"
+    assert post(chat_path, messages=MESSAGES, tool_choice="required")["param"] == "tool_choice"
+    assert post(chat_path, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                guided_regex="a")["param"] == "guided_regex"
+    server.assert_healthy()
+
+
+def test_tools_and_tool_turns_reach_the_chat_template() -> None:
+    from transformers import AutoTokenizer
+
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedllm.entrypoints.openai.serving_chat import render_chat_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    tokenizer.chat_template = (
+        "{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}(call {{ c.function.name }} {{ c.function.arguments }}){% endfor %}"
+        "{% if m.tool_call_id %}(for {{ m.tool_call_id }}){% endif %}{% endfor %}")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone":"UTC"}'}}
+    request = ChatCompletionRequest(model="tiny", tools=TOOLS, tool_choice="required", messages=[
+        {"role": "user", "content": "time?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}])
+    text = render_chat_prompt(tokenizer, request.messages, False, None,
+                              [tool.model_dump() for tool in request.tools])
+    assert text == ('[tool get_weather][tool get_time]<user>time?<assistant>(call get_time {"zone":"UTC"})'
+                    "<tool>12:00(for call_1)")
