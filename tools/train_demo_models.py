@@ -691,7 +691,8 @@ def render_card(name: str, r: dict) -> str:
     )
     alpha = r["agreement"]
     stopped = (
-        f"It was stopped by `--stop-at` after {me['train_steps']} of {me['planned_steps']} planned steps; the\n"
+        f"It was stopped by `--{'' if is_target else 'draft-'}stop-at` after {me['train_steps']} of "
+        f"{me['planned_steps']} planned steps; the\n"
         "learning-rate schedule follows wall time in that case, so it still ended at a tenth of the peak."
         if me.get("stopped_early") else f"It ran all {me['planned_steps']} planned steps."
     )
