@@ -72,6 +72,13 @@ class RopeConfig:
         if rope_type == "default":
             return cls(theta=theta, scaling=None)
         scaling["rope_type"] = rope_type
+        if rope_type in ("llama3", "yarn"):
+            # As transformers: a top-level original_max_position_embeddings wins, else max_position_embeddings.
+            if hf.get("original_max_position_embeddings"):
+                scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+            scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
+        if rope_type == "yarn" and scaling.get("factor") is None:
+            scaling["factor"] = hf.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
         return cls(theta=theta, scaling=scaling)
 
 
@@ -98,6 +105,9 @@ class ModelConfig:
     qk_norm: bool
     rope: RopeConfig
     hidden_act: str = "silu"
+    # MLA (DeepSeek-V2/V3): each layer caches one latent of kv_lora_rank plus a rope key of qk_rope_head_dim
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     # Weight-only quantization of the linear projections (None: weights stay in `dtype`).
@@ -163,17 +173,42 @@ class ModelConfig:
             max_model_len=max_model_len,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rope=RopeConfig.from_hf(hf),
             hidden_act=hf.get("hidden_act", "silu"),
+            kv_lora_rank=int(hf["kv_lora_rank"]) if hf.get("kv_lora_rank") else None,
+            qk_rope_head_dim=int(hf.get("qk_rope_head_dim") or 0),
             eos_token_ids=eos_ids,
             bos_token_id=generation.get("bos_token_id", hf.get("bos_token_id")),
             quantization=resolve_quantization(quantization, quantization_group_size, hf),
         )
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    def kv_cache_layer_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """One layer's cache tensor: [2 (K, V), kv_heads, blocks, block_size, head_dim], or for MLA
+        [1, 1, blocks, block_size, kv_lora_rank + qk_rope_head_dim] (one latent + rope key per token;
+        the same block axis, so block copies and the pool treat both alike)."""
+        if self.is_mla:
+            return (1, 1, num_blocks, block_size, self.kv_lora_rank + self.qk_rope_head_dim)
+        return (2, self.num_key_value_heads, num_blocks, block_size, self.head_dim)
+
     def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=kv_dtype).element_size()
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element
+        return self.num_hidden_layers * kv_elements_per_token_per_layer(
+            self.num_key_value_heads, self.head_dim, self.kv_lora_rank, self.qk_rope_head_dim) * element
+
+
+def kv_elements_per_token_per_layer(num_kv_heads: int, head_dim: int, kv_lora_rank: int | None = None,
+                                    qk_rope_head_dim: int = 0) -> int:
+    """Cache elements one token takes in one layer; the one formula behind the engine's KV sizing, its
+    start-up log and the planner. MHA/GQA/MQA: K and V per KV head. MLA: the compressed latent plus the
+    shared rope key, not expanded K/V."""
+    if kv_lora_rank is not None:
+        return kv_lora_rank + qk_rope_head_dim
+    return 2 * num_kv_heads * head_dim
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -191,6 +226,8 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+    # TORCH_SDPA, TORCH_FLASH, CPU_FLASH, TRITON; None: PAGEDLLM_ATTENTION_BACKEND, else the device's default
+    attention_backend: str | None = None
     num_blocks: int = 0  # decided at start-up from the memory budget
 
 

@@ -43,6 +43,9 @@ ARCH_CASES: dict[str, dict[str, Any]] = {
     "llama_linear_rope_legacy_type": dict(
         arch="llama", rope_scaling={"type": "linear", "factor": 2.0}, rope_spelling="legacy", seed=18
     ),
+    # YaRN without DeepSeek's mscale pair: cos/sin scaled by 0.1 ln(factor) + 1.
+    "llama_yarn_rope": dict(arch="llama", rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                        "original_max_position_embeddings": 64}, seed=19),
     "mistral": dict(arch="mistral", seed=15),
     "qwen2_bias_tied": dict(arch="qwen2", tie_word_embeddings=True, seed=16),
     "qwen3_qk_norm": dict(arch="qwen3", head_dim=32, seed=17),

@@ -136,6 +136,10 @@ _ARCHES = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
 
@@ -171,6 +175,7 @@ def build_model(
     initializer_range: float = 0.25,
     tokenizer: str = "bpe",
     tokenizer_vocab_size: int = 512,
+    extra_config: dict[str, Any] | None = None,
 ) -> str:
     """Build a random-weight checkpoint of `arch` in `dir` and return `str(dir)`.
 
@@ -180,6 +185,7 @@ def build_model(
     `head_dim` when it is hidden_size // num_attention_heads. transformers 5 writes `rope_parameters`.
     `attention_bias=None` means the architecture's usual choice (qkv bias for qwen2 only).
     `tokenizer="word"` uses a WordLevel tokenizer of `vocab_size` ids (tiny-vocabulary models).
+    `extra_config` adds architecture fields (experts, MLA ranks, routing) to the transformers config.
     """
     import transformers
 
@@ -215,7 +221,7 @@ def build_model(
     )
     if head_dim is not None:
         kwargs["head_dim"] = head_dim
-    if arch in ("llama", "qwen3"):
+    if arch in ("llama", "qwen3", "qwen3_moe"):
         kwargs["attention_bias"] = bool(attention_bias)
     elif arch == "qwen2":
         # Qwen2 always has qkv bias in transformers; it has no attention_bias switch.
@@ -223,8 +229,11 @@ def build_model(
     elif arch == "mistral":
         assert not attention_bias, "mistral has no attention bias"
         kwargs["sliding_window"] = None
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen3_moe"):
         kwargs["use_sliding_window"] = False
+    if arch == "mixtral":
+        kwargs["sliding_window"] = None
+    kwargs.update(extra_config or {})
     config = config_cls(**kwargs)
 
     torch.manual_seed(seed)
@@ -252,6 +261,9 @@ def _randomize_(model: torch.nn.Module, std: float, seed: int) -> None:
             p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
         else:  # weights and biases alike
             p.copy_(std * torch.randn(p.shape, generator=gen))
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias, zero at init
+            b.copy_(std * torch.randn(b.shape, generator=gen))
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
 

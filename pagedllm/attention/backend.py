@@ -2,12 +2,19 @@
 context back through `block_tables`. Models see only `AttentionMetadata` and the backend.
 
 A step's tokens are laid out flat, decode-like requests first (short queries, batched in one call),
-then prefill chunks (each attends to its own cached prefix through its block table).
+then prefill chunks (each attends to its own cached prefix through its block table). The metadata is
+built once per step by the model runner and shared by every layer.
+
+Every backend gets the varlen description (vLLM's names): sequence i owns query rows
+[query_start_loc[i], query_start_loc[i+1]), has seq_lens[i] tokens of context after this step, and
+its query rows sit at the last positions of that context (bottom-right causal). The reference
+backend additionally reads the padded decode batch and the per-prefill masks below.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -18,6 +25,8 @@ class PrefillSeq:
     query_len: int     # tokens computed this step
     seq_len: int       # context length after this step (cached prefix + query_len)
     block_table: torch.Tensor  # [num_blocks] physical blocks holding the whole context
+    # [query_len, seq_len] bool, True where visible (bottom-right causal); None without a cached prefix
+    attn_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -35,14 +44,39 @@ class AttentionMetadata:
     decode_query_index: torch.Tensor | None = None
     decode_query_valid: torch.Tensor | None = None   # [num_decodes * max_query_len] padded rows to keep
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # The varlen description of the whole step, in the flat order above (int64).
+    query_start_loc: torch.Tensor | None = None   # [num_seqs + 1]
+    seq_lens: torch.Tensor | None = None          # [num_seqs]
+    block_tables: torch.Tensor | None = None      # [num_seqs, max_blocks], zero-padded
+    max_query_len: int = 0
+    max_seq_len: int = 0
+    # What a backend derives from the above once per step (`AttentionBackend.prepare_metadata`).
+    backend_data: dict[str, Any] = field(default_factory=dict)
 
 
 class AttentionBackend:
     """One instance per model; `forward` is called by every attention layer with that layer's cache."""
 
+    name = "ABSTRACT"
+    # Whether the runner must build the padded decode batch and dense masks (only the reference reads them).
+    needs_dense_masks = False
+
+    def prepare_metadata(self, metadata: AttentionMetadata) -> None:
+        """Called once per step by the runner after it fills `metadata`: derive what every layer reuses."""
+
+    # kv_cache for one layer: [2, num_kv_heads, num_blocks, block_size, head_dim]. Head-major, so one
+    # block of one head is a contiguous [block_size, head_dim] tile.
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        raise NotImplementedError
+        """K and V of this step's tokens into their slots as one indexed copy."""
+        num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape[1:]
+        flat = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)
+        new = torch.stack((key, value)).transpose(1, 2).to(kv_cache.dtype)  # [2, Hkv, T, D]
+        if kv_cache.dtype.itemsize == 1 and kv_cache.dtype.is_floating_point:
+            # fp8 storage: index_copy_ is not implemented for float8 on CPU; copy the bytes.
+            flat.view(torch.uint8).index_copy_(2, slot_mapping, new.view(torch.uint8))
+        else:
+            flat.index_copy_(2, slot_mapping, new)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -15,26 +15,15 @@ from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 
 
 class TorchPagedAttention(AttentionBackend):
+    name = "TORCH_SDPA"
+    needs_dense_masks = True
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, compute_dtype: torch.dtype):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.compute_dtype = compute_dtype
         self._buffers: dict[str, torch.Tensor] = {}
-
-    # kv_cache for one layer: [2, num_kv_heads, num_blocks, block_size, head_dim]. Head-major, so a
-    # gathered context is a contiguous [tokens, head_dim] matrix per head, which SDPA reads fast.
-    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        num_slots = kv_cache.shape[2] * kv_cache.shape[3]
-        for cache, new in ((kv_cache[0], key), (kv_cache[1], value)):
-            flat = cache.view(self.num_kv_heads, num_slots, self.head_dim)
-            new = new.transpose(0, 1).to(kv_cache.dtype)
-            if kv_cache.dtype.itemsize == 1 and kv_cache.dtype.is_floating_point:
-                # fp8 storage: index_copy_ is not implemented for float8 on CPU; copy the bytes.
-                flat.view(torch.uint8).index_copy_(1, slot_mapping, new.view(torch.uint8))
-            else:
-                flat.index_copy_(1, slot_mapping, new)
 
     def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
                 ) -> torch.Tensor:
@@ -78,11 +67,10 @@ class TorchPagedAttention(AttentionBackend):
                 block_table = seq.block_table.unsqueeze(0)
                 k = self._gather(kv_cache[0], block_table, "prefill_k")[:, :, :seq.seq_len]
                 v = self._gather(kv_cache[1], block_table, "prefill_v")[:, :, :seq.seq_len]
-                # Bottom-right causal: query i sits at position seq_len - query_len + i.
-                q_pos = torch.arange(seq.query_len, device=query.device) + (seq.seq_len - seq.query_len)
-                k_pos = torch.arange(seq.seq_len, device=query.device)
-                mask = k_pos[None, :] <= q_pos[:, None]
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+                # Bottom-right causal mask, built once per step by the runner (is_causal=True would
+                # align it top-left, wrong when keys outnumber queries).
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=seq.attn_mask, scale=scale,
+                                                     enable_gqa=True)
             output[rows] = out.squeeze(0).transpose(0, 1)
         return output
 

@@ -174,11 +174,23 @@ OTHER_BENCHMARKS = {
         "run_spec_decode_cmd",
         "speculative decoding at batch 1 against plain decoding",
     ),
+    "attention": (
+        "pagedllm.benchmarks.attention",
+        "add_cli_args",
+        "run_cmd",
+        "paged attention kernels against gather + SDPA: per-layer decode time, KV bandwidth, e2e tok/s",
+    ),
     "prefix-caching": (
         "pagedllm.benchmarks.prefix_caching",
         "add_cli_args",
         "run_cmd",
         "time to first token with a cached long prefix against without",
+    ),
+    "mla": (
+        "pagedllm.benchmarks.mla",
+        "add_cli_args",
+        "run_cmd",
+        "MLA decode absorbed against expanded at 1k/8k context, and KV bytes per token against MHA",
     ),
     "quantization": (
         "pagedllm.benchmarks.quantization",

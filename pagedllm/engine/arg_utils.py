@@ -23,6 +23,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"
+    attention_backend: str | None = None
     seed: int = 0
     device: str = "auto"
     scheduling_policy: str = "fcfs"
@@ -83,6 +84,9 @@ class EngineArgs:
         add("--num-gpu-blocks-override", type=int, default=None, help="exact number of KV blocks")
         add("--kv-cache-dtype", default="auto",
             choices=["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"])
+        add("--attention-backend", default=None,
+            choices=["auto", "TORCH_SDPA", "TORCH_FLASH", "CPU_FLASH", "TRITON"],
+            help="attention kernels (default: PAGEDLLM_ATTENTION_BACKEND, else CPU_FLASH on CPU, TRITON on CUDA)")
         add("--seed", type=int, default=0)
         add("--device", default="auto", help="auto, cpu or cuda[:N]")
         add("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm"])

@@ -60,7 +60,8 @@ class LLMEngine:
         self.cache_config = CacheConfig(
             block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_gpu_blocks_override=args.num_gpu_blocks_override,
-            kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching)
+            kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
+            attention_backend=args.attention_backend)
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
 
         self.model_runner = ModelRunner(self.model_config, self.cache_config, self.scheduler_config,

@@ -8,7 +8,7 @@ import torch
 
 from pagedllm.config import RopeConfig
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -33,7 +33,57 @@ def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
         is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, inv_freq_llama)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, rope, scaling)
     raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}.")
+
+
+def _yarn_original_max(scaling: dict) -> float:
+    if "original_max_position_embeddings" not in scaling:
+        raise ValueError("rope_scaling of type 'yarn' needs original_max_position_embeddings.")
+    return float(scaling["original_max_position_embeddings"])
+
+
+def _yarn_inv_freq(head_dim: int, rope: RopeConfig, scaling: dict) -> torch.Tensor:
+    """YaRN: extrapolate the high frequencies, interpolate the low ones by `factor`, ramp between
+    the dimensions that turn beta_fast and beta_slow times over the original context."""
+    base, factor = rope.theta, float(scaling["factor"])
+    original_max = _yarn_original_max(scaling)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (head_dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolation_factor = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (1.0 / pos_freqs) * extrapolation_factor
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(rope: RopeConfig) -> float:
+    """The factor YaRN applies to cos and sin (so to q.k through both): `attention_factor` if given,
+    else DeepSeek's mscale(factor, mscale) / mscale(factor, mscale_all_dim), else mscale(factor)."""
+    scaling = rope.scaling
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+    return yarn_mscale(factor)
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -45,8 +95,9 @@ class RotaryEmbedding(torch.nn.Module):
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin_cache", emb.sin().to(dtype), persistent=False)
+        factor = rope_attention_factor(rope)
+        self.register_buffer("cos_cache", (emb.cos() * factor).to(dtype), persistent=False)
+        self.register_buffer("sin_cache", (emb.sin() * factor).to(dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for a step's positions, [T, 1, D]; looked up once per step, used by every layer."""

@@ -131,7 +131,10 @@ class LlamaForCausalLM(nn.Module):
             if attn.q_norm is not None:
                 copy(attn.q_norm.weight, f"{p}self_attn.q_norm.weight")
                 copy(attn.k_norm.weight, f"{p}self_attn.k_norm.weight")
-            copy(layer.mlp.gate_up_weight, f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight")
-            copy(layer.mlp.down_weight, f"{p}mlp.down_proj.weight")
+            if hasattr(layer.mlp, "load_weights"):  # a mixture of experts (pagedllm.models.moe) loads itself
+                layer.mlp.load_weights(get_tensor, names, p)
+            else:
+                copy(layer.mlp.gate_up_weight, f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight")
+                copy(layer.mlp.down_weight, f"{p}mlp.down_proj.weight")
             copy(layer.input_layernorm.weight, f"{p}input_layernorm.weight")
             copy(layer.post_attention_layernorm.weight, f"{p}post_attention_layernorm.weight")

@@ -8,6 +8,10 @@ _ARCHITECTURES = {
     "MistralForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "pagedllm.models.moe_llama:MixtralForCausalLM",
+    "Qwen3MoeForCausalLM": "pagedllm.models.moe_llama:Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM": "pagedllm.models.deepseek:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "pagedllm.models.deepseek:DeepseekV3ForCausalLM",
 }
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedllm.config import kv_elements_per_token_per_layer
+
 # Bytes per element for the dtypes people pass as --dtype / --kv-cache-dtype.
 DTYPE_BYTES: dict[str, float] = {
     "float32": 4,
@@ -257,10 +259,9 @@ def kv_bytes_per_token(spec: ModelSpec, kv_dtype_bytes: float) -> float:
     MHA/GQA/MQA: K and V, each num_kv_heads x head_dim, per layer. MLA: one latent of kv_lora_rank plus
     the shared RoPE key of qk_rope_head_dim per layer (what vLLM caches for DeepSeek).
     """
-    if spec.is_mla:
-        assert spec.kv_lora_rank is not None
-        return spec.num_layers * (spec.kv_lora_rank + spec.qk_rope_head_dim) * kv_dtype_bytes
-    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_dtype_bytes
+    per_layer = kv_elements_per_token_per_layer(spec.num_kv_heads, spec.head_dim, spec.kv_lora_rank,
+                                                spec.qk_rope_head_dim)  # the engine's own formula
+    return spec.num_layers * per_layer * kv_dtype_bytes
 
 
 def kv_bytes_per_token_per_device(spec: ModelSpec, kv_dtype_bytes: float, tp: int) -> float:

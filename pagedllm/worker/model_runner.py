@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata, PrefillSeq
-from pagedllm.attention.torch_paged import TorchPagedAttention
+from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -70,8 +70,9 @@ class ModelRunner:
         self.device = device
         self.block_size = cache_config.block_size
         self.kv_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, model_config.dtype)
-        self.backend = TorchPagedAttention(model_config.num_attention_heads, model_config.num_key_value_heads,
-                                           model_config.head_dim, model_config.dtype)
+        self.backend = get_attn_backend(cache_config.attention_backend, model_config.num_attention_heads,
+                                        model_config.num_key_value_heads, model_config.head_dim, model_config.dtype,
+                                        self.kv_dtype, device, self.block_size)
         self.model = load_model(model_config, self.backend, device)
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
@@ -120,9 +121,10 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config
-        # One tensor for all layers; each layer gets a [2, kv_heads, num_blocks, block_size, head_dim] view.
+        # One tensor for all layers; each layer gets a [2, kv_heads, num_blocks, block_size, head_dim] view
+        # (MLA: [1, 1, num_blocks, block_size, latent + rope key], see ModelConfig.kv_cache_layer_shape).
         # Zeroed: masked-out padding is multiplied by 0 in attention, and 0 * NaN garbage would be NaN.
-        shape = (c.num_hidden_layers, 2, c.num_key_value_heads, num_blocks, self.block_size, c.head_dim)
+        shape = (c.num_hidden_layers, *c.kv_cache_layer_shape(num_blocks, self.block_size))
         if self.device.type == "cpu":
             # calloc'd memory: the OS hands out zero pages on first touch, so start-up does not write
             # (and the process does not hold) gigabytes of cache that no request has used yet.
@@ -131,9 +133,11 @@ class ModelRunner:
         else:
             cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = list(cache.unbind(0))
-        logger.info("KV cache: %d blocks of %d tokens, at most %d cached tokens (%.1f MiB, %s); weights %.1f MiB",
-                    num_blocks, self.block_size, num_blocks * self.block_size,
-                    cache.numel() * cache.element_size() / 2**20, self.kv_dtype, self.weight_bytes() / 2**20)
+        logger.info("KV cache: %d blocks of %d tokens, at most %d cached tokens (%.1f MiB, %s, %d bytes per token%s); "
+                    "weights %.1f MiB", num_blocks, self.block_size, num_blocks * self.block_size,
+                    cache.numel() * cache.element_size() / 2**20, self.kv_dtype,
+                    c.kv_bytes_per_token(self.kv_dtype), ", MLA latent" if c.is_mla else "",
+                    self.weight_bytes() / 2**20)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -183,17 +187,41 @@ class ModelRunner:
             slots.append(table[pos // bs] * bs + pos % bs)
         device = self.device
         metadata = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device))
-        if short:
+        self._prepare_varlen(order, metadata)
+        if short and self.backend.needs_dense_masks:
             self._prepare_decodes(short, metadata)
         for s, start in zip(long, query_starts[len(short):]):
-            metadata.prefills.append(PrefillSeq(
-                query_start=start, query_len=s.num_new_tokens, seq_len=s.start_pos + s.num_new_tokens,
-                block_table=torch.tensor(s.block_ids[:-(-(s.start_pos + s.num_new_tokens) // bs)],
-                                         dtype=torch.long, device=device)))
+            seq_len = s.start_pos + s.num_new_tokens
+            prefill = PrefillSeq(query_start=start, query_len=s.num_new_tokens, seq_len=seq_len,
+                                 block_table=torch.tensor(s.block_ids[:-(-seq_len // bs)], dtype=torch.long,
+                                                          device=device))
+            if self.backend.needs_dense_masks and s.start_pos > 0:
+                # Bottom-right causal: query i sits at position start_pos + i. Built here once per step,
+                # not in each layer.
+                key_pos = torch.arange(seq_len, device=device)
+                prefill.attn_mask = key_pos[None, :] <= key_pos[s.start_pos:, None]
+            metadata.prefills.append(prefill)
+        self.backend.prepare_metadata(metadata)
         return Batch(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
             positions=torch.from_numpy(np.concatenate(positions)).to(device),
             metadata=metadata, order=order, query_starts=query_starts)
+
+    def _prepare_varlen(self, order: list[ScheduledRequest], metadata: AttentionMetadata) -> None:
+        """The whole step as varlen sequences (query_start_loc, seq_lens, block_tables), for kernels that
+        read K/V in place."""
+        query_lens = np.array([s.num_new_tokens for s in order], dtype=np.int64)
+        seq_lens = np.array([s.start_pos + s.num_new_tokens for s in order], dtype=np.int64)
+        num_blocks = -(-seq_lens // self.block_size)
+        tables = np.zeros((len(order), int(num_blocks.max())), dtype=np.int64)
+        for i, s in enumerate(order):
+            tables[i, :num_blocks[i]] = s.block_ids[:num_blocks[i]]
+        device = self.device
+        metadata.query_start_loc = torch.from_numpy(np.concatenate([[0], np.cumsum(query_lens)])).to(device)
+        metadata.seq_lens = torch.from_numpy(seq_lens).to(device)
+        metadata.block_tables = torch.from_numpy(tables).to(device)
+        metadata.max_query_len = int(query_lens.max())
+        metadata.max_seq_len = int(seq_lens.max())
 
     def _prepare_decodes(self, short: list[ScheduledRequest], metadata: AttentionMetadata) -> None:
         bs = self.block_size

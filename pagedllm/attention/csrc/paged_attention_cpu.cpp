@@ -1,0 +1,577 @@
+// Paged FlashAttention for CPUs: exact attention computed one KV block at a time with the
+// FlashAttention-2 online softmax (running max, denominator and unnormalised accumulator per query
+// row), reading K/V in place from the paged cache through each sequence's block table.
+//
+// Layout (one layer): kv_cache [2, num_kv_heads, num_blocks, block_size, head_dim], so one block of
+// one head is a contiguous [block_size, head_dim] tile. A step's queries are flat [num_tokens,
+// num_heads, head_dim]; sequence i owns rows [query_start_loc[i], query_start_loc[i+1]) and its last
+// row sits at position seq_lens[i] - 1 (bottom-right causal: chunked prefill over a cached prefix and
+// speculative verification both need that alignment).
+//
+// Work items are (sequence, kv head, query tile, kv split). All query heads of a KV head group are
+// processed together, so each KV block is read (and converted to fp32) once per group. Sequences with
+// one query tile (decode, verification) are split along the context every kSplitTokens tokens
+// (flash-decoding), so one long sequence keeps every thread busy; partial results are merged exactly
+// with their log-sum-exp. The split length is fixed, not derived from the batch or the thread count,
+// so a sequence's output is the same whatever else is in the batch and however many threads run.
+//
+// Vectorisation: the inner loops run over head_dim with `#pragma omp simd` and are compiled with
+// -O3 -march=native on the machine that runs them (AVX2 or AVX-512, whichever it has). Threads come
+// from at::parallel_for, i.e. torch's own OpenMP pool and torch.set_num_threads.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kQueryTile = 16;     // query positions per work item (times the group's heads)
+constexpr int64_t kSplitTokens = 512;  // context tokens per split of a decode-like sequence
+constexpr int64_t kPrefetchBlocks = 4;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Element -> fp32. bf16 is the top half of an fp32, so it widens with a shift the compiler vectorises.
+inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+template <typename T>
+inline void from_float(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// [block_size, D] tile rows j0..j1 -> fp32 [D, block_size]; rows outside stay as they were (their
+// scores are never read).
+template <typename cache_t>
+inline void transpose_to_float(const cache_t* src, float* dst, int64_t j0, int64_t j1, int64_t block_size,
+                               int64_t D) {
+  float row[1024];
+  for (int64_t j = j0; j < j1; ++j) {
+    to_float(src + j * D, row, D);
+    for (int64_t d = 0; d < D; ++d) dst[d * block_size + j] = row[d];
+  }
+}
+
+// exp(x) for x <= 0 (scores minus their running max), in plain arithmetic so `omp simd` loops
+// vectorise it: 2^(x log2 e) = 2^n * 2^f, n integer, |f| <= 1/2, 2^f by a degree-6 polynomial
+// (relative error about 2e-7, the size of fp32 rounding). Below 2^-126 it returns 0.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x * 1.44269504088896341f, -127.f);
+  const float n = (t + 12582912.f) - 12582912.f;  // round to nearest without a libm call
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += static_cast<int32_t>(n) << 23;
+  float result;
+  std::memcpy(&result, &bits, sizeof(result));
+  return n < -126.f ? 0.f : result;
+}
+
+// One query row against keys j0..j_end of one block: scores, then the online-softmax update of the
+// row's max, denominator and accumulator. k is [BS][D] or, when `transposed`, [D][BS]; v is [BS][D];
+// all fp32. A few rows (decode) take dot products from k as stored; many rows (prefill tiles) amortise
+// a transpose that turns each score row into FMAs across the block, with no horizontal reductions.
+// BS and HD are compile-time for the common shapes (0: given at run time), so that the score vector
+// and the accumulator stay in registers across the loops.
+template <int BS, int HD>
+inline void update_row_impl(const float* __restrict q, const float* __restrict kT, const float* __restrict v,
+                            int64_t j0, int64_t j_end, float* __restrict s, float& row_max, float& row_sum,
+                            float* __restrict acc, int64_t block_size_rt, int64_t head_dim_rt, bool transposed) {
+  const int64_t bs = BS ? BS : block_size_rt;
+  const int64_t D = HD ? HD : head_dim_rt;
+  if (!transposed) {
+    for (int64_t j = j0; j < j_end; ++j) {
+      const float* kj = kT + j * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += q[d] * kj[d];
+      s[j] = dot;
+    }
+  } else if constexpr (BS != 0) {
+    float local[BS] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const float qd = q[d];
+#pragma omp simd
+      for (int j = 0; j < BS; ++j) local[j] += qd * kT[d * BS + j];
+    }
+    for (int j = 0; j < BS; ++j) s[j] = local[j];
+  } else {
+    std::fill(s, s + bs, 0.f);
+    for (int64_t d = 0; d < D; ++d) {
+      const float qd = q[d];
+#pragma omp simd
+      for (int64_t j = 0; j < bs; ++j) s[j] += qd * kT[d * bs + j];
+    }
+  }
+  float block_max = kNegInf;
+  for (int64_t j = j0; j < j_end; ++j) block_max = std::max(block_max, s[j]);
+  const float new_max = std::max(row_max, block_max);
+  const float alpha = std::exp(row_max - new_max);  // exp(-inf) = 0 on the row's first block
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = j0; j < j_end; ++j) {
+    s[j] = exp_nonpositive(s[j] - new_max);
+    sum += s[j];
+  }
+  row_sum = row_sum * alpha + sum;
+  row_max = new_max;
+  if constexpr (HD != 0) {
+    float out[HD];
+#pragma omp simd
+    for (int d = 0; d < HD; ++d) out[d] = acc[d] * alpha;
+    for (int64_t j = j0; j < j_end; ++j) {
+      const float p = s[j];
+      const float* vj = v + j * HD;
+#pragma omp simd
+      for (int d = 0; d < HD; ++d) out[d] += p * vj[d];
+    }
+    for (int d = 0; d < HD; ++d) acc[d] = out[d];
+  } else {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+    for (int64_t j = j0; j < j_end; ++j) {
+      const float p = s[j];
+      const float* vj = v + j * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) acc[d] += p * vj[d];
+    }
+  }
+}
+
+// Four query rows against a whole block (every key visible to every row) with K transposed: each
+// loaded K or V vector feeds four FMAs, and the 4 x BS scores and 4 x HD accumulators stay in registers.
+template <int BS, int HD>
+inline void update_rows4(const float* __restrict q, const float* __restrict kT, const float* __restrict v,
+                         float* __restrict row_max, float* __restrict row_sum, float* __restrict acc) {
+  constexpr int R = 4;
+  float s[R][BS] = {};
+  for (int d = 0; d < HD; ++d) {
+    const float* kd = kT + d * BS;
+    for (int r = 0; r < R; ++r) {
+      const float qd = q[r * HD + d];
+#pragma omp simd
+      for (int j = 0; j < BS; ++j) s[r][j] += qd * kd[j];
+    }
+  }
+  float alpha[R];
+  for (int r = 0; r < R; ++r) {
+    float block_max = kNegInf;
+    for (int j = 0; j < BS; ++j) block_max = std::max(block_max, s[r][j]);
+    const float new_max = std::max(row_max[r], block_max);
+    alpha[r] = std::exp(row_max[r] - new_max);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < BS; ++j) {
+      s[r][j] = exp_nonpositive(s[r][j] - new_max);
+      sum += s[r][j];
+    }
+    row_sum[r] = row_sum[r] * alpha[r] + sum;
+    row_max[r] = new_max;
+  }
+  float out[R][HD];
+  for (int r = 0; r < R; ++r) {
+#pragma omp simd
+    for (int d = 0; d < HD; ++d) out[r][d] = acc[r * HD + d] * alpha[r];
+  }
+  for (int j = 0; j < BS; ++j) {
+    const float* vj = v + j * HD;
+    for (int r = 0; r < R; ++r) {
+      const float p = s[r][j];
+#pragma omp simd
+      for (int d = 0; d < HD; ++d) out[r][d] += p * vj[d];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+#pragma omp simd
+    for (int d = 0; d < HD; ++d) acc[r * HD + d] = out[r][d];
+  }
+}
+
+// Rows m0..m0+3 over a whole block, if a compiled-in shape fits; false means "do them one by one".
+inline bool update_rows4_if_compiled(const float* q, const float* kT, const float* v, float* row_max,
+                                     float* row_sum, float* acc, int64_t block_size, int64_t D) {
+  if (block_size == 16 && D == 64) return update_rows4<16, 64>(q, kT, v, row_max, row_sum, acc), true;
+  if (block_size == 16 && D == 128) return update_rows4<16, 128>(q, kT, v, row_max, row_sum, acc), true;
+  if (block_size == 32 && D == 64) return update_rows4<32, 64>(q, kT, v, row_max, row_sum, acc), true;
+  if (block_size == 32 && D == 128) return update_rows4<32, 128>(q, kT, v, row_max, row_sum, acc), true;
+  return false;
+}
+
+template <int BS>
+inline void update_row_bs(const float* q, const float* kT, const float* v, int64_t j0, int64_t j_end, float* s,
+                          float& row_max, float& row_sum, float* acc, int64_t block_size, int64_t D, bool transposed) {
+  switch (D) {
+    case 64: return update_row_impl<BS, 64>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
+    case 128: return update_row_impl<BS, 128>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
+    default: return update_row_impl<BS, 0>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
+  }
+}
+
+inline void update_row(const float* q, const float* kT, const float* v, int64_t j0, int64_t j_end, float* s,
+                       float& row_max, float& row_sum, float* acc, int64_t block_size, int64_t D, bool transposed) {
+  switch (block_size) {
+    case 16: return update_row_bs<16>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
+    case 32: return update_row_bs<32>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
+    default: return update_row_bs<0>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
+  }
+}
+
+struct WorkItem {
+  int64_t seq;
+  int64_t kv_head;
+  int64_t q_begin;    // first query row of the tile, relative to the sequence
+  int64_t q_end;
+  int64_t k_begin;    // context range of this split
+  int64_t k_end;
+  int64_t partial;    // index of this split's partial result, or -1 when the item writes the output
+};
+
+template <typename scalar_t, typename cache_t>
+void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache, const int64_t* block_table,
+              int64_t q_row0, int64_t seq_len, int64_t query_len, int64_t num_heads, int64_t num_kv_heads,
+              int64_t num_blocks, int64_t block_size, int64_t head_dim, float scale, scalar_t* out,
+              float* partial_acc, float* partial_max, float* partial_sum, std::vector<float>& scratch) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t rows = (w.q_end - w.q_begin) * group;  // row m = (query position - q_begin) * group + g
+  const int64_t D = head_dim;
+  scratch.resize(rows * D * 2 + rows * block_size + 2 * rows + 2 * block_size * D);
+  float* q = scratch.data();
+  float* acc = q + rows * D;
+  float* scores = acc + rows * D;
+  float* row_max = scores + rows * block_size;
+  float* row_sum = row_max + rows;
+  float* k_tile = row_sum + rows;
+  float* v_tile = k_tile + block_size * D;
+
+  for (int64_t t = w.q_begin; t < w.q_end; ++t) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t m = (t - w.q_begin) * group + g;
+      to_float(query + ((q_row0 + t) * num_heads + w.kv_head * group + g) * D, q + m * D, D);
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) q[m * D + d] *= scale;
+    }
+  }
+  std::fill(acc, acc + rows * D, 0.f);
+  std::fill(row_max, row_max + rows, kNegInf);
+  std::fill(row_sum, row_sum + rows, 0.f);
+
+  // Query position p sees keys 0..p; the tile's last query bounds the keys any row can see.
+  const int64_t first_pos = seq_len - query_len + w.q_begin;
+  const int64_t k_stop = std::min(w.k_end, seq_len - query_len + w.q_end);
+  const int64_t tile_elems = block_size * D;
+  const bool transpose = rows >= 16;
+  for (int64_t kb = w.k_begin; kb < k_stop; kb = (kb / block_size + 1) * block_size) {
+    const int64_t logical = kb / block_size;
+    const int64_t block_start = logical * block_size;
+    const int64_t j0 = kb - block_start;
+    const int64_t j1 = std::min(block_size, k_stop - block_start);
+    const int64_t physical = block_table[logical];
+    const cache_t* k_src = kv_cache + (w.kv_head * num_blocks + physical) * tile_elems;
+    const cache_t* v_src = kv_cache + ((num_kv_heads + w.kv_head) * num_blocks + physical) * tile_elems;
+    // Blocks sit anywhere in the pool, so hardware prefetchers stop at every block boundary: ask for the
+    // block kPrefetchBlocks ahead in the table while this one is computed.
+    if (block_start + kPrefetchBlocks * block_size < k_stop) {
+      const int64_t next = block_table[logical + kPrefetchBlocks];
+      const char* k_next = reinterpret_cast<const char*>(kv_cache + (w.kv_head * num_blocks + next) * tile_elems);
+      const char* v_next =
+          reinterpret_cast<const char*>(kv_cache + ((num_kv_heads + w.kv_head) * num_blocks + next) * tile_elems);
+      for (int64_t byte = 0; byte < tile_elems * static_cast<int64_t>(sizeof(cache_t)); byte += 64) {
+        __builtin_prefetch(k_next + byte, 0, 2);
+        __builtin_prefetch(v_next + byte, 0, 2);
+      }
+    }
+    // K transposed to [head_dim][block_size]: scores of one row are then FMAs across the block's keys
+    // (one vector per d), with no horizontal reductions. V stays [block_size][head_dim].
+    const float* v;
+    if constexpr (std::is_same_v<cache_t, float>) {
+      v = v_src;
+    } else {
+      to_float(v_src + j0 * D, v_tile + j0 * D, (j1 - j0) * D);
+      v = v_tile;
+    }
+    if (transpose) {
+      transpose_to_float(k_src, k_tile, j0, j1, block_size, D);
+    } else {
+      to_float(k_src + j0 * D, k_tile + j0 * D, (j1 - j0) * D);
+    }
+    int64_t m = 0;
+    if (transpose && j0 == 0 && j1 == block_size) {
+      // Rows whose query sees the whole block (all but the diagonal), four at a time.
+      // Positions grow with m, so row m seeing the block's last key means rows m..m+3 all do.
+      for (; m + 4 <= rows && first_pos + m / group >= block_start + block_size - 1; m += 4) {
+        if (!update_rows4_if_compiled(q + m * D, k_tile, v, row_max + m, row_sum + m, acc + m * D, block_size, D))
+          break;
+      }
+    }
+    for (; m < rows; ++m) {
+      const int64_t pos = first_pos + m / group;
+      const int64_t visible_end = std::min(j1, pos - block_start + 1);  // keys j < visible_end are visible
+      if (visible_end <= j0) continue;
+      update_row(q + m * D, k_tile, v, j0, visible_end, scores + m * block_size, row_max[m], row_sum[m],
+                 acc + m * D, block_size, D, transpose);
+    }
+  }
+
+  for (int64_t m = 0; m < rows; ++m) {
+    const int64_t t = w.q_begin + m / group;
+    const int64_t head = w.kv_head * group + m % group;
+    if (w.partial >= 0) {
+      const int64_t slot = w.partial * kQueryTile * group + m;
+      std::memcpy(partial_acc + slot * D, acc + m * D, D * sizeof(float));
+      partial_max[slot] = row_max[m];
+      partial_sum[slot] = row_sum[m];
+    } else {
+      // Every row sees at least key 0, so row_sum > 0 here.
+      const float inv = 1.f / row_sum[m];
+      float* am = acc + m * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) am[d] *= inv;
+      from_float(am, out + ((q_row0 + t) * num_heads + head) * D, D);
+    }
+  }
+}
+
+template <typename scalar_t, typename cache_t>
+void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                          const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                          at::Tensor& out) {
+  const int64_t num_heads = query.size(1);
+  const int64_t head_dim = query.size(2);
+  const int64_t num_kv_heads = kv_cache.size(1);
+  const int64_t num_blocks = kv_cache.size(2);
+  const int64_t block_size = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t num_seqs = seq_lens.size(0);
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+
+  // Decode-like sequences (one query tile) get one item per split; longer chunks one item per tile.
+  std::vector<WorkItem> items;
+  struct Merge { int64_t seq, kv_head, first_partial, num_splits, query_len; };
+  std::vector<Merge> merges;
+  int64_t num_partials = 0;
+  const int64_t partial_rows = kQueryTile * group;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t query_len = starts[s + 1] - starts[s];
+    const int64_t seq_len = lens[s];
+    TORCH_CHECK(query_len >= 0 && seq_len >= query_len && (seq_len + block_size - 1) / block_size <= max_blocks,
+                "paged_attention: sequence ", s, " has query_len ", query_len, " and seq_len ", seq_len);
+    if (query_len == 0) continue;
+    const int64_t num_splits = query_len <= kQueryTile ? (seq_len + kSplitTokens - 1) / kSplitTokens : 1;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      if (num_splits > 1) {
+        merges.push_back({s, h, num_partials, num_splits, query_len});
+        for (int64_t p = 0; p < num_splits; ++p) {
+          items.push_back({s, h, 0, query_len, p * kSplitTokens, std::min(seq_len, (p + 1) * kSplitTokens),
+                           num_partials++});
+        }
+      } else {
+        for (int64_t t = 0; t < query_len; t += kQueryTile) {
+          items.push_back({s, h, t, std::min(query_len, t + kQueryTile), 0, seq_len, -1});
+        }
+      }
+    }
+  }
+  // Partial results: [partial][kQueryTile * group rows][head_dim], of which a sequence uses its rows.
+  std::vector<float> partial_acc(num_partials * partial_rows * head_dim);
+  std::vector<float> partial_max(num_partials * partial_rows);
+  std::vector<float> partial_sum(num_partials * partial_rows);
+
+  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
+  const cache_t* cache_ptr = reinterpret_cast<const cache_t*>(kv_cache.data_ptr());
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t i = begin; i < end; ++i) {
+      const WorkItem& w = items[i];
+      const int64_t query_len = starts[w.seq + 1] - starts[w.seq];
+      run_item<scalar_t, cache_t>(w, q_ptr, cache_ptr, tables + w.seq * max_blocks, starts[w.seq], lens[w.seq],
+                                  query_len, num_heads, num_kv_heads, num_blocks, block_size, head_dim, fscale,
+                                  out_ptr, partial_acc.data(), partial_max.data(), partial_sum.data(), scratch);
+    }
+  });
+
+  // Exact merge: out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M), M the largest split max.
+  at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(head_dim);
+    for (int64_t i = begin; i < end; ++i) {
+      const Merge& mg = merges[i];
+      const int64_t rows = mg.query_len * group;
+      for (int64_t m = 0; m < rows; ++m) {
+        float global_max = kNegInf;
+        for (int64_t p = 0; p < mg.num_splits; ++p)
+          global_max = std::max(global_max, partial_max[(mg.first_partial + p) * partial_rows + m]);
+        std::fill(merged.begin(), merged.end(), 0.f);
+        float total = 0.f;
+        for (int64_t p = 0; p < mg.num_splits; ++p) {
+          const int64_t slot = (mg.first_partial + p) * partial_rows + m;
+          if (partial_sum[slot] == 0.f) continue;  // a split wholly after this row's position
+          const float w = std::exp(partial_max[slot] - global_max);
+          total += partial_sum[slot] * w;
+          const float* a = partial_acc.data() + slot * head_dim;
+          float* o = merged.data();
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) o[d] += w * a[d];
+        }
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < head_dim; ++d) merged[d] *= inv;
+        const int64_t t = m / group;
+        const int64_t head = mg.kv_head * group + m % group;
+        from_float(merged.data(), out_ptr + ((starts[mg.seq] + t) * num_heads + head) * head_dim, head_dim);
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void dispatch_cache(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale, at::Tensor& out) {
+  switch (kv_cache.scalar_type()) {
+    case at::kFloat:
+      return paged_attention_impl<scalar_t, float>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out);
+    case at::kBFloat16:
+      return paged_attention_impl<scalar_t, c10::BFloat16>(query, kv_cache, block_tables, seq_lens, query_start_loc,
+                                                           scale, out);
+    case at::kHalf:
+      return paged_attention_impl<scalar_t, c10::Half>(query, kv_cache, block_tables, seq_lens, query_start_loc,
+                                                       scale, out);
+    case at::kFloat8_e4m3fn:
+      return paged_attention_impl<scalar_t, c10::Float8_e4m3fn>(query, kv_cache, block_tables, seq_lens,
+                                                                query_start_loc, scale, out);
+    case at::kFloat8_e5m2:
+      return paged_attention_impl<scalar_t, c10::Float8_e5m2>(query, kv_cache, block_tables, seq_lens,
+                                                              query_start_loc, scale, out);
+    default:
+      TORCH_CHECK(false, "paged_attention: unsupported kv cache dtype ", kv_cache.scalar_type());
+  }
+}
+
+void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale, at::Tensor out) {
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous() && out.is_contiguous() && out.sizes() == query.sizes() &&
+                  out.scalar_type() == query.scalar_type(),
+              "paged_attention: query and out must be contiguous [num_tokens, num_heads, head_dim] of one dtype");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  kv_cache.size(4) == query.size(2) && query.size(2) <= 1024 && query.size(1) % kv_cache.size(1) == 0,
+              "paged_attention: kv_cache must be contiguous [2, num_kv_heads, num_blocks, block_size, head_dim]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  query_start_loc.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+                  query_start_loc.size(0) == seq_lens.size(0) + 1,
+              "paged_attention: block_tables, seq_lens and query_start_loc must be contiguous int64");
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      return dispatch_cache<float>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out);
+    case at::kBFloat16:
+      return dispatch_cache<c10::BFloat16>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out);
+    case at::kHalf:
+      return dispatch_cache<c10::Half>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out);
+    default:
+      TORCH_CHECK(false, "paged_attention: unsupported query dtype ", query.scalar_type());
+  }
+}
+
+// K and V of this step's tokens into their slots, one pass over both (vLLM's reshape_and_cache).
+template <typename src_t, typename cache_t>
+void write_kv_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                   const at::Tensor& slot_mapping) {
+  const int64_t num_tokens = key.size(0);
+  const int64_t num_kv_heads = kv_cache.size(1);
+  const int64_t num_slots = kv_cache.size(2) * kv_cache.size(3);
+  const int64_t D = kv_cache.size(4);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const src_t* k = key.data_ptr<src_t>();
+  const src_t* v = value.data_ptr<src_t>();
+  const int64_t k_stride = key.stride(0), v_stride = value.stride(0);
+  const int64_t k_head_stride = key.stride(1), v_head_stride = value.stride(1);
+  cache_t* cache = reinterpret_cast<cache_t*>(kv_cache.data_ptr());
+  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        cache_t* k_dst = cache + (h * num_slots + slot) * D;
+        cache_t* v_dst = cache + ((num_kv_heads + h) * num_slots + slot) * D;
+        const src_t* k_src = k + t * k_stride + h * k_head_stride;
+        const src_t* v_src = v + t * v_stride + h * v_head_stride;
+        for (int64_t d = 0; d < D; ++d) {
+          k_dst[d] = static_cast<cache_t>(k_src[d]);
+          v_dst[d] = static_cast<cache_t>(v_src[d]);
+        }
+      }
+    }
+  });
+}
+
+template <typename src_t>
+void write_kv_dispatch(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                       const at::Tensor& slot_mapping) {
+  switch (kv_cache.scalar_type()) {
+    case at::kFloat: return write_kv_impl<src_t, float>(key, value, kv_cache, slot_mapping);
+    case at::kBFloat16: return write_kv_impl<src_t, c10::BFloat16>(key, value, kv_cache, slot_mapping);
+    case at::kHalf: return write_kv_impl<src_t, c10::Half>(key, value, kv_cache, slot_mapping);
+    case at::kFloat8_e4m3fn: return write_kv_impl<src_t, c10::Float8_e4m3fn>(key, value, kv_cache, slot_mapping);
+    case at::kFloat8_e5m2: return write_kv_impl<src_t, c10::Float8_e5m2>(key, value, kv_cache, slot_mapping);
+    default: TORCH_CHECK(false, "write_kv: unsupported kv cache dtype ", kv_cache.scalar_type());
+  }
+}
+
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && value.stride(2) == 1 && key.sizes() == value.sizes() &&
+                  key.scalar_type() == value.scalar_type(),
+              "write_kv: key and value must be [num_tokens, num_kv_heads, head_dim] with unit stride in head_dim");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.size(1) == key.size(1) &&
+                  kv_cache.size(4) == key.size(2),
+              "write_kv: kv_cache must be contiguous [2, num_kv_heads, num_blocks, block_size, head_dim]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.size(0) == key.size(0),
+              "write_kv: slot_mapping must be contiguous int64 [num_tokens]");
+  switch (key.scalar_type()) {
+    case at::kFloat: return write_kv_dispatch<float>(key, value, kv_cache, slot_mapping);
+    case at::kBFloat16: return write_kv_dispatch<c10::BFloat16>(key, value, kv_cache, slot_mapping);
+    case at::kHalf: return write_kv_dispatch<c10::Half>(key, value, kv_cache, slot_mapping);
+    default: TORCH_CHECK(false, "write_kv: unsupported key dtype ", key.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedllm_cpu, m) {
+  m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, float scale, Tensor(a!) out) -> ()");
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv", &write_kv);
+}

@@ -1,0 +1,205 @@
+"""Paged attention kernels against a naive float64 reference.
+
+Every kernel (the C++ CPU kernel, the pure-torch tiled recurrence, the Triton kernels under the
+interpreter) gets the same random steps: random block tables over a shuffled pool with some blocks
+shared between sequences (as prefix caching shares them), contexts from 1 to 4,096 tokens, block
+sizes 16 and 32, GQA ratios 1, 4 and 8, and queries per sequence from 1 (decode) through 2-8
+(speculative verification, bottom-right causal) to whole prefill chunks with and without a cached
+prefix. Tolerances, against float64 on the same (rounded) inputs: 2e-5 for fp32 (summation order),
+and for bf16 the output's own rounding (half an ulp is 2^-9 relative) plus fp32 accumulation, i.e.
+atol 2e-2 / rtol 1e-2.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from pagedllm.attention import cpu_flash
+from pagedllm.attention.torch_flash import TorchFlashAttention, paged_flash_attention
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=1e-2)}
+
+
+def naive_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, scale):
+    """Gather each sequence's context block by block, full softmax in float64, bottom-right causal."""
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads, _, block_size, _ = kv_cache.shape[1:]
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        a, b = query_start_loc[i].item(), query_start_loc[i + 1].item()
+        blocks = block_tables[i, :-(-seq_len // block_size)]
+        k = kv_cache[0][:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :seq_len].double()
+        v = kv_cache[1][:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :seq_len].double()
+        group = num_heads // num_kv_heads
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        scores = query[a:b].double().transpose(0, 1) @ k.transpose(1, 2) * scale
+        q_pos = torch.arange(seq_len - (b - a), seq_len)
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos[:, None], float("-inf"))
+        out[a:b] = (scores.softmax(-1) @ v).transpose(0, 1)
+    return out
+
+
+def random_step(seq_lens, query_lens, block_size, num_kv_heads, group, head_dim, dtype, seed,
+                cache_dtype=None):
+    """Query, a KV pool and block tables for one step; sequences 0 and 1 share their first block."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    blocks_needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_needed) + 3
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    tables = torch.zeros(len(seq_lens), max(blocks_needed), dtype=torch.long)
+    for i, count in enumerate(blocks_needed):
+        tables[i, :count] = torch.tensor([pool.pop() for _ in range(count)])
+    if len(seq_lens) > 1 and seq_lens[0] > block_size and seq_lens[1] > block_size:
+        tables[1, 0] = tables[0, 0]
+    kv_cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(cache_dtype or dtype)
+    query = torch.randn(sum(query_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+    return query, kv_cache, tables, torch.tensor(seq_lens), query_start_loc
+
+
+# (context lengths, query lengths): decode, verification, prefill with and without a cached prefix,
+# and a mixed step; contexts span 1..4096 and cross the 512-token split length.
+STEPS = [
+    ([1, 17, 513, 4096], [1, 1, 1, 1]),
+    ([9, 700, 2000], [2, 5, 8]),
+    ([300, 1200], [300, 70]),
+    ([33, 1537, 64, 1000], [1, 8, 64, 3]),
+    ([1000, 515], [44, 30]),  # query rows start mid-block: the diagonal blocks are partly visible
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_cpu_kernels_match_naive(dtype: torch.dtype, block_size: int, group: int) -> None:
+    for n, (seq_lens, query_lens) in enumerate(STEPS):
+        step = random_step(seq_lens, query_lens, block_size, 2, group, 64, dtype, seed=n + 10 * group)
+        scale = 64 ** -0.5
+        expected = naive_attention(*step, scale)
+        torch.testing.assert_close(cpu_flash.paged_attention(*step, scale).double(), expected, **TOL[dtype])
+        torch.testing.assert_close(paged_flash_attention(*step, scale, tile_tokens=256).double(), expected,
+                                   **TOL[dtype])
+
+
+def test_cpu_kernel_is_compiled_here() -> None:
+    # The machine running the tests has a compiler: the fallback must not hide a broken build.
+    assert cpu_flash.load_cpu_kernels()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_cpu_kernel_reads_half_and_fp8_caches(cache_dtype: torch.dtype) -> None:
+    step = random_step([40, 700], [1, 4], 16, 2, 4, 128, torch.bfloat16, seed=3, cache_dtype=cache_dtype)
+    expected = naive_attention(*step, 0.1)  # reads the same stored values, widened to float64
+    torch.testing.assert_close(cpu_flash.paged_attention(*step, 0.1).double(), expected, **TOL[torch.bfloat16])
+
+
+def test_split_kv_result_does_not_depend_on_batch() -> None:
+    # The split length is fixed: a sequence's output is bitwise the same alone or next to others.
+    query, kv_cache, tables, seq_lens, starts = random_step([3000, 2000], [1, 1], 16, 2, 4, 64, torch.float32, 5)
+    together = cpu_flash.paged_attention(query, kv_cache, tables, seq_lens, starts, 0.125)
+    alone = cpu_flash.paged_attention(query[:1], kv_cache, tables[:1], seq_lens[:1], starts[:2], 0.125)
+    assert torch.equal(together[:1], alone)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_write_kv_fills_the_slots(cache_dtype: torch.dtype) -> None:
+    num_kv_heads, num_blocks, block_size, head_dim = 2, 6, 4, 8
+    key = torch.randn(5, num_kv_heads, head_dim)
+    value = torch.randn(5, num_kv_heads, head_dim)
+    slots = torch.tensor([0, 7, 9, 22, 13])
+    expected = torch.zeros(2, num_kv_heads, num_blocks * block_size, head_dim)
+    expected[0][:, slots] = key.transpose(0, 1).to(cache_dtype).float()
+    expected[1][:, slots] = value.transpose(0, 1).to(cache_dtype).float()
+    # The torch write every backend inherits, and the C++ one of CPU_FLASH.
+    for backend in (TorchFlashAttention(4, 2, head_dim, torch.float32),
+                    cpu_flash.CpuFlashAttention(4, 2, head_dim, torch.float32)):
+        cache = torch.zeros(2, num_kv_heads, num_blocks, block_size, head_dim).to(cache_dtype)
+        backend.write_kv(cache, key, value, slots)
+        assert torch.equal(cache.float().view(expected.shape), expected)
+
+
+def test_torch_fallback_when_the_kernel_is_disabled() -> None:
+    code = textwrap.dedent("""
+        import torch
+        from pagedllm.attention import cpu_flash
+        assert not cpu_flash.load_cpu_kernels()
+        backend = cpu_flash.CpuFlashAttention(4, 2, 8, torch.float32)
+        assert not backend.use_kernel
+        print("fallback ok")
+    """)
+    env = dict(os.environ, PAGEDLLM_DISABLE_CPU_KERNELS="1")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "fallback ok" in result.stdout, result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path,num_tokens,budget", [("kernel", 16384, 64 * 2**20), ("torch", 8192, 160 * 2**20)])
+def test_prefill_peak_memory_is_far_below_the_score_matrix(path: str, num_tokens: int, budget: int) -> None:
+    # One long prefill (no cached prefix, 2 query heads over 1 KV head): its N x N fp32 score matrix
+    # would be N^2 * 4 bytes * 2 heads, 2 GiB at N = 16,384. Peak resident memory of a fresh process
+    # may grow during the call by at most: 64 MiB for the C++ kernel at 16k tokens (it holds a
+    # 16-query x block tile per thread); 160 MiB, under a third of N x N, for the pure-torch path at
+    # 8k tokens (a few [2, 8192, 512] fp32 tiles of 32 MiB; 16k is too slow for the suite there).
+    # Run in a subprocess so ru_maxrss belongs to this call alone.
+    code = textwrap.dedent("""
+        import resource, torch
+        from pagedllm.attention import cpu_flash
+        n, bs = NUM_TOKENS, 16
+        q = torch.randn(n, 2, 64)
+        cache = torch.randn(2, 1, n // bs, bs, 64)
+        tables = torch.arange(n // bs).view(1, -1)
+        out = torch.empty_like(q)
+        lens, starts = torch.tensor([n]), torch.tensor([0, n])
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        cpu_flash.paged_attention(q, cache, tables, lens, starts, 0.125, out=out)
+        grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+        assert torch.isfinite(out).all()
+        print("KERNEL", cpu_flash.load_cpu_kernels(), "GROWN", grown)
+    """)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PAGEDLLM_DISABLE_CPU_KERNELS="1" if path == "torch" else "0")
+    code = code.replace("NUM_TOKENS", str(num_tokens))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    lines = [line.split() for line in result.stdout.splitlines() if line.startswith("KERNEL")]
+    assert lines, result.stderr
+    assert lines[0][1] == str(path == "kernel")
+    grown = int(lines[0][3])
+    assert grown < budget < num_tokens ** 2 * 4 * 2 / 3, f"peak memory grew by {grown / 2**20:.0f} MiB"
+
+
+def _run_triton(code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_triton_kernels_match_naive_under_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    # The interpreter is slow: tiny heads and a few hundred tokens, still crossing the split length.
+    code = textwrap.dedent("""
+        import torch, sys
+        sys.path.insert(0, TESTS_DIR)
+        from test_attention_kernels import naive_attention, random_step, TOL
+        from pagedllm.attention.triton_paged import paged_attention_decode, paged_attention_varlen
+        for dtype, block_size, group in [(torch.float32, 16, 4), (torch.bfloat16, 32, 1), (torch.float32, 32, 8)]:
+            for seq_lens, query_lens in [([1, 40, 530], [1, 1, 1]), ([9, 100, 70], [2, 8, 70])]:
+                step = random_step(seq_lens, query_lens, block_size, 1, group, 16, dtype, seed=block_size)
+                expected = naive_attention(*step, 0.25)
+                got = paged_attention_varlen(*step, 0.25)
+                torch.testing.assert_close(got.double(), expected, **TOL[dtype])
+                if max(query_lens) == 1:
+                    query, cache, tables, lens, _ = step
+                    got = paged_attention_decode(query, cache, tables, lens, max(seq_lens), 0.25)
+                    torch.testing.assert_close(got.double(), expected, **TOL[dtype])
+        print("triton ok")
+    """)
+    result = _run_triton(code.replace("TESTS_DIR", repr(os.path.dirname(os.path.abspath(__file__)))))
+    assert "triton ok" in result.stdout, result.stderr[-3000:]
