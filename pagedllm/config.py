@@ -112,23 +112,44 @@ class ModelConfig:
     bos_token_id: int | None = None
     # Weight-only quantization of the linear projections (None: weights stay in `dtype`).
     quantization: QuantizationConfig | None = None
+    # the generation_config.json that default sampling comes from ({} for generation_config="vllm")
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """SamplingParams fields the model's generation config sets, as vLLM's `--generation-config auto`
+        reads them: max_new_tokens becomes max_tokens; do_sample false (greedy) becomes temperature 0."""
+        config = self.generation_config
+        diff = {ours: config[theirs] for theirs, ours in _GENERATION_CONFIG_FIELDS.items()
+                if config.get(theirs) is not None}
+        if config.get("do_sample") is False:
+            diff["temperature"] = 0.0
+        return diff
 
     @classmethod
     def from_pretrained(cls, model: str, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
                         device: torch.device | None = None, quantization: str | None = None,
-                        quantization_group_size: int | None = None) -> ModelConfig:
+                        quantization_group_size: int | None = None, trust_remote_code: bool = False,
+                        generation_config: str = "auto") -> ModelConfig:
         from pagedllm.layers.quantization import resolve_quantization
-        from pagedllm.models.registry import resolve_architecture
+        from pagedllm.models.registry import resolve_architecture, supported_architectures
 
         if not os.path.isdir(model):
-            raise ValueError(f"model must be a local Hugging Face model directory; {model!r} does not exist.")
+            raise ValueError(_not_a_directory(model))
         config_path = os.path.join(model, "config.json")
         if not os.path.isfile(config_path):
             raise ValueError(f"model directory {model!r} has no config.json.")
         with open(config_path) as f:
             hf = json.load(f)
         architectures = hf.get("architectures") or []
+        if hf.get("auto_map") and not any(name in supported_architectures() for name in architectures):
+            # the architecture exists only as Python code shipped with the checkpoint
+            raise ValueError(f"model {model!r} needs custom code (auto_map in config.json) for {architectures}; "
+                             "pagedllm never runs code from a model directory, with or without "
+                             f"trust_remote_code. Supported architectures: {', '.join(supported_architectures())}.")
         architecture = resolve_architecture(architectures)
+        if trust_remote_code:
+            logger.info("trust_remote_code: accepted; no remote code runs, %s uses pagedllm's own implementation",
+                        architecture)
         hidden = hf["hidden_size"]
         heads = hf["num_attention_heads"]
         kv_heads = hf.get("num_key_value_heads") or heads
@@ -154,6 +175,7 @@ class ModelConfig:
         model_type = hf.get("model_type", "")
         qkv_bias = bool(hf.get("attention_bias", False)) or model_type == "qwen2"
         generation = _read_json(os.path.join(model, "generation_config.json"))
+        sampling_defaults = _sampling_generation_config(model, generation, generation_config)
         eos = generation.get("eos_token_id", hf.get("eos_token_id"))
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         return cls(
@@ -180,6 +202,7 @@ class ModelConfig:
             qk_rope_head_dim=int(hf.get("qk_rope_head_dim") or 0),
             eos_token_ids=eos_ids,
             bos_token_id=generation.get("bos_token_id", hf.get("bos_token_id")),
+            generation_config=sampling_defaults,
             quantization=resolve_quantization(quantization, quantization_group_size, hf),
         )
 
@@ -187,18 +210,23 @@ class ModelConfig:
     def is_mla(self) -> bool:
         return self.kv_lora_rank is not None
 
-    def kv_cache_layer_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """One layer's cache tensor: [2 (K, V), kv_heads, blocks, block_size, head_dim], or for MLA
-        [1, 1, blocks, block_size, kv_lora_rank + qk_rope_head_dim] (one latent + rope key per token;
+    def get_num_kv_heads(self, tp_size: int = 1) -> int:
+        """KV heads one rank holds: a share of them, or one (replicated) when there are fewer than ranks."""
+        return max(1, self.num_key_value_heads // tp_size)
+
+    def kv_cache_layer_shape(self, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
+        """One rank's cache tensor for one layer: [2 (K, V), kv_heads, blocks, block_size, head_dim], or for
+        MLA [1, 1, blocks, block_size, kv_lora_rank + qk_rope_head_dim] (one latent + rope key per token;
         the same block axis, so block copies and the pool treat both alike)."""
         if self.is_mla:
             return (1, 1, num_blocks, block_size, self.kv_lora_rank + self.qk_rope_head_dim)
-        return (2, self.num_key_value_heads, num_blocks, block_size, self.head_dim)
+        return (2, self.get_num_kv_heads(tp_size), num_blocks, block_size, self.head_dim)
 
-    def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype, tp_size: int = 1) -> int:
+        """KV cache bytes per token on one rank."""
         element = torch.empty((), dtype=kv_dtype).element_size()
         return self.num_hidden_layers * kv_elements_per_token_per_layer(
-            self.num_key_value_heads, self.head_dim, self.kv_lora_rank, self.qk_rope_head_dim) * element
+            self.get_num_kv_heads(tp_size), self.head_dim, self.kv_lora_rank, self.qk_rope_head_dim) * element
 
 
 def kv_elements_per_token_per_layer(num_kv_heads: int, head_dim: int, kv_lora_rank: int | None = None,
@@ -209,6 +237,32 @@ def kv_elements_per_token_per_layer(num_kv_heads: int, head_dim: int, kv_lora_ra
     if kv_lora_rank is not None:
         return kv_lora_rank + qk_rope_head_dim
     return 2 * num_kv_heads * head_dim
+
+
+# generation_config.json name -> SamplingParams field (the fields vLLM's --generation-config auto reads)
+_GENERATION_CONFIG_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
+                             "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+
+
+def _sampling_generation_config(model: str, generation: dict[str, Any], mode: str) -> dict[str, Any]:
+    if mode == "vllm":
+        return {}
+    if mode == "auto":
+        return generation
+    path = os.path.join(mode, "generation_config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory with a generation_config.json; "
+                         f"{path!r} does not exist.")
+    return _read_json(path)
+
+
+def _not_a_directory(model: str) -> str:
+    looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    if looks_like_hub_id:
+        return (f"model {model!r} is not a local directory: pagedllm loads models only from local Hugging Face "
+                "format directories and downloads nothing; fetch it first (e.g. `hf download "
+                f"{model} --local-dir DIR`) and pass DIR.")
+    return f"model must be a local Hugging Face model directory; {model!r} does not exist."
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -229,6 +283,45 @@ class CacheConfig:
     # TORCH_SDPA, TORCH_FLASH, CPU_FLASH, TRITON; None: PAGEDLLM_ATTENTION_BACKEND, else the device's default
     attention_backend: str | None = None
     num_blocks: int = 0  # decided at start-up from the memory budget
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split over processes: tensor parallelism, over one host or several (nnodes)."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"  # "uni": in this process; "mp": one process per rank
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # host:port of node 0, where the ranks meet (TCP rendezvous)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    def verify_with_model_config(self, model: ModelConfig) -> None:
+        """Every rank must hold whole heads and an equal slice of the MLP."""
+        tp = self.tensor_parallel_size
+        if tp > 1 and model.architecture in _NO_TENSOR_PARALLEL:
+            raise ValueError(f"tensor_parallel_size={tp} is not supported for {model.architecture} yet (its MLA "
+                             "attention and experts are not sharded); use tensor_parallel_size=1.")
+        checks = [("num_attention_heads", model.num_attention_heads), ("intermediate_size", model.intermediate_size)]
+        for name, value in checks:
+            if value % tp:
+                raise ValueError(f"{name} ({value}) of {model.model!r} must be divisible by "
+                                 f"tensor_parallel_size ({tp}).")
+        kv = model.num_key_value_heads
+        if kv % tp and tp % kv:
+            raise ValueError(f"num_key_value_heads ({kv}) of {model.model!r} and tensor_parallel_size ({tp}) must "
+                             "divide one another (KV heads are split, or replicated when there are fewer than ranks).")
+
+
+# Architectures whose layers (MLA, mixtures of experts) have no sharded form yet.
+_NO_TENSOR_PARALLEL = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 @dataclass

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.engine.llm_engine import LLMEngine, PromptType, run_worker_node
 from pagedllm.metrics.reader import Metric
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -17,18 +18,40 @@ ChatMessages = list[dict[str, Any]]
 
 
 class LLM:
+    """`LLM(model=DIR, **engine_args)`; engine_args are EngineArgs' fields, among them `num_threads`
+    (torch CPU threads; default OMP_NUM_THREADS, else torch's) and `generation_config` ("auto": default
+    sampling from the model's generation_config.json, as vLLM; "vllm": SamplingParams' own)."""
+
     def __init__(self, model: str, **kwargs: Any):
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        args = EngineArgs(model=model, **kwargs)
+        if args.node_rank > 0:
+            # Several nodes: only node 0 runs the engine. Here the call hosts this node's tensor-parallel
+            # ranks and returns when node 0 shuts them down; this LLM cannot generate.
+            run_worker_node(args)
+            self.llm_engine: LLMEngine | None = None
+            return
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self.default_sampling_params: dict[str, Any] | None = None
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() use when given no SamplingParams: the model's generation config
+        (max_new_tokens, do_sample, temperature, top_p, top_k, min_p, repetition_penalty) over
+        SamplingParams' defaults, unless the engine was built with generation_config="vllm"."""
+        if self.default_sampling_params is None:
+            self.default_sampling_params = self.llm_engine.model_config.get_diff_sampling_param()
+        return SamplingParams(**self.default_sampling_params)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        if self.llm_engine is None:
+            raise ValueError("node_rank > 0: this LLM hosted worker ranks; generate on node 0.")
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompt_list)
+            params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:
@@ -39,13 +62,29 @@ class LLM:
 
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, add_generation_prompt: bool | None = None,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate replies to conversations through the tokenizer's chat template.
+
+        continue_final_message=True extends the last message (say, a started assistant reply) instead
+        of opening a new turn; add_generation_prompt then defaults to False (vLLM: both cannot be True).
+        """
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("messages: this model has no tokenizer, so no chat template.")
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final_message
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be True.")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": render_chat(tokenizer, conv, add_generation_prompt, chat_template)}
-                   for conv in conversations]
+        prompts = []
+        for conversation in conversations:
+            text = render_chat_text(tokenizer, conversation, add_generation_prompt, chat_template,
+                                    continue_final_message, chat_template_kwargs)
+            # the template already holds any BOS it wants; don't let the tokenizer add another
+            token_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
@@ -60,12 +99,22 @@ class LLM:
             engine.abort_request(ids)  # refuse the whole call, leaving nothing behind
             raise
         finals: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+        # tokens each request may generate (max_tokens as the engine resolved it, times n): the progress bar's unit
+        budgets = {request_id: (state.params.max_tokens or 1) * state.params.n
+                   for request_id in ids if (state := engine.output_processor.states.get(request_id))}
+        progress = _Progress(budgets, engine, disable=not use_tqdm)
+        with progress:
             while len(finals) < len(ids) and engine.has_unfinished_requests():
-                for output in engine.step():
+                outputs = engine.step()
+                for output in outputs:
                     if output.finished:
                         finals[output.request_id] = output
-                        bar.update(1)
+                failed = [request_id for request_id in ids if request_id in engine.failed_requests]
+                if failed:  # the step ended these alone; the call as a whole cannot succeed
+                    engine.abort_request(ids)
+                    raise RuntimeError(f"request {failed[0]} failed inside the engine "
+                                       "(see the log)") from engine.failed_requests[failed[0]]
+                progress.update(outputs, len(finals))
         return [finals[request_id] for request_id in ids]
 
     def get_metrics(self) -> list[Metric]:
@@ -74,14 +123,73 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes now (they also stop when the LLM is collected, at exit,
+        and when this process dies)."""
+        self.llm_engine.shutdown()
 
-def render_chat(tokenizer, messages: ChatMessages, add_generation_prompt: bool = True,
-                chat_template: str | None = None) -> list[int]:
-    """Token ids of a conversation through the tokenizer's chat template."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                         chat_template=chat_template)
-    # The template already holds any BOS it wants; don't let the tokenizer add another.
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+def render_chat_text(tokenizer, messages: ChatMessages, add_generation_prompt: bool = True,
+                     chat_template: str | None = None, continue_final_message: bool = False,
+                     chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text a conversation makes through the tokenizer's chat template."""
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             chat_template=chat_template,
+                                             continue_final_message=continue_final_message,
+                                             **(chat_template_kwargs or {}))
+    except ValueError as exc:
+        raise ValueError(f"messages: {exc}") from exc
+
+
+class _Progress:
+    """vLLM's progress bar: finished prompts, with input and output tokens/s.
+
+    The bar also advances with the tokens generated so far (each unfinished request counts as the
+    share of its max_tokens it has produced), so prompts of equal length that all finish together
+    at the end do not sit at 0% for the whole run."""
+
+    def __init__(self, budgets: dict[str, int], engine: LLMEngine, disable: bool) -> None:
+        self.budgets = budgets
+        self.num_prompts = num_prompts = len(budgets)
+        self.engine = engine
+        self.bar = tqdm(total=num_prompts, desc="Processed prompts", disable=disable, dynamic_ncols=True,
+                        bar_format="{l_bar}{bar}| {postfix} [{elapsed}<{remaining}]")
+        self.start = time.perf_counter()
+        # the requests were admitted (their prompt tokens counted) just before the bar starts
+        self.start_prompt = engine.num_prompt_tokens - sum(
+            len(state.prompt_token_ids) for request_id in budgets
+            if (state := engine.output_processor.states.get(request_id)))
+        self.start_generation = engine.num_generation_tokens
+        self.partial: dict[str, float] = {}
+        self.last_refresh = 0.0
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()
+
+    def update(self, outputs: list[RequestOutput], num_finished: int) -> None:
+        if self.bar.disable:
+            return
+        for output in outputs:
+            if output.finished:
+                self.partial.pop(output.request_id, None)
+            elif output.request_id in self.budgets:
+                done = sum(len(c.token_ids) for c in output.outputs)
+                self.partial[output.request_id] = min(done / self.budgets[output.request_id], 0.99)
+        now = time.perf_counter()
+        if now - self.last_refresh < 0.2 and num_finished < self.num_prompts:
+            return
+        self.last_refresh = now
+        elapsed = max(now - self.start, 1e-9)
+        input_rate = (self.engine.num_prompt_tokens - self.start_prompt) / elapsed
+        output_rate = (self.engine.num_generation_tokens - self.start_generation) / elapsed
+        self.bar.n = num_finished + sum(self.partial.values())
+        self.bar.set_postfix_str(f"{num_finished}/{self.num_prompts} prompts, est. speed input: "
+                                 f"{input_rate:.2f} toks/s, output: {output_rate:.2f} toks/s", refresh=False)
+        self.bar.refresh()
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

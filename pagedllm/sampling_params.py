@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json as _json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,6 +152,13 @@ class SamplingParams:
                 raise ValueError(message)
 
         check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.")
+        # NaN fails every range check below; infinities pass one-sided ones (temperature >= 0,
+        # repetition_penalty > 0) and would turn a row of logits into NaN inside the step.
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
+                     "top_p", "min_p"):
+            value = getattr(self, name)
+            check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                  f"{name} must be a finite number, got {value!r}.")
         check(-2.0 <= self.presence_penalty <= 2.0,
               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         check(-2.0 <= self.frequency_penalty <= 2.0,
@@ -159,6 +167,7 @@ class SamplingParams:
               f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
         check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}.")
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
+        # any size is fine: the sampler clamps top_k to the vocabulary, as vLLM does
         check(isinstance(self.top_k, int) and self.top_k >= 0,
               f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.")
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")

@@ -107,3 +107,11 @@ def test_fused_experts_equal_a_per_token_loop() -> None:
     want = torch.stack([sum(weights[t, j] * (w2[ids[t, j]] @ act_and_mul(w13[ids[t, j]] @ x[t]))
                             for j in range(k)) for t in range(num_tokens)])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_tensor_parallel_moe_is_refused_naming_the_option(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Experts and MLA have no sharded form yet: TP > 1 is a ValueError before any worker starts."""
+    spec = MOE_CASES["mixtral"]
+    model_dir = build_model(tmp_path_factory.mktemp("mixtral_tp"), **spec)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(model=model_dir, dtype="float32", tensor_parallel_size=2, max_model_len=64)

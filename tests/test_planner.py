@@ -80,8 +80,9 @@ def test_plan_reports_the_seed_numbers(llama70b: rl.ModelSpec) -> None:
     assert plan["kv_cache"]["bytes_per_token_per_device"] == 163_840 / 8
     assert round(plan["kv_cache"]["bytes_context_x_batch"] / 1e9, 1) == 167.8
     variants = plan["kv_cache"]["variants_bytes_per_token"]
-    assert variants["MHA"]["bfloat16"] == 2_621_440 and variants["GQA-8"]["fp8"] == 163_840
-    assert variants["MQA"]["bfloat16"] == 2 * 80 * 128 * 2
+    # in the run's KV dtype only (fp8 here)
+    assert variants["MHA"] == {"fp8": 1_310_720} and variants["GQA-8"]["fp8"] == 163_840
+    assert variants["MQA"]["fp8"] == 2 * 80 * 128
     assert round(plan["speculative"]["tokens_per_target_pass"], 2) == 3.69
     json.dumps(plan)  # JSON-ready
 
@@ -276,7 +277,7 @@ def test_plan_command_table_json_and_plot(tmp_path: Path, capsys: pytest.Capture
         "163,840 B",
         "167.77 GB",
         "3.69 tokens per target pass",
-        "MHA 2,621,440",
+        "KV bytes per token by attention variant (fp8):  MHA 1,310,720",
     ):
         assert needle in table
     plan = json.loads(out_json.read_text())

@@ -97,10 +97,10 @@ def test_quantized_weights_take_at_most_55_percent_of_bf16(tiny_qwen2_dir: str) 
         assert len(quantized) == 4 * 2  # qkv, o, gate_up, down in both layers
         bf16_bytes = sum(q.qweight.numel() * 2 for q in quantized)
         assert sum(q.nbytes() for q in quantized) <= 0.55 * bf16_bytes
-        assert not any(name.endswith(("qkv_weight", "o_weight", "gate_up_weight", "down_weight"))
+        assert not any(name.endswith(("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight"))
                        for name, _ in model.named_parameters())
         # embeddings and the LM head stay in the model dtype
-        assert model.embed_tokens.dtype == torch.bfloat16
+        assert model.embed_tokens.weight.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("method,group", CASES)

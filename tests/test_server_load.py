@@ -161,19 +161,36 @@ def test_sigterm_finishes_in_flight_requests(server: RemoteServer) -> None:
     assert status == 0, server.log()
 
 
-def test_sigterm_aborts_what_outlives_the_grace_period(tiny_llama_dir: str,
-                                                       tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_sigterm_answers_what_outlives_the_grace_period(tiny_llama_dir: str,
+                                                        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """After the grace period, a stream ends with an error event and [DONE], and a plain request gets
+    a 503 in OpenAI's shape (not a text/plain 500 or a cut connection)."""
     server = RemoteServer(tiny_llama_dir, tmp_path_factory.mktemp("server_grace_logs"),
                           extra_args=["--max-model-len", "1024", "--timeout-graceful-shutdown", "0.5"])
-    body = {"prompt": "hello", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
-    thread, first_chunk, result = stream_in_thread(server, body)
+    body = {"prompt": "hello", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "n": 4, "logprobs": 5}
+    thread, first_chunk, result = stream_in_thread(server, {**body, "stream": True})
+    plain: dict[str, Any] = {}
+
+    def post_plain() -> None:
+        plain["response"] = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120.0)
+
+    plain_thread = threading.Thread(target=post_plain)
     try:
         assert first_chunk.wait(120.0)
+        plain_thread.start()
+        wait_until(lambda: server.metrics()["pagedllm:num_requests_running"] >= 2, 60.0, "both to run")
         server.proc.send_signal(signal.SIGTERM)
     finally:
         thread.join(120.0)
+        plain_thread.join(120.0)
         status = server.terminate()
-    assert "[DONE]" not in result["events"], "1000 tokens take longer than the 0.5 s grace period"
+    assert result["error"] is None, result["error"]
+    assert result["events"][-1] == "[DONE]", "the stream ends properly"
+    last = json.loads(result["events"][-2])
+    assert last["error"]["code"] == 503, last
+    response = plain["response"]
+    assert response.status_code == 503 and response.headers["content-type"] == "application/json"
+    assert response.json()["error"]["type"] == "ServiceUnavailable"
     assert status == 0, server.log()
 
 

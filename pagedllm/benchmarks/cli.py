@@ -44,13 +44,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--model", default=None, help="model directory (default: the bundled demo model)")
     if "--seed" not in parser._option_string_actions:
         parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--num-threads",
-        type=int,
-        default=None,
-        help="torch CPU threads for every backend in the run (default: torch's). On a CPU shared with other "
-        "jobs, fewer threads than cores can be many times faster: OpenMP threads wait for each other",
-    )
+    if "--num-threads" not in parser._option_string_actions:
+        parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
 
 
 def _resolve_model(args: argparse.Namespace) -> str:
@@ -63,13 +58,6 @@ def _resolve_model(args: argparse.Namespace) -> str:
 def _build_llm(args: argparse.Namespace, model: str) -> Any:
     from pagedllm import LLM
 
-    if args.num_threads is not None:
-        import torch
-
-        if args.num_threads < 1:
-            raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
-        torch.set_num_threads(args.num_threads)
-
     engine_args = _engine_args_class()
     if engine_args is not None:
         args.model = model
@@ -79,6 +67,8 @@ def _build_llm(args: argparse.Namespace, model: str) -> Any:
             flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag in _FALLBACK_ENGINE_FLAGS
         }
     kwargs["model"] = model
+    if getattr(args, "num_threads", None) is not None:
+        kwargs["num_threads"] = args.num_threads
     return LLM(**kwargs)
 
 
@@ -232,6 +222,33 @@ def _fail(message: str) -> int:
     return 2
 
 
+def tensor_parallel_summary(llm: Any) -> dict[str, Any] | None:
+    """Under tensor parallelism: bytes rank 0 all-reduced per computed token, beside the planner's figure."""
+    from pagedllm.planner import roofline as rl
+
+    engine = llm.llm_engine
+    tp = engine.parallel_config.tensor_parallel_size
+    if tp == 1:
+        return None
+    stats = engine.model_executor.collective_rpc("communication_stats")[0]
+    config = engine.model_config
+    spec = rl.ModelSpec.from_hf_config(config.hf_config, name=config.model)
+    return {
+        "tensor_parallel_size": tp,
+        "all_reduce_bytes_per_token": stats["all_reduce_bytes"] / max(1, stats["num_computed_tokens"]),
+        "planner_all_reduce_bytes_per_token": rl.all_reduce_bytes_per_token(spec, tp, config.dtype.itemsize),
+        "logits_gather_bytes": stats["gather_bytes"],
+    }
+
+
+def format_tensor_parallel(summary: dict[str, Any] | None) -> str:
+    if summary is None:
+        return "tensor parallel size 1 (no collectives)"
+    return (f"tensor parallel size {summary['tensor_parallel_size']}: all-reduced "
+            f"{summary['all_reduce_bytes_per_token']:,.0f} B per token (planner: "
+            f"{summary['planner_all_reduce_bytes_per_token']:,.0f} B)")
+
+
 def run_throughput_cmd(args: argparse.Namespace) -> int:
     from pagedllm.benchmarks.datasets import get_requests
     from pagedllm.benchmarks.throughput import format_results, run_hf, run_pagedllm, throughput_report
@@ -254,6 +271,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc))
     results = [run_pagedllm(llm, requests, use_tqdm=not args.disable_tqdm)]
+    tp_summary = tensor_parallel_summary(llm)
     dtype = model_config.dtype
     device = str(getattr(model_config, "device", None) or getattr(llm.llm_engine, "device", "cpu"))
     del llm  # free its weights and KV cache before transformers loads its own copy
@@ -274,6 +292,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
         f"tokens, {str(dtype).removeprefix('torch.')}"
     )
     print(format_results(results))
+    print(format_tensor_parallel(tp_summary))
     config = {
         "model": model,
         "dataset": args.dataset,
@@ -286,6 +305,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "mean_prompt_len": mean_prompt,
         "mean_output_len": mean_output,
+        "tensor_parallel": tp_summary,
     }
     _write_json(args.output_json, throughput_report(results, config))
     return 0
@@ -304,8 +324,10 @@ def run_latency_cmd(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc))
     result = run_latency(llm, model, prompt.prompt_token_ids, args.output_len, args.num_iters, args.num_iters_warmup)
+    tp_summary = tensor_parallel_summary(llm)
     print(format_latency(result))
-    _write_json(args.output_json, result.to_dict())
+    print(format_tensor_parallel(tp_summary))
+    _write_json(args.output_json, {**result.to_dict(), "tensor_parallel": tp_summary})
     return 0
 
 

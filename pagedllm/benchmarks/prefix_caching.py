@@ -176,7 +176,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--question-len", type=int, default=DEFAULT_QUESTION_LEN, help="tokens after the prefix")
     parser.add_argument("--num-iters", type=int, default=3, help="measured (uncached, cached) pairs")
     parser.add_argument("--num-iters-warmup", type=int, default=1)
-    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--output-json", default=None)
     EngineArgs.add_cli_args(parser)
     return parser
@@ -191,10 +190,8 @@ def run_cmd(args: argparse.Namespace) -> int:
             return _fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.prefix_len is not None and args.prefix_len < 1:
         return _fail(f"--prefix-len must be at least 1, got {args.prefix_len}")
-    if args.num_threads is not None:
-        if args.num_threads < 1:
-            return _fail(f"--num-threads must be at least 1, got {args.num_threads}")
-        torch.set_num_threads(args.num_threads)
+    if args.num_threads is not None and args.num_threads < 1:
+        return _fail(f"--num-threads must be at least 1, got {args.num_threads}")
     with tempfile.TemporaryDirectory(prefix="pagedllm-prefix-bench-") as tmp:
         model = installed_model_path() if args.model is None else args.model
         label = model

@@ -85,7 +85,7 @@ def build_engines(args: argparse.Namespace) -> dict[str, Any]:
 
     # Batch 1 needs a small KV pool; the default (max_num_seqs full-length sequences) would take GiBs per engine.
     common = dict(dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len, enable_prefix_caching=False,
-                  max_num_seqs=4)
+                  max_num_seqs=4, num_threads=getattr(args, "num_threads", None))
     engines = {"plain": LLM(model=args.model, **common)}
     configs = {
         "draft_model": {"method": "draft_model", "model": args.draft_model},
@@ -206,7 +206,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--adaptive", action="store_true", help="also run each method with adaptive k")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--num-threads", "--threads", dest="num_threads", type=int, default=None,
+                        help="torch CPU threads (default: $OMP_NUM_THREADS, else one per physical core)")
     parser.add_argument("--output-json", default=None, help="write the results here")
     return parser
 
@@ -221,10 +222,8 @@ def run_spec_decode_cmd(args: argparse.Namespace) -> int:
     for flag, path in (("--model", args.model), ("--draft-model", args.draft_model)):
         if ("draft_model" in args.methods or flag == "--model") and not Path(path, "config.json").is_file():
             raise SystemExit(f"{flag}: no model at {path} (train or pass one)")
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    if args.num_threads is not None and args.num_threads < 1:
+        raise SystemExit(f"--num-threads must be at least 1, got {args.num_threads}")
     engines = build_engines(args)
     tokenizer = engines["plain"].get_tokenizer()
     snippets = code_snippets(tokenizer, args.num_prompts, args.input_len)

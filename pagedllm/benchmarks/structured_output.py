@@ -164,7 +164,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--batch-sizes", default="1,32", help="comma-separated batch sizes")
     parser.add_argument("--max-tokens", type=int, default=256, help="cap on a constrained output's length")
     parser.add_argument("--num-compile-iters", type=int, default=5)
-    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--output-json", default=None)
     EngineArgs.add_cli_args(parser)
     return parser

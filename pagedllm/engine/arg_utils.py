@@ -32,8 +32,22 @@ class EngineArgs:
     num_speculative_tokens: int | None = None
     speculative_config: dict[str, Any] | None = None
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # "uni" | "mp"; default: uni at TP 1, mp above
+    nnodes: int = 1                    # hosts the tensor-parallel ranks are spread over
+    node_rank: int = 0                 # this host's index; only node 0 schedules and serves
+    dist_init_addr: str | None = None  # "HOST:PORT" of node 0, where all ranks meet (TCP rendezvous)
     enforce_eager: bool = True
     trust_remote_code: bool = False
+    # Per-request bounds on the lists a client may send: every step checks each running request's
+    # stop strings, so a 100,000-entry list would slow every other request down.
+    max_stop_strings: int = 128
+    max_stop_string_len: int = 1024
+    max_stop_token_ids: int = 1024
+    # torch intra-op threads for this process (None: OMP_NUM_THREADS, else torch's default)
+    num_threads: int | None = None
+    # "auto": defaults from the model's generation_config.json; "vllm": SamplingParams' own; or a
+    # directory holding a generation_config.json
+    generation_config: str = "auto"
     quantization: str | None = None
     quantization_group_size: int | None = None
 
@@ -55,9 +69,33 @@ class EngineArgs:
               f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
         check(self.scheduling_policy in ("fcfs", "lpm"),
               f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}.")
-        check(self.tensor_parallel_size == 1,
-              f"tensor_parallel_size must be 1 in this build, got {self.tensor_parallel_size}.")
+        check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+              f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size}.")
+        check(isinstance(self.nnodes, int) and self.nnodes >= 1,
+              f"nnodes must be a positive integer, got {self.nnodes}.")
+        check(isinstance(self.node_rank, int) and 0 <= self.node_rank < self.nnodes,
+              f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}.")
+        check(self.tensor_parallel_size % self.nnodes == 0,
+              f"tensor_parallel_size ({self.tensor_parallel_size}) must be divisible by nnodes ({self.nnodes}).")
+        if self.nnodes > 1:
+            host, _, port = (self.dist_init_addr or "").rpartition(":")
+            check(bool(host) and port.isdigit(),
+                  f"dist_init_addr must be HOST:PORT of node 0 when nnodes > 1, got {self.dist_init_addr!r}.")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
+        check(self.distributed_executor_backend in ("uni", "mp"),
+              f"distributed_executor_backend must be 'uni' or 'mp', got {self.distributed_executor_backend!r}.")
+        check(self.distributed_executor_backend == "mp" or (self.tensor_parallel_size == 1 and self.nnodes == 1),
+              f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size={self.tensor_parallel_size} "
+              "needs 'mp'.")
+        check(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
+              f"num_threads must be a positive integer, got {self.num_threads!r}.")
+        check(isinstance(self.generation_config, str) and bool(self.generation_config),
+              f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}.")
         check(self.max_logprobs >= 0, f"max_logprobs must be non-negative, got {self.max_logprobs}.")
+        for name in ("max_stop_strings", "max_stop_string_len", "max_stop_token_ids"):
+            check(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
+                  f"{name} must be a non-negative integer, got {getattr(self, name)!r}.")
         from pagedllm.layers.quantization import validate_quantization
 
         validate_quantization(self.quantization, self.quantization_group_size)
@@ -96,7 +134,25 @@ class EngineArgs:
         add("--speculative-config", type=json.loads, default=None,
             help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
         add("--tensor-parallel-size", "-tp", type=int, default=1)
+        add("--distributed-executor-backend", default=None, choices=["uni", "mp"],
+            help="uni: one process; mp: one worker process per tensor-parallel rank (default: uni at TP 1)")
+        add("--nnodes", type=int, default=1, help="hosts the tensor-parallel ranks are spread over")
+        add("--node-rank", type=int, default=0, help="this host's index (node 0 schedules and serves)")
+        add("--dist-init-addr", default=None, help="HOST:PORT of node 0, where all ranks meet (nnodes > 1)")
         add("--enforce-eager", action=bool_flag, default=True)
+        add("--max-stop-strings", type=int, default=128, help="most stop strings one request may give")
+        add("--max-stop-string-len", type=int, default=1024, help="longest stop string, in characters")
+        add("--max-stop-token-ids", type=int, default=1024, help="most stop_token_ids one request may give")
+        add("--num-threads", type=int, default=None,
+            help="torch CPU threads (default: $OMP_NUM_THREADS, else one per physical core). On a machine "
+                 "shared with other jobs, 1 can be many times faster than 2")
+        add("--generation-config", default="auto",
+            help="'auto': default sampling from the model's generation_config.json (max_new_tokens, "
+                 "do_sample, temperature, top_p, top_k, min_p, repetition_penalty); 'vllm': "
+                 "SamplingParams' own defaults; or a directory with a generation_config.json")
+        add("--trust-remote-code", action="store_true",
+            help="accepted for vLLM compatibility: pagedllm never runs code from a model directory, and "
+                 "refuses a model whose config needs custom code (auto_map) for its architecture")
         add("--quantization", "-q", default=None, choices=["int8", "fp8", "compressed-tensors"],
             help="weight-only quantization of the linear layers, applied as the weights load (int8: "
             "symmetric per output channel; fp8: e4m3 per output channel); a checkpoint with a "

@@ -4,8 +4,8 @@ The model call blocks for the length of a step, so it lives on its own thread an
 stays free to accept requests and stream tokens. LLMEngine is not thread-safe: every call into it
 (add_request, abort_request, step, get_metrics) happens on the engine thread. The asyncio side only
 queues commands, which the thread applies at the top of each iteration, and the thread hands outputs
-back with loop.call_soon_threadsafe into per-request asyncio queues. When there is nothing to do the
-thread sleeps on a Condition, so an idle server costs no CPU.
+back with loop.call_soon_threadsafe into per-request OutputQueues (bounded: one output each). When
+there is nothing to do the thread sleeps on a Condition, so an idle server costs no CPU.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.metrics.stat_logger import LoggingStatLogger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -30,7 +31,38 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineStepError(RuntimeError):
-    """A step raised; every request in flight was aborted, and the engine serves on."""
+    """Running this request made a step fail: the engine ended it (the others carry on)."""
+
+
+class OutputQueue:
+    """The undelivered outputs of one or more requests: at most one item per request.
+
+    Outputs are cumulative, so a newer output replaces an older one nobody has read yet: a reader
+    that falls behind (a client that does not read its stream) holds one output per request, never
+    one per step. An error is never replaced. Runs on the event loop only.
+    """
+
+    def __init__(self) -> None:
+        self._items: dict[str, RequestOutput | BaseException] = {}
+        self._ready = asyncio.Event()
+
+    def put(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        if isinstance(self._items.get(request_id), BaseException):
+            return
+        self._items[request_id] = item
+        self._ready.set()
+
+    def empty(self) -> bool:
+        return not self._items
+
+    async def get_batch(self) -> list[tuple[str, RequestOutput | BaseException]]:
+        """Every undelivered item, in the order the requests first had one pending."""
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        batch = list(self._items.items())
+        self._items.clear()
+        return batch
 
 
 class StepObserver(Protocol):
@@ -56,25 +88,34 @@ class RequestStream:
     """
 
     def __init__(self, engine: AsyncLLMEngine, request_id: str, loop: asyncio.AbstractEventLoop,
-                 queue: asyncio.Queue[tuple[str, RequestOutput | BaseException]] | None) -> None:
+                 queue: OutputQueue | None, on_started: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.request_id = request_id
         self.loop = loop
-        self.queue = queue if queue is not None else asyncio.Queue()
+        self.queue = queue if queue is not None else OutputQueue()
         self.accepted: asyncio.Future[None] = loop.create_future()
         self.finished = False
+        # called once, when the request stops waiting: at its first output, error or abort
+        self._on_started = on_started
 
     # the methods below run on the event loop thread
 
+    def started(self) -> None:
+        callback, self._on_started = self._on_started, None
+        if callback is not None:
+            callback()
+
     def _deliver(self, item: RequestOutput | BaseException) -> None:
+        self.started()
         if self.finished:
             return  # the reader aborted it, or it already ended
         if isinstance(item, BaseException) or item.finished:
             self.finished = True
-        self.queue.put_nowait((self.request_id, item))
+        self.queue.put(self.request_id, item)
 
     def abort(self) -> None:
         """Abort the request unless it already finished; safe to call more than once."""
+        self.started()
         if not self.finished:
             self.finished = True
             self.engine.abort(self.request_id)
@@ -85,12 +126,12 @@ class RequestStream:
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
             while True:
-                _, item = await self.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
+                for _, item in await self.queue.get_batch():
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+                    if item.finished:
+                        return
         finally:
             self.abort()  # no-op once finished; frees the blocks of a reader that went away
 
@@ -124,9 +165,11 @@ class _Inbox:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, observers: Iterable[StepObserver] = ()) -> None:
+    def __init__(self, engine: LLMEngine, observers: Iterable[StepObserver] = (), log_stats: bool = False) -> None:
         self.engine = engine
         self.observers = list(observers)
+        # vLLM's periodic "Avg prompt throughput ... Running ... KV cache usage" line (the server's default)
+        self.stat_logger = LoggingStatLogger() if log_stats else None
         self._cond = threading.Condition()
         self._inbox = _Inbox()
         self._stopping = False
@@ -141,8 +184,9 @@ class AsyncLLMEngine:
         self._num_pending_adds = 0  # event-loop state
 
     @classmethod
-    def from_engine_args(cls, engine_args: Any, observers: Iterable[StepObserver] = ()) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_engine_args(engine_args), observers)
+    def from_engine_args(cls, engine_args: Any, observers: Iterable[StepObserver] = (),
+                         log_stats: bool = False) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_engine_args(engine_args), observers, log_stats)
 
     # ---- properties read by the server ----------------------------------------------------------
 
@@ -170,6 +214,13 @@ class AsyncLLMEngine:
             self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
             self._thread.start()
 
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and end every request in flight with EngineDeadError, without waiting
+        (the event loop calls this when the server's grace period is over)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Abort whatever is left and stop the thread (after the server stopped taking requests)."""
         with self._cond:
@@ -177,21 +228,25 @@ class AsyncLLMEngine:
             self._cond.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.shutdown()  # the engine's worker processes, if it has any
 
     # ---- requests -------------------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                          arrival_time: float | None = None,
-                          queue: asyncio.Queue[Any] | None = None) -> RequestStream:
+                          arrival_time: float | None = None, queue: OutputQueue | None = None,
+                          on_started: Callable[[], None] | None = None) -> RequestStream:
         """Queue a request and wait until the engine accepted it.
 
         Raises the engine's ValueError for an invalid prompt or parameters (before any output),
-        so the server can answer 400 instead of starting a stream.
+        so the server can answer 400 instead of starting a stream. `on_started` is called once when
+        the request stops waiting (its first output, an error, an abort or a refusal).
         """
-        if self.dead_error is not None or self._stopping:
-            raise EngineDeadError("the engine is not running") from self.dead_error
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request_id, loop, queue)
+        stream = RequestStream(self, request_id, loop, queue, on_started)
+        if self.dead_error is not None or self._stopping:
+            stream.started()
+            raise EngineDeadError("the engine is not running") from self.dead_error
         command = _AddCommand(request_id, prompt, params, arrival_time or time.time(), stream)
         self._num_pending_adds += 1
         with self._cond:
@@ -203,6 +258,7 @@ class AsyncLLMEngine:
             stream.abort()  # the client went away while the request was being queued
             raise
         except BaseException:
+            stream.started()
             stream.finished = True
             raise
         finally:
@@ -256,8 +312,11 @@ class AsyncLLMEngine:
                         self._recover(exc)
                     else:
                         self._publish(outputs)
+                        self._fail(list(self.engine.failed_requests))
                 self._engine_num_waiting = self._read_num_waiting()  # after steps and aborts alike
                 self._has_work = self.engine.has_unfinished_requests()
+                if self.stat_logger is not None:
+                    self.stat_logger.maybe_log(self.engine, idle=not self._has_work)
         except BaseException as exc:  # a failure we could not recover from: fail every request, loudly
             logger.exception("engine loop died")
             self.dead_error = exc
@@ -298,17 +357,30 @@ class AsyncLLMEngine:
         # Read every loop iteration: the scheduler's queue itself, not a full metrics snapshot.
         return len(self.engine.scheduler.waiting)
 
+    def _fail(self, request_ids: list[str]) -> None:
+        """Requests the engine ended alone because they made a step fail (the rest carry on)."""
+        failed = [request_id for request_id in request_ids if request_id in self._streams]
+        if not failed:
+            return
+        for observer in self.observers:
+            observer.on_abort(failed)
+        for request_id in failed:
+            # the exception itself went to the log; the client gets a generic message
+            stream = self._streams.pop(request_id)
+            _put_if_open(stream.loop, stream._deliver, EngineStepError(
+                "the engine failed while running this request and ended it"))
+
     def _recover(self, exc: Exception) -> None:
-        """A step raised (a bug, or an input that got past validation): rather than take the server
-        down, abort every request in flight, fail their readers, and serve on if that left the engine
-        empty. If it did not, the state is not trustworthy and the loop dies (/health turns 503)."""
+        """A step raised outside the model run (a bug): rather than take the server down, abort every
+        request in flight, fail their readers, and serve on if that left the engine empty. If it did
+        not, the state is not trustworthy and the loop dies (/health turns 503). A request whose own
+        model run fails is ended alone by LLMEngine.step (see _fail)."""
         logger.exception("engine step failed; aborting the %d requests in flight", len(self._streams))
         aborted = list(self._streams)
         self.engine.abort_request(aborted)
         for observer in self.observers:
             observer.on_abort(aborted)
-        error = EngineStepError(f"the engine failed while running this request and aborted it "
-                                f"({type(exc).__name__}: {exc})")
+        error = EngineStepError("the engine failed while running this request and ended it")
         for stream in self._streams.values():
             _put_if_open(stream.loop, stream._deliver, error)
         self._streams.clear()

@@ -73,6 +73,10 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def num_prompt_logprobs_computed(self) -> int:
+        return len(self.prompt_logprobs) if self.prompt_logprobs is not None else 0
+
+    @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
 

@@ -38,6 +38,8 @@ class SchedulerOutput:
     num_batched_tokens: int
     blocks_to_copy: list[tuple[int, int]]
     preempted_ids: list[str]
+    # Requests that left the engine since the last step: workers in other processes drop their copies.
+    finished_req_ids: set[str] = field(default_factory=set)
     # Allowed tokens of the rows that sample under a grammar (None when no scheduled request has one).
     grammar_bitmask: GrammarBitmask | None = None
 
@@ -56,6 +58,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals for the next step
 
 
 class Scheduler:
@@ -70,6 +73,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.finished_req_ids: set[str] = set()
 
     # ---- bookkeeping ----
     def add_request(self, request: Request) -> None:
@@ -104,6 +108,7 @@ class Scheduler:
                 pass
         self.kv.free(request.request_id)
         del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
         if self.structured_output_manager is not None:
             self.structured_output_manager.free(request.request_id)
 
@@ -191,8 +196,13 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             blocks_to_copy=self.kv.take_pending_copies(),
             preempted_ids=preempted,
+            finished_req_ids=self._take_finished_req_ids(),
             grammar_bitmask=som.grammar_bitmask(list(scheduled.values())) if som is not None else None,
         )
+
+    def _take_finished_req_ids(self) -> set[str]:
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return finished
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -274,6 +284,13 @@ class Scheduler:
                 forked.extend(self._fork(request))
         return updated, finished, forked
 
+    def update_draft_token_ids(self, spec_token_ids: dict[str, list[int]]) -> None:
+        """Store the proposals drafted past this step's tokens; those of finished requests are dropped."""
+        for request_id, tokens in spec_token_ids.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.spec_token_ids = tokens
+
     def _check_stop(self, request: Request, token: int) -> bool:
         params = request.sampling_params
         status = None
@@ -306,5 +323,6 @@ class Scheduler:
         self.running[position:position + 1] = children
         self.kv.free(parent.request_id)
         del self.requests[parent.request_id]
+        self.finished_req_ids.add(parent.request_id)
         parent.status = RequestStatus.FINISHED_STOPPED
         return children

@@ -1,13 +1,18 @@
 """The `pagedllm` command: one sub-command per module, each registering its own flags.
 
 Each sub-command module exposes `add_parser(subparsers)` (which sets `func` on its parser) so this
-file stays a table of contents and never grows the sub-commands' logic.
+file stays a table of contents and never grows the sub-commands' logic. What every command shares
+lives here: errors as one line (the traceback behind `--debug` or PAGEDLLM_LOGGING_LEVEL=DEBUG),
+quiet exits on Ctrl-C (130) and on a closed pipe (`pagedllm plan | head`), and help that shows each
+default once.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
 
 # sub-command name -> module that implements it
@@ -19,9 +24,39 @@ SUBCOMMANDS = {
     "quantize": "pagedllm.entrypoints.quantize_cmd",
 }
 
+# Errors a user can cause (a bad flag value, a missing file, an unsupported feature): one line, exit 2.
+USER_ERRORS = (ValueError, NotImplementedError, FileNotFoundError, NotADirectoryError, PermissionError)
+
+
+def _has_default(action: argparse.Action) -> bool:
+    # identity, not equality: a default of 0 or 0.0 is worth showing, though 0 == False
+    return not (action.default is None or action.default is False or action.default is argparse.SUPPRESS)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends '(default: X)' only where the help text does not already state its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        if "default" in help_text.lower() or not _has_default(action):
+            return help_text
+        return super()._get_help_string(action)
+
+
+def _use_formatter(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if action.help is None and _has_default(action):
+            action.help = "(default: %(default)s)"  # argparse prints nothing for a flag without help
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _use_formatter(sub)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: paged-attention LLM inference")
+    parser.add_argument("--debug", action="store_true",
+                        help="print tracebacks and DEBUG logs (also accepted after the sub-command)")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for module_name in SUBCOMMANDS.values():
         try:
@@ -31,14 +66,44 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # sub-command not built yet
             raise
         module.add_parser(subparsers)
+    _use_formatter(parser)
     return parser
 
 
+def _debug_requested(argv: list[str]) -> tuple[bool, list[str]]:
+    """`--debug` anywhere on the line (before `--`), so `pagedllm serve --debug` works too."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    debug = "--debug" in argv[:end]
+    rest = [arg for i, arg in enumerate(argv) if not (i < end and arg == "--debug")]
+    env_debug = os.environ.get("PAGEDLLM_LOGGING_LEVEL", "").upper() == "DEBUG"
+    return debug or env_debug, rest
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    result = args.func(args)
-    return int(result or 0)
+    debug, argv = _debug_requested(list(sys.argv[1:] if argv is None else argv))
+    if debug:
+        logging.getLogger("pagedllm").setLevel(logging.DEBUG)
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("\naborted (Ctrl-C)", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # the reader went away (`pagedllm plan | head`): stop quietly, and keep Python's exit-time flush
+        # of stdout from raising again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except USER_ERRORS as exc:
+        if debug:
+            raise
+        message = str(exc) or type(exc).__name__
+        print(f"error: {message.splitlines()[0] if message else message}"
+              + (" (more lines: rerun with --debug)" if len(message.splitlines()) > 1 else ""), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -89,6 +89,11 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
 
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None and self.cached_blocks.get(block.block_hash) is block:
+            del self.cached_blocks[block.block_hash]
+        block.block_hash = None
+
     def reset_prefix_cache(self) -> bool:
         if self.num_free_blocks != self.num_blocks:
             return False

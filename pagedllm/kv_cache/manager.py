@@ -139,6 +139,13 @@ class KVCacheManager:
         # Tail blocks first, so they are evicted before the prefix that others are likelier to share.
         self.pool.free_blocks(reversed(blocks))
 
+    def forget_uncomputed(self, request: CacheableRequest) -> None:
+        """Take the prefix-cache hashes off the request's blocks past its computed tokens: a step that
+        failed registered them at allocation, but may never have written their KV."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        for block in blocks[request.num_computed_tokens // self.block_size:]:
+            self.pool.uncache_block(block)
+
     def trim(self, request: CacheableRequest) -> None:
         """Give back blocks past the request's computed tokens (rejected speculative tokens)."""
         blocks = self.req_to_blocks.get(request.request_id)

@@ -132,7 +132,9 @@ def processed_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=device)
     greedy = temperature < 1e-5
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
-    top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.long, device=device)
+    # clamped to the vocabulary in Python, so a top_k of 2**63 or more never reaches an int64 tensor
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([min(r.params.top_k, vocab) for r in rows], dtype=torch.long, device=device)
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=device)
     min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype, device=device)
     probs = apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p).softmax(dim=-1)

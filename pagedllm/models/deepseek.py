@@ -159,8 +159,9 @@ class DeepseekDecoderLayer(nn.Module):
 class DeepseekV2ForCausalLM(nn.Module):
     model_type = "deepseek_v2"
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
+        assert tp_size == 1, "ParallelConfig refuses tensor parallelism for DeepSeek models"
         # MLA brings its own attention (latent cache, absorbed decode); the runner's MHA backend is unused.
         del backend
         hf = config.hf_config
@@ -193,8 +194,12 @@ class DeepseekV2ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()
 
-    def load_weights(self, get_tensor: Callable[[str], torch.Tensor], names: set[str]) -> None:
-        # Weights past num_hidden_layers (V3's multi-token-prediction layer) are not read.
+    def load_weights(self, get_slice: Callable, names: set[str], load_linear: Callable | None = None) -> None:
+        # Weights past num_hidden_layers (V3's multi-token-prediction layer) are not read. Unsharded: every
+        # tensor is read whole; quantization is refused at construction, so load_linear is never given.
+        def get_tensor(name: str) -> torch.Tensor:
+            return get_slice(name)[:]
+
         self.embed_tokens.copy_(get_tensor("model.embed_tokens.weight"))
         self.norm.weight.copy_(get_tensor("model.norm.weight"))
         if not self.config.tie_word_embeddings:

@@ -52,9 +52,12 @@ class QuantizedLinearLoader:
         self.model_dtype = model_dtype
         self.get_tensor = get_tensor
         self.names = names
+        # Named "<module>.<param>" (qkv_proj.weight, ...): the embedding, LM head and norms have a
+        # `weight` too, and stay in the model dtype.
         quantizable = set(getattr(model, "quantizable_weights", ()))
-        self.slots = {id(param): (module, attr) for module in model.modules()
-                      for attr, param in module.named_parameters(recurse=False) if attr in quantizable}
+        self.slots = {id(param): (module, attr) for module_name, module in model.named_modules()
+                      for attr, param in module.named_parameters(recurse=False)
+                      if f"{module_name.rpartition('.')[2]}.{attr}" in quantizable}
         self.num_quantized = 0
         self.full_precision_bytes = 0
         self.quantized_bytes = 0
@@ -94,27 +97,33 @@ class QuantizedLinearLoader:
         return True
 
 
-def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.device) -> torch.nn.Module:
+def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.device,
+               tp_rank: int = 0, tp_size: int = 1) -> torch.nn.Module:
+    """The model with this rank's shard of every weight; only that shard is read from the files."""
     model_class = get_model_class(config.architecture)
-    model = model_class(config, backend)
+    model = model_class(config, backend, tp_rank, tp_size)
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(path, framework="pt")) for path in
                    _safetensors_files(config.model)]
         where = {name: handle for handle in handles for name in handle.keys()}
 
-        def get_tensor(name: str) -> torch.Tensor:
+        def get_slice(name: str):
             if name not in where:
                 raise ValueError(f"checkpoint {config.model!r} lacks weight {name!r}.")
-            return where[name].get_tensor(name)
+            return where[name].get_slice(name)
+
+        def get_tensor(name: str) -> torch.Tensor:
+            return get_slice(name)[:]
 
         names = set(where)
         with torch.no_grad():
             if config.quantization is None:
-                model.load_weights(get_tensor, names)
+                model.load_weights(get_slice, names)
             else:
+                assert tp_size == 1, "quantized projections are not sharded (refused at start-up)"
                 config.quantization.get_method().check_device(device, config.dtype)
                 loader = QuantizedLinearLoader(model, config.quantization, config.dtype, get_tensor, names)
-                model.load_weights(get_tensor, names, loader)
+                model.load_weights(get_slice, names, loader)
                 logger.info("quantization=%s%s: %d linear weights %s, %.1f MiB in %s -> %.1f MiB",
                             config.quantization.method,
                             f" (group size {config.quantization.group_size})" if config.quantization.group_size

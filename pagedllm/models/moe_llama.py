@@ -14,8 +14,9 @@ from pagedllm.models.moe import FusedMoE, MoEConfig
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1):
         reject_quantization(config, "MixtralForCausalLM")
+        assert tp_size == 1, "ParallelConfig refuses tensor parallelism for MoE models"
         super().__init__(config, backend)
         moe = MoEConfig.from_hf(config.hf_config, "mixtral")
         for layer in self.layers:
@@ -24,8 +25,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1):
         reject_quantization(config, "Qwen3MoeForCausalLM")
+        assert tp_size == 1, "ParallelConfig refuses tensor parallelism for MoE models"
         super().__init__(config, backend)
         hf = config.hf_config
         moe = MoEConfig.from_hf(hf, "qwen3_moe")

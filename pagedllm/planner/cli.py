@@ -81,9 +81,9 @@ def build_plan(spec: rl.ModelSpec, hw: HardwareSpec, inputs: PlanInputs) -> dict
             "bytes_per_token": rl.kv_bytes_per_token(spec, kb),
             "bytes_per_token_per_device": cap.kv_bytes_per_token_per_device,
             "bytes_context_x_batch": rl.kv_cache_bytes(spec, kb, ctx, batch),
+            # in the run's KV dtype: a float32 run compares float32 variants
             "variants_bytes_per_token": {
-                name: {d: rl.kv_bytes_per_token(v, rl.dtype_bytes(d)) for d in ("bfloat16", "fp8")}
-                for name, v in rl.kv_variants(spec).items()
+                name: {kv_dtype: rl.kv_bytes_per_token(v, kb)} for name, v in rl.kv_variants(spec).items()
             },
         },
         "capacity": {**asdict(cap), "batch_fits": cap.max_sequences >= batch},
@@ -97,6 +97,13 @@ def build_plan(spec: rl.ModelSpec, hw: HardwareSpec, inputs: PlanInputs) -> dict
             "tokens_per_s": prefill_tps,
             "time_to_prefill_context_s": ctx / prefill_tps,
             "flops_per_context": rl.prefill_flops(spec, ctx),
+        },
+        "tensor_parallel": {
+            "tensor_parallel_size": tp,
+            "all_reduce_bytes_per_token": rl.all_reduce_bytes_per_token(spec, tp, wb),
+            "all_reduce_link_bytes_per_token_per_rank": rl.all_reduce_bytes_per_token(spec, tp, wb)
+            * 2 * (tp - 1) / tp,
+            "logits_gather_bytes_per_sampled_token": rl.logits_gather_bytes_per_token(spec, tp, wb),
         },
         "speculative": {
             "acceptance_rate": inputs.acceptance_rate,
@@ -207,6 +214,14 @@ def format_plan(plan: dict[str, Any]) -> str:
             f"{spec['batch1_tokens_per_s_upper_bound']:,.1f} tokens/s",
         ),
     ]
+    tpc = plan["tensor_parallel"]
+    if tpc["tensor_parallel_size"] > 1:
+        rows.append((
+            f"all-reduce, TP {tpc['tensor_parallel_size']}",
+            f"{tpc['all_reduce_bytes_per_token']:,.0f} B per token (2 per layer + embedding; "
+            f"{tpc['all_reduce_link_bytes_per_token_per_rank']:,.0f} B over each rank's link in a ring); "
+            f"logits gather {tpc['logits_gather_bytes_per_sampled_token']:,.0f} B per sampled token",
+        ))
     if batch == 1:  # the batch row already says it
         rows = [
             row
@@ -220,11 +235,10 @@ def format_plan(plan: dict[str, Any]) -> str:
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" if k else "" for k, v in rows]
     lines.append("")
+    kv_dtype = inp["kv_cache_dtype_resolved"]
     lines.append(
-        "KV bytes per token by attention variant:  "
-        + ", ".join(
-            f"{name} {v['bfloat16']:,.0f} (fp8 {v['fp8']:,.0f})" for name, v in kv["variants_bytes_per_token"].items()
-        )
+        f"KV bytes per token by attention variant ({kv_dtype}):  "
+        + ", ".join(f"{name} {v[kv_dtype]:,.0f}" for name, v in kv["variants_bytes_per_token"].items())
     )
     return "\n".join(lines)
 
@@ -319,12 +333,17 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.plot:
         from pagedllm.planner.plot import plot_kv_memory
 
+        cap = plan["capacity"]
         path = plot_kv_memory(
             spec,
             inputs.batch,
             args.plot,
             max_context=max(131072, inputs.context),
-            kv_memory_bytes=plan["capacity"]["kv_memory_bytes_per_device"] * inputs.tp,
+            kv_memory_bytes=cap["kv_memory_bytes_per_device"] * inputs.tp,
+            kv_dtype=plan["inputs"]["kv_cache_dtype_resolved"],
+            context=inputs.context,
+            weight_bytes=cap["weight_bytes_per_device"] * inputs.tp,
+            memory_bytes=cap["usable_bytes_per_device"] * inputs.tp,
         )
         if not args.json:
             print(f"\nplot written to {path}")

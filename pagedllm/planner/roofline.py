@@ -428,6 +428,25 @@ def speculative_tokens_per_pass(acceptance_rate: float, num_speculative_tokens: 
     return (1 - acceptance_rate ** (num_speculative_tokens + 1)) / (1 - acceptance_rate)
 
 
+# --- tensor-parallel communication ---------------------------------------------------------------
+
+
+def all_reduce_bytes_per_token(spec: ModelSpec, tp: int, activation_bytes: float) -> float:
+    """Bytes all-reduced per token under Megatron sharding: one hidden-size vector after o_proj and one
+    after down_proj in every layer, plus one after the vocab-parallel embedding. 0 at tp 1. (A ring
+    all-reduce moves 2 (tp - 1) / tp of this over each rank's link.)"""
+    if tp <= 1:
+        return 0.0
+    return (2 * spec.num_layers + 1) * spec.hidden_size * activation_bytes
+
+
+def logits_gather_bytes_per_token(spec: ModelSpec, tp: int, activation_bytes: float) -> float:
+    """Bytes of logits gathered on rank 0 per sampled token (each rank sends its vocab/tp share)."""
+    if tp <= 1:
+        return 0.0
+    return spec.vocab_size * activation_bytes
+
+
 # --- capacity ------------------------------------------------------------------------------------
 
 

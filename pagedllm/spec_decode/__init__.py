@@ -16,8 +16,6 @@ from pagedllm.config import ModelConfig
 
 if TYPE_CHECKING:
     from pagedllm.engine.arg_utils import EngineArgs
-    from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.spec_decode.spec_decoder import SpecDecoder
 
 METHODS = ("draft_model", "ngram")
 CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
@@ -100,11 +98,3 @@ class SpeculativeConfig:
         config.draft_model_config = draft
         return config
 
-
-def build_spec_decoder(args: EngineArgs, engine: LLMEngine) -> SpecDecoder | None:
-    config = SpeculativeConfig.from_engine_args(args, engine.model_config)
-    if config is None:
-        return None
-    from pagedllm.spec_decode.spec_decoder import SpecDecoder
-
-    return SpecDecoder(config, engine)

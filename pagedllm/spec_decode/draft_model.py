@@ -12,22 +12,27 @@ Draft KV for tokens the target rejected is rolled back before the next proposal:
 tokens it has KV for, and the longest prefix that still matches the request's tokens survives (blocks
 past it are freed, slots beyond it are overwritten). A request that leaves the running set (finished,
 aborted, preempted) frees all of its draft blocks.
+
+It runs unsharded (TP 1) inside rank 0's model runner: its layers never communicate.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
-from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ScheduledRequest
 from pagedllm.kv_cache.hashing import BlockHash
 from pagedllm.kv_cache.manager import KVCacheManager
 from pagedllm.layers.sampler import SamplingRow, adjusted_logits, exponential_noise
 from pagedllm.spec_decode.rejection_sampler import request_probs, row_with_drafts
 from pagedllm.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from pagedllm.spec_decode.spec_decoder import DraftRequest
 
 
 @dataclass(eq=False)
@@ -50,22 +55,26 @@ class DraftSeq:
 
 
 class DraftModelProposer:
-    def __init__(self, model_config: ModelConfig, block_size: int, num_blocks: int,
-                 scheduler_config: SchedulerConfig, device: torch.device, seed: int):
-        cache_config = CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks,
-                                   enable_prefix_caching=False, num_blocks=num_blocks)
+    def __init__(self, model_config: ModelConfig, block_size: int, scheduler_config: SchedulerConfig,
+                 device: torch.device, seed: int):
+        cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model_config, cache_config, scheduler_config, device, seed=seed)
-        self.runner.allocate_kv_cache(num_blocks)
-        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=False)
+        self.kv: KVCacheManager | None = None
         self.seqs: dict[str, DraftSeq] = {}
 
-    def free(self, live_request_ids: set[str]) -> None:
-        """Give back the draft blocks of requests that left the running set."""
-        for request_id in [r for r in self.seqs if r not in live_request_ids]:
-            self.kv.free(request_id)
-            del self.seqs[request_id]
+    def allocate(self, num_blocks: int) -> None:
+        """The draft's KV pool; the target's runner sizes it, inside the same memory budget."""
+        self.runner.cache_config.num_blocks = num_blocks
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, self.runner.block_size, enable_caching=False)
 
-    def _sync(self, request: Request) -> DraftSeq:
+    def free(self, request_ids: set[str]) -> None:
+        """Give back the draft blocks of requests that left the running set."""
+        for request_id in request_ids:
+            if self.seqs.pop(request_id, None) is not None:
+                self.kv.free(request_id)
+
+    def _sync(self, request: DraftRequest) -> DraftSeq:
         """Roll the draft's KV back to the longest prefix it shares with the request's tokens."""
         seq = self.seqs.get(request.request_id)
         if seq is None:
@@ -83,7 +92,7 @@ class DraftModelProposer:
         return seq
 
     @torch.inference_mode()
-    def propose(self, requests: list[Request], num_spec_tokens: list[int], base_rows: list[SamplingRow]
+    def propose(self, requests: list[DraftRequest], num_spec_tokens: list[int], base_rows: list[SamplingRow]
                 ) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         """Up to num_spec_tokens[i] draft tokens for requests[i], with the distributions they were drawn
         from ([k, V]; None for greedy requests, whose verification needs only the tokens)."""

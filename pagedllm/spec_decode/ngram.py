@@ -9,11 +9,13 @@ deterministic, so the rejection sampler treats it as a point mass (draft_probs N
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from pagedllm.engine.request import Request
+if TYPE_CHECKING:
+    from pagedllm.spec_decode.spec_decoder import DraftRequest
 
 # Look back at most this many tokens: a bounded cost per step even for very long contexts.
 MAX_LOOKUP_TOKENS = 8192
@@ -45,7 +47,7 @@ class NgramProposer:
                 return tokens[start:start + num_tokens].tolist()
         return []
 
-    def propose(self, requests: list[Request], num_spec_tokens: list[int]
+    def propose(self, requests: list[DraftRequest], num_spec_tokens: list[int]
                 ) -> dict[str, tuple[list[int], None]]:
         proposals: dict[str, tuple[list[int], None]] = {}
         for request, k in zip(requests, num_spec_tokens):
@@ -54,5 +56,5 @@ class NgramProposer:
                 proposals[request.request_id] = (tokens, None)
         return proposals
 
-    def free(self, live_request_ids: set[str]) -> None:
+    def free(self, request_ids: set[str]) -> None:
         """Nothing to free: the proposer keeps no per-request state."""

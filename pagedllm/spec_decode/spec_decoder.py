@@ -1,27 +1,37 @@
-"""The glue between the engine and speculative decoding: propose after a step, verify inside the next.
+"""Speculative decoding inside the model runner (as in vLLM V1): verify the last proposals, propose the next.
 
-Engine step N ends with `propose(running)`: every request in the decode phase gets up to k proposals in
-`request.spec_token_ids`. Step N+1's scheduler treats them as extra tokens of the request inside the
-token budget; the target runner computes all k+1 positions in its one forward pass and hands their
-hidden rows to `verify`, which builds p (the request's own sampling distribution at each position),
-runs the rejection sampler against q (what the proposer drew from), and returns the accepted tokens plus
-one correction or bonus token. The scheduler then rolls back the KV of rejected tokens.
+The target's ModelRunner owns a SpecDecoder (on rank 0 only under tensor parallelism). In step N the
+runner computes, for every request carrying k proposals, all k+1 positions in its one forward pass and
+hands their logits to `verify`, which builds p (the request's own sampling distribution at each
+position), runs the rejection sampler against q (what the proposer drew from), and returns the accepted
+tokens plus one correction or bonus token. Then, still in step N, `propose` drafts up to k tokens past
+them for every request that sampled; they travel back to the engine in ModelRunnerOutput.spec_token_ids,
+the scheduler stores them in `request.spec_token_ids`, and step N+1's plan counts them as extra tokens of
+the request inside the token budget. The scheduler rolls back the KV of rejected tokens, and drops the
+proposals of requests that finished.
+
+Draft placement under tensor parallelism: the draft runs unsharded on rank 0 only (vLLM's
+draft_tensor_parallel_size=1). A draft is small, so splitting it would add two all-reduces per draft
+layer per draft token, costing more than its matmuls save; the other ranks just compute the k+1
+positions they are sent, and only rank 0, which gathers the logits, verifies.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.engine.request import Request
-from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from pagedllm.layers.sampler import processed_probs
+from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest
+from pagedllm.layers.sampler import SamplingRow, processed_probs
 from pagedllm.metrics.reader import Counter, Gauge, Metric
 from pagedllm.outputs import position_logprobs
 from pagedllm.planner.roofline import speculative_tokens_per_pass as expected_tokens_per_pass
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode import SpeculativeConfig
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import (
@@ -34,8 +44,7 @@ from pagedllm.spec_decode.rejection_sampler import (
 from pagedllm.structured_output import GrammarBitmask
 
 if TYPE_CHECKING:
-    from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.spec_decode import SpeculativeConfig
+    from pagedllm.worker.model_runner import ModelRunner
 
 
 # Adaptive k: a request's acceptance is estimated from its own recent verifications (older ones decay),
@@ -104,25 +113,28 @@ class SpecDecodeStats:
         return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+@dataclass
+class DraftRequest:
+    """A request as the proposers see it at the end of a step: its tokens with this step's sampled ones."""
+
+    request_id: str
+    all_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, engine: LLMEngine):
+    def __init__(self, config: SpeculativeConfig, target_runner: ModelRunner, seed: int = 0):
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.target_runner = engine.model_runner
-        self.target_runner.spec_verifier = self
-        self.scheduler_config = engine.scheduler_config
-        self.scheduler_config.num_speculative_tokens = config.num_speculative_tokens
+        self.target_runner = target_runner
+        self.scheduler_config = target_runner.scheduler_config
         self.proposer: NgramProposer | DraftModelProposer
         if config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         else:
             assert config.draft_model_config is not None
-            num_blocks = engine.cache_config.num_blocks
-            # As many tokens as the target's pool, plus a block per running request for the k-1 draft
-            # tokens the draft holds beyond what the target has (its pool must never be the bottleneck).
-            num_blocks += min(self.scheduler_config.max_num_seqs, num_blocks)
-            self.proposer = DraftModelProposer(config.draft_model_config, engine.cache_config.block_size,
-                                               num_blocks, self.scheduler_config, engine.device, engine.args.seed)
+            self.proposer = DraftModelProposer(config.draft_model_config, target_runner.block_size,
+                                               self.scheduler_config, target_runner.device, seed)
         # q of the current proposals, per request (draft model, non-greedy requests only).
         self.draft_probs: dict[str, torch.Tensor] = {}
         self.adaptive = config.adaptive_num_speculative_tokens
@@ -131,7 +143,8 @@ class SpecDecoder:
         # overhead (in proportion to layers, FACTS.md) and part weight reads (in proportion to bytes): take
         # the geometric mean of the two ratios (on the demo pair it is 0.19; measured here 0.15-0.2).
         if isinstance(self.proposer, DraftModelProposer):
-            layer_ratio = self.proposer.runner.model_config.num_hidden_layers / engine.model_config.num_hidden_layers
+            layer_ratio = (self.proposer.runner.model_config.num_hidden_layers
+                           / target_runner.model_config.num_hidden_layers)
             byte_ratio = self.proposer.runner.weight_bytes() / self.target_runner.weight_bytes()
             self.draft_cost_per_token = (layer_ratio * byte_ratio) ** 0.5
         else:
@@ -139,65 +152,83 @@ class SpecDecoder:
         self.acceptance: dict[str, list[float]] = {}  # request id -> [decayed accepted, decayed trials]
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
 
-    # ---- the engine's hooks ----
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        start = time.perf_counter()
-        output = self.target_runner.execute(scheduler_output)
-        elapsed = time.perf_counter() - start
-        self.stats.execute_s += elapsed
+    # ---- the runner's hooks ----
+    def draft_kv_cache_bytes_per_block(self) -> int:
+        """What each target KV block costs the draft too (its pool grows with the target's)."""
+        if isinstance(self.proposer, DraftModelProposer):
+            return self.proposer.runner.kv_cache_bytes_per_block()
+        return 0
+
+    def allocate(self, num_blocks: int) -> None:
+        if isinstance(self.proposer, DraftModelProposer):
+            # As many tokens as the target's pool, plus a block per running request for the k-1 draft
+            # tokens the draft holds beyond what the target has (its pool must never be the bottleneck).
+            self.proposer.allocate(num_blocks + min(self.scheduler_config.max_num_seqs, num_blocks))
+
+    def record_step(self, elapsed_s: float, output: ModelRunnerOutput) -> None:
+        self.stats.execute_s += elapsed_s
         self.stats.num_steps += 1
         if output.num_draft_tokens:
-            self.stats.verify_execute_s += elapsed
+            self.stats.verify_execute_s += elapsed_s
             self.stats.num_verify_steps += 1
-        return output
 
-    def propose(self, running: list[Request]) -> None:
-        """Set `spec_token_ids` of every running request that is in the decode phase."""
-        live = {r.request_id for r in running}
-        self.proposer.free(live)
-        self.draft_probs.clear()
-        for request_id in [r for r in self.acceptance if r not in live]:
-            del self.acceptance[request_id]
+    def free_requests(self, request_ids: Iterable[str]) -> None:
+        """Forget requests that finished or were preempted (their draft KV goes back to the draft's pool)."""
+        request_ids = set(request_ids)
+        self.proposer.free(request_ids)
+        for request_id in request_ids:
+            self.acceptance.pop(request_id, None)
+            self.draft_probs.pop(request_id, None)
+
+    def propose(self, scheduled: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
+        """Draft past this step's sampled tokens for every request that sampled; into output.spec_token_ids."""
+        sampled = [s for s in scheduled if s.request.request_id in output.sampled_token_ids]
         # Decodes are scheduled first; keep all of them with their proposals inside one step's budget, so
         # the scheduler never has to cut a request's proposals short.
-        budget = self.scheduler_config.max_num_batched_tokens - sum(
-            1 for r in running if r.num_computed_tokens >= r.num_prompt_tokens)
+        budget = self.scheduler_config.max_num_batched_tokens - len(sampled)
         max_model_len = self.scheduler_config.max_model_len
-        candidates: list[Request] = []
+        candidates: list[DraftRequest] = []
+        base_rows: list[SamplingRow] = []
         num_spec_tokens: list[int] = []
-        for request in running:
-            request.spec_token_ids = []
-            if request.is_finished or request.is_fork_parent or request.num_computed_tokens != request.num_tokens - 1:
-                continue  # still prefilling: nothing to speculate from yet
-            k = min(self.num_speculative_tokens_for(request), max_model_len - request.num_tokens - 1, budget)
+        for s in sampled:
+            request = s.request
+            new_tokens = output.sampled_token_ids[request.request_id]
+            all_token_ids = request.all_token_ids + new_tokens
+            num_output_tokens = len(request.output_token_ids) + len(new_tokens)
+            k = min(self.num_speculative_tokens_for(request.request_id), max_model_len - len(all_token_ids) - 1,
+                    budget)
             max_tokens = request.sampling_params.max_tokens
             if max_tokens is not None:
-                k = min(k, max_tokens - request.num_output_tokens - 1)  # never draft past the length limit
+                k = min(k, max_tokens - num_output_tokens - 1)  # never draft past the length limit
+            self.draft_probs.pop(request.request_id, None)
             if k <= 0:
                 continue
             budget -= k
-            candidates.append(request)
+            candidates.append(DraftRequest(request.request_id, all_token_ids, request.sampling_params))
+            base_rows.append(SamplingRow(request.sampling_params, request.prompt_token_ids,
+                                         request.output_token_ids + new_tokens, request.generator,
+                                         list(request.sampling_params.all_stop_token_ids)))
             num_spec_tokens.append(k)
         if not candidates:
             return
         start = time.perf_counter()
         if isinstance(self.proposer, DraftModelProposer):
-            base_rows = [self.target_runner.sampling_row(r) for r in candidates]
-            proposals = self.proposer.propose(candidates, num_spec_tokens, base_rows)
+            proposals = self.proposer.propose(candidates, num_spec_tokens, base_rows)  # type: ignore[arg-type]
         else:
-            proposals = self.proposer.propose(candidates, num_spec_tokens)
+            proposals = self.proposer.propose(candidates, num_spec_tokens)  # type: ignore[arg-type]
         self.stats.propose_s += time.perf_counter() - start
         self.stats.num_propose_calls += 1
         for request in candidates:
             tokens, q = proposals.get(request.request_id, ([], None))
-            request.spec_token_ids = tokens
+            if tokens:
+                output.spec_token_ids[request.request_id] = tokens
             if q is not None:
                 self.draft_probs[request.request_id] = q
 
-    def num_speculative_tokens_for(self, request: Request) -> int:
+    def num_speculative_tokens_for(self, request_id: str) -> int:
         if not self.adaptive:
             return self.num_speculative_tokens
-        accepted, trials = self.acceptance.get(request.request_id, (0.0, 0.0))
+        accepted, trials = self.acceptance.get(request_id, (0.0, 0.0))
         alpha = (accepted + ACCEPTANCE_PRIOR * ACCEPTANCE_PRIOR_WEIGHT) / (trials + ACCEPTANCE_PRIOR_WEIGHT)
         return best_num_speculative_tokens(alpha, self.num_speculative_tokens, self.draft_cost_per_token)
 
@@ -206,17 +237,14 @@ class SpecDecoder:
         state[0] = ACCEPTANCE_DECAY * state[0] + num_accepted
         state[1] = ACCEPTANCE_DECAY * state[1] + num_accepted + (num_accepted < num_draft)
 
-    # ---- called by the target runner with the hidden rows of every verified request ----
-    def verify(self, verify: list[tuple[ScheduledRequest, int]], hidden: torch.Tensor,
+    # ---- called by the target runner with the logits of the k+1 positions of every verified request ----
+    def verify(self, verify: list[tuple[ScheduledRequest, int]], logits: torch.Tensor,
                output: ModelRunnerOutput, grammar_bitmask: GrammarBitmask | None = None) -> None:
         runner = self.target_runner
-        row_index: list[int] = []
         rows = []
-        for s, first in verify:
+        for s, _ in verify:
             k = len(s.spec_token_ids)
-            row_index.extend(range(first, first + k + 1))
             rows.extend(rows_with_drafts(runner.sampling_row(s.request), s.spec_token_ids, k + 1))
-        logits = runner.model.compute_logits(hidden[row_index])
         raw_logprobs = logits.log_softmax(dim=-1)
         # Under a grammar p is the masked target distribution at every position, so a draft token the
         # grammar refuses has p = 0 and is rejected, and the output stays a sample of the constrained target.

@@ -1,6 +1,8 @@
 """The model runner: turns a SchedulerOutput into tensors, runs one forward pass, samples.
 
 It owns the model, the paged KV cache tensors and the attention backend, and knows nothing of policy.
+Under tensor parallelism every rank runs one, on its shard of the weights and KV heads, with the same
+inputs; the logits are gathered on rank 0, which alone samples.
 """
 
 from __future__ import annotations
@@ -8,7 +10,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +26,10 @@ from pagedllm.layers.sampler import Sampler, SamplingRow
 from pagedllm.models.loader import load_model
 from pagedllm.outputs import PositionLogprobs, position_logprobs
 from pagedllm.structured_output import GrammarBitmask
+
+if TYPE_CHECKING:
+    from pagedllm.spec_decode import SpeculativeConfig
+    from pagedllm.spec_decode.spec_decoder import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +58,30 @@ class Batch:
     query_starts: list[int]
 
 
+# vLLM's CPU backend reserves VLLM_CPU_KVCACHE_SPACE GiB (default 4) for the KV cache; ours is the same
+# idea under our own name, and the default is also capped by what the engine could ever use.
+CPU_KVCACHE_SPACE_ENV = "PAGEDLLM_CPU_KVCACHE_SPACE"
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * 2**30
+
+
+def cpu_kv_cache_space_bytes() -> int | None:
+    """PAGEDLLM_CPU_KVCACHE_SPACE (GiB, fractions allowed) in bytes, or None when unset."""
+    value = os.environ.get(CPU_KVCACHE_SPACE_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = -1.0
+    if not gib > 0:
+        raise ValueError(f"{CPU_KVCACHE_SPACE_ENV} must be a positive number of GiB, got {value!r}.")
+    return int(gib * 2**30)
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+
+
 def available_cpu_memory() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -63,30 +95,50 @@ def available_cpu_memory() -> int:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, device: torch.device, seed: int = 0):
+                 scheduler_config: SchedulerConfig, device: torch.device, seed: int = 0,
+                 tp_rank: int = 0, tp_size: int = 1, ranks_per_host: int = 1,
+                 speculative_config: SpeculativeConfig | None = None):
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.device = device
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.ranks_per_host = ranks_per_host  # CPU ranks on one host share its memory
         self.block_size = cache_config.block_size
         self.kv_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, model_config.dtype)
-        self.backend = get_attn_backend(cache_config.attention_backend, model_config.num_attention_heads,
-                                        model_config.num_key_value_heads, model_config.head_dim, model_config.dtype,
+        self.num_kv_heads = model_config.get_num_kv_heads(tp_size)
+        # MLA layers attend through their own latent-cache attention (attention/mla.py), which reads the
+        # reference backend's padded decode batch and masks: the runner must build those for them.
+        backend_name = "TORCH_SDPA" if model_config.is_mla else cache_config.attention_backend
+        self.backend = get_attn_backend(backend_name, model_config.num_attention_heads // tp_size,
+                                        self.num_kv_heads, model_config.head_dim, model_config.dtype,
                                         self.kv_dtype, device, self.block_size)
-        self.model = load_model(model_config, self.backend, device)
+        self.model = load_model(model_config, self.backend, device, tp_rank, tp_size)
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         self.sampler = Sampler(generator)
         self.kv_caches: list[torch.Tensor] = []
-        # Set by the speculative decoder: scores k+1 positions per request and accepts/rejects.
-        self.spec_verifier = None
+        # Speculative decoding: verifies the k+1 positions of each request and drafts the next proposals.
+        # Rank 0 only: it alone sees the logits, and the draft runs there unsharded.
+        self.spec_decoder: SpecDecoder | None = None
+        if speculative_config is not None and tp_rank == 0:
+            from pagedllm.spec_decode.spec_decoder import SpecDecoder  # the drafter holds a ModelRunner itself
+
+            self.spec_decoder = SpecDecoder(speculative_config, self, seed=seed)
 
     # ---- KV cache ----
     def kv_cache_bytes_per_block(self) -> int:
-        return self.model_config.kv_bytes_per_token(self.kv_dtype) * self.block_size
+        return self.model_config.kv_bytes_per_token(self.kv_dtype, self.tp_size) * self.block_size
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def draft_bytes(self) -> int:
+        """The draft model's weights and KV pool on this rank (0 without one)."""
+        runner = getattr(self.spec_decoder.proposer, "runner", None) if self.spec_decoder is not None else None
+        if runner is None:
+            return 0
+        return runner.weight_bytes() + sum(c.numel() * c.element_size() for c in runner.kv_caches)
 
     def activation_bytes_estimate(self) -> int:
         c = self.model_config
@@ -97,34 +149,57 @@ class ModelRunner:
         return tokens * per_token + logits
 
     def determine_num_blocks(self) -> int:
+        num_blocks, self.kv_budget_source = self._kv_cache_budget_blocks()
+        return num_blocks
+
+    def _kv_cache_budget_blocks(self) -> tuple[int, str]:
+        """(number of blocks, where their budget came from, for the start-up line)."""
         cfg = self.cache_config
         per_block = self.kv_cache_bytes_per_block()
         if cfg.num_gpu_blocks_override is not None:
-            return cfg.num_gpu_blocks_override
+            return cfg.num_gpu_blocks_override, "num_gpu_blocks_override"
+        # A draft model's KV pool has a block for each target block plus one per running request (at most
+        # one per target block): its bytes come out of the same budget (its weights are already loaded,
+        # so measured memory has them).
+        draft_per_block = self.spec_decoder.draft_kv_cache_bytes_per_block() if self.spec_decoder else 0
+        max_blocks = None
         if cfg.kv_cache_memory_bytes is not None:
-            budget = cfg.kv_cache_memory_bytes
+            budget, source = cfg.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             budget = int(total * cfg.gpu_memory_utilization) - used - self.activation_bytes_estimate()
+            source = f"gpu_memory_utilization={cfg.gpu_memory_utilization}"
+        elif (space := cpu_kv_cache_space_bytes()) is not None:
+            budget, source = space, f"{CPU_KVCACHE_SPACE_ENV}={os.environ[CPU_KVCACHE_SPACE_ENV]} GiB"
         else:
-            # On CPU: a share of the memory still available (weights are already loaded), but never
-            # more than every sequence at full length could use, so a small model does not take the host.
-            budget = int(available_cpu_memory() * cfg.gpu_memory_utilization) - self.activation_bytes_estimate()
-            max_tokens = self.scheduler_config.max_num_seqs * self.scheduler_config.max_model_len
-            budget = min(budget, (max_tokens // self.block_size + 1) * per_block)
-        num_blocks = budget // per_block
+            # On CPU, like vLLM's VLLM_CPU_KVCACHE_SPACE: a fixed default rather than a share of the
+            # host, which other processes share and which nothing reserves for us; and never more than
+            # every sequence at full length could use, nor more than the memory available now (ranks on
+            # one host each take their share of it).
+            max_blocks = self.scheduler_config.max_num_seqs * self.scheduler_config.max_model_len // self.block_size + 1
+            available = (int(available_cpu_memory() * cfg.gpu_memory_utilization) // self.ranks_per_host
+                         - self.activation_bytes_estimate())
+            candidates = {f"the {DEFAULT_CPU_KV_CACHE_BYTES / 2**30:g} GiB default": DEFAULT_CPU_KV_CACHE_BYTES,
+                          f"gpu_memory_utilization={cfg.gpu_memory_utilization} of available memory": available}
+            source, budget = min(candidates.items(), key=lambda item: item[1])
+        max_num_seqs = self.scheduler_config.max_num_seqs
+        num_blocks = (budget - draft_per_block * max_num_seqs) // (per_block + draft_per_block)
+        if num_blocks < max_num_seqs:  # fewer blocks than sequences: the draft's extra is one per block
+            num_blocks = budget // (per_block + 2 * draft_per_block)
+        if max_blocks is not None and num_blocks > max_blocks:
+            num_blocks, source = max_blocks, "max_num_seqs x max_model_len"
         if num_blocks <= 0:
             raise ValueError(f"No memory left for the KV cache (budget {budget} bytes, {per_block} bytes per "
                              "block); raise gpu_memory_utilization or kv_cache_memory_bytes.")
-        return int(num_blocks)
+        return int(num_blocks), source
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config
         # One tensor for all layers; each layer gets a [2, kv_heads, num_blocks, block_size, head_dim] view
         # (MLA: [1, 1, num_blocks, block_size, latent + rope key], see ModelConfig.kv_cache_layer_shape).
         # Zeroed: masked-out padding is multiplied by 0 in attention, and 0 * NaN garbage would be NaN.
-        shape = (c.num_hidden_layers, *c.kv_cache_layer_shape(num_blocks, self.block_size))
+        shape = (c.num_hidden_layers, *c.kv_cache_layer_shape(num_blocks, self.block_size, self.tp_size))
         if self.device.type == "cpu":
             # calloc'd memory: the OS hands out zero pages on first touch, so start-up does not write
             # (and the process does not hold) gigabytes of cache that no request has used yet.
@@ -133,11 +208,21 @@ class ModelRunner:
         else:
             cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = list(cache.unbind(0))
-        logger.info("KV cache: %d blocks of %d tokens, at most %d cached tokens (%.1f MiB, %s, %d bytes per token%s); "
-                    "weights %.1f MiB", num_blocks, self.block_size, num_blocks * self.block_size,
-                    cache.numel() * cache.element_size() / 2**20, self.kv_dtype,
-                    c.kv_bytes_per_token(self.kv_dtype), ", MLA latent" if c.is_mla else "",
-                    self.weight_bytes() / 2**20)
+        if self.spec_decoder is not None:
+            self.spec_decoder.allocate(num_blocks)
+        rank = f"rank {self.tp_rank}/{self.tp_size}: " if self.tp_size > 1 else ""
+        draft = f"; draft weights and KV {_gib(self.draft_bytes())}" if self.draft_bytes() else ""
+        num_tokens = num_blocks * self.block_size
+        max_model_len = self.scheduler_config.max_model_len
+        logger.info("%sKV cache: %s (%s, %d bytes per token%s, %d KV heads, from %s) = %d blocks of %d tokens = %d "
+                    "tokens, room for %d sequences of max_model_len %d%s; weights %s%s",
+                    rank, _gib(cache.numel() * cache.element_size()), str(self.kv_dtype).removeprefix("torch."),
+                    c.kv_bytes_per_token(self.kv_dtype, self.tp_size), ", MLA latent" if c.is_mla else "",
+                    self.num_kv_heads, getattr(self, "kv_budget_source", "the budget"), num_blocks, self.block_size,
+                    num_tokens, num_blocks // -(-max_model_len // self.block_size), max_model_len,
+                    "; host memory is taken lazily, as blocks are first written (set --kv-cache-memory-bytes "
+                    f"or {CPU_KVCACHE_SPACE_ENV}=GiB to change)" if self.device.type == "cpu" else "",
+                    _gib(self.weight_bytes()), draft)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -154,13 +239,18 @@ class ModelRunner:
     # ---- one step ----
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter()
+        if self.spec_decoder is not None:
+            self.spec_decoder.free_requests(scheduler_output.finished_req_ids | set(scheduler_output.preempted_ids))
         self.copy_blocks(scheduler_output.blocks_to_copy)
         output = ModelRunnerOutput()
-        if not scheduler_output.scheduled:
-            return output
-        batch = self.prepare(scheduler_output.scheduled)
-        hidden = self.forward(batch)
-        self.sample(batch, hidden, output, scheduler_output.grammar_bitmask)
+        if scheduler_output.scheduled:
+            batch = self.prepare(scheduler_output.scheduled)
+            hidden = self.forward(batch)
+            self.sample(batch, hidden, output, scheduler_output.grammar_bitmask)
+        if self.spec_decoder is not None and scheduler_output.scheduled:
+            self.spec_decoder.record_step(time.perf_counter() - start, output)
+            self.spec_decoder.propose(batch.order, output)
         return output
 
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -258,24 +348,36 @@ class ModelRunner:
     def sample(self, batch: Batch, hidden: torch.Tensor, output: ModelRunnerOutput,
                grammar_bitmask: GrammarBitmask | None = None) -> None:
         """Sample the next token of every request that reached its last known token. Requests carrying
-        speculative tokens are handed, with the rows of their k+1 positions, to `self.spec_verifier`."""
-        sample_rows, rows = [], []
+        speculative tokens are handed, with the logits of their k+1 positions, to `self.spec_decoder`.
+        Every row that needs logits goes through the LM head in one call (one gather under TP)."""
+        sample_rows: list[int] = []
         verify: list[tuple[ScheduledRequest, int]] = []  # (request, first row of its k+1 positions)
+        verify_rows: list[int] = []
         prompt_lp: list[tuple[ScheduledRequest, int, int]] = []  # (request, first row, count)
         for s, start in zip(batch.order, batch.query_starts):
             request = s.request
             params = request.sampling_params
             if params.prompt_logprobs is not None and s.start_pos < request.num_prompt_tokens - 1 \
-                    and len(request.prompt_logprobs) < request.num_prompt_tokens:
+                    and request.num_prompt_logprobs_computed < request.num_prompt_tokens:
                 count = min(s.start_pos + s.num_new_tokens, request.num_prompt_tokens - 1) - s.start_pos
                 prompt_lp.append((s, start, count))
             if s.sample and s.spec_token_ids:
-                verify.append((s, start + s.num_new_tokens - len(s.spec_token_ids) - 1))
+                first = start + s.num_new_tokens - len(s.spec_token_ids) - 1
+                verify.append((s, first))
+                verify_rows.extend(range(first, first + len(s.spec_token_ids) + 1))
             elif s.sample:
                 sample_rows.append(start + s.num_new_tokens - 1)
-                rows.append(self.sampling_row(request))
-        if rows:
-            logits = self.model.compute_logits(hidden[sample_rows])
+        prompt_rows = [row for _, start, count in prompt_lp for row in range(start, start + count)]
+        logits_rows = sample_rows + verify_rows + prompt_rows
+        if not logits_rows:
+            return
+        all_logits = self.model.compute_logits(hidden[logits_rows])
+        if all_logits is None:
+            return  # not rank 0: the logits were gathered there, and only rank 0 samples
+        num_sample, num_verify = len(sample_rows), len(verify_rows)
+        if sample_rows:
+            rows = [self.sampling_row(s.request) for s in batch.order if s.sample and not s.spec_token_ids]
+            logits = all_logits[:num_sample]
             max_logprobs = max((r.params.logprobs or 0) for r in rows)
             token_bitmask = None
             if grammar_bitmask is not None:
@@ -299,9 +401,13 @@ class ModelRunner:
                                                               int(result.sampled_ranks[i]), top_ids, top_lps)]
                 i += 1
         if verify:
-            self.spec_verifier.verify(verify, hidden, output, grammar_bitmask)
-        for s, start, count in prompt_lp:
-            output.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(s, hidden[start:start + count])
+            assert self.spec_decoder is not None
+            self.spec_decoder.verify(verify, all_logits[num_sample:num_sample + num_verify], output,
+                                     grammar_bitmask)
+        offset = num_sample + num_verify
+        for s, _, count in prompt_lp:
+            output.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(s, all_logits[offset:offset + count])
+            offset += count
 
     def sampling_row(self, request: Request) -> SamplingRow:
         params = request.sampling_params
@@ -311,10 +417,10 @@ class ModelRunner:
         return SamplingRow(params, request.prompt_token_ids, request.output_token_ids, request.generator,
                            list(params.all_stop_token_ids))
 
-    def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor) -> list[PositionLogprobs]:
-        logprobs = self.model.compute_logits(hidden).log_softmax(dim=-1)
+    def _prompt_logprobs(self, s: ScheduledRequest, logits: torch.Tensor) -> list[PositionLogprobs]:
+        logprobs = logits.log_softmax(dim=-1)
         request = s.request
-        targets = torch.tensor(request.prompt_token_ids[s.start_pos + 1:s.start_pos + 1 + len(hidden)],
+        targets = torch.tensor(request.prompt_token_ids[s.start_pos + 1:s.start_pos + 1 + len(logits)],
                                device=logprobs.device)
         chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
         ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -22,6 +22,34 @@ def random_id(prefix: str) -> str:
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+def _check_unicode(value: Any) -> Any:
+    """JSON can carry a lone UTF-16 surrogate ("\\ud800"), which no tokenizer or UTF-8 writer accepts."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("contains a lone UTF-16 surrogate (such as \\ud800), which is not "
+                                 "valid Unicode text") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key)
+            _check_unicode(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_unicode(item)
+    return value
+
+
+class OpenAIRequestModel(OpenAIBaseModel):
+    """A request body: every text field must be valid Unicode (400 naming the field otherwise)."""
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        return _check_unicode(value)
 
 
 # --- errors -----------------------------------------------------------------------------------
@@ -64,7 +92,7 @@ class ResponseFormat(OpenAIBaseModel):
     json_schema: JsonSchemaResponseFormat | None = None
 
 
-class SamplingRequestFields(OpenAIBaseModel):
+class SamplingRequestFields(OpenAIRequestModel):
     """Sampling fields shared by /v1/completions and /v1/chat/completions (OpenAI's and vLLM's)."""
 
     model: str | None = None
@@ -100,10 +128,16 @@ class SamplingRequestFields(OpenAIBaseModel):
     guided_whitespace_pattern: str | None = None
 
     def build_sampling_params(self, max_tokens: int, logprobs: int | None,
-                              prompt_logprobs: int | None = None) -> SamplingParams:
-        """SamplingParams raises ValueError naming the field for values out of range."""
+                              prompt_logprobs: int | None = None,
+                              defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams raises ValueError naming the field for values out of range. `defaults` (the
+        model's generation config) fill the fields the request left unset; set fields always win."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         optional: dict[str, Any] = {
+            name: value for name, value in (defaults or {}).items()
+            if name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        }
+        optional |= {
             name: value for name, value in (
                 ("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k),
                 ("min_p", self.min_p), ("repetition_penalty", self.repetition_penalty),
@@ -166,7 +200,7 @@ class CompletionStreamResponse(OpenAIBaseModel):
 
 # --- /v1/chat/completions ---------------------------------------------------------------------
 
-class ChatMessage(OpenAIBaseModel):
+class ChatMessage(OpenAIRequestModel):
     role: str
     # content parts ([{"type": "text", "text": ...}]) are flattened to text before templating
     content: str | list[dict[str, Any]] | None = None
@@ -202,6 +236,8 @@ class ChatCompletionRequest(SamplingRequestFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
+    # a request-supplied template runs arbitrary Jinja: refused unless --trust-request-chat-template
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatCompletionToolsParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
@@ -308,7 +344,7 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(OpenAIRequestModel):
     """vLLM's /tokenize: either a prompt or chat messages."""
 
     model: str | None = None

@@ -4,8 +4,8 @@ Every engine argument of `LLM` is a flag spelled as in vLLM (EngineArgs.add_cli_
 it serves the bundled demo model. It listens on loopback unless told otherwise.
 
 Shutdown on SIGTERM or Ctrl-C: uvicorn stops accepting connections and lets in-flight requests run
-for --timeout-graceful-shutdown seconds, then cancels them; the app's lifespan then aborts whatever
-is left in the engine and stops its thread, and the process exits 0.
+for --timeout-graceful-shutdown seconds; then the engine ends what is left, each handler answers
+503 (a stream: an error event and [DONE]), the engine thread stops, and the process exits 0.
 """
 
 from __future__ import annotations
@@ -18,6 +18,13 @@ import sys
 from typing import Any
 
 from pagedllm.assets import installed_model_path
+from pagedllm.entrypoints.openai.limits import (
+    DEFAULT_MAX_WAITING_REQUESTS,
+    DEFAULT_READ_TIMEOUT_S,
+    DEFAULT_TOKENIZE_TIMEOUT_S,
+    DEFAULT_WRITE_TIMEOUT_S,
+    PROMPT_CHARS_PER_TOKEN,
+)
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: exposing the server is an explicit choice (--host 0.0.0.0)
 DEFAULT_PORT = 8000
@@ -29,23 +36,47 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server",
         description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, ...).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+)
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="model directory or Hugging Face id (default: the bundled demo model)")
+                        help="local Hugging Face-format model directory; nothing is downloaded "
+                             "(default: the bundled demo model, served as 'pycode-target')")
+    parser.add_argument("--model", dest="model", default=None,
+                        help="the model directory, as a flag (vLLM's older spelling of MODEL)")
     parser.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
     parser.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on the API (default: "
                              "$PAGEDLLM_API_KEY, else open)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
-                        help="model name(s) clients use (default: the model path)")
-    parser.add_argument("--max-waiting-requests", type=int, default=None,
-                        help="answer 503 while this many requests wait for their first token "
-                             "(default: unbounded)")
+                        help="model name(s) clients use (default: the model directory's name; 'pycode-target' "
+                             "for the bundled model)")
+    parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                        help="sequences (prompts x n) that may wait for their first token; beyond it "
+                             "answer 503, and 400 to a request larger than the limit (0: unbounded)")
     parser.add_argument("--max-request-body-bytes", type=int, default=4 * 1024 * 1024,
                         help="answer 413 to bodies larger than this")
+    parser.add_argument("--max-prompt-chars", type=int, default=None,
+                        help="answer 400 to a prompt longer than this many characters, before "
+                             f"tokenizing it (default: {PROMPT_CHARS_PER_TOKEN} x max_model_len)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="accept chat templates sent in requests (chat_template, "
+                             "chat_template_kwargs.chat_template); they run arbitrary Jinja")
+    parser.add_argument("--tokenize-timeout", type=float, default=DEFAULT_TOKENIZE_TIMEOUT_S,
+                        help="seconds a prompt may take to render and tokenize before a 400")
+    parser.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                        help="seconds a client has to send a request's headers, and its body")
+    parser.add_argument("--write-timeout", type=float, default=DEFAULT_WRITE_TIMEOUT_S,
+                        help="seconds a response may wait on a client that does not read it; then the "
+                             "connection is closed and its requests aborted")
+    parser.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                        help="seconds an idle keep-alive connection stays open")
     parser.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
-                        help="seconds in-flight requests may run on after SIGTERM before being aborted")
+                        help="seconds in-flight requests may run on after SIGTERM; then they are "
+                             "answered 503 (streams: an error event and [DONE])")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="do not log each request (its id, prompt length and sampling parameters)")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="do not log throughput, running/waiting requests and KV usage every 5 s")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     EngineArgs.add_cli_args(parser)
@@ -54,7 +85,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def resolve_model(args: argparse.Namespace) -> str | None:
-    model = args.model_tag or getattr(args, "model", None)
+    tag, flag = args.model_tag, getattr(args, "model", None)
+    if tag and flag and tag != flag:
+        raise ValueError(f"two models given: {tag!r} (positional) and --model {flag!r}; give one.")
+    model = tag or flag
     if model:
         return str(model)
     return installed_model_path()
@@ -63,11 +97,10 @@ def resolve_model(args: argparse.Namespace) -> str | None:
 def run_server(args: argparse.Namespace) -> int:
     # a SIGTERM while the model loads has nothing in flight to wait for: just exit 0
     signal.signal(signal.SIGTERM, _exit_now)
-    import uvicorn
-
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.entrypoints.openai.server import build_app
+    from pagedllm.entrypoints.openai.uvicorn_server import make_server
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     model = resolve_model(args)
@@ -75,19 +108,29 @@ def run_server(args: argparse.Namespace) -> int:
         print("pagedllm serve: no model given and the bundled demo model is not installed; "
               "pass a model directory: pagedllm serve PATH", file=sys.stderr)
         return 2
-    if args.model_tag is None and getattr(args, "model", None) is None and not args.served_model_name:
+    if not args.served_model_name and os.path.isdir(model):
         args.served_model_name = [os.path.basename(model.rstrip("/"))]  # "pycode-target", not a path
     args.model = model
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
-        print("pagedllm serve: --max-waiting-requests must be >= 0", file=sys.stderr)
-        return 2
+    for flag, low in (("max_waiting_requests", 0), ("max_prompt_chars", 1), ("read_timeout", 1e-3),
+                      ("write_timeout", 1e-3), ("tokenize_timeout", 1e-3), ("timeout_keep_alive", 0)):
+        value = getattr(args, flag)
+        if value is not None and value < low:
+            print(f"pagedllm serve: --{flag.replace('_', '-')} must be "
+                  f"{'>= 0' if low == 0 else 'positive'}", file=sys.stderr)
+            return 2
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.model = model
-    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    if engine_args.node_rank > 0:
+        from pagedllm.engine.llm_engine import run_worker_node
+
+        # Not node 0: no engine and no HTTP; host this node's ranks until node 0 shuts them down.
+        run_worker_node(engine_args)
+        return 0
+    engine = AsyncLLMEngine.from_engine_args(engine_args, log_stats=not args.disable_log_stats)
     app = build_app(engine, args)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=args.timeout_graceful_shutdown, access_log=False)
-    server = uvicorn.Server(config)
+    server = make_server(app, engine, args.host, args.port, args.uvicorn_log_level,
+                         grace_period=args.timeout_graceful_shutdown, read_timeout=args.read_timeout,
+                         keep_alive_timeout=args.timeout_keep_alive)
     logging.getLogger(__name__).info(
         "KV cache page: %s%s", page_url(args.host, args.port),
         " (add ?api_key=KEY: the server has an API key)" if args.api_key else "")

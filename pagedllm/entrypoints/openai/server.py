@@ -2,18 +2,24 @@
 
 No input takes the server down: every failure (a bad parameter, malformed JSON, an oversized body,
 a wrong key, a full queue, a bug) becomes `{"error": {"message", "type", "param", "code"}}` with a
-fitting status, and the engine keeps serving the other requests.
+fitting status, and the engine keeps serving the other requests. A 5xx body is generic (a request
+id to find the details in the log). Slow clients cannot hold the server: a request body must arrive
+within --read-timeout, and a response write (an unread stream) may stall for at most --write-timeout
+before the connection is closed and its requests aborted.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
 import logging
+import os
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,8 +27,17 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
 from pagedllm.entrypoints.openai.kv_cache_page import kv_cache_router
+from pagedllm.entrypoints.openai.limits import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_MAX_WAITING_REQUESTS,
+    DEFAULT_READ_TIMEOUT_S,
+    DEFAULT_TOKENIZE_TIMEOUT_S,
+    DEFAULT_WRITE_TIMEOUT_S,
+    PROMPT_CHARS_PER_TOKEN,
+    TOKENIZER_WORKERS,
+)
 from pagedllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -34,15 +49,20 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat_prompt
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, messages_chars, render_chat_prompt
 from pagedllm.entrypoints.openai.serving_completions import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_engine import APIError, ServingContext, error_body
+from pagedllm.entrypoints.openai.serving_engine import (
+    APIError,
+    ClientDisconnected,
+    ServingContext,
+    TokenizerPool,
+    error_body,
+    internal_error,
+)
+from pagedllm.metrics.reader import Gauge
 from pagedllm.version import __version__
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
-
 
 @dataclass
 class ServerConfig:
@@ -51,23 +71,86 @@ class ServerConfig:
     served_model_names: list[str]
     model_path: str = ""
     api_key: str | None = None
-    max_waiting_requests: int | None = None
+    max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    max_prompt_chars: int | None = None  # None: max_model_len x PROMPT_CHARS_PER_TOKEN
+    trust_request_chat_template: bool = False
+    read_timeout: float = DEFAULT_READ_TIMEOUT_S
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT_S
+    tokenize_timeout: float = DEFAULT_TOKENIZE_TIMEOUT_S
+    log_requests: bool = False  # one INFO line per request (`pagedllm serve` turns it on)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace | ServerConfig | None, model_path: str) -> ServerConfig:
         if isinstance(args, ServerConfig):
             return args
-        names = getattr(args, "served_model_name", None) or [model_path]
+        # a client sees a name, never the server's filesystem
+        names = getattr(args, "served_model_name", None) or [os.path.basename(model_path.rstrip("/"))
+                                                              or model_path]
         if isinstance(names, str):
             names = [names]
+
+        def arg(name: str, default: object) -> object:
+            value = getattr(args, name, None)
+            return default if value is None else value
+
         return cls(
             served_model_names=list(names), model_path=model_path,
             api_key=getattr(args, "api_key", None) or None,
-            max_waiting_requests=getattr(args, "max_waiting_requests", None),
+            max_waiting_requests=arg("max_waiting_requests", DEFAULT_MAX_WAITING_REQUESTS) or None,
             max_request_body_bytes=getattr(args, "max_request_body_bytes", None)
             or DEFAULT_MAX_REQUEST_BODY_BYTES,
+            max_prompt_chars=getattr(args, "max_prompt_chars", None),
+            trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)),
+            read_timeout=float(arg("read_timeout", DEFAULT_READ_TIMEOUT_S)),
+            write_timeout=float(arg("write_timeout", DEFAULT_WRITE_TIMEOUT_S)),
+            tokenize_timeout=float(arg("tokenize_timeout", DEFAULT_TOKENIZE_TIMEOUT_S)),
+            log_requests=args is not None and not getattr(args, "disable_log_requests", False),
         )
+
+
+# scope["extensions"] key of a callable that drops the connection (set by our uvicorn protocol)
+ABORT_CONNECTION = "pagedllm.abort_connection"
+
+
+class StalledClient(Exception):
+    """A response write waited longer than the write timeout: the client stopped reading."""
+
+
+class ConnectionGuardMiddleware:
+    """Keeps slow clients from holding the server: a write that stalls past `write_timeout` (a client
+    that stopped reading its stream) ends the response, which aborts its engine requests, and the
+    connection is closed. Also serves `/path/` as `/path` instead of a body-less 307 redirect.
+    """
+
+    def __init__(self, app: ASGIApp, write_timeout: float) -> None:
+        self.app = app
+        self.write_timeout = write_timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        if len(path) > 1 and path.endswith("/"):
+            scope = {**scope, "path": path.rstrip("/") or "/"}
+
+        async def timed_send(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.write_timeout)
+            except asyncio.TimeoutError:
+                raise StalledClient() from None
+
+        try:
+            await self.app(scope, receive, timed_send)
+        except StalledClient:
+            # drop the connection and whatever the client left unread; without the hook, returning
+            # with the response unfinished makes uvicorn close it
+            abort_connection = (scope.get("extensions") or {}).get(ABORT_CONNECTION)
+            if abort_connection is not None:
+                abort_connection()
+                await asyncio.sleep(0)  # let uvicorn see the connection lost before this returns
+            logger.info("closed a connection whose client did not read for %.0f s", self.write_timeout)
 
 
 class BodySizeLimitMiddleware:
@@ -77,9 +160,10 @@ class BodySizeLimitMiddleware:
     messages the handlers listen for pass through untouched.
     """
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, read_timeout: float = DEFAULT_READ_TIMEOUT_S) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.read_timeout = read_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -92,8 +176,16 @@ class BodySizeLimitMiddleware:
         # read the body up front (API bodies are small) and replay it to the app
         chunks: list[bytes] = []
         size = 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.read_timeout  # the whole body, so trickling bytes does not help
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                response = error_response(APIError(
+                    408, f"The request body did not arrive within {self.read_timeout:g} s.", "RequestTimeout"))
+                await response(scope, receive, send)
+                return
             if message["type"] == "http.disconnect":
                 return
             chunk = message.get("body", b"")
@@ -157,11 +249,25 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(exc.status_code, str(exc.detail),
                                        kinds.get(exc.status_code, "HTTPError")))
 
+    @app.exception_handler(ClientDisconnected)
+    async def client_disconnected(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody is left to read it (nginx's "client closed request")
+
+    @app.exception_handler(EngineDeadError)
+    @app.exception_handler(EngineStepError)
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in a request")
-        return error_response(APIError(500, f"Internal server error: {type(exc).__name__}: {exc}",
-                                       "InternalServerError"))
+    async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+        # generic text and a request id; the exception itself goes to the log only
+        return error_response(internal_error(exc))
+
+
+def _default_sampling_params(engine: AsyncLLMEngine) -> dict[str, Any]:
+    get_diff = getattr(engine.model_config, "get_diff_sampling_param", None)
+    defaults = get_diff() if get_diff is not None else {}
+    if defaults:
+        logger.info("Default sampling parameters come from the model's generation config: %s "
+                    "(explicit request fields win; --generation-config vllm turns this off)", defaults)
+    return defaults
 
 
 def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | None = None) -> FastAPI:
@@ -176,14 +282,20 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | 
         tokenizer = copy.deepcopy(engine.tokenizer)
     except Exception:
         tokenizer = engine.tokenizer
+    max_model_len = int(engine.model_config.max_model_len)
     context = ServingContext(engine=engine, tokenizer=tokenizer, served_model_names=config.served_model_names,
-                             max_model_len=int(engine.model_config.max_model_len),
-                             max_waiting_requests=config.max_waiting_requests)
+                             max_model_len=max_model_len, max_waiting_requests=config.max_waiting_requests,
+                             max_prompt_chars=config.max_prompt_chars or max_model_len * PROMPT_CHARS_PER_TOKEN,
+                             trust_request_chat_template=config.trust_request_chat_template,
+                             log_requests=config.log_requests,
+                             default_sampling_params=_default_sampling_params(engine))
     completions = OpenAIServingCompletion(context)
     chat = OpenAIServingChat(context)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if tokenizer is not None:  # made on the event loop it serves
+            context.tokenizer_pool = TokenizerPool(tokenizer, TOKENIZER_WORKERS, config.tokenize_timeout)
         engine.start()
         try:
             yield
@@ -195,7 +307,9 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | 
     app.state.config = config
     app.state.metrics = metrics
     _install_error_handlers(app)
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.max_request_body_bytes,
+                       read_timeout=config.read_timeout)
+    app.add_middleware(ConnectionGuardMiddleware, write_timeout=config.write_timeout)
 
     async def verify_api_key(request: Request) -> None:
         if config.api_key is None:
@@ -220,14 +334,16 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         engine_metrics = await engine.get_metrics()
-        return Response(metrics.render(engine_metrics), media_type=CONTENT_TYPE)
+        admission = [Gauge("pagedllm:server_waiting_sequences", context.num_waiting_sequences),
+                     Gauge("pagedllm:server_waiting_sequences_peak", context.peak_waiting_sequences)]
+        return Response(metrics.render(engine_metrics + admission), media_type=CONTENT_TYPE)
 
     api = APIRouter(dependencies=[Depends(verify_api_key)])
 
     @api.get("/v1/models")
     async def list_models() -> ModelList:
         return ModelList(data=[
-            ModelCard(id=name, root=config.model_path, max_model_len=context.max_model_len)
+            ModelCard(id=name, root=name, max_model_len=context.max_model_len)
             for name in config.served_model_names])
 
     @api.post("/v1/completions")
@@ -244,10 +360,12 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | 
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "Give exactly one of 'prompt' and 'messages'.", param="prompt")
         if body.messages is not None:
-            text = render_chat_prompt(tokenizer, body.messages, body.add_generation_prompt, None)
-            token_ids = context.encode_chat(text)
+            messages = body.messages
+            context.check_prompt_chars(messages_chars(messages), "messages")
+            token_ids = await context.encode_chat(lambda tok: render_chat_prompt(
+                tok, messages, body.add_generation_prompt, None))
         else:
-            token_ids = list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+            token_ids = await context.encode_prompt(body.prompt, add_special_tokens=body.add_special_tokens)
         token_strs = tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
         return TokenizeResponse(count=len(token_ids), max_model_len=context.max_model_len,
                                 tokens=token_ids, token_strs=token_strs)
@@ -256,7 +374,8 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | 
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         context.check_model(body.model)
         context.check_token_ids(body.tokens, "tokens")
-        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+        tokens = body.tokens
+        return DetokenizeResponse(prompt=await context.run_tokenizer(lambda tok: tok.decode(tokens), "tokens"))
 
     app.include_router(api)
     app.include_router(kv_cache_router(engine, verify_api_key, config.served_model_names[0]))

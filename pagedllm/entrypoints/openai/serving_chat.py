@@ -6,7 +6,6 @@ deltas, then the finish_reason, and with stream_options.include_usage a last chu
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.engine.async_engine import RequestStream
+from pagedllm.engine.async_engine import OutputQueue, RequestStream
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -54,7 +53,7 @@ from pagedllm.entrypoints.openai.structured_outputs import (
 from pagedllm.outputs import RequestOutput
 
 # SamplingParams calls the chat API's top_logprobs "logprobs"
-_PARAM_RENAMES = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}
+_PARAM_RENAMES = {"logprobs": "top_logprobs"}
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:
@@ -75,21 +74,62 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     return result
 
 
+# apply_chat_template's own arguments: set by the server, never through chat_template_kwargs
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "tools", "documents", "add_generation_prompt", "tokenize",
+                             "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                             "return_assistant_tokens_mask", "tokenizer_kwargs", "continue_final_message"}
+
+
+def chat_template_kwargs(request: ChatCompletionRequest, trust_request_chat_template: bool) -> dict[str, Any]:
+    """The request's extra template arguments; 400 for a template of its own unless the operator
+    trusts them (--trust-request-chat-template, as in vLLM): a template is code, and Jinja loops
+    can run for as long as they like."""
+    kwargs = dict(request.chat_template_kwargs or {})
+    for key in kwargs:
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise APIError(400, f"chat_template_kwargs may not set {key!r}.", param="chat_template_kwargs")
+    for param, template in (("chat_template", request.chat_template),
+                            ("chat_template_kwargs", kwargs.get("chat_template"))):
+        if template is None:
+            continue
+        if not trust_request_chat_template:
+            raise APIError(400, "This server does not accept chat templates in requests; the operator "
+                           "can allow them with --trust-request-chat-template.", param=param)
+        if not isinstance(template, str):
+            raise APIError(400, "chat_template must be a string.", param=param)
+        kwargs["chat_template"] = template
+    return kwargs
+
+
 def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
-                       chat_template_kwargs: dict[str, Any] | None,
+                       template_kwargs: dict[str, Any] | None,
                        tools: list[dict[str, Any]] | None = None) -> str:
-    """The prompt text the chat template makes of the messages; 400 if the template refuses them."""
-    if getattr(tokenizer, "chat_template", None) is None:
+    """The prompt text the chat template makes of the messages; 400 if the template refuses them.
+    Runs on a tokenizer worker thread (ServingContext.encode_chat), not on the event loop."""
+    if getattr(tokenizer, "chat_template", None) is None and not (template_kwargs or {}).get("chat_template"):
         raise APIError(400, "This model's tokenizer has no chat template; use /v1/completions.",
                        param="messages")
     try:
         return tokenizer.apply_chat_template(
             [_message_dict(message) for message in messages], add_generation_prompt=add_generation_prompt,
-            tokenize=False, **({"tools": tools} if tools else {}), **(chat_template_kwargs or {}))
+            tokenize=False, **({"tools": tools} if tools else {}), **(template_kwargs or {}))
     except APIError:
         raise
     except Exception as exc:  # jinja raises for messages the template does not accept
-        raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from exc
+        raise APIError(400, f"The chat template rejected the messages: {type(exc).__name__}",
+                       param="messages") from exc
+
+
+def messages_chars(messages: list[ChatMessage]) -> int:
+    """The text length of the messages, checked before the template renders them."""
+    total = 0
+    for message in messages:
+        content = message.content
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part["text"]) for part in content if isinstance(part.get("text"), str))
+    return total
 
 
 class OpenAIServingChat:
@@ -105,20 +145,25 @@ class OpenAIServingChat:
                            param="stream_options")
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
+        template_kwargs = chat_template_kwargs(request, context.trust_request_chat_template)
+        context.check_prompt_chars(messages_chars(request.messages), "messages")
         # the tool definitions go to the chat template, which shows them to models trained on tool use
         tools = [tool.model_dump() for tool in request.tools] if request.tools else None
-        text = render_chat_prompt(self.tokenizer, request.messages, request.add_generation_prompt,
-                                  request.chat_template_kwargs, tools)
-        prompt_ids = context.encode_chat(text)
+        prompt_ids = await context.encode_chat(lambda tokenizer: render_chat_prompt(
+            tokenizer, request.messages, request.add_generation_prompt, template_kwargs, tools))
         if not prompt_ids:
             raise APIError(400, "The chat template produced an empty prompt.", param="messages")
         requested = request.max_completion_tokens or request.max_tokens
-        max_tokens = context.check_length(len(prompt_ids), requested, "messages")
+        max_tokens = context.check_length(
+            len(prompt_ids), requested, "messages",
+            "max_completion_tokens" if request.max_completion_tokens else "max_tokens")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = context.build_params(request, max_tokens, logprobs, renames=_PARAM_RENAMES)
+        renames = {**_PARAM_RENAMES, "max_tokens": "max_completion_tokens"} \
+            if request.max_completion_tokens else _PARAM_RENAMES
+        params = context.build_params(request, max_tokens, logprobs, renames=renames)
         params.guided_decoding = guided_decoding_params(request)
         request_id = random_id("chatcmpl")
-        streams, queue = await context.submit(request_id, [prompt_ids], params, request, _PARAM_RENAMES)
+        streams, queue = await context.submit(request_id, [prompt_ids], params, request, renames)
         created = int(time.time())
         if request.stream:
             return stream_response(lambda: self._stream(request, request_id, created, model_name,
@@ -130,7 +175,7 @@ class OpenAIServingChat:
         return JSONResponse(self._response(request, request_id, created, model_name, len(prompt_ids),
                                            final).model_dump())
 
-    async def _collect(self, streams: list[RequestStream], queue: asyncio.Queue[Any]) -> RequestOutput:
+    async def _collect(self, streams: list[RequestStream], queue: OutputQueue) -> RequestOutput:
         final = None
         async for _, output in merged_outputs(streams, queue):
             final = output
@@ -181,7 +226,7 @@ class OpenAIServingChat:
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
                       num_prompt_tokens: int, streams: list[RequestStream],
-                      queue: asyncio.Queue[Any]) -> AsyncIterator[str]:
+                      queue: OutputQueue) -> AsyncIterator[str]:
         def chunk(choices: list[ChatCompletionResponseStreamChoice], usage: UsageInfo | None = None) -> str:
             payload = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
                                                    choices=choices, usage=usage).model_dump()
@@ -228,8 +273,8 @@ class OpenAIServingChat:
                 total = sum(state.num_tokens for state in states)
                 yield chunk([], UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=total,
                                           total_tokens=num_prompt_tokens + total))
-        except (ValueError, RuntimeError) as exc:
-            yield stream_error_event(exc)
+        except Exception as exc:  # the stream already started: the error is its last event
+            yield stream_error_event(exc, request_id)
         finally:
             abort_all(streams)
         yield SSE_DONE

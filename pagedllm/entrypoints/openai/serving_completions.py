@@ -7,7 +7,6 @@ Outputs are cumulative, so a stream sends what each choice gained since the last
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.engine.async_engine import RequestStream
+from pagedllm.engine.async_engine import OutputQueue, RequestStream
 from pagedllm.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -49,7 +48,7 @@ class OpenAIServingCompletion:
         self.context = context
         self.tokenizer = context.tokenizer
 
-    def _prompts(self, request: CompletionRequest) -> list[list[int]]:
+    async def _prompts(self, request: CompletionRequest) -> list[list[int]]:
         prompt = request.prompt
         if isinstance(prompt, str):
             items: list[str | list[int]] = [prompt]
@@ -61,7 +60,7 @@ class OpenAIServingCompletion:
             items = list(prompt)  # type: ignore[arg-type]
         token_lists = []
         for item in items:
-            token_ids = self.context.encode_prompt(item) if isinstance(item, str) else list(item)
+            token_ids = await self.context.encode_prompt(item) if isinstance(item, str) else list(item)
             if not token_ids:
                 raise APIError(400, "prompt must not be empty.", param="prompt")
             self.context.check_token_ids(token_ids, "prompt")
@@ -78,7 +77,11 @@ class OpenAIServingCompletion:
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options can only be given when stream is true.",
                            param="stream_options")
-        prompts = self._prompts(request)
+        prompt = request.prompt
+        num_prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+        # before tokenizing: a request too large to ever be admitted costs nothing more
+        context.check_num_sequences(num_prompts * request.n, "n" if request.n > 1 else "prompt")
+        prompts = await self._prompts(request)
         max_tokens = min(context.check_length(len(p), request.max_tokens, "prompt") for p in prompts)
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         params = context.build_params(request, max_tokens, request.logprobs, prompt_logprobs)
@@ -96,15 +99,23 @@ class OpenAIServingCompletion:
         return JSONResponse(self._response(request, request_id, created, model_name, prompts,
                                            finals).model_dump())
 
-    async def _collect(self, streams: list[RequestStream], queue: asyncio.Queue[Any],
+    async def _collect(self, streams: list[RequestStream], queue: OutputQueue,
                        ) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(streams)
         async for index, output in merged_outputs(streams, queue):
             finals[index] = output
         return [output for output in finals if output is not None]
 
-    def _prompt_text(self, output: RequestOutput, prompt_ids: list[int]) -> str:
-        return output.prompt if output.prompt is not None else self.tokenizer.decode(prompt_ids)
+    def _prompt_text(self, request: CompletionRequest, prompt_index: int, output: RequestOutput,
+                     prompt_ids: list[int]) -> str:
+        """What echo repeats: the prompt as the client sent it, not with the BOS the tokenizer added."""
+        if isinstance(request.prompt, str):
+            return request.prompt
+        if request.prompt and isinstance(request.prompt[0], str):
+            return request.prompt[prompt_index]  # type: ignore[return-value]
+        if output.prompt is not None:
+            return output.prompt
+        return self.tokenizer.decode(prompt_ids)
 
     def _response(self, request: CompletionRequest, request_id: str, created: int, model_name: str,
                   prompts: list[list[int]], finals: list[RequestOutput]) -> CompletionResponse:
@@ -112,7 +123,7 @@ class OpenAIServingCompletion:
         num_generated = 0
         for prompt_index, output in enumerate(finals):
             prompt_ids = prompts[prompt_index]
-            prompt_text = self._prompt_text(output, prompt_ids) if request.echo else ""
+            prompt_text = self._prompt_text(request, prompt_index, output, prompt_ids) if request.echo else ""
             for completion in output.outputs:
                 num_generated += len(completion.token_ids)
                 logprobs = None
@@ -155,7 +166,7 @@ class OpenAIServingCompletion:
 
     async def _stream(self, request: CompletionRequest, request_id: str, created: int, model_name: str,
                       prompts: list[list[int]], streams: list[RequestStream],
-                      queue: asyncio.Queue[Any]) -> AsyncIterator[str]:
+                      queue: OutputQueue) -> AsyncIterator[str]:
         states: dict[int, ChoiceState] = {}
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         try:
@@ -169,7 +180,8 @@ class OpenAIServingCompletion:
                         continue
                     prefix = ""
                     if request.echo and not state.echoed:
-                        prefix = self._prompt_text(output, prompt_ids)  # the first chunk repeats the prompt
+                        # the first chunk repeats the prompt
+                        prefix = self._prompt_text(request, prompt_index, output, prompt_ids)
                         state.echoed = True
                     delta_text = prefix + completion.text[state.text_len:]
                     new_ids = completion.token_ids[state.num_tokens:]
@@ -202,8 +214,8 @@ class OpenAIServingCompletion:
                 chunk = CompletionStreamResponse(id=request_id, created=created, model=model_name,
                                                  choices=[], usage=usage)
                 yield sse(chunk.model_dump())
-        except (ValueError, RuntimeError) as exc:
-            yield stream_error_event(exc)
+        except Exception as exc:  # the stream already started: the error is its last event
+            yield stream_error_event(exc, request_id)
         finally:
             # the client went away (this generator was cancelled) or we are done: free the blocks
             abort_all(streams)

@@ -1,0 +1,23 @@
+"""UniProcExecutor: the single worker lives in the engine's process; a step is one method call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from pagedllm.executor.abstract import Executor
+from pagedllm.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.driver_worker = Worker(self.model_config, self.cache_config, self.scheduler_config,
+                                    self.parallel_config, self.device, seed=self.seed, rank=0,
+                                    speculative_config=self.speculative_config)
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return [getattr(self.driver_worker, method)(*args, **(kwargs or {}))]
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.driver_worker.execute_model(scheduler_output)

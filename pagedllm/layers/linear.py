@@ -1,0 +1,170 @@
+"""Megatron-style tensor-parallel layers: each rank holds a slice of a weight and reads only that slice.
+
+- ColumnParallelLinear splits the output features: y_r = x A_r^T needs no communication. Several
+  checkpoint tensors can be fused along the output dimension (q|k|v, gate|up); each rank keeps its slice
+  of every part, so after the fused matmul a rank holds its own heads / its own intermediate features.
+- RowParallelLinear splits the input features: each rank computes a partial sum x_r A_r^T, and one
+  all-reduce adds them up (o_proj after attention, down_proj after the MLP: two all-reduces per layer).
+- VocabParallelEmbedding splits the vocabulary: a rank looks up the ids in its range, zeroes the others,
+  and an all-reduce assembles the rows. ParallelLMHead uses the same split for the output projection:
+  each rank computes the logits of its vocabulary range and rank 0 gathers them once per step.
+
+With tp_size 1 every layer is a plain F.linear / F.embedding on the whole weight: no extra copy, no
+collective, so a single-process engine runs exactly as before.
+
+Weights come from `get_slice(name)`, a safetensors slice: indexing it reads only the requested rows or
+columns from the file, so no rank ever materializes a whole sharded tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce, tensor_model_parallel_gather
+from pagedllm.layers.quantization import linear
+
+GetSlice = Callable[[str], Any]  # name -> a safetensors slice (supports get_shape() and [a:b] / [:, a:b])
+# (param, checkpoint names) -> True if it installed a weight-only quantized projection in param's place
+LoadLinear = Callable[[torch.Tensor, tuple[str, ...]], bool]
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) must be divisible by tensor_parallel_size ({denominator}).")
+    return numerator // denominator
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split across ranks. Part i of the fused weight is rows
+    [shard_indices[i] * shard_sizes[i], (shard_indices[i] + 1) * shard_sizes[i]) of checkpoint tensor i."""
+
+    def __init__(self, input_size: int, shard_sizes: list[int], shard_indices: list[int], bias: bool,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.shard_sizes = shard_sizes
+        self.shard_indices = shard_indices
+        self.weight = _param(sum(shard_sizes), input_size, dtype=dtype)
+        self.bias = _param(sum(shard_sizes), dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)  # F.linear, or a weight-only quantized matmul
+
+    def load(self, get_slice: GetSlice, weight_names: list[str], bias_names: list[str] | None = None,
+             load_linear: LoadLinear | None = None) -> None:
+        quantized = load_linear is not None and load_linear(self.weight, tuple(weight_names))
+        for param, names in ((self.weight, weight_names), (self.bias, bias_names)):
+            if param is None or (quantized and param is self.weight):
+                continue
+            offset = 0
+            for name, size, index in zip(names, self.shard_sizes, self.shard_indices):
+                param[offset:offset + size].copy_(get_slice(name)[index * size:(index + 1) * size])
+                offset += size
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """gate|up: each part split evenly, rank r keeping the r-th slice of each."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
+                 tp_rank: int = 0, tp_size: int = 1):
+        sizes = [divide(size, tp_size, "intermediate_size") for size in output_sizes]
+        super().__init__(input_size, sizes, [tp_rank] * len(sizes), bias, dtype)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q|k|v with the heads split across ranks. When there are fewer KV heads than ranks, each KV head is
+    replicated on tp_size / num_kv_heads consecutive ranks (as vLLM does), so a rank always holds whole
+    heads and the query heads it holds attend to the KV head they share in the unsharded model."""
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
+                 bias: bool, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1):
+        self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
+        self.num_kv_heads, replicas = kv_heads_per_rank(total_num_kv_heads, tp_size)
+        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        kv_index = tp_rank // replicas
+        super().__init__(hidden_size, [q_size, kv_size, kv_size], [tp_rank, kv_index, kv_index], bias, dtype)
+
+
+def kv_heads_per_rank(total_num_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """(KV heads each rank holds, how many ranks hold each KV head)."""
+    if total_num_kv_heads >= tp_size:
+        return divide(total_num_kv_heads, tp_size, "num_key_value_heads"), 1
+    if tp_size % total_num_kv_heads:
+        raise ValueError(f"tensor_parallel_size ({tp_size}) must be a multiple of num_key_value_heads "
+                         f"({total_num_kv_heads}) when it exceeds it, so each rank holds one whole KV head.")
+    return 1, tp_size // total_num_kv_heads
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split across ranks; one all-reduce sums the partial products."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
+                 tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size_per_rank = divide(input_size, tp_size, "input features of a row-parallel layer")
+        self.weight = _param(output_size, self.input_size_per_rank, dtype=dtype)
+        self.bias = _param(output_size, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return linear(x, self.weight, self.bias)  # F.linear, or a weight-only quantized matmul
+        out = tensor_model_parallel_all_reduce(linear(x, self.weight))
+        return out if self.bias is None else out + self.bias  # added once, after the sum
+
+    def load(self, get_slice: GetSlice, weight_name: str, bias_name: str | None = None,
+             load_linear: LoadLinear | None = None) -> None:
+        n = self.input_size_per_rank
+        if load_linear is None or not load_linear(self.weight, (weight_name,)):
+            self.weight.copy_(get_slice(weight_name)[:, self.tp_rank * n:(self.tp_rank + 1) * n])
+        if self.bias is not None and bias_name is not None:
+            self.bias.copy_(get_slice(bias_name)[:])
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows of the vocabulary split into tp_size ranges of ceil(vocab / tp_size); the last is zero-padded."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tp_size = tp_size
+        self.num_embeddings_per_rank = -(-vocab_size // tp_size)
+        self.vocab_start = min(tp_rank * self.num_embeddings_per_rank, vocab_size)
+        self.vocab_end = min(self.vocab_start + self.num_embeddings_per_rank, vocab_size)
+        self.weight = _param(self.num_embeddings_per_rank, hidden_size, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return tensor_model_parallel_all_reduce(out)
+
+    def load(self, get_slice: GetSlice, name: str) -> None:
+        rows = self.vocab_end - self.vocab_start
+        if rows < self.num_embeddings_per_rank:
+            self.weight[rows:].zero_()
+        self.weight[:rows].copy_(get_slice(name)[self.vocab_start:self.vocab_end])
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection with the embedding's vocabulary split (and, when tied, its very weight)."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [N, vocab] on rank 0 (gathered once); None on the other ranks."""
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = tensor_model_parallel_gather(logits, dim=-1)
+            if logits is None:
+                return None
+            logits = logits[:, :self.vocab_size]
+        return logits.float()

@@ -1,0 +1,120 @@
+"""A SchedulerOutput on its way to workers in other processes, and the request copies they keep.
+
+The scheduler's plan refers to the engine's Request objects. A worker process keeps its own copy of each
+live request (CachedRequestState: token ids, sampling params, its seeded generator) and each step receives
+only what changed, as vLLM V1 does (NewRequestData / CachedRequestData): a request seen for the first
+time comes whole, later steps bring just the tokens appended since (sampled tokens, by rank 0 a step
+ago), the block table and the counts. A step's message is therefore a few hundred bytes per request no
+matter how long the request is. Rebuilt on the worker, the plan has the very shape ModelRunner reads, so
+the runner code is the same in one process and in many.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import GrammarBitmask
+
+
+@dataclass
+class NewRequestData:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass
+class ScheduledRequestData:
+    request_id: str
+    new_token_ids: list[int]          # tokens appended to the request since the worker last saw it
+    num_new_tokens: int
+    start_pos: int
+    block_ids: list[int]
+    sample: bool
+    spec_token_ids: list[int]
+    num_prompt_logprobs_computed: int
+
+
+@dataclass
+class WorkerSchedulerOutput:
+    new_requests: list[NewRequestData]
+    scheduled: list[ScheduledRequestData]
+    blocks_to_copy: list[tuple[int, int]]
+    finished_req_ids: set[str]
+    preempted_ids: list[str]
+    grammar_bitmask: GrammarBitmask | None
+
+
+@dataclass(eq=False)
+class CachedRequestState:
+    """A worker's copy of a request: what ModelRunner reads from the engine's Request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    all_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None   # created by the runner on first use when seeded
+    num_prompt_logprobs_computed: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+
+class SchedulerOutputEncoder:
+    """Engine side: remembers how many tokens of each request the workers have."""
+
+    def __init__(self) -> None:
+        self.num_sent_tokens: dict[str, int] = {}
+
+    def encode(self, scheduler_output: SchedulerOutput) -> WorkerSchedulerOutput:
+        for request_id in scheduler_output.finished_req_ids:
+            self.num_sent_tokens.pop(request_id, None)
+        new_requests, scheduled = [], []
+        for s in scheduler_output.scheduled:
+            request = s.request
+            sent = self.num_sent_tokens.get(request.request_id)
+            if sent is None:
+                new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids,
+                                                   request.sampling_params))
+                sent = request.num_prompt_tokens
+            self.num_sent_tokens[request.request_id] = request.num_tokens
+            scheduled.append(ScheduledRequestData(
+                request.request_id, request.all_token_ids[sent:], s.num_new_tokens, s.start_pos, s.block_ids,
+                s.sample, s.spec_token_ids, request.num_prompt_logprobs_computed))
+        return WorkerSchedulerOutput(new_requests, scheduled, scheduler_output.blocks_to_copy,
+                                     scheduler_output.finished_req_ids, scheduler_output.preempted_ids,
+                                     scheduler_output.grammar_bitmask)
+
+
+class RequestStates:
+    """Worker side: the live requests, and the plan rebuilt over them."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def apply(self, message: WorkerSchedulerOutput) -> SchedulerOutput:
+        for request_id in message.finished_req_ids:
+            self.requests.pop(request_id, None)
+        for new in message.new_requests:
+            self.requests[new.request_id] = CachedRequestState(
+                new.request_id, new.prompt_token_ids, new.sampling_params, list(new.prompt_token_ids))
+        scheduled = []
+        for data in message.scheduled:
+            state = self.requests[data.request_id]
+            state.all_token_ids.extend(data.new_token_ids)
+            state.num_prompt_logprobs_computed = data.num_prompt_logprobs_computed
+            scheduled.append(ScheduledRequest(
+                request=state, num_new_tokens=data.num_new_tokens, start_pos=data.start_pos,  # type: ignore[arg-type]
+                block_ids=data.block_ids, sample=data.sample, spec_token_ids=data.spec_token_ids))
+        return SchedulerOutput(scheduled=scheduled, num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
+                               blocks_to_copy=message.blocks_to_copy, preempted_ids=message.preempted_ids,
+                               finished_req_ids=message.finished_req_ids, grammar_bitmask=message.grammar_bitmask)

@@ -1,0 +1,93 @@
+"""A Worker: one tensor-parallel rank. It owns its device, its ModelRunner, its shard of the weights and
+its shard of the KV cache (its KV heads for every block the engine's KV cache manager hands out).
+
+The executor calls it: in the engine's own process (UniProcExecutor, one rank) or over a pipe in a
+process of its own (MultiprocExecutor), where each step's plan arrives as a WorkerSchedulerOutput.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedllm.distributed.parallel_state import collective_bytes, init_distributed_environment
+from pagedllm.engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from pagedllm.metrics.reader import Metric
+from pagedllm.spec_decode import SpeculativeConfig
+from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.request_state import RequestStates, WorkerSchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+                 parallel_config: ParallelConfig, device: torch.device, seed: int = 0, rank: int = 0,
+                 speculative_config: SpeculativeConfig | None = None, distributed_init_method: str | None = None):
+        self.rank = rank
+        self.parallel_config = parallel_config
+        tp_size = parallel_config.tensor_parallel_size
+        if device.type == "cuda" and tp_size > 1:
+            device = torch.device("cuda", rank % parallel_config.ranks_per_node)
+            torch.cuda.set_device(device)
+        self.device = device
+        if tp_size > 1:
+            assert distributed_init_method is not None
+            init_distributed_environment(rank, tp_size, distributed_init_method,
+                                         backend="nccl" if device.type == "cuda" else "gloo")
+        self.model_runner = ModelRunner(model_config, cache_config, scheduler_config, device, seed=seed,
+                                        tp_rank=rank, tp_size=tp_size,
+                                        ranks_per_host=parallel_config.ranks_per_node if device.type == "cpu" else 1,
+                                        speculative_config=speculative_config)
+        self.request_states = RequestStates()
+        self.num_computed_tokens = 0  # tokens run through the model, for per-token communication figures
+
+    def determine_num_blocks(self) -> int:
+        return self.model_runner.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.model_runner.cache_config.num_blocks = num_blocks
+        self.model_runner.allocate_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.num_computed_tokens += scheduler_output.num_batched_tokens
+        return self.model_runner.execute(scheduler_output)
+
+    def execute_model_remote(self, message: WorkerSchedulerOutput) -> ModelRunnerOutput | None:
+        """A step planned in the engine's process: rank 0 returns the sampled tokens, the others None."""
+        output = self.execute_model(self.request_states.apply(message))
+        return output if self.rank == 0 else None
+
+    def communication_stats(self) -> dict[str, int]:
+        """Bytes this rank put through each collective, and the tokens computed meanwhile."""
+        return {**{f"{name}_bytes": n for name, n in collective_bytes.items()},
+                "num_computed_tokens": self.num_computed_tokens}
+
+    def spec_decode_metrics(self) -> list[Metric]:
+        spec_decoder = self.model_runner.spec_decoder
+        return spec_decoder.metrics() if spec_decoder is not None else []
+
+    def shard_info(self) -> dict[str, Any]:
+        """What this rank holds: bytes of sharded and of replicated weights, and its KV cache's shape."""
+        runner = self.model_runner
+        sharded = replicated = 0
+        seen: set[int] = set()
+        for name, param in runner.model.named_parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            nbytes = param.numel() * param.element_size()
+            if "norm" in name:   # norms (and RoPE tables, which are buffers) are replicated
+                replicated += nbytes
+            else:
+                sharded += nbytes
+        return {
+            "rank": self.rank, "pid": os.getpid(), "sharded_weight_bytes": sharded,
+            "replicated_weight_bytes": replicated, "num_kv_heads": runner.num_kv_heads,
+            "kv_cache_shape": tuple(runner.kv_caches[0].shape) if runner.kv_caches else None,
+            "num_blocks": runner.cache_config.num_blocks,
+        }
