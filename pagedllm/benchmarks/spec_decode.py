@@ -241,7 +241,7 @@ def run_spec_decode_cmd(args: argparse.Namespace) -> int:
     )
     if args.output_json:
         payload = {"config": vars(args), "results": [asdict(r) for r in results]}
-        Path(args.output_json).write_text(json.dumps(payload, indent=2) + "\n")
+        Path(args.output_json).write_text(json.dumps(payload, indent=2, default=str) + "\n")  # args hold the handler
     return 0
 
 
