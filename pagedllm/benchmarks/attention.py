@@ -22,7 +22,6 @@ uses the same clock.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,6 +32,7 @@ import torch
 from pagedllm.assets import installed_model_path
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata, PrefillSeq
 from pagedllm.attention.selector import BACKENDS, get_attn_backend
+from pagedllm.benchmarks.reporting import write_json
 
 REFERENCE = "TORCH_SDPA"
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -286,10 +286,7 @@ def run_cmd(args: argparse.Namespace) -> int:
         run_e2e(result, str(model), args.e2e_context, args.batch_sizes, args.e2e_output_len, result.dtype)
     print()
     print(format_result(result))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result.to_dict(), f, indent=2)
-            f.write("\n")
+    write_json(args.output_json, result.to_dict())
     return 0
 
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import sys
 from typing import Any
 
 from pagedllm.assets import installed_model_path
 from pagedllm.benchmarks.datasets import DATASETS
+from pagedllm.benchmarks.reporting import fail, write_json
 
 # Engine flags used when the engine's own EngineArgs cannot be imported (they mirror its spelling).
 _FALLBACK_ENGINE_FLAGS: dict[str, tuple[type, Any]] = {
@@ -70,13 +69,6 @@ def _build_llm(args: argparse.Namespace, model: str) -> Any:
     if getattr(args, "num_threads", None) is not None:
         kwargs["num_threads"] = args.num_threads
     return LLM(**kwargs)
-
-
-def _write_json(path: str | None, report: dict[str, Any]) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-            f.write("\n")
 
 
 def _add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:
@@ -228,11 +220,6 @@ def _add_other_benchmarks(bench: argparse._SubParsersAction) -> None:
         sub.set_defaults(func=run_fn)
 
 
-def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
-
-
 def tensor_parallel_summary(llm: Any) -> dict[str, Any] | None:
     """Under tensor parallelism: bytes rank 0 all-reduced per computed token, beside the planner's figure."""
     from pagedllm.planner import roofline as rl
@@ -280,7 +267,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
             max_model_len=model_config.max_model_len,
         )
     except ValueError as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     from pagedllm.benchmarks.profile import StepProfiler
 
     profiler = StepProfiler() if args.profile else None
@@ -322,7 +309,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     report = throughput_report(results, config)
     if profiler is not None:
         report["profile"] = profiler.to_dict()
-    _write_json(args.output_json, report)
+    write_json(args.output_json, report)
     return 0
 
 
@@ -337,12 +324,12 @@ def run_latency_cmd(args: argparse.Namespace) -> int:
         llm = _build_llm(args, model)
         prompt = get_requests("random", llm.get_tokenizer(), 1, args.input_len, args.output_len, seed=args.seed)[0]
     except ValueError as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     result = run_latency(llm, model, prompt.prompt_token_ids, args.output_len, args.num_iters, args.num_iters_warmup)
     tp_summary = tensor_parallel_summary(llm)
     print(format_latency(result))
     print(format_tensor_parallel(tp_summary))
-    _write_json(args.output_json, {**result.to_dict(), "tensor_parallel": tp_summary})
+    write_json(args.output_json, {**result.to_dict(), "tensor_parallel": tp_summary})
     return 0
 
 
@@ -378,7 +365,7 @@ def run_serve_cmd(args: argparse.Namespace) -> int:
             with_text=True,
         )
     except (ValueError, OSError) as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     config = ServeConfig(
         base_url=args.base_url,
         model=model,
@@ -393,7 +380,7 @@ def run_serve_cmd(args: argparse.Namespace) -> int:
     )
     report = run_serving_benchmark(config, requests, tokenizer)
     print(format_serving(report))
-    _write_json(args.output_json, report)
+    write_json(args.output_json, report)
     if args.plot:
         plot_latencies(report, args.plot)
     return 0 if report["completed"] > 0 else 1

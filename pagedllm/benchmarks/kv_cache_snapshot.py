@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from pagedllm.benchmarks.reporting import fail, write_json
+
 
 @dataclass
 class SnapshotBenchResult:
@@ -203,28 +205,20 @@ def run_cmd(args: argparse.Namespace) -> int:
               "engine_steps": 1}
     for name, low in checks.items():
         if getattr(args, name) < low:
-            return _fail(f"--{name.replace('_', '-')} must be at least {low}, got {getattr(args, name)}")
+            return fail(f"--{name.replace('_', '-')} must be at least {low}, got {getattr(args, name)}")
     if not 0.0 < args.fill <= 1.0:
-        return _fail(f"--fill must be in (0, 1], got {args.fill}")
+        return fail(f"--fill must be in (0, 1], got {args.fill}")
     if args.engine_prompt_len >= 4096:
-        return _fail(f"--engine-prompt-len must be below 4096, got {args.engine_prompt_len}")
+        return fail(f"--engine-prompt-len must be below 4096, got {args.engine_prompt_len}")
     if args.num_threads is not None:
         if args.num_threads < 1:
-            return _fail(f"--num-threads must be at least 1, got {args.num_threads}")
+            return fail(f"--num-threads must be at least 1, got {args.num_threads}")
         torch.set_num_threads(args.num_threads)
     result = run_snapshot_bench(args.num_blocks, args.block_size, args.fill, args.num_requests, args.num_iters,
                                 args.engine_prompt_len, args.engine_steps)
     print(format_result(result))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result.to_dict(), f, indent=2)
-            f.write("\n")
+    write_json(args.output_json, result.to_dict())
     return 0
-
-
-def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from pagedllm.assets import installed_model_path
+from pagedllm.benchmarks.reporting import fail, write_json
 
 DEFAULT_PREFIX_LEN = 4000
 DEFAULT_QUESTION_LEN = 50
@@ -187,11 +187,11 @@ def run_cmd(args: argparse.Namespace) -> int:
 
     for name in ("question_len", "num_iters"):
         if getattr(args, name) < 1:
-            return _fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+            return fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.prefix_len is not None and args.prefix_len < 1:
-        return _fail(f"--prefix-len must be at least 1, got {args.prefix_len}")
+        return fail(f"--prefix-len must be at least 1, got {args.prefix_len}")
     if args.num_threads is not None and args.num_threads < 1:
-        return _fail(f"--num-threads must be at least 1, got {args.num_threads}")
+        return fail(f"--num-threads must be at least 1, got {args.num_threads}")
     with tempfile.TemporaryDirectory(prefix="pagedllm-prefix-bench-") as tmp:
         model = installed_model_path() if args.model is None else args.model
         label = model
@@ -217,18 +217,10 @@ def run_cmd(args: argparse.Namespace) -> int:
             result = run_prefix_caching(llm, label, prefix_len, args.question_len, args.num_iters,
                                         args.num_iters_warmup, args.seed)
         except ValueError as exc:
-            return _fail(str(exc))
+            return fail(str(exc))
     print(format_prefix_caching(result))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result.to_dict(), f, indent=2)
-            f.write("\n")
+    write_json(args.output_json, result.to_dict())
     return 0
-
-
-def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 
 from pagedllm.assets import installed_model_path
+from pagedllm.benchmarks.reporting import write_json
 from pagedllm.planner import roofline as rl
 from pagedllm.planner.hardware import measure_memory_bandwidth
 
@@ -208,10 +208,7 @@ def run_cmd(args: argparse.Namespace) -> int:
     if args.model == RANDOM_QWEN2:
         report["model"] = RANDOM_QWEN2
     print(format_quantization(report))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+    write_json(args.output_json, report)
     return 0
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -27,6 +26,7 @@ from typing import Any
 
 import pagedllm
 from pagedllm.assets import default_draft_path, default_model_path
+from pagedllm.benchmarks.reporting import write_json
 from pagedllm.spec_decode.spec_decoder import SpecDecodeStats, expected_tokens_per_pass
 
 EDIT_MARKER = "\n\n# An unchanged copy of the code above:\n"
@@ -239,9 +239,8 @@ def run_spec_decode_cmd(args: argparse.Namespace) -> int:
         f"{statistics.mean(len(p) for p in edit_prompts(tokenizer, snippets)):.0f}), {args.output_len} output "
         f"tokens each; target {args.model}; draft {args.draft_model}"
     )
-    if args.output_json:
-        payload = {"config": vars(args), "results": [asdict(r) for r in results]}
-        Path(args.output_json).write_text(json.dumps(payload, indent=2, default=str) + "\n")  # args hold the handler
+    # the parsed args hold the subcommand's handler function: write_json writes it as its name
+    write_json(args.output_json, {"config": vars(args), "results": [asdict(r) for r in results]})
     return 0
 
 

@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from pagedllm.assets import installed_model_path
+from pagedllm.benchmarks.reporting import fail, write_json
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -169,11 +169,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
-
-
 def run_cmd(args: argparse.Namespace) -> int:
     from pagedllm import LLM
     from pagedllm.engine.arg_utils import EngineArgs
@@ -181,28 +176,25 @@ def run_cmd(args: argparse.Namespace) -> int:
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     except ValueError:
-        return _fail(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}")
+        return fail(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}")
     if not batch_sizes or min(batch_sizes) < 1:
-        return _fail(f"--batch-sizes must be at least 1, got {args.batch_sizes!r}")
+        return fail(f"--batch-sizes must be at least 1, got {args.batch_sizes!r}")
     for name in ("max_tokens", "num_compile_iters"):
         if getattr(args, name) < 1:
-            return _fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+            return fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.num_threads is not None:
         if args.num_threads < 1:
-            return _fail(f"--num-threads must be at least 1, got {args.num_threads}")
+            return fail(f"--num-threads must be at least 1, got {args.num_threads}")
         torch.set_num_threads(args.num_threads)
     model = args.model or installed_model_path()
     if model is None:
-        return _fail("--model is required (the bundled demo model is not installed)")
+        return fail("--model is required (the bundled demo model is not installed)")
     args.model = model
     try:
         llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
         result = run_structured_output(llm, model, batch_sizes, args.num_compile_iters, args.max_tokens)
     except ValueError as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     print(format_results(result))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result.to_dict(), f, indent=2)
-            f.write("\n")
+    write_json(args.output_json, result.to_dict())
     return 0
