@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import socket
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,18 +21,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_server import RemoteServer
 from test_server_errors import assert_error
+from test_server_load import wait_until
 
 MAX_MODEL_LEN = 1024
 MAX_WAITING = 64
 READ_TIMEOUT_S = 2.0
 WRITE_TIMEOUT_S = 3.0
 VOCAB = 512  # tiny_llama_dir's vocabulary
-
-
-def wait_until(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
 
 
 @pytest.fixture(scope="module")
