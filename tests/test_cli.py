@@ -177,3 +177,15 @@ def test_serve_logs_requests_and_periodic_stats(tiny_llama_dir: str, tmp_path: P
         assert "Received request" not in quiet.log()
     finally:
         assert quiet.terminate() == 0, quiet.log()
+
+
+def test_python_dash_m_pagedllm_is_the_pagedllm_command() -> None:
+    """`python -m pagedllm ...` works where the console script is not on PATH (issue 19)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    via_module = subprocess.run([sys.executable, "-m", "pagedllm", "serve", "--help"], capture_output=True,
+                                text=True, timeout=300, cwd=ROOT, env=env)
+    assert via_module.returncode == 0, via_module.stderr
+    assert via_module.stdout == cli("serve", "--help").stdout
+    bad = subprocess.run([sys.executable, "-m", "pagedllm", "no-such-command"], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT, env=env)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr

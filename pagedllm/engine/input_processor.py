@@ -21,15 +21,16 @@ PromptType = str | list[int] | dict[str, Any]
 
 class InputProcessor:
     def __init__(self, args: EngineArgs, model_config: ModelConfig, tokenizer: Any, block_size: int,
-                 num_blocks: int) -> None:
+                 num_blocks: int, structured_output_manager: StructuredOutputManager | None = None) -> None:
         self.args = args
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.num_blocks = num_blocks
         # compiles each guided-decoding spec once here so a bad one is a ValueError, not a failed step
-        self.structured_output_manager = StructuredOutputManager(tokenizer, model_config.vocab_size,
-                                                                 model_config.eos_token_ids)
+        # (an in-process core shares its manager, so its cache of compiled grammars serves both)
+        self.structured_output_manager = structured_output_manager or StructuredOutputManager(
+            tokenizer, model_config.vocab_size, model_config.eos_token_ids)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -124,7 +124,7 @@ class LLMEngine:
         self.speculative_config = core.speculative_config
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         self.input_processor = InputProcessor(args, self.model_config, self.tokenizer, args.block_size,
-                                              self.cache_config.num_blocks)
+                                              self.cache_config.num_blocks, core.structured_output_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
         # user request id -> the exception that ended it in the last step (see step())
