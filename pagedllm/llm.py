@@ -111,7 +111,7 @@ class LLM:
             while len(finals) < len(ids) and engine.has_unfinished_requests():
                 outputs = engine.step()
                 for output in outputs:
-                    if output.finished:
+                    if output.finished and output.request_id in budgets:  # not another caller's request
                         finals[output.request_id] = output
                 failed = [request_id for request_id in ids if request_id in engine.failed_requests]
                 if failed:  # the step ended these alone; the call as a whole cannot succeed

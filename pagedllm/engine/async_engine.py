@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Protocol
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core import EngineCoreOutput, EngineCoreOutputs
+from pagedllm.engine.core import EngineCoreOutput, EngineCoreOutputs, merge_core_outputs
 from pagedllm.engine.core_client import CoreClient, InprocCoreClient, MPCoreClient
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.llm_engine import load_tokenizer
@@ -293,11 +293,27 @@ class AsyncLLMEngine:
 
     # ---- what the core sends (event loop) -------------------------------------------------------
 
-    def _dispatch(self, message: tuple) -> None:
+    def _dispatch(self, messages: list[tuple]) -> None:
+        """What the core sent since the last call; consecutive steps' outputs are processed as one
+        (merge_core_outputs), so an event loop that fell behind decodes each request once per batch."""
+        run: list[EngineCoreOutputs] = []
+        num_outputs = sum(1 for message in messages if message[0] == "outputs")
+        if num_outputs:  # the core may run on (flow control, core_proc.MAX_UNACKED_OUTPUTS)
+            self.client.send(("ack", num_outputs))
+        for message in messages:
+            if message[0] == "outputs":
+                run.append(message[1])
+                continue
+            if run:
+                self._process_outputs(merge_core_outputs(run))
+                run = []
+            self._dispatch_one(message)
+        if run:
+            self._process_outputs(merge_core_outputs(run))
+
+    def _dispatch_one(self, message: tuple) -> None:
         kind = message[0]
-        if kind == "outputs":
-            self._process_outputs(message[1])
-        elif kind == "result":
+        if kind == "result":
             _, call_id, ok, value = message
             future = self._calls.get(call_id)
             if future is not None and not future.done():

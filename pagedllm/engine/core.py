@@ -93,6 +93,33 @@ class EngineCoreOutputs:
     __reduce__ = _compact_reduce
 
 
+def merge_core_outputs(steps: list[EngineCoreOutputs]) -> EngineCoreOutputs:
+    """Several consecutive steps' outputs as one: per sample, the new tokens and logprobs in order and
+    the latest state (what the API process needs when it catches up on a backlog)."""
+    if len(steps) == 1:
+        return steps[0]
+    merged: dict[tuple[str, int], EngineCoreOutput] = {}
+    failed: list[str] = []
+    for step in steps:
+        failed += step.failed_request_ids
+        for output in step.outputs:
+            key = (output.request_id, output.index)
+            previous = merged.get(key)
+            if previous is None:
+                merged[key] = output
+                continue
+            previous.new_token_ids = previous.new_token_ids + output.new_token_ids
+            if output.new_logprobs is not None:
+                previous.new_logprobs = (previous.new_logprobs or []) + output.new_logprobs
+            previous.cumulative_logprob = output.cumulative_logprob
+            previous.finish_reason = output.finish_reason
+            previous.stop_reason = output.stop_reason
+            previous.num_cached_tokens = output.num_cached_tokens
+            previous.prompt_logprobs = previous.prompt_logprobs or output.prompt_logprobs
+            previous.metrics = output.metrics or previous.metrics
+    return EngineCoreOutputs(list(merged.values()), failed, steps[-1].num_waiting)
+
+
 class EngineCore:
     """Owns the executor (and through it the workers, one per tensor-parallel rank), the KV cache
     manager and the scheduler. Not thread-safe: one thread calls it."""

@@ -1,8 +1,9 @@
 """How the API process reaches the engine core: on a thread of its own (InprocCoreClient) or in a
 process of its own over ZeroMQ (MPCoreClient, what `pagedllm serve` uses; vLLM V1's core clients).
 
-Both take messages with `send(message)` and hand what the core sends back to `dispatch`, and a core
-that stops to `on_dead`, both called on the asyncio event loop (see core_proc.py for the messages).
+Both take messages with `send(message)` and hand what the core sends back to `dispatch` (a list of
+messages: those that arrived while the event loop was busy go together), and a core that stops to
+`on_dead`, both called on the asyncio event loop (see core_proc.py for the messages).
 
 MPCoreClient starts `python -m pagedllm.engine.core_proc` (a plain subprocess, as the tensor-parallel
 workers are, so a script without a `__main__` guard is never re-imported), hands it the EngineArgs over
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = float(os.environ.get("PAGEDLLM_ENGINE_CORE_STARTUP_TIMEOUT_S", "900"))
 SHUTDOWN_TIMEOUT_S = 30.0
 
-Dispatch = Callable[[tuple], None]
+Dispatch = Callable[[list[tuple]], None]
 OnDead = Callable[[BaseException], None]
 
 
@@ -51,10 +52,19 @@ class CoreClient:
         self._dispatch: Dispatch | None = None
         self._on_dead: OnDead | None = None
         self._threads_started = False
+        # messages not yet handed to the event loop; while it is busy they pile up here and go as one
+        # batch, so an API process that falls behind the core catches up in fewer, larger bites
+        self._pending: list[tuple] = []
+        self._pending_lock = threading.Lock()
+        self._drain_scheduled = False
 
     def start(self, loop: asyncio.AbstractEventLoop, dispatch: Dispatch, on_dead: OnDead) -> None:
         """Deliver to `loop` from now on (called again with another loop, it moves there)."""
         self._loop, self._dispatch, self._on_dead = loop, dispatch, on_dead
+        with self._pending_lock:  # what arrived for a loop that closed goes to this one
+            self._drain_scheduled = bool(self._pending)
+        if self._drain_scheduled:
+            self._post(self._drain)
         if not self._threads_started:
             self._threads_started = True
             self._start_threads()
@@ -69,7 +79,19 @@ class CoreClient:
         raise NotImplementedError
 
     def _post_dispatch(self, message: tuple) -> None:
-        self._post(self._dispatch, message)
+        with self._pending_lock:
+            self._pending.append(message)
+            if self._drain_scheduled:
+                return
+            self._drain_scheduled = True
+        self._post(self._drain)
+
+    def _drain(self) -> None:
+        with self._pending_lock:
+            messages, self._pending = self._pending, []
+            self._drain_scheduled = False
+        if self._dispatch is not None and messages:
+            self._dispatch(messages)
 
     def _post_dead(self, exc: BaseException) -> None:
         self._post(self._on_dead, exc)
@@ -80,8 +102,10 @@ class CoreClient:
             return
         try:
             loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:
-            pass  # the event loop is closed: nobody is left to read this
+        except RuntimeError:  # the event loop is closed: a later start() takes what is pending
+            if callback == self._drain:
+                with self._pending_lock:
+                    self._drain_scheduled = False
 
 
 class InprocCoreClient(CoreClient):
@@ -171,7 +195,11 @@ class MPCoreClient(CoreClient):
             raise EngineCoreStartupError(f"the engine core process exited with code {code} while starting "
                                          "(see the log above)") from None
         if kind == "error":
-            raise EngineCoreStartupError(f"the engine core failed to start: {payload}")
+            exc, text = payload
+            if isinstance(exc, Exception):
+                logger.debug("engine core start-up failed:\n%s", text)
+                raise exc  # the core's own error (a ValueError for a bad argument stays one)
+            raise EngineCoreStartupError(f"the engine core failed to start: {text}")
         return payload["config"], payload["pid"]
 
     def _start_threads(self) -> None:
@@ -206,11 +234,16 @@ class MPCoreClient(CoreClient):
             logger.warning("could not send to the engine core: %s", exc)
 
     def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
+        import zmq
+
         if self._closing:
             return
         self._closing = True
         if self.process.poll() is None:
-            self.send(("shutdown",))
+            try:
+                self._input.send(dumps(("shutdown",)), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # not connected (it failed to start): it exits on its own, or is killed below
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -7,7 +7,8 @@ runs on a thread under an in-process client (core_client.InprocCoreClient) and a
 thread moves messages from a ZeroMQ PULL socket into the queue, and `send` writes to a PUSH socket.
 
 Messages in: ("add", EngineCoreRequest), ("abort", [request ids]), ("stop", [scheduler ids a stop string
-ended]), ("call", call id, method, args) for metrics and the KV-cache page, ("shutdown",).
+ended]), ("call", call id, method, args) for metrics and the KV-cache page, ("ack", n) for n "outputs"
+messages processed (flow control: MAX_UNACKED_OUTPUTS), ("shutdown",).
 Messages out: ("outputs", EngineCoreOutputs), ("result", call id, ok, value), ("add_failed", id, text).
 
 Wire format: pickle protocol 5. Every message is a tuple of our own dataclasses (EngineCoreRequest with
@@ -45,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 # what a ("call", ...) message may run on the core
 UTILITY_METHODS = frozenset({"get_metrics", "get_kv_cache_snapshot", "reset_prefix_cache"})
+# Steps whose outputs the API process has not acknowledged yet before the core waits for it: the core
+# may run ahead of a slower API process (detokenizing, JSON) by this much, not without bound, so what
+# waits for delivery stays small and a client that hangs up is still heard while its request runs.
+MAX_UNACKED_OUTPUTS = 4
 
 
 def dumps(message: Any) -> bytes:
@@ -64,6 +69,7 @@ class EngineCoreLoop:
         self.core = core
         self.send = send
         self.input_queue: queue.Queue[tuple] = queue.Queue()
+        self.num_unacked = 0  # "outputs" messages sent and not yet acknowledged with ("ack", n)
         # vLLM's periodic "Avg prompt throughput ... Running ... KV cache usage" line (the server's default)
         self.stat_logger = LoggingStatLogger() if log_stats else None
 
@@ -71,8 +77,9 @@ class EngineCoreLoop:
         """Until a ("shutdown",) message; raises when the core cannot go on."""
         core = self.core
         while True:
+            can_step = core.has_unfinished_requests() and self.num_unacked < MAX_UNACKED_OUTPUTS
             try:
-                message: tuple | None = self.input_queue.get(block=not core.has_unfinished_requests())
+                message: tuple | None = self.input_queue.get(block=not can_step)
             except queue.Empty:
                 message = None
             while message is not None:
@@ -83,7 +90,7 @@ class EngineCoreLoop:
                     message = self.input_queue.get_nowait()
                 except queue.Empty:
                     message = None
-            if core.has_unfinished_requests():
+            if core.has_unfinished_requests() and self.num_unacked < MAX_UNACKED_OUTPUTS:
                 try:
                     outputs = core.step()
                 except ExecutorDeadError:
@@ -91,14 +98,19 @@ class EngineCoreLoop:
                 except Exception as exc:
                     self._recover(exc)
                 else:
-                    self.send(("outputs", EngineCoreOutputs(outputs, list(core.failed_requests),
-                                                            core.num_waiting)))
+                    self._send_outputs(EngineCoreOutputs(outputs, list(core.failed_requests), core.num_waiting))
             if self.stat_logger is not None:
                 self.stat_logger.maybe_log(core, idle=not core.has_unfinished_requests())
 
+    def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
+        self.num_unacked += 1
+        self.send(("outputs", outputs))
+
     def _handle(self, message: tuple) -> None:
         kind = message[0]
-        if kind == "add":
+        if kind == "ack":
+            self.num_unacked = max(0, self.num_unacked - message[1])
+        elif kind == "add":
             request = message[1]
             try:
                 self.core.add_request(request)
@@ -109,7 +121,7 @@ class EngineCoreLoop:
         elif kind == "stop":
             outputs = self.core.stop_requests(message[1])
             if outputs:  # their timings, for the latency histograms
-                self.send(("outputs", EngineCoreOutputs(outputs, [], self.core.num_waiting)))
+                self._send_outputs(EngineCoreOutputs(outputs, [], self.core.num_waiting))
         elif kind == "call":
             _, call_id, method, args = message
             try:
@@ -132,7 +144,7 @@ class EngineCoreLoop:
         in_flight = list(dict.fromkeys(r.parent_id or r.request_id for r in scheduler.requests.values()))
         logger.exception("engine step failed; aborting the %d requests in flight", len(in_flight))
         self.core.abort_requests(in_flight)
-        self.send(("outputs", EngineCoreOutputs([], in_flight, self.core.num_waiting)))
+        self._send_outputs(EngineCoreOutputs([], in_flight, self.core.num_waiting))
         if self.core.has_unfinished_requests():
             raise EngineCoreDeadError("the engine could not recover from a failed step") from exc
 
@@ -156,7 +168,13 @@ def run_engine_core(conn: Connection) -> int:
     try:
         core = EngineCore(args)
     except BaseException as exc:
-        conn.send_bytes(dumps(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")))
+        # the exception itself where it pickles, so the server raises what an in-process engine would
+        # (a bad flag stays a one-line ValueError); else its text
+        try:
+            error = dumps(("error", (exc, traceback.format_exc())))
+        except Exception:
+            error = dumps(("error", (None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")))
+        conn.send_bytes(error)
         return 1
     context = zmq.Context()
     input_socket = context.socket(zmq.PULL)

@@ -9,6 +9,7 @@ import time
 from collections import Counter as TallyCounter
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -122,10 +123,10 @@ class LLMEngine:
         self.cache_config = core.cache_config
         self.parallel_config = core.parallel_config
         self.speculative_config = core.speculative_config
-        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
-        self.input_processor = InputProcessor(args, self.model_config, self.tokenizer, args.block_size,
+        tokenizer = load_tokenizer(args.tokenizer or args.model)
+        self.input_processor = InputProcessor(args, self.model_config, tokenizer, args.block_size,
                                               self.cache_config.num_blocks, core.structured_output_manager)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(tokenizer)
         self._counter = itertools.count()
         # user request id -> the exception that ended it in the last step (see step())
         self.failed_requests: dict[str, Exception] = {}
@@ -133,6 +134,16 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.input_processor.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Any) -> None:
+        # one tokenizer for both directions (None: a model whose prompts are token ids only)
+        self.input_processor.tokenizer = tokenizer
+        self.output_processor.tokenizer = tokenizer
 
     # the core's parts, where tests, benchmarks and the stats log look at them
     @property

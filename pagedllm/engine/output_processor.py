@@ -99,7 +99,10 @@ class OutputProcessor:
             sample.cumulative_logprob = core_output.cumulative_logprob
             if sample.detokenizer is not None:
                 old_len = sample.detokenizer.text_len
-                sample.detokenizer.add_tokens(new_token_ids)
+                # one token at a time, as they were sampled: a batch decoded at once whose text ends
+                # inside a UTF-8 sequence would hold back all of its text, not just the last piece
+                for token_id in new_token_ids:
+                    sample.detokenizer.add_tokens([token_id])
                 if self._check_stop_strings(state.params, sample, old_len):
                     stopped.append(engine_request_id(state.request_id, sample.index, state.params.n))
             if not sample.finish_reason and core_output.finish_reason:
