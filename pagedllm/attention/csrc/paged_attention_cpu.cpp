@@ -55,33 +55,31 @@ inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
 }
-// int8 codes widen with one vector conversion; fp8 through a 256-entry table (exact, and much faster
-// than converting bit fields one element at a time).
+// int8 codes widen with one vector conversion. fp8 codes widen exactly with integer shifts the compiler
+// vectorises: the sign and the exponent+mantissa bits are moved into an fp32's fields, which reads the
+// value times 2^(127 - bias) (subnormal codes become fp32 subnormals, equally exact), then one multiply
+// restores the bias. (torch's scalar fp8 cast runs at well under 1 Gelem/s on CPUs.)
 inline void to_float(const int8_t* src, float* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
-template <typename T>
-struct Fp8Table {
-  float value[256];
-  Fp8Table() {
-    for (int i = 0; i < 256; ++i) value[i] = static_cast<float>(c10::bit_cast<T>(static_cast<uint8_t>(i)));
+template <int kMantissaBits, int kBias>
+inline void fp8_to_float(const uint8_t* bits, float* dst, int64_t n) {
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  constexpr float kRebias = static_cast<float>(1ull << (127 - kBias - 64)) * static_cast<float>(1ull << 63) * 2.f;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = bits[i];
+    out[i] = ((b & 0x80u) << 24) | ((b & 0x7Fu) << (23 - kMantissaBits));
   }
-};
-template <typename T>
-inline const float* fp8_table() {
-  static const Fp8Table<T> table;
-  return table.value;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] *= kRebias;
 }
 inline void to_float(const c10::Float8_e4m3fn* src, float* dst, int64_t n) {
-  const float* table = fp8_table<c10::Float8_e4m3fn>();
-  const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
-  for (int64_t i = 0; i < n; ++i) dst[i] = table[bits[i]];
+  fp8_to_float<3, 7>(reinterpret_cast<const uint8_t*>(src), dst, n);
 }
 inline void to_float(const c10::Float8_e5m2* src, float* dst, int64_t n) {
-  const float* table = fp8_table<c10::Float8_e5m2>();
-  const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
-  for (int64_t i = 0; i < n; ++i) dst[i] = table[bits[i]];
+  fp8_to_float<2, 15>(reinterpret_cast<const uint8_t*>(src), dst, n);
 }
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
