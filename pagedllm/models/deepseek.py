@@ -171,7 +171,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.config = config
         self.mla = TorchMLAAttention(config.num_attention_heads, hf["kv_lora_rank"], hf["qk_rope_head_dim"],
                                      config.dtype)
-        if backend.kv_cache_dtype is not None:
+        if backend is not None and backend.kv_cache_dtype is not None:
             self.mla.configure_kv_cache(backend.kv_cache_dtype, backend.calculate_kv_scales)
         del backend
         max_positions = max(config.max_model_len, config.max_position_embeddings)
