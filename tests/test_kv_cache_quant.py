@@ -367,3 +367,49 @@ def test_bench_kv_cache_runs(tiny_llama_dir: str, tmp_path) -> None:
     assert rows["int8"]["sequences_ratio"] == pytest.approx(64 / 18, rel=0.05)
     with pytest.raises(SystemExit):  # argparse names the allowed values
         main(["bench", "kv-cache", "--model", tiny_llama_dir, "--kv-cache-dtypes", "fp4"])
+
+
+@pytest.mark.slow
+def test_triton_backend_reads_a_one_byte_cache_under_the_interpreter() -> None:
+    """TRITON dequantizes the blocks a step reads and runs its kernels on them: the same output as the
+    torch tiled recurrence reading the one-byte cache directly (decode and a prefill chunk)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import torch
+        from pagedllm.attention.backend import AttentionMetadata
+        from pagedllm.attention.selector import get_attn_backend
+        from pagedllm.kv_cache import quant
+        gen = torch.Generator().manual_seed(0)
+        heads, group, dim, bs, nb = 1, 4, 16, 16, 12
+        for kv_dtype in quant.ONE_BYTE_DTYPES:
+            outs = []
+            for name in ("TRITON", "TORCH_FLASH"):
+                torch.manual_seed(0)
+                backend = get_attn_backend(name, heads * group, heads, dim, torch.float32, kv_dtype,
+                                           torch.device("cpu"), bs)
+                cache = torch.zeros(quant.quantized_layer_shape((2, heads, nb, bs, dim)), dtype=torch.uint8)
+                for seq_lens, query_lens in (([40, 70], [40, 70]), ([41, 71], [1, 1])):
+                    tables = torch.tensor([[3, 5, 7, 0, 0], [1, 2, 4, 6, 8]])
+                    slots = torch.cat([tables[i, (torch.arange(n - q, n) // bs)] * bs + torch.arange(n - q, n) % bs
+                                       for i, (n, q) in enumerate(zip(seq_lens, query_lens))])
+                    t = sum(query_lens)
+                    q = torch.randn(t, heads * group, dim)
+                    k, v = torch.randn(t, heads, dim) * 30, torch.randn(t, heads, dim) * 1e-2
+                    meta = AttentionMetadata(slot_mapping=slots,
+                                             query_start_loc=torch.tensor([0, query_lens[0], t]),
+                                             seq_lens=torch.tensor(seq_lens), block_tables=tables,
+                                             max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+                    backend.prepare_metadata(meta)
+                    outs.append((name, backend.forward(q, k, v, cache, meta, 0.25)))
+            for (_, a), (_, b) in zip(outs[:2], outs[2:]):
+                torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+        print("triton one-byte ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert "triton one-byte ok" in result.stdout, result.stderr[-3000:]

@@ -104,7 +104,11 @@ class AttentionBackend:
             return
         num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape[1:]
         flat = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)
-        flat.index_copy_(2, slot_mapping, new.to(kv_cache.dtype))
+        new = new.to(kv_cache.dtype)
+        if kv_cache.dtype.itemsize == 1:  # raw fp8 (no scales): index_copy_ has no fp8 kernel on CPU
+            flat.view(torch.uint8).index_copy_(2, slot_mapping, new.view(torch.uint8))
+        else:
+            flat.index_copy_(2, slot_mapping, new)
 
     def read_kv(self, kv_cache: torch.Tensor, part: int, block_ids: torch.Tensor, head_dim: int,
                 out_dtype: torch.dtype) -> torch.Tensor:

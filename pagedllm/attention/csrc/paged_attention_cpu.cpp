@@ -567,7 +567,8 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const 
               "contiguous [block_size, head_dim] tiles");
   const bool one_byte = kv_cache.scalar_type() == at::kChar || kv_cache.scalar_type() == at::kFloat8_e4m3fn ||
                         kv_cache.scalar_type() == at::kFloat8_e5m2;
-  TORCH_CHECK(one_byte == kv_scales.has_value(), "paged_attention: one-byte caches need kv_scales, others none");
+  // A one-byte cache without scales reads its codes as values (scale 1).
+  TORCH_CHECK(one_byte || !kv_scales.has_value(), "paged_attention: kv_scales go with one-byte caches only");
   if (kv_scales.has_value()) {
     TORCH_CHECK(kv_scales->scalar_type() == at::kBFloat16 && kv_scales->dim() == 4 && kv_scales->stride(3) == 1 &&
                     kv_scales->size(1) == kv_cache.size(1) && kv_scales->size(3) == kv_cache.size(3),
