@@ -223,3 +223,25 @@ def test_fp8_kv_cache_stores_the_latent_in_one_byte(v3_dir: str) -> None:
 def test_weight_quantization_is_rejected_not_ignored(v3_dir: str) -> None:
     with pytest.raises(ValueError, match="quantization"):
         LLM(model=v3_dir, dtype="float32", quantization="int8", max_model_len=64)
+
+
+@pytest.mark.parametrize("kv_cache_dtype,calculate_kv_scales,tolerance",
+                         [("int8", False, 0.1), ("fp8_e5m2", False, 2.5), ("fp8", True, 0.5)])
+def test_one_byte_latent_cache_kinds(v3_dir: str, kv_cache_dtype: str, calculate_kv_scales: bool,
+                                     tolerance: float) -> None:
+    """Every one-byte kind (and per-layer static scales) stores the latent row with its scale; cold and
+    prefix-cached runs agree, and the first logprob stays near the fp32 model's (measured on this random
+    model: int8 0.05, e4m3 0.04, e5m2 1.8, where e5m2's 2 mantissa bits flip its greedy token)."""
+    prompt = random_prompts(1, 500, [37], seed=9)[0]
+    llm = LLM(model=v3_dir, dtype="float32", kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
+              max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=1)
+    cold, cached = (llm.generate([prompt], params, use_tqdm=False)[0].outputs[0] for _ in range(2))
+    assert cold.token_ids == cached.token_ids
+    assert [lp[t].logprob for lp, t in zip(cold.logprobs, cold.token_ids)] == \
+        pytest.approx([lp[t].logprob for lp, t in zip(cached.logprobs, cached.token_ids)], abs=1e-5)
+    token = cold.token_ids[0]
+    want = torch.log_softmax(hf_logits(v3_dir, prompt)[-1], dim=-1)[token].item()
+    assert cold.logprobs[0][token].logprob == pytest.approx(want, abs=tolerance)
+    if calculate_kv_scales:
+        assert len(llm.llm_engine.model_runner.model.mla.static_scales) == llm.llm_engine.model_config.num_hidden_layers
