@@ -15,6 +15,7 @@ import time
 from collections import Counter as TallyCounter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.request import Request, RequestStatus
@@ -124,12 +125,16 @@ class EngineCore:
     """Owns the executor (and through it the workers, one per tensor-parallel rank), the KV cache
     manager and the scheduler. Not thread-safe: one thread calls it."""
 
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, tokenizer: Any = None):
         from pagedllm.engine.llm_engine import create_engine_config, load_tokenizer
 
         self.args = args
         self.num_threads = configure_threads(args.num_threads)  # before the executor: its workers take it
         config = create_engine_config(args)
+        # grammars compile against the tokenizer's vocabulary, so the core has one (an in-process
+        # engine shares its own); loaded before the model, as the engine always did
+        if tokenizer is None:
+            tokenizer = load_tokenizer(args.tokenizer or args.model)
         self.config = config
         self.device = config.device
         self.model_config = config.model_config
@@ -145,8 +150,6 @@ class EngineCore:
         self.cache_config.num_blocks = num_blocks
         self.model_executor.initialize_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        # grammars compile against the tokenizer's vocabulary, so the core loads one for them
-        tokenizer = load_tokenizer(args.tokenizer or args.model)
         self.structured_output_manager = StructuredOutputManager(tokenizer, self.model_config.vocab_size,
                                                                  self.model_config.eos_token_ids)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.model_config.eos_token_ids,

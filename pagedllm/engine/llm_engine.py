@@ -115,7 +115,8 @@ class LLMEngine:
             raise ValueError(f"node_rank={args.node_rank}: only node 0 runs the engine; other nodes host their "
                              "ranks (LLM(..., node_rank=R) and `pagedllm serve --node-rank R` do that).")
         self.args = args
-        self.engine_core = EngineCore(args)
+        tokenizer = load_tokenizer(args.tokenizer or args.model)
+        self.engine_core = EngineCore(args, tokenizer)
         core = self.engine_core
         self.num_threads = core.num_threads
         self.device = core.device
@@ -124,7 +125,6 @@ class LLMEngine:
         self.cache_config = core.cache_config
         self.parallel_config = core.parallel_config
         self.speculative_config = core.speculative_config
-        tokenizer = load_tokenizer(args.tokenizer or args.model)
         self.input_processor = InputProcessor(args, self.model_config, tokenizer, args.block_size,
                                               self.cache_config.num_blocks, core.structured_output_manager)
         self.output_processor = OutputProcessor(tokenizer)
