@@ -82,7 +82,10 @@ def test_ctrl_c_exits_130_without_traceback(tiny_llama_dir: str) -> None:
                              "--dtype", "float32", "--num-threads", "1", "--max-model-len", "1024",
                              "--max-tokens", "1000", "--ignore-eos", *["x"] * 256],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PAGEDLLM_LOGGING_LEVEL": "INFO"})
+                            env={**os.environ, "PAGEDLLM_LOGGING_LEVEL": "INFO"},
+                            # a suite started in the background (`pytest &`) ignores SIGINT, and an ignored
+                            # signal is inherited: Python would then never raise KeyboardInterrupt
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # SIGINT once the engine has started (it logs its KV cache line)
     assert proc.stderr is not None
     seen = ""
