@@ -27,7 +27,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
-    stop_token_ids: list[int]  # eos (unless ignore_eos) + stop_token_ids, masked before min_tokens
+    stop_token_ids: list[int]  # eos (even with ignore_eos) + stop_token_ids, masked before min_tokens
 
 
 @dataclass

@@ -134,7 +134,10 @@ class DraftModelProposer:
                 if q is not None and not rows[j].params.greedy:
                     probs[i].append(q[j])
                 seq.all_token_ids.append(token_ids[j])  # fed to the next pass, or rolled back later
-                stop = token_ids[j] in request.sampling_params.all_stop_token_ids
+                params = request.sampling_params
+                # a token that would end the request (EOS only without ignore_eos): nothing follows it
+                stop = token_ids[j] in params.all_stop_token_ids and (
+                    not params.ignore_eos or token_ids[j] in params.stop_token_ids)
                 if len(drafts[i]) < num_spec_tokens[i] and not stop:
                     active.append(i)
         proposals: dict[str, tuple[list[int], torch.Tensor | None]] = {}
