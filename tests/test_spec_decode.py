@@ -250,6 +250,56 @@ def test_seeded_request_is_reproducible(draft_llm: LLM) -> None:
     assert token_ids(draft_llm, [prompts[2]], reseeded)[0] != alone
 
 
+@pytest.mark.parametrize("proposer", ["draft_model", "ngram"])
+def test_seeded_output_independent_of_speculation_budget_and_batch(
+        tiny_llama_dir: str, close_draft_dir: str, base_llm: LLM, proposer: str) -> None:
+    """A seeded request's tokens are a function of (seed, position): the same without speculation, and with
+    it alone, first or last in a batch, under a 16-token budget that cuts proposals and chunks prefills."""
+    prompts = random_prompts(4, VOCAB, lengths=[6, 12, 3, 25], seed=8)
+    prompts.append(([11, 12, 13, 14] * 5)[:-1])  # repetitive: n-gram proposals fire
+    seeded = [SamplingParams(temperature=0.9, top_p=0.95, seed=77, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.3, top_k=20, seed=5, max_tokens=24, ignore_eos=True,
+                             repetition_penalty=1.05)]
+    others = [SamplingParams(temperature=1.0, max_tokens=10 + i, ignore_eos=True) for i in range(4)]
+    spec = (dict(speculative_model=close_draft_dir, num_speculative_tokens=K) if proposer == "draft_model"
+            else dict(speculative_config=dict(NGRAM)))
+    want = [token_ids(base_llm, [prompts[4]], params)[0] for params in seeded]
+    for budget in (16, 2048):
+        llm = make_llm(tiny_llama_dir, max_num_batched_tokens=budget, **spec)
+        for params, reference in zip(seeded, want):
+            assert token_ids(llm, [prompts[4]], params)[0] == reference
+            assert token_ids(llm, prompts, others + [params])[4] == reference, f"last in a batch, budget {budget}"
+            assert token_ids(llm, prompts[::-1], [params] + others)[0] == reference
+        values = spec_values(llm)
+        assert values["num_accepted_tokens"] > 0, "proposals must have been verified and accepted"
+
+
+def test_draft_catch_up_after_unverified_proposals(same_llm: LLM) -> None:
+    """Proposals dropped unverified (a budget cut), then the target samples the draft's first proposal
+    itself: the draft already has KV for that token but must still feed it for its logits. This crashed
+    the catch-up (`assert num_new >= 1`) when an LLM with a draft model was reused."""
+    from pagedllm.layers.sampler import SamplingRow
+    from pagedllm.spec_decode.spec_decoder import DraftRequest
+
+    engine = same_llm.llm_engine
+    proposer = engine.spec_decoder.proposer
+    prompt = random_prompts(1, VOCAB, lengths=[10], seed=21)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+    def propose(request_id: str, output: list[int]) -> list[int]:
+        row = SamplingRow(params, prompt, output, None, [])
+        return proposer.propose([DraftRequest(request_id, prompt + output, params)], [K], [row])[request_id][0]
+
+    first = propose("dropped", [])
+    again = propose("dropped", first[:1])
+    assert again == propose("fresh", first[:1]) == first[1:] + again[K - 1:]
+    proposer.free({"dropped", "fresh"})
+    assert proposer.kv.num_free_blocks == proposer.kv.pool.num_blocks
+    # and the LLM stays usable for more generate calls
+    prompts, params_list = mixed_batch(4)
+    assert [len(t) for t in token_ids(same_llm, prompts, params_list)] == [p.max_tokens for p in params_list]
+
+
 # --- memory: no leaks, rollback frees ---------------------------------------------------------------------
 
 

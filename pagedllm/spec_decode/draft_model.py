@@ -80,8 +80,12 @@ class DraftModelProposer:
         if seq is None:
             seq = self.seqs[request.request_id] = DraftSeq(request.request_id)
         tokens = request.all_token_ids
-        matched = seq.num_confirmed
-        limit = min(seq.num_computed_tokens, len(tokens))
+        # The last token is always fed again: its logits give the first draft token. The draft may already
+        # hold KV for it (its earlier proposals were dropped unverified and the target then sampled the
+        # same token), and without this cap the catch-up would have nothing to compute. The draft pool may
+        # also have refused a catch-up, leaving num_confirmed above what has KV.
+        limit = min(seq.num_computed_tokens, len(tokens) - 1)
+        matched = min(seq.num_confirmed, limit)
         while matched < limit and seq.all_token_ids[matched] == tokens[matched]:
             matched += 1
         seq.num_computed_tokens = matched
@@ -131,8 +135,8 @@ class DraftModelProposer:
                 request, seq = requests[i], seqs[i]
                 seq.num_computed_tokens = seq.num_tokens
                 drafts[i].append(token_ids[j])
-                if q is not None and not rows[j].params.greedy:
-                    probs[i].append(q[j])
+                if q is not None and not rows[j].params.greedy and rows[j].generator is None:
+                    probs[i].append(q[j])  # a seeded request's drafts are verified without q
                 seq.all_token_ids.append(token_ids[j])  # fed to the next pass, or rolled back later
                 params = request.sampling_params
                 # a token that would end the request (EOS only without ignore_eos): nothing follows it
@@ -147,7 +151,8 @@ class DraftModelProposer:
         return proposals
 
     def _sample(self, q: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        """Draw each draft token from q with the request's generator (greedy rows: q is one-hot)."""
+        """Draw each draft token from q (greedy rows: q is one-hot). A seeded request's draft at position j
+        uses the noise the target's sample at j will use (exponential_noise), coupling the two draws."""
         token_ids = q.argmax(dim=-1)
         random = [j for j, row in enumerate(rows) if not row.params.greedy]
         if random:

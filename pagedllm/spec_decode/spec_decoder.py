@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest
-from pagedllm.layers.sampler import SamplingRow, processed_probs
+from pagedllm.layers.sampler import SamplingRow, exponential_noise, processed_probs
 from pagedllm.metrics.reader import Counter, Gauge, Metric
 from pagedllm.outputs import position_logprobs
 from pagedllm.planner.roofline import speculative_tokens_per_pass as expected_tokens_per_pass
@@ -268,6 +268,14 @@ class SpecDecoder:
             k = len(spec)
             if request.sampling_params.greedy:
                 result = greedy_accept(target_ids[offset:offset + k + 1], spec)
+            elif request.generator is not None:
+                # Seeded: the target's own sample at each position, with the noise plain sampling uses
+                # there, so the output never depends on what was proposed (rejection_sampler.py).
+                assert probs is not None
+                self.draft_probs.pop(request.request_id, None)
+                noise = exponential_noise((k + 1, probs.shape[1]), rows[offset:offset + k + 1], probs.device,
+                                          None)
+                result = greedy_accept((probs[offset:offset + k + 1] / noise).argmax(dim=-1).tolist(), spec)
             else:
                 assert probs is not None
                 q = self.draft_probs.pop(request.request_id, None)
