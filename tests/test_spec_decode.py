@@ -300,6 +300,50 @@ def test_draft_catch_up_after_unverified_proposals(same_llm: LLM) -> None:
     assert [len(t) for t in token_ids(same_llm, prompts, params_list)] == [p.max_tokens for p in params_list]
 
 
+def test_shared_prefix_workload_keeps_proposing(tiny_llama_dir: str, base_llm: LLM) -> None:
+    """Ten requests share a 48-token prefix: with prefix caching they fit the target's 64 blocks, and the
+    draft's pool shares the prefix the same way, so every request keeps getting proposals (without sharing
+    the draft would need 10 copies of the prefix, more than its pool holds, and proposals would stop)."""
+    shared = random_prompts(1, VOCAB, lengths=[48], seed=23)[0]
+    prompts = [shared + tail for tail in random_prompts(10, VOCAB, lengths=[3] * 10, seed=24)]
+    params = SamplingParams(temperature=0.0, max_tokens=1 + 2 * (K + 1), ignore_eos=True)
+    llm = make_llm(tiny_llama_dir, speculative_model=tiny_llama_dir, num_speculative_tokens=K, block_size=4,
+                   num_gpu_blocks_override=64)
+    draft_kv = llm.llm_engine.spec_decoder.proposer.kv
+    assert draft_kv.pool.num_blocks < len(prompts) * cdiv(len(prompts[0]) + params.max_tokens, 4)  # unshared
+    assert token_ids(llm, prompts, params) == token_ids(base_llm, prompts, params)
+    values = spec_values(llm)
+    # the identical draft is always accepted: each request verifies exactly twice (k+1 tokens a pass)
+    assert values["num_drafts"] == 2 * len(prompts)
+    assert values["num_accepted_tokens"] == values["num_draft_tokens"] == 2 * K * len(prompts)
+    assert draft_kv.prefix_cache_hits >= 9 * 48
+    assert draft_kv.num_free_blocks == draft_kv.pool.num_blocks
+
+
+def test_draft_catch_up_stays_within_the_token_budget(tiny_llama_dir: str, base_llm: LLM) -> None:
+    """The draft computes each prompt chunk in the step the target does, and a catch-up the target's prefix
+    cache spared it (the draft's cache was emptied) is spread over steps of at most max_num_batched_tokens:
+    no draft pass is larger than the budget, and proposals resume once it has caught up."""
+    budget = 16
+    llm = make_llm(tiny_llama_dir, speculative_model=tiny_llama_dir, num_speculative_tokens=K,
+                   max_num_batched_tokens=budget)
+    proposer = llm.llm_engine.spec_decoder.proposer
+    pass_sizes: list[int] = []
+    forward = proposer.runner.forward
+    proposer.runner.forward = lambda batch: (pass_sizes.append(batch.input_ids.numel()), forward(batch))[1]
+    prompt = random_prompts(1, VOCAB, lengths=[70], seed=25)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = token_ids(base_llm, [prompt], params)
+    assert token_ids(llm, [prompt], params) == want
+    assert max(pass_sizes) <= budget
+    before = spec_values(llm)["num_draft_tokens"]
+    assert proposer.kv.reset_prefix_cache()  # the target keeps its cached prompt, the draft does not
+    pass_sizes.clear()
+    assert token_ids(llm, [prompt], params) == want
+    assert max(pass_sizes) <= budget and sum(pass_sizes) >= 64
+    assert spec_values(llm)["num_draft_tokens"] > before, "proposals resume after the catch-up"
+
+
 # --- memory: no leaks, rollback frees ---------------------------------------------------------------------
 
 

@@ -134,7 +134,8 @@ class SpecDecoder:
         else:
             assert config.draft_model_config is not None
             self.proposer = DraftModelProposer(config.draft_model_config, target_runner.block_size,
-                                               self.scheduler_config, target_runner.device, seed)
+                                               self.scheduler_config, target_runner.device, seed,
+                                               target_runner.cache_config.enable_prefix_caching)
         # q of the current proposals, per request (draft model, non-greedy requests only).
         self.draft_probs: dict[str, torch.Tensor] = {}
         self.adaptive = config.adaptive_num_speculative_tokens
@@ -209,15 +210,22 @@ class SpecDecoder:
                                          request.output_token_ids + new_tokens, request.generator,
                                          list(request.sampling_params.all_stop_token_ids)))
             num_spec_tokens.append(k)
-        if not candidates:
+        # A draft model computes each prompt chunk in the step the target does (its catch-up when the
+        # request first samples is then a chunk, not the whole prompt), within the step's token budget.
+        prefill = [DraftRequest(s.request.request_id, s.request.all_token_ids[:s.start_pos + s.num_new_tokens],
+                                s.request.sampling_params)
+                   for s in scheduled if s.request.request_id not in output.sampled_token_ids] \
+            if isinstance(self.proposer, DraftModelProposer) else []
+        if not candidates and not prefill:
             return
         start = time.perf_counter()
         if isinstance(self.proposer, DraftModelProposer):
-            proposals = self.proposer.propose(candidates, num_spec_tokens, base_rows)  # type: ignore[arg-type]
+            proposals = self.proposer.propose(candidates, num_spec_tokens, base_rows, prefill,  # type: ignore[arg-type]
+                                              self.scheduler_config.max_num_batched_tokens)
         else:
             proposals = self.proposer.propose(candidates, num_spec_tokens)  # type: ignore[arg-type]
         self.stats.propose_s += time.perf_counter() - start
-        self.stats.num_propose_calls += 1
+        self.stats.num_propose_calls += bool(candidates)
         for request in candidates:
             tokens, q = proposals.get(request.request_id, ([], None))
             if tokens:
@@ -282,8 +290,7 @@ class SpecDecoder:
                 if isinstance(self.proposer, DraftModelProposer):
                     assert q is not None and q.shape[0] >= k, "a sampled draft must come with its q"
                     q = q[:k]
-                generator = request.generator if request.generator is not None else runner.sampler.generator
-                result = rejection_sample(probs[offset:offset + k + 1], spec, q, generator)
+                result = rejection_sample(probs[offset:offset + k + 1], spec, q, runner.sampler.generator)
             self.stats.record(k, result.num_accepted)
             if self.adaptive:
                 self._record_acceptance(request.request_id, k, result.num_accepted)
