@@ -3,7 +3,8 @@
 The target's ModelRunner owns a SpecDecoder (on rank 0 only under tensor parallelism). In step N the
 runner computes, for every request carrying k proposals, all k+1 positions in its one forward pass and
 hands their logits to `verify`, which builds p (the request's own sampling distribution at each
-position), runs the rejection sampler against q (what the proposer drew from), and returns the accepted
+position), runs the rejection sampler against q (what the proposer drew from; a seeded request is
+instead checked against the target's own seeded sample at each position), and returns the accepted
 tokens plus one correction or bonus token. Then, still in step N, `propose` drafts up to k tokens past
 them for every request that sampled; they travel back to the engine in ModelRunnerOutput.spec_token_ids,
 the scheduler stores them in `request.spec_token_ids`, and step N+1's plan counts them as extra tokens of
