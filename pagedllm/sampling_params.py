@@ -147,7 +147,8 @@ class SamplingParams:
     detokenize: bool = True
     guided_decoding: GuidedDecodingParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # Filled by the engine: every token id that ends generation (eos plus stop_token_ids).
+    # Filled by the engine (vLLM's all_stop_token_ids): stop_token_ids plus the model's EOS ids, whether or
+    # not ignore_eos is set. min_tokens masks all of them; EOS ends a request only without ignore_eos.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:

@@ -134,7 +134,7 @@ class EngineCore:
         # grammars compile against the tokenizer's vocabulary, so the core has one (an in-process
         # engine shares its own); loaded before the model, as the engine always did
         if tokenizer is None:
-            tokenizer = load_tokenizer(args.tokenizer or args.model)
+            tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
         self.config = config
         self.device = config.device
         self.model_config = config.model_config

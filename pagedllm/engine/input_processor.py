@@ -59,8 +59,9 @@ class InputProcessor:
         params = params.clone()
         if params.max_tokens is None:
             params.max_tokens = self.model_config.max_model_len - len(token_ids)
-        params.all_stop_token_ids = set(params.stop_token_ids) | (
-            set() if params.ignore_eos else set(self.model_config.eos_token_ids))
+        # As vLLM: the model's EOS ids (generation_config's included) are among the ids min_tokens masks
+        # even with ignore_eos, which only stops EOS from ending the request.
+        params.all_stop_token_ids = set(params.stop_token_ids) | set(self.model_config.eos_token_ids)
         return text, EngineCoreRequest(request_id, token_ids, params, arrival_time)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:

@@ -4,7 +4,9 @@ then make outputs (OutputProcessor). Also the engine's configuration (create_eng
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import os
 import time
 from collections import Counter as TallyCounter
 from collections.abc import Iterable
@@ -33,14 +35,29 @@ logger = logging.getLogger(__name__)
 __all__ = ["EngineConfig", "LLMEngine", "PromptType", "create_engine_config", "load_tokenizer", "run_worker_node"]
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """The model's tokenizer; as in vLLM, one whose class ships as code in the model directory (auto_map in
+    tokenizer_config.json) loads only with trust_remote_code=True."""
     from transformers import AutoTokenizer
 
+    if not trust_remote_code and "AutoTokenizer" in _read_auto_map(path):
+        # checked here: transformers would otherwise ask on a terminal whether to run the code
+        raise ValueError(f"the tokenizer in {path!r} is custom code from the model directory (auto_map in "
+                         "tokenizer_config.json); pass trust_remote_code=True (--trust-remote-code) to run it.")
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as exc:
         logger.warning("No tokenizer loaded from %s (%s); only token-id prompts will work.", path, exc)
         return None
+
+
+def _read_auto_map(path: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            auto_map = json.load(f).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return auto_map if isinstance(auto_map, dict) else {}
 
 
 @dataclass
@@ -115,7 +132,7 @@ class LLMEngine:
             raise ValueError(f"node_rank={args.node_rank}: only node 0 runs the engine; other nodes host their "
                              "ranks (LLM(..., node_rank=R) and `pagedllm serve --node-rank R` do that).")
         self.args = args
-        tokenizer = load_tokenizer(args.tokenizer or args.model)
+        tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
         self.engine_core = EngineCore(args, tokenizer)
         core = self.engine_core
         self.num_threads = core.num_threads
