@@ -97,7 +97,10 @@ def test_ctrl_c_exits_130_without_traceback(tiny_llama_dir: str) -> None:
                              "--dtype", "float32", "--num-threads", "1", "--max-model-len", "1024",
                              "--max-tokens", "1000", "--ignore-eos", *["x"] * 256],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PAGEDLLM_LOGGING_LEVEL": "INFO"})
+                            env={**os.environ, "PAGEDLLM_LOGGING_LEVEL": "INFO"},
+                            # a suite started in the background (`pytest &`) ignores SIGINT, and an ignored
+                            # signal is inherited: Python would then never raise KeyboardInterrupt
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # SIGINT once the engine has started (it logs its KV cache line)
     assert proc.stderr is not None
     seen = ""
@@ -192,3 +195,15 @@ def test_serve_logs_requests_and_periodic_stats(tiny_llama_dir: str, tmp_path: P
         assert "Received request" not in quiet.log()
     finally:
         assert quiet.terminate() == 0, quiet.log()
+
+
+def test_python_dash_m_pagedllm_is_the_pagedllm_command() -> None:
+    """`python -m pagedllm ...` works where the console script is not on PATH (issue 19)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    via_module = subprocess.run([sys.executable, "-m", "pagedllm", "serve", "--help"], capture_output=True,
+                                text=True, timeout=300, cwd=ROOT, env=env)
+    assert via_module.returncode == 0, via_module.stderr
+    assert via_module.stdout == cli("serve", "--help").stdout
+    bad = subprocess.run([sys.executable, "-m", "pagedllm", "no-such-command"], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT, env=env)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr

@@ -3,7 +3,8 @@
 Decode-like requests (short queries) run as one batched SDPA call over their gathered context with an
 explicit bottom-right causal mask; each prefill chunk runs its own SDPA call (a few per step, bounded
 by the token budget). Gathers go into buffers that grow but are never freed: on CPU a fresh large
-tensor per layer per step costs page faults (see FACTS.md).
+tensor per layer per step costs page faults (measured on a 2-vCPU Xeon: a 33.6 MB gather took 10.7 ms
+into a new tensor and 1.4 ms into a preallocated `out=` buffer).
 """
 
 from __future__ import annotations

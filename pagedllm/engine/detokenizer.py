@@ -28,7 +28,34 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = list(context)
         self.prefix_offset = 0
         self.read_offset = len(context)
-        self.text = ""
+        # The text as the pieces each step added: appending is O(piece), where `text += piece` on an
+        # attribute copies the whole text every step (O(n^2) over a long output).
+        self._pieces: list[str] = []
+        self.text_len = 0
+
+    @property
+    def text(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    def text_from(self, start: int) -> str:
+        """text[start:], reading only the pieces it spans."""
+        if start >= self.text_len:
+            return ""
+        tail: list[str] = []
+        position = self.text_len
+        for piece in reversed(self._pieces):
+            tail.append(piece)
+            position -= len(piece)
+            if position <= start:
+                break
+        return "".join(reversed(tail))[start - position:]
+
+    def truncate(self, end: int) -> None:
+        """Keep text[:end] (a stop string ended the output)."""
+        self._pieces = [self.text[:end]]
+        self.text_len = end
 
     def _decode(self, ids: list[int]) -> str:
         if not self.added_vocab:
@@ -58,7 +85,8 @@ class IncrementalDetokenizer:
             delta = full_text[len(prefix_text):]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.token_ids)
-            self.text += delta
+            self._pieces.append(delta)
+            self.text_len += len(delta)
             return delta
         return ""
 

@@ -59,6 +59,7 @@ class Request:
             [None] if self.sampling_params.prompt_logprobs is not None else None)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.num_preemptions = 0
+        self.num_sent_tokens = 0  # output tokens already sent to the API process (EngineCore)
 
     @property
     def is_fork_parent(self) -> bool:
