@@ -60,3 +60,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # Disaggregated prefill: where a decode instance pulls this request's KV blocks (vLLM's field).
+    kv_transfer_params: dict | None = None

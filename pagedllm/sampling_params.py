@@ -131,6 +131,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     guided_decoding: GuidedDecodingParams | None = None
+    # vLLM's extension point: per-request data for engine components, e.g. {"kv_transfer_params": {...}}
+    # for a KV connector (disaggregated prefill), as the OpenAI server's kv_transfer_params field sets it.
+    extra_args: dict[str, Any] | None = None
     # Filled by the engine: every token id that ends generation (eos plus stop_token_ids).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -198,4 +201,5 @@ class SamplingParams:
         copy.stop = list(self.stop)
         copy.stop_token_ids = list(self.stop_token_ids)
         copy.all_stop_token_ids = set(self.all_stop_token_ids)
+        copy.extra_args = dict(self.extra_args) if self.extra_args is not None else None
         return copy

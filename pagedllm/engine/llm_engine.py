@@ -20,7 +20,7 @@ from pagedllm.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerOut
 from pagedllm.executor.abstract import Executor, ExecutorDeadError
 from pagedllm.kv_cache.manager import KVCacheManager, cdiv
 from pagedllm.kv_cache.snapshot import KVCacheSnapshot
-from pagedllm.metrics.reader import Counter, Gauge, Metric
+from pagedllm.metrics.reader import Counter, Gauge, Histogram, Metric
 from pagedllm.outputs import RequestOutput
 from pagedllm.platform import configure_threads
 from pagedllm.sampling_params import SamplingParams
@@ -40,6 +40,21 @@ def load_tokenizer(path: str):
     except (OSError, ValueError, TypeError) as exc:
         logger.warning("No tokenizer loaded from %s (%s); only token-id prompts will work.", path, exc)
         return None
+
+
+def kv_transfer_metrics(connector: Any, num_waiting_for_kv: int, staged: tuple[int, int]) -> list[Metric]:
+    """Disaggregated prefill: bytes moved each way, load times, requests waiting, recomputes."""
+    from pagedllm.distributed.kv_transfer.scheduler_side import KV_TRANSFER_SECONDS_BUCKETS
+
+    return [
+        *(Counter("pagedllm:kv_transfer_bytes", n, {"direction": d}) for d, n in connector.bytes_total.items()),
+        Histogram("pagedllm:kv_transfer_seconds", connector.seconds_sum, buckets=list(KV_TRANSFER_SECONDS_BUCKETS),
+                  bucket_counts=list(connector.seconds_bucket_counts), count=connector.seconds_count),
+        Gauge("pagedllm:num_requests_waiting_for_kv", num_waiting_for_kv),
+        Counter("pagedllm:kv_transfer_fallbacks", connector.num_fallbacks),
+        Gauge("pagedllm:kv_transfer_staged_requests", staged[0]),
+        Gauge("pagedllm:kv_transfer_staged_bytes", staged[1]),
+    ]
 
 
 @dataclass
@@ -76,7 +91,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
-        attention_backend=args.attention_backend)
+        attention_backend=args.attention_backend, kv_transfer_config=args.kv_transfer_config)
     parallel_config = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                      distributed_executor_backend=args.distributed_executor_backend or "uni",
                                      nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
@@ -128,8 +143,13 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.structured_output_manager = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                                  self.model_config.eos_token_ids)
+        self.kv_connector = None
+        if args.kv_transfer_config is not None:
+            from pagedllm.distributed.kv_transfer import make_scheduler_connector
+
+            self.kv_connector = make_scheduler_connector(args.kv_transfer_config, args.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.model_config.eos_token_ids,
-                                   self.structured_output_manager)
+                                   self.structured_output_manager, connector=self.kv_connector)
         self.output_processor = OutputProcessor(self.tokenizer)
 
         self._counter = itertools.count()
@@ -158,6 +178,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the workers (a no-op in one process); the engine cannot step afterwards."""
+        if self.kv_connector is not None and self.model_executor.parallel_config.distributed_executor_backend == "uni":
+            self.model_executor.collective_rpc("shutdown_kv_connector")  # frees its port for a next engine
         self.model_executor.shutdown()
 
     # ---- requests in ----
@@ -367,6 +389,9 @@ class LLMEngine:
                                    {"finished_reason": reason}))
         if self.speculative_config is not None:
             metrics.extend(self.model_executor.collective_rpc("spec_decode_metrics")[0])
+        if self.kv_connector is not None:
+            staged = self.model_executor.collective_rpc("kv_staging_stats")[0]
+            metrics.extend(kv_transfer_metrics(self.kv_connector, self.scheduler.num_waiting_for_kv, staged))
         return metrics
 
     def next_request_id(self) -> str:

@@ -159,4 +159,5 @@ class OutputProcessor:
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
             outputs=completions, finished=state.finished, metrics=state.root.metrics,
-            num_cached_tokens=max(0, state.root.num_cached_tokens))
+            num_cached_tokens=max(0, state.root.num_cached_tokens),
+            kv_transfer_params=state.root.kv_transfer_params_out if state.finished else None)
