@@ -142,7 +142,8 @@ def test_prefill_instance_killed_mid_load_loses_nothing(cluster: dict[str, Remot
     for thread in threads:
         thread.join(timeout=300)
     assert not errors
-    expected = [decode.client().completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0.0).choices[0].text
+    direct = decode.client()
+    expected = [direct.completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0.0).choices[0].text
                 for p in prompts]
     assert [results[i] for i in range(len(prompts))] == expected
 
