@@ -110,6 +110,7 @@ def test_router_answers_equal_one_instance_and_pools_end_empty(cluster: dict[str
         assert metrics["pagedllm:num_requests_running"] == metrics["pagedllm:num_requests_waiting_for_kv"] == 0
     assert prefill.metrics()["pagedllm:kv_transfer_staged_requests"] == 0
     assert decode.metrics()["pagedllm:kv_transfer_fallbacks_total"] == 0
+    assert decode.metrics()["pagedllm:kv_transfer_seconds_count"] == case + 2  # every routed request pulled once
     health = httpx.get(f"{router.url}/health").json()
     assert all(instance["healthy"] for instance in health["instances"])
     assert "pagedllm:router_requests_total" in httpx.get(f"{router.url}/metrics").text

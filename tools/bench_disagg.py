@@ -85,6 +85,13 @@ def run_load(url: str, model: str, cfg: argparse.Namespace, tmp: str, tag: str) 
     return {"decode": json.load(open(decode_out)), "prompts": json.load(open(prompt_out))}
 
 
+def transfer_figures(m: dict[str, float]) -> dict[str, float]:
+    return {"bytes": m.get("pagedllm:kv_transfer_bytes_total", 0),
+            "seconds": m.get("pagedllm:kv_transfer_seconds_sum", 0),
+            "count": m.get("pagedllm:kv_transfer_seconds_count", 0),
+            "fallbacks": m.get("pagedllm:kv_transfer_fallbacks_total", 0)}
+
+
 def memory_bandwidth_gbs() -> float:
     src = torch.empty(2**28, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
@@ -127,21 +134,24 @@ def main() -> None:
         procs.append(router)
         report["disagg"] = run_load(router_url, cfg.model, cfg, tmp, "disagg")
         m = metrics(decode_url)
-        report["transfer"] = {"bytes": m.get("pagedllm:kv_transfer_bytes_total", 0),
-                              "seconds": m.get("pagedllm:kv_transfer_seconds_sum", 0),
-                              "count": m.get("pagedllm:kv_transfer_seconds_count", 0),
-                              "fallbacks": m.get("pagedllm:kv_transfer_fallbacks_total", 0)}
+        report["transfer"] = transfer_figures(m)
+        # The same pulls with nothing else running: what the transport does when it has the cores.
+        quiet = bench(router_url, cfg.model, cfg.long_input, 1, 3, 1, f"{tmp}/quiet.json")
+        assert quiet.wait() == 0
+        after = transfer_figures(metrics(decode_url))
+        report["transfer_quiet"] = {k: after[k] - report["transfer"][k] for k in after}
     finally:
         for proc in reversed(procs):
             proc.terminate()
             proc.wait()
 
-    t = report["transfer"]
-    gbs = t["bytes"] / t["seconds"] / 1e9 if t["seconds"] else float("nan")
-    report["transfer"]["gbs"] = gbs
-    print(f"KV transfer: {t['bytes'] / 1e6:.1f} MB in {t['count']:.0f} pulls, {t['seconds']:.3f} s: {gbs:.2f} GB/s "
-          f"({gbs / report['memory_copy_gbs']:.1%} of this machine's {report['memory_copy_gbs']:.1f} GB/s memory "
-          f"copy); fallbacks {t['fallbacks']:.0f}")
+    for key, what in (("transfer", "under the mixed load"), ("transfer_quiet", "alone")):
+        t = report[key]
+        gbs = t["bytes"] / t["seconds"] / 1e9 if t["seconds"] else float("nan")
+        t["gbs"] = gbs
+        print(f"KV transfer {what}: {t['bytes'] / 1e6:.1f} MB in {t['count']:.0f} pulls, {t['seconds']:.3f} s: "
+              f"{gbs:.2f} GB/s ({gbs / report['memory_copy_gbs']:.1%} of this machine's "
+              f"{report['memory_copy_gbs']:.1f} GB/s memory copy); fallbacks {t['fallbacks']:.0f}")
     print(f"{'':<10} {'decode TTFT p50':>16} {'decode ITL p50':>15} {'decode ITL p99':>15} {'4k TTFT p50':>12} "
           f"{'4k TTFT p99':>12}  (ms)")
     for name in ("single", "disagg"):

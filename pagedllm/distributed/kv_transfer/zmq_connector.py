@@ -26,6 +26,7 @@ import json
 import logging
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -43,6 +44,10 @@ from pagedllm.distributed.kv_transfer.base import (
 from pagedllm.distributed.kv_transfer.config import KVTransferConfig
 
 logger = logging.getLogger(__name__)
+
+# A received frame is read-only memory; torch.frombuffer warns about that, but each chunk is only read
+# (copied into the cache by index_copy_), never written.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 MAX_CONCURRENT_LOADS = 4
 POLL_MS = 100
