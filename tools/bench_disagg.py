@@ -58,10 +58,11 @@ def serve(model: str, max_len: int, log: str, kv: dict | None = None) -> tuple[s
 
 
 def bench(url: str, model: str, input_len: int, output_len: int, num: int, concurrency: int,
-          out: str) -> subprocess.Popen:
+          out: str, seed: int = 0) -> subprocess.Popen:
     return subprocess.Popen([*CLI, "bench", "serve", "--base-url", url, "--model", "m", "--tokenizer", model,
                              "--input-len", str(input_len), "--output-len", str(output_len), "--num-prompts",
-                             str(num), "--max-concurrency", str(concurrency), "--output-json", out],
+                             str(num), "--max-concurrency", str(concurrency), "--seed", str(seed),
+                             "--output-json", out],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
@@ -136,7 +137,8 @@ def main() -> None:
         m = metrics(decode_url)
         report["transfer"] = transfer_figures(m)
         # The same pulls with nothing else running: what the transport does when it has the cores.
-        quiet = bench(router_url, cfg.model, cfg.long_input, 1, 3, 1, f"{tmp}/quiet.json")
+        # (other prompts than the load's: the decode instance holds those in its prefix cache)
+        quiet = bench(router_url, cfg.model, cfg.long_input, 1, 3, 1, f"{tmp}/quiet.json", seed=1)
         assert quiet.wait() == 0
         after = transfer_figures(metrics(decode_url))
         report["transfer_quiet"] = {k: after[k] - report["transfer"][k] for k in after}
