@@ -115,6 +115,26 @@ def test_pools_free_and_nothing_staged_after_a_batch(pair):
     assert _metrics(producer)["pagedllm:kv_transfer_staged_requests"] == staged  # every one pulled once
 
 
+def test_one_byte_kv_travels_with_its_scales(tiny_llama_dir):
+    """fp8 codes and each token's bf16 scale share the block: moving the block moves both."""
+    common = dict(block_size=BLOCK_SIZE, num_gpu_blocks_override=64, max_model_len=128, kv_cache_dtype="fp8")
+    producer = LLM(tiny_llama_dir, kv_transfer_config={"kv_role": "kv_producer", "kv_port": get_open_port()},
+                   **common)
+    consumer = LLM(tiny_llama_dir, kv_transfer_config={"kv_role": "kv_consumer"}, **common)
+    try:
+        prompt = list(range(60, 79))
+        [alone] = consumer.generate([prompt], _params(max_tokens=8, temperature=0.0), use_tqdm=False)
+        consumer.llm_engine.reset_prefix_cache()
+        params = _prefill(producer, prompt)
+        [out] = consumer.generate([prompt], _params(max_tokens=8, temperature=0.0, kv_transfer_params=params),
+                                  use_tqdm=False)
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert _bytes_received(consumer) == 5 * consumer.llm_engine.model_runner.kv_cache_bytes_per_block()
+    finally:
+        producer.llm_engine.shutdown()
+        consumer.llm_engine.shutdown()
+
+
 def test_kv_transfer_config_is_validated():
     with pytest.raises(ValueError, match="kv_role"):
         KVTransferConfig.from_any({"kv_role": "kv_sender"})
@@ -126,5 +146,8 @@ def test_kv_transfer_config_is_validated():
         KVTransferConfig.from_any({"kv_role": "kv_consumer", "kv_connector_extra_config": {"transfer_timeout_s": 0}})
     with pytest.raises(ValueError, match="not valid JSON"):
         EngineArgs(model="x", kv_transfer_config="{kv_role")
+    with pytest.raises(ValueError, match="calculate_kv_scales"):
+        EngineArgs(model="x", kv_transfer_config={"kv_role": "kv_both"}, kv_cache_dtype="fp8",
+                   calculate_kv_scales=True)
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         EngineArgs(model="x", kv_transfer_config={"kv_role": "kv_both"}, tensor_parallel_size=2)
