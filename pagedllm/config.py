@@ -145,12 +145,10 @@ class ModelConfig:
         if hf.get("auto_map") and not any(name in supported_architectures() for name in architectures):
             # the architecture exists only as Python code shipped with the checkpoint
             raise ValueError(f"model {model!r} needs custom code (auto_map in config.json) for {architectures}; "
-                             "pagedllm never runs code from a model directory, with or without "
-                             f"trust_remote_code. Supported architectures: {', '.join(supported_architectures())}.")
+                             "pagedllm runs only its own model implementations (trust_remote_code="
+                             f"{trust_remote_code} lets a custom tokenizer load, never a custom model). "
+                             f"Supported architectures: {', '.join(supported_architectures())}.")
         architecture = resolve_architecture(architectures)
-        if trust_remote_code:
-            logger.info("trust_remote_code: accepted; no remote code runs, %s uses pagedllm's own implementation",
-                        architecture)
         hidden = hf["hidden_size"]
         heads = hf["num_attention_heads"]
         kv_heads = hf.get("num_key_value_heads") or heads

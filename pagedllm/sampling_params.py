@@ -134,7 +134,8 @@ class SamplingParams:
     # vLLM's extension point: per-request data for engine components, e.g. {"kv_transfer_params": {...}}
     # for a KV connector (disaggregated prefill), as the OpenAI server's kv_transfer_params field sets it.
     extra_args: dict[str, Any] | None = None
-    # Filled by the engine: every token id that ends generation (eos plus stop_token_ids).
+    # Filled by the engine (vLLM's all_stop_token_ids): stop_token_ids plus the model's EOS ids, whether or
+    # not ignore_eos is set. min_tokens masks all of them; EOS ends a request only without ignore_eos.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:

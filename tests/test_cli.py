@@ -51,8 +51,8 @@ def test_engine_construction_errors_are_one_line(tiny_llama_dir: str) -> None:
                               "x").stderr
 
 
-def test_custom_code_models_are_refused_and_trust_remote_code_is_accepted(tiny_llama_dir: str,
-                                                                          tmp_path: Path) -> None:
+def test_custom_code_models_are_refused_and_trust_remote_code_loads_a_custom_tokenizer(tiny_llama_dir: str,
+                                                                                     tmp_path: Path) -> None:
     import shutil
 
     custom = tmp_path / "custom"
@@ -62,10 +62,25 @@ def test_custom_code_models_are_refused_and_trust_remote_code_is_accepted(tiny_l
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_mine.MyOwnForCausalLM"}
     (custom / "config.json").write_text(json.dumps(config))
     assert_one_line_error(cli("generate", "--model", str(custom), *SMALL, "--trust-remote-code", "x"),
-                          "custom code", "never runs")
-    accepted = cli("generate", "--model", tiny_llama_dir, *SMALL, "--trust-remote-code", "--max-tokens", "2", "x")
+                          "custom code", "own model implementations")
+    # a tokenizer shipped as code runs only with --trust-remote-code, as in vLLM
+    custom_tokenizer = tmp_path / "custom_tokenizer"
+    shutil.copytree(tiny_llama_dir, custom_tokenizer)
+    (custom_tokenizer / "shouting.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class ShoutingTokenizer(PreTrainedTokenizerFast):\n"
+        "    def decode(self, *args, **kwargs):\n"
+        "        return super().decode(*args, **kwargs).upper()\n")
+    tokenizer_config = json.loads((custom_tokenizer / "tokenizer_config.json").read_text())
+    tokenizer_config["tokenizer_class"] = "ShoutingTokenizer"
+    tokenizer_config["auto_map"] = {"AutoTokenizer": [None, "shouting.ShoutingTokenizer"]}
+    (custom_tokenizer / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    assert_one_line_error(cli("generate", "--model", str(custom_tokenizer), *SMALL, "x"), "trust_remote_code=True")
+    accepted = cli("generate", "--model", str(custom_tokenizer), *SMALL, "--trust-remote-code", "--max-tokens", "8",
+                   "--temperature", "0", "--ignore-eos", "X")
     assert accepted.returncode == 0, accepted.stderr
-    assert "trust_remote_code: accepted" in accepted.stderr
+    text = accepted.stdout.strip().splitlines()[-1]
+    assert any(c.isalpha() for c in text) and text == text.upper(), "the custom tokenizer's decode ran"
 
 
 def test_broken_pipe_is_quiet() -> None:

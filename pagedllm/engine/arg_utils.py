@@ -179,8 +179,9 @@ class EngineArgs:
                  "do_sample, temperature, top_p, top_k, min_p, repetition_penalty); 'vllm': "
                  "SamplingParams' own defaults; or a directory with a generation_config.json")
         add("--trust-remote-code", action="store_true",
-            help="accepted for vLLM compatibility: pagedllm never runs code from a model directory, and "
-                 "refuses a model whose config needs custom code (auto_map) for its architecture")
+            help="let a tokenizer whose class ships as code in the model directory (auto_map) load, as in "
+                 "vLLM; models always run pagedllm's own implementations, and one whose architecture exists "
+                 "only as such code is refused")
         add("--quantization", "-q", default=None, choices=["int8", "fp8", "compressed-tensors"],
             help="weight-only quantization of the linear layers, applied as the weights load (int8: "
             "symmetric per output channel; fp8: e4m3 per output channel); a checkpoint with a "

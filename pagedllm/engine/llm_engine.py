@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import os
 import time
 from collections import Counter as TallyCounter
 from collections.abc import Iterable
@@ -32,11 +34,17 @@ logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict[str, Any]
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """The model's tokenizer; as in vLLM, one whose class ships as code in the model directory (auto_map in
+    tokenizer_config.json) loads only with trust_remote_code=True."""
     from transformers import AutoTokenizer
 
+    if not trust_remote_code and "AutoTokenizer" in _read_auto_map(path):
+        # checked here: transformers would otherwise ask on a terminal whether to run the code
+        raise ValueError(f"the tokenizer in {path!r} is custom code from the model directory (auto_map in "
+                         "tokenizer_config.json); pass trust_remote_code=True (--trust-remote-code) to run it.")
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as exc:
         logger.warning("No tokenizer loaded from %s (%s); only token-id prompts will work.", path, exc)
         return None
@@ -55,6 +63,15 @@ def kv_transfer_metrics(connector: Any, num_waiting_for_kv: int, staged: tuple[i
         Gauge("pagedllm:kv_transfer_staged_requests", staged[0]),
         Gauge("pagedllm:kv_transfer_staged_bytes", staged[1]),
     ]
+
+
+def _read_auto_map(path: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            auto_map = json.load(f).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return auto_map if isinstance(auto_map, dict) else {}
 
 
 @dataclass
@@ -132,7 +149,7 @@ class LLMEngine:
         self.cache_config = config.cache_config
         self.parallel_config = config.parallel_config
         self.speculative_config = config.speculative_config
-        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        self.tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
 
         executor_class = Executor.get_class(self.parallel_config)
         self.model_executor = executor_class(self.model_config, self.cache_config, self.scheduler_config,
@@ -212,8 +229,9 @@ class LLMEngine:
         params = params.clone()
         if params.max_tokens is None:
             params.max_tokens = self.model_config.max_model_len - len(token_ids)
-        params.all_stop_token_ids = set(params.stop_token_ids) | (
-            set() if params.ignore_eos else set(self.model_config.eos_token_ids))
+        # As vLLM: the model's EOS ids (generation_config's included) are among the ids min_tokens masks
+        # even with ignore_eos, which only stops EOS from ending the request.
+        params.all_stop_token_ids = set(params.stop_token_ids) | set(self.model_config.eos_token_ids)
         request = Request(request_id, token_ids, params, arrival_time=arrival_time or time.time(), prompt=text)
         self.output_processor.add_request(request)
         self.scheduler.add_request(request)
