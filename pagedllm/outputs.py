@@ -60,6 +60,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # Disaggregated prefill: where a decode instance pulls this request's KV blocks (vLLM's field).
+    kv_transfer_params: dict | None = None
 
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
         """Fold a later output of the same request into this one (vLLM's RequestOutput.add): a reader
@@ -68,6 +70,7 @@ class RequestOutput:
         self.finished = self.finished or next_output.finished
         self.metrics = next_output.metrics
         self.num_cached_tokens = next_output.num_cached_tokens
+        self.kv_transfer_params = next_output.kv_transfer_params or self.kv_transfer_params
         if self.prompt_logprobs is None:
             self.prompt_logprobs = next_output.prompt_logprobs
         for completion in next_output.outputs:

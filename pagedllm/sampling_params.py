@@ -147,6 +147,9 @@ class SamplingParams:
     detokenize: bool = True
     guided_decoding: GuidedDecodingParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's extension point: per-request data for engine components, e.g. {"kv_transfer_params": {...}}
+    # for a KV connector (disaggregated prefill), as the OpenAI server's kv_transfer_params field sets it.
+    extra_args: dict[str, Any] | None = None
     # Filled by the engine (vLLM's all_stop_token_ids): stop_token_ids plus the model's EOS ids, whether or
     # not ignore_eos is set. min_tokens masks all of them; EOS ends a request only without ignore_eos.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -217,4 +220,5 @@ class SamplingParams:
         copy.stop = list(self.stop)
         copy.stop_token_ids = list(self.stop_token_ids)
         copy.all_stop_token_ids = set(self.all_stop_token_ids)
+        copy.extra_args = dict(self.extra_args) if self.extra_args is not None else None
         return copy

@@ -305,3 +305,22 @@ def test_plan_command_on_local_config_and_cpu(tmp_path: Path, capsys: pytest.Cap
 def test_plan_command_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert _run_cli(["plan", "--acceptance-rate", "2"]) == 2
     assert "--acceptance-rate" in capsys.readouterr().err
+
+
+def test_disaggregation_section_by_hand() -> None:
+    """Llama-3.1-8B in bf16, 4,096-token prompt over a 50 GB/s link: 131,072 B of KV per token (GQA-8,
+    32 layers, 128 dims, K and V); colocated decode steps carry a 2,048-token chunk each, disaggregated
+    ones do not."""
+    spec, hw = load_model_spec("llama-3.1-8b"), HARDWARE_PRESETS["h100-sxm"]
+    plan = build_plan(spec, hw, PlanInputs(context=8192, batch=32, link_gbs=50.0, prompt_len=4096))
+    d = plan["disaggregation"]
+    assert d["kv_bytes"] == 131_072 * 4096
+    assert d["transfer_s"] == pytest.approx(131_072 * 4096 / 50e9)
+    assert d["prefill_s"] == pytest.approx(rl.prefill_flops(spec, 4096) / hw.peak_flops)
+    assert d["colocated_stalled_steps"] == 2
+    assert d["colocated_itl_s"] == pytest.approx(d["decode_step_s"] + d["prefill_s"] / 2)
+    assert d["decode_step_s"] < d["disaggregated_itl_s"] < d["colocated_itl_s"]
+    assert d["disaggregated_ttft_s"] == pytest.approx(d["prefill_s"] + d["transfer_s"] + d["decode_step_s"])
+    assert "disaggregation" not in build_plan(spec, hw, PlanInputs(context=8192, batch=32))
+    with pytest.raises(ValueError, match="--link-gbs"):
+        PlanInputs(link_gbs=0.0).validate()

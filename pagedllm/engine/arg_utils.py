@@ -54,6 +54,8 @@ class EngineArgs:
     generation_config: str = "auto"
     quantization: str | None = None
     quantization_group_size: int | None = None
+    # Disaggregated prefill: a KVTransferConfig, its dict, or its JSON text (kv_role is required)
+    kv_transfer_config: Any = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -113,6 +115,16 @@ class EngineArgs:
         validate_quantization(self.quantization, self.quantization_group_size)
         if isinstance(self.speculative_config, str):
             self.speculative_config = json.loads(self.speculative_config)
+        from pagedllm.distributed.kv_transfer.config import KVTransferConfig
+
+        self.kv_transfer_config = KVTransferConfig.from_any(self.kv_transfer_config)
+        check(self.kv_transfer_config is None or self.tensor_parallel_size == 1,
+              "kv_transfer_config needs tensor_parallel_size=1: each rank would serve its own shard of the "
+              "blocks, and the connector moves one rank's.")
+        check(self.kv_transfer_config is None or not self.calculate_kv_scales,
+              "kv_transfer_config cannot be combined with calculate_kv_scales=True: each instance would take "
+              "its per-layer scales from its own first batch, so one instance's codes would not decode on the "
+              "other; use the per-token scales (the default) or a checkpoint's.")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -174,6 +186,10 @@ class EngineArgs:
             help="weight-only quantization of the linear layers, applied as the weights load (int8: "
             "symmetric per output channel; fp8: e4m3 per output channel); a checkpoint with a "
             "compressed-tensors quantization_config is read as stored")
+        add("--kv-transfer-config", default=None,
+            help='disaggregated prefill: JSON such as \'{"kv_role": "kv_producer", "kv_port": 14579}\' '
+            "(kv_role: kv_producer, kv_consumer or kv_both; optional: kv_connector, kv_ip, kv_port, "
+            "engine_id, kv_buffer_size, kv_connector_extra_config.transfer_timeout_s / staging_ttl_s)")
         add("--quantization-group-size", type=int, default=None,
             help="with --quantization int8: one scale per this many input channels instead of per row")
         return parser

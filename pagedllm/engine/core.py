@@ -23,7 +23,7 @@ from pagedllm.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerOut
 from pagedllm.executor.abstract import Executor, ExecutorDeadError
 from pagedllm.kv_cache.manager import KVCacheManager
 from pagedllm.kv_cache.snapshot import KVCacheSnapshot
-from pagedllm.metrics.reader import Counter, Gauge, Metric
+from pagedllm.metrics.reader import Counter, Gauge, Histogram, Metric
 from pagedllm.outputs import PositionLogprobs, RequestMetrics
 from pagedllm.platform import configure_threads
 from pagedllm.sampling_params import SamplingParams
@@ -68,6 +68,8 @@ class EngineCoreOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     # the core's timings: in a sample's first and last output only
     metrics: RequestMetrics | None = None
+    # disaggregated prefill: where a decode instance pulls this request's KV blocks (last output only)
+    kv_transfer_params: dict | None = None
 
     __reduce__ = _compact_reduce
 
@@ -118,6 +120,7 @@ def merge_core_outputs(steps: list[EngineCoreOutputs]) -> EngineCoreOutputs:
             previous.num_cached_tokens = output.num_cached_tokens
             previous.prompt_logprobs = previous.prompt_logprobs or output.prompt_logprobs
             previous.metrics = output.metrics or previous.metrics
+            previous.kv_transfer_params = output.kv_transfer_params or previous.kv_transfer_params
     return EngineCoreOutputs(list(merged.values()), failed, steps[-1].num_waiting)
 
 
@@ -152,8 +155,14 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.structured_output_manager = StructuredOutputManager(tokenizer, self.model_config.vocab_size,
                                                                  self.model_config.eos_token_ids)
+        # Disaggregated prefill: the scheduler side of a KV connector (the worker side lives in the workers)
+        self.kv_connector = None
+        if args.kv_transfer_config is not None:
+            from pagedllm.distributed.kv_transfer import make_scheduler_connector
+
+            self.kv_connector = make_scheduler_connector(args.kv_transfer_config, args.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.model_config.eos_token_ids,
-                                   self.structured_output_manager)
+                                   self.structured_output_manager, connector=self.kv_connector)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.finished_reasons: TallyCounter[str] = TallyCounter()
@@ -163,6 +172,8 @@ class EngineCore:
         self._num_samples: dict[str, int] = {}
 
     def shutdown(self) -> None:
+        if self.kv_connector is not None and self.parallel_config.distributed_executor_backend == "uni":
+            self.model_executor.collective_rpc("shutdown_kv_connector")  # frees its port for a next engine
         self.model_executor.shutdown()
 
     # ---- requests in ----
@@ -300,7 +311,8 @@ class EngineCore:
             finish_reason=finish_reason, stop_reason=request.stop_reason,
             num_cached_tokens=max(0, request.num_cached_tokens),
             prompt_logprobs=request.prompt_logprobs if first else None,
-            metrics=metrics if first or finish_reason is not None else None)
+            metrics=metrics if first or finish_reason is not None else None,
+            kv_transfer_params=request.kv_transfer_params_out if finish_reason is not None else None)
 
     def _forget_group_if_done(self, request: Request) -> None:
         group_id = request.parent_id
@@ -348,4 +360,22 @@ class EngineCore:
                                    {"finished_reason": reason}))
         if self.speculative_config is not None:
             metrics.extend(self.model_executor.collective_rpc("spec_decode_metrics")[0])
+        if self.kv_connector is not None:
+            staged = self.model_executor.collective_rpc("kv_staging_stats")[0]
+            metrics.extend(kv_transfer_metrics(self.kv_connector, self.scheduler.num_waiting_for_kv, staged))
         return metrics
+
+
+def kv_transfer_metrics(connector: Any, num_waiting_for_kv: int, staged: tuple[int, int]) -> list[Metric]:
+    """Disaggregated prefill: bytes moved each way, load times, requests waiting, recomputes."""
+    from pagedllm.distributed.kv_transfer.scheduler_side import KV_TRANSFER_SECONDS_BUCKETS
+
+    return [
+        *(Counter("pagedllm:kv_transfer_bytes", n, {"direction": d}) for d, n in connector.bytes_total.items()),
+        Histogram("pagedllm:kv_transfer_seconds", connector.seconds_sum, buckets=list(KV_TRANSFER_SECONDS_BUCKETS),
+                  bucket_counts=list(connector.seconds_bucket_counts), count=connector.seconds_count),
+        Gauge("pagedllm:num_requests_waiting_for_kv", num_waiting_for_kv),
+        Counter("pagedllm:kv_transfer_fallbacks", connector.num_fallbacks),
+        Gauge("pagedllm:kv_transfer_staged_requests", staged[0]),
+        Gauge("pagedllm:kv_transfer_staged_bytes", staged[1]),
+    ]

@@ -95,7 +95,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
         enable_prefix_caching=args.enable_prefix_caching,
-        attention_backend=args.attention_backend)
+        attention_backend=args.attention_backend, kv_transfer_config=args.kv_transfer_config)
     parallel_config = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                      distributed_executor_backend=args.distributed_executor_backend or "uni",
                                      nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
@@ -171,6 +171,10 @@ class LLMEngine:
     @property
     def kv_cache_manager(self) -> KVCacheManager:
         return self.engine_core.kv_cache_manager
+
+    @property
+    def kv_connector(self):  # the scheduler side of a KV connector (disaggregated prefill), or None
+        return self.engine_core.kv_connector
 
     @property
     def model_executor(self) -> Executor:

@@ -47,6 +47,7 @@ class RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     sent_prompt_logprobs: bool = False
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None  # disaggregated prefill: sent with the final output
 
     @property
     def finished(self) -> bool:
@@ -120,6 +121,7 @@ class OutputProcessor:
 
     def _update_request(self, state: RequestState, core_output: EngineCoreOutput) -> None:
         state.num_cached_tokens = core_output.num_cached_tokens
+        state.kv_transfer_params = core_output.kv_transfer_params or state.kv_transfer_params
         if core_output.prompt_logprobs is not None and state.prompt_logprobs is None:
             # Prompt logprobs arrive with the first token; each position is decoded once.
             state.prompt_logprobs = core_output.prompt_logprobs
@@ -204,7 +206,8 @@ class OutputProcessor:
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             prompt_logprobs=prompt_logprobs, outputs=completions, finished=finished, metrics=state.metrics,
-            num_cached_tokens=state.num_cached_tokens)
+            num_cached_tokens=state.num_cached_tokens,
+            kv_transfer_params=state.kv_transfer_params if finished else None)
 
     @staticmethod
     def _delta_completion(sample: _SampleState, visible_len: int) -> CompletionOutput | None:

@@ -115,6 +115,13 @@ class ModelRunner:
         generator.manual_seed(seed)
         self.sampler = Sampler(generator)
         self.kv_caches: list[torch.Tensor] = []
+        # Disaggregated prefill: saves finished prompts' blocks (producer), loads remote ones (consumer).
+        self.kv_connector = None
+        kv_transfer_config = cache_config.kv_transfer_config
+        if kv_transfer_config is not None:
+            from pagedllm.distributed.kv_transfer import make_worker_connector
+
+            self.kv_connector = make_worker_connector(kv_transfer_config, device)
         # Speculative decoding: verifies the k+1 positions of each request and drafts the next proposals.
         # Rank 0 only: it alone sees the logits, and the draft runs there unsharded.
         self.spec_decoder: SpecDecoder | None = None
@@ -211,6 +218,8 @@ class ModelRunner:
         if self.checkpoint_kv_scales is not None:
             for layer_cache, scales in zip(self.kv_caches, self.checkpoint_kv_scales):
                 self.backend.static_scales[layer_cache.data_ptr()] = scales.to(self.device)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_transfer_tensors())
         if self.spec_decoder is not None:
             self.spec_decoder.allocate(num_blocks)
         rank = f"rank {self.tp_rank}/{self.tp_size}: " if self.tp_size > 1 else ""
@@ -226,6 +235,12 @@ class ModelRunner:
                     "; host memory is taken lazily, as blocks are first written (set --kv-cache-memory-bytes "
                     f"or {CPU_KVCACHE_SPACE_ENV}=GiB to change)" if self.device.type == "cpu" else "",
                     _gib(self.weight_bytes()), draft)
+
+    def kv_transfer_tensors(self) -> list[list[torch.Tensor]]:
+        """Per layer, every tensor that holds its blocks (block index on dim 2): what a KV connector
+        moves. One cache tensor per layer, K and V together (and, for one-byte KV, each token's scales,
+        which live in the block beside its codes)."""
+        return [[cache] for cache in self.kv_caches]
 
     def _kv_dtype_description(self) -> str:
         name = str(self.kv_dtype).removeprefix("torch.")
@@ -257,10 +272,19 @@ class ModelRunner:
             self.spec_decoder.free_requests(scheduler_output.finished_req_ids | set(scheduler_output.preempted_ids))
         self.copy_blocks(scheduler_output.blocks_to_copy)
         output = ModelRunnerOutput()
+        connector_meta = scheduler_output.kv_connector_metadata
+        if self.kv_connector is not None and connector_meta is not None:
+            self.kv_connector.start_load_kv(connector_meta)
         if scheduler_output.scheduled:
             batch = self.prepare(scheduler_output.scheduled)
             hidden = self.forward(batch)
             self.sample(batch, hidden, output, scheduler_output.grammar_bitmask)
+        if self.kv_connector is not None:
+            if connector_meta is not None and connector_meta.reqs_to_save:
+                for layer in range(len(self.kv_caches)):
+                    self.kv_connector.save_kv_layer(layer, connector_meta)
+                self.kv_connector.wait_for_save(connector_meta)
+            output.kv_connector_output = self.kv_connector.get_finished(wait=not scheduler_output.scheduled)
         if self.spec_decoder is not None and scheduler_output.scheduled:
             self.spec_decoder.record_step(time.perf_counter() - start, output)
             self.spec_decoder.propose(batch.order, output)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pagedllm.engine.core import EngineCoreOutput
@@ -42,6 +42,9 @@ class _EngineSnapshotCollector(Collector):
         families: dict[str, tuple[CounterMetricFamily | GaugeMetricFamily, list[str]]] = {}
         for metric in self.snapshot:
             labels = {"model_name": self.model_name, **dict(metric.labels or {})}
+            if type(metric).__name__ == "Histogram":  # the engine's own histograms (KV transfer times)
+                yield _histogram_family(metric, labels)
+                continue
             if metric.name not in families:
                 is_counter = type(metric).__name__ == "Counter"
                 cls = CounterMetricFamily if is_counter else GaugeMetricFamily
@@ -52,6 +55,16 @@ class _EngineSnapshotCollector(Collector):
             family.add_metric([str(labels.get(name, "")) for name in label_names], float(metric.value))
         for family, _ in families.values():
             yield family
+
+
+def _histogram_family(metric: Any, labels: dict[str, str]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(metric.name, f"pagedllm engine histogram {metric.name}", labels=list(labels))
+    cumulative, buckets = 0, []
+    for bound, count in zip([*metric.buckets, float("inf")], metric.bucket_counts):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+    family.add_metric(list(labels.values()), buckets, metric.value)
+    return family
 
 
 class ServerMetrics:

@@ -225,7 +225,8 @@ class OpenAIServingChat:
         return ChatCompletionResponse(
             id=request_id, created=created, model=model_name, choices=choices,
             usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated,
-                            total_tokens=num_prompt_tokens + num_generated))
+                            total_tokens=num_prompt_tokens + num_generated),
+            kv_transfer_params=final.kv_transfer_params)
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
                       num_prompt_tokens: int, streams: list[RequestStream],

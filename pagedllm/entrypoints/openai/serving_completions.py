@@ -144,7 +144,8 @@ class OpenAIServingCompletion:
         num_prompt = sum(len(p) for p in prompts)
         return CompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
                                   usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                                                  total_tokens=num_prompt + num_generated))
+                                                  total_tokens=num_prompt + num_generated),
+                                  kv_transfer_params=finals[0].kv_transfer_params if finals else None)
 
     def _add_logprobs(self, target: CompletionLogProbs, token_ids: list[int],
                       logprobs: list[dict[int, Any]] | None, text_offset: int) -> int:
