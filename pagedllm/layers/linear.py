@@ -21,11 +21,10 @@ layout once (see there), and the layers call oneDNN's linear on it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
