@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedllm.kv_cache import quant as kv_quant
 from pagedllm.platform import cpu_has_native
 
 if TYPE_CHECKING:
@@ -214,19 +215,28 @@ class ModelConfig:
         """KV heads one rank holds: a share of them, or one (replicated) when there are fewer than ranks."""
         return max(1, self.num_key_value_heads // tp_size)
 
-    def kv_cache_layer_shape(self, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
+    def kv_cache_layer_shape(self, num_blocks: int, block_size: int, tp_size: int = 1,
+                             kv_dtype: torch.dtype | None = None) -> tuple[int, ...]:
         """One rank's cache tensor for one layer: [2 (K, V), kv_heads, blocks, block_size, head_dim], or for
         MLA [1, 1, blocks, block_size, kv_lora_rank + qk_rope_head_dim] (one latent + rope key per token;
-        the same block axis, so block copies and the pool treat both alike)."""
+        the same block axis, so block copies and the pool treat both alike). A one-byte kv_dtype stores
+        uint8 [P, H, blocks, block_size * (row + 2)]: each tile's codes, then a bf16 scale per row
+        (kv_cache/quant.py)."""
         if self.is_mla:
-            return (1, 1, num_blocks, block_size, self.kv_lora_rank + self.qk_rope_head_dim)
-        return (2, self.get_num_kv_heads(tp_size), num_blocks, block_size, self.head_dim)
+            shape = (1, 1, num_blocks, block_size, self.kv_lora_rank + self.qk_rope_head_dim)
+        else:
+            shape = (2, self.get_num_kv_heads(tp_size), num_blocks, block_size, self.head_dim)
+        if kv_dtype is not None and kv_quant.is_quantized(kv_dtype):
+            return kv_quant.quantized_layer_shape(shape)
+        return shape
 
     def kv_bytes_per_token(self, kv_dtype: torch.dtype, tp_size: int = 1) -> int:
-        """KV cache bytes per token on one rank."""
-        element = torch.empty((), dtype=kv_dtype).element_size()
-        return self.num_hidden_layers * kv_elements_per_token_per_layer(
-            self.get_num_kv_heads(tp_size), self.head_dim, self.kv_lora_rank, self.qk_rope_head_dim) * element
+        """KV cache bytes per token on one rank, one-byte kinds' scales included."""
+        if self.is_mla:
+            rows, row = 1, self.kv_lora_rank + self.qk_rope_head_dim
+        else:
+            rows, row = 2 * self.get_num_kv_heads(tp_size), self.head_dim
+        return self.num_hidden_layers * rows * kv_quant.bytes_per_row(row, kv_dtype)
 
 
 def kv_elements_per_token_per_layer(num_kv_heads: int, head_dim: int, kv_lora_rank: int | None = None,
@@ -279,6 +289,8 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"
+    # One-byte caches: per-layer static scales from each layer's first batch instead of a scale per row
+    calculate_kv_scales: bool = False
     enable_prefix_caching: bool = True
     # TORCH_SDPA, TORCH_FLASH, CPU_FLASH, TRITON; None: PAGEDLLM_ATTENTION_BACKEND, else the device's default
     attention_backend: str | None = None

@@ -22,7 +22,11 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
+    # auto: the model's dtype. fp8 (= fp8_e4m3), fp8_e5m2, int8: one byte per element plus a bf16 scale
+    # per token and KV head (see pagedllm/kv_cache/quant.py)
     kv_cache_dtype: str = "auto"
+    # One-byte caches only: one static scale per layer for K and V, computed from the first batch (vLLM's)
+    calculate_kv_scales: bool = False
     attention_backend: str | None = None
     seed: int = 0
     device: str = "auto"
@@ -96,6 +100,14 @@ class EngineArgs:
         for name in ("max_stop_strings", "max_stop_string_len", "max_stop_token_ids"):
             check(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
                   f"{name} must be a non-negative integer, got {getattr(self, name)!r}.")
+        from pagedllm.kv_cache.quant import KV_CACHE_DTYPES, ONE_BYTE_DTYPES
+
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+              f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}.")
+        one_byte = [name for name, dtype in KV_CACHE_DTYPES.items() if dtype in ONE_BYTE_DTYPES]
+        check(not self.calculate_kv_scales or KV_CACHE_DTYPES[self.kv_cache_dtype] in ONE_BYTE_DTYPES,
+              f"calculate_kv_scales=True needs a one-byte kv_cache_dtype ({one_byte}), got "
+              f"kv_cache_dtype={self.kv_cache_dtype!r}.")
         from pagedllm.layers.quantization import validate_quantization
 
         validate_quantization(self.quantization, self.quantization_group_size)
@@ -121,7 +133,11 @@ class EngineArgs:
         add("--kv-cache-memory-bytes", type=int, default=None, help="exact KV cache budget in bytes")
         add("--num-gpu-blocks-override", type=int, default=None, help="exact number of KV blocks")
         add("--kv-cache-dtype", default="auto",
-            choices=["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"])
+            choices=["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],
+            help="auto: the model's dtype; fp8 (e4m3), fp8_e5m2, int8: one byte per element plus a scale per "
+                 "token and KV head")
+        add("--calculate-kv-scales", action=bool_flag, default=False,
+            help="one-byte KV caches: one static scale per layer from the first batch instead of per token")
         add("--attention-backend", default=None,
             choices=["auto", "TORCH_SDPA", "TORCH_FLASH", "CPU_FLASH", "TRITON"],
             help="attention kernels (default: PAGEDLLM_ATTENTION_BACKEND, else CPU_FLASH on CPU, TRITON on CUDA)")

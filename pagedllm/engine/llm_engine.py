@@ -75,7 +75,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     cache_config = CacheConfig(
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_gpu_blocks_override=args.num_gpu_blocks_override,
-        kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
+        enable_prefix_caching=args.enable_prefix_caching,
         attention_backend=args.attention_backend)
     parallel_config = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                      distributed_executor_backend=args.distributed_executor_backend or "uni",

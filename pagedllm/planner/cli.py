@@ -45,7 +45,7 @@ def build_plan(spec: rl.ModelSpec, hw: HardwareSpec, inputs: PlanInputs) -> dict
     # auto follows vLLM: the activations' dtype, which is the weights' unless they are quantized
     auto_kv = weight_dtype if rl.dtype_bytes(weight_dtype) >= 2 else spec.dtype
     kv_dtype = auto_kv if inputs.kv_cache_dtype == "auto" else inputs.kv_cache_dtype
-    wb, kb = rl.dtype_bytes(weight_dtype), rl.dtype_bytes(kv_dtype)
+    wb, kb = rl.dtype_bytes(weight_dtype), rl.kv_cache_element_bytes(spec, kv_dtype)
     wb_total = wb
     if inputs.quantization:
         # the projections at 1 byte plus scales; embeddings, LM head and norms stay in the weight dtype

@@ -264,6 +264,22 @@ def kv_bytes_per_token(spec: ModelSpec, kv_dtype_bytes: float) -> float:
     return spec.num_layers * per_layer * kv_dtype_bytes
 
 
+# kv_cache_dtype names the engine stores in one byte with a bf16 scale per row (kv_cache/quant.py)
+ONE_BYTE_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "float8_e4m3fn", "float8_e5m2", "int8")
+KV_SCALE_BYTES = 2
+
+
+def kv_cache_element_bytes(spec: ModelSpec, kv_dtype: str) -> float:
+    """Bytes per cached element as the engine stores `kv_dtype`: one-byte kinds add a 2-byte scale per
+    row (one token's K or V of one head; MLA: its latent), so 1 + 2 / row. A drop-in kv_dtype_bytes
+    for the functions here, so the planner's pool matches the engine's block for block."""
+    element = dtype_bytes(kv_dtype)
+    if kv_dtype not in ONE_BYTE_KV_DTYPES:
+        return element
+    row = (spec.kv_lora_rank or 0) + spec.qk_rope_head_dim if spec.is_mla else spec.head_dim
+    return element + KV_SCALE_BYTES / row
+
+
 def kv_bytes_per_token_per_device(spec: ModelSpec, kv_dtype_bytes: float, tp: int) -> float:
     """Tensor parallelism splits KV heads across devices; with fewer KV heads than devices each device
     keeps a replica of one head, and MLA's latent is not split by head at all, so it is replicated."""

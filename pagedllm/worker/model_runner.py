@@ -23,6 +23,7 @@ from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedllm.kv_cache.quant import KV_CACHE_DTYPES, is_quantized, resolve_kv_cache_dtype  # noqa: F401
 from pagedllm.layers.sampler import Sampler, SamplingRow
 from pagedllm.models.loader import load_model
 from pagedllm.outputs import PositionLogprobs, position_logprobs
@@ -37,18 +38,6 @@ logger = logging.getLogger(__name__)
 # Requests computing at most this many tokens share one batched attention call (decodes, speculative
 # verification, short prompts); longer prefill chunks get a call each.
 MAX_BATCHED_QUERY_LEN = 8
-
-KV_CACHE_DTYPES = {
-    "auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
-}
-
-
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {name!r}.")
-    return KV_CACHE_DTYPES[name] or model_dtype
-
 
 @dataclass
 class Batch:
@@ -113,8 +102,16 @@ class ModelRunner:
         backend_name = "TORCH_SDPA" if model_config.is_mla else cache_config.attention_backend
         self.backend = get_attn_backend(backend_name, model_config.num_attention_heads // tp_size,
                                         self.num_kv_heads, model_config.head_dim, model_config.dtype,
-                                        self.kv_dtype, device, self.block_size)
+                                        self.kv_dtype, device, self.block_size,
+                                        calculate_kv_scales=cache_config.calculate_kv_scales)
         self.model = load_model(model_config, self.backend, device, tp_rank, tp_size)
+        # A one-byte cache with a checkpoint's per-layer k_scale / v_scale (vLLM's fp8 KV checkpoints).
+        self.checkpoint_kv_scales = None
+        if is_quantized(self.kv_dtype) and not model_config.is_mla and not cache_config.calculate_kv_scales:
+            from pagedllm.kv_cache.checkpoint_scales import load_kv_scales
+
+            self.checkpoint_kv_scales = load_kv_scales(model_config.model, model_config.num_hidden_layers,
+                                                       self.kv_dtype)
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         self.sampler = Sampler(generator)
@@ -200,15 +197,21 @@ class ModelRunner:
         # One tensor for all layers; each layer gets a [2, kv_heads, num_blocks, block_size, head_dim] view
         # (MLA: [1, 1, num_blocks, block_size, latent + rope key], see ModelConfig.kv_cache_layer_shape).
         # Zeroed: masked-out padding is multiplied by 0 in attention, and 0 * NaN garbage would be NaN.
-        shape = (c.num_hidden_layers, *c.kv_cache_layer_shape(num_blocks, self.block_size, self.tp_size))
+        # One-byte kinds: uint8 tiles of codes followed by their bf16 row scales (kv_cache/quant.py).
+        shape = (c.num_hidden_layers, *c.kv_cache_layer_shape(num_blocks, self.block_size, self.tp_size,
+                                                              self.kv_dtype))
+        storage_dtype = torch.uint8 if is_quantized(self.kv_dtype) else self.kv_dtype
         if self.device.type == "cpu":
             # calloc'd memory: the OS hands out zero pages on first touch, so start-up does not write
             # (and the process does not hold) gigabytes of cache that no request has used yet.
-            nbytes = math.prod(shape) * self.kv_dtype.itemsize
-            cache = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(self.kv_dtype).view(shape)
+            nbytes = math.prod(shape) * storage_dtype.itemsize
+            cache = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(storage_dtype).view(shape)
         else:
-            cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            cache = torch.zeros(shape, dtype=storage_dtype, device=self.device)
         self.kv_caches = list(cache.unbind(0))
+        if self.checkpoint_kv_scales is not None:
+            for layer_cache, scales in zip(self.kv_caches, self.checkpoint_kv_scales):
+                self.backend.static_scales[layer_cache.data_ptr()] = scales.to(self.device)
         if self.spec_decoder is not None:
             self.spec_decoder.allocate(num_blocks)
         rank = f"rank {self.tp_rank}/{self.tp_size}: " if self.tp_size > 1 else ""
@@ -217,13 +220,23 @@ class ModelRunner:
         max_model_len = self.scheduler_config.max_model_len
         logger.info("%sKV cache: %s (%s, %d bytes per token%s, %d KV heads, from %s) = %d blocks of %d tokens = %d "
                     "tokens, room for %d sequences of max_model_len %d%s; weights %s%s",
-                    rank, _gib(cache.numel() * cache.element_size()), str(self.kv_dtype).removeprefix("torch."),
+                    rank, _gib(cache.numel() * cache.element_size()), self._kv_dtype_description(),
                     c.kv_bytes_per_token(self.kv_dtype, self.tp_size), ", MLA latent" if c.is_mla else "",
                     self.num_kv_heads, getattr(self, "kv_budget_source", "the budget"), num_blocks, self.block_size,
                     num_tokens, num_blocks // -(-max_model_len // self.block_size), max_model_len,
                     "; host memory is taken lazily, as blocks are first written (set --kv-cache-memory-bytes "
                     f"or {CPU_KVCACHE_SPACE_ENV}=GiB to change)" if self.device.type == "cpu" else "",
                     _gib(self.weight_bytes()), draft)
+
+    def _kv_dtype_description(self) -> str:
+        name = str(self.kv_dtype).removeprefix("torch.")
+        if not is_quantized(self.kv_dtype):
+            return name
+        if self.cache_config.calculate_kv_scales:
+            return f"{name} codes, per-layer scales from the first batch"
+        if self.checkpoint_kv_scales is not None:
+            return f"{name} codes, the checkpoint's per-layer k_scale/v_scale"
+        return f"{name} codes + a bf16 scale per token and KV head"
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
