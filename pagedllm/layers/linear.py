@@ -189,9 +189,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 # ---- prepacked CPU weights ----
 # oneDNN's linear wants its weight in a blocked layout; F.linear hands it the plain [out, in] tensor, and
 # (bf16) oneDNN reorders it on every call, or (fp32) the BLAS runs instead. Reordered once at load, the
-# projections ran, on one Zen 4 core for the 386M Qwen2's weights (scripts in the perf notes):
-# bf16 2.0x faster at batch 1 and 1.5x at 16; fp32 2.2x at 1 and 2.5x at 16 and above. bf16 results are
-# bit-identical to F.linear; fp32 ones differ in summation order (about 1e-6 relative), like any BLAS.
+# projections of the 386M Qwen2 (hidden 896, 24 layers) ran on one Zen 4 core: bf16 1.9x faster at
+# batch 1, 1.5x at 16, about even in compute-bound prefill; fp32 1.5-2.2x at 1, 1.8-2.6x at 16 to 2048.
+# bf16 results are bit-identical to F.linear; fp32 ones differ in summation order (about 1e-6), as
+# between any two BLAS.
 PREPACK_ENV = "PAGEDLLM_CPU_PREPACK_WEIGHTS"
 PREPACK_DTYPES = (torch.float32, torch.bfloat16)
 
