@@ -149,7 +149,8 @@ def test_every_command_takes_num_threads() -> None:
     parser = build_parser()
     for argv in (["generate"], ["serve"], ["plan"], ["bench", "throughput"], ["bench", "latency"],
                  ["bench", "spec-decode"], ["bench", "prefix-caching"], ["bench", "kv-cache-snapshot"],
-                 ["bench", "mla"], ["bench", "quantization"], ["bench", "structured-output"]):
+                 ["bench", "mla"], ["bench", "quantization"], ["bench", "structured-output"],
+                 ["bench", "prepack"]):
         assert parser.parse_args([*argv, "--num-threads", "1"]).num_threads == 1, argv
     args = parser.parse_args(["serve", "--model", "dir", "--trust-remote-code", "--disable-log-requests",
                               "--generation-config", "vllm"])

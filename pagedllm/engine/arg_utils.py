@@ -167,7 +167,9 @@ class EngineArgs:
         add("--nnodes", type=int, default=1, help="hosts the tensor-parallel ranks are spread over")
         add("--node-rank", type=int, default=0, help="this host's index (node 0 schedules and serves)")
         add("--dist-init-addr", default=None, help="HOST:PORT of node 0, where all ranks meet (nnodes > 1)")
-        add("--enforce-eager", action=bool_flag, default=True)
+        add("--enforce-eager", action=bool_flag, default=True,
+            help="vLLM's switch for torch.compile and CUDA graphs; pagedllm has neither yet, so the model runs "
+                 "eagerly either way (on CPU with its linear weights prepacked for oneDNN)")
         add("--max-stop-strings", type=int, default=128, help="most stop strings one request may give")
         add("--max-stop-string-len", type=int, default=1024, help="longest stop string, in characters")
         add("--max-stop-token-ids", type=int, default=1024, help="most stop_token_ids one request may give")

@@ -7,6 +7,7 @@ inputs; the logits are gathered on rank 0, which alone samples.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -299,22 +300,26 @@ class ModelRunner:
         order = short + long
         bs = self.block_size
         token_ids: list[int] = []
-        positions, slots, query_starts = [], [], []
+        query_starts = []
         for s in order:
-            request = s.request
             query_starts.append(len(token_ids))
             end = s.start_pos + s.num_new_tokens
-            known = request.all_token_ids
+            known = s.request.all_token_ids
             token_ids.extend(known[s.start_pos:min(end, len(known))])
             if end > len(known):
                 token_ids.extend(s.spec_token_ids[:end - len(known)])
-            pos = np.arange(s.start_pos, end)
-            table = np.asarray(s.block_ids, dtype=np.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
         device = self.device
-        metadata = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device))
-        self._prepare_varlen(order, metadata)
+        metadata = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))  # set below
+        tables, query_lens = self._prepare_varlen(order, metadata)
+        # Every token's position and KV slot in one vectorized pass over the step's block tables (a
+        # per-request loop of small numpy calls cost about as much again at batch 64).
+        num_tokens = len(token_ids)
+        row_starts = np.asarray(query_starts, dtype=np.int64)
+        seq_index = np.repeat(np.arange(len(order)), query_lens)
+        start_pos = np.fromiter((s.start_pos for s in order), dtype=np.int64, count=len(order))
+        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(start_pos - row_starts, query_lens)
+        slots = tables[seq_index, positions // bs] * bs + positions % bs
+        metadata.slot_mapping = torch.from_numpy(slots).to(device)
         if short and self.backend.needs_dense_masks:
             self._prepare_decodes(short, metadata)
         for s, start in zip(long, query_starts[len(short):]):
@@ -331,24 +336,29 @@ class ModelRunner:
         self.backend.prepare_metadata(metadata)
         return Batch(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
-            positions=torch.from_numpy(np.concatenate(positions)).to(device),
+            positions=torch.from_numpy(positions).to(device),
             metadata=metadata, order=order, query_starts=query_starts)
 
-    def _prepare_varlen(self, order: list[ScheduledRequest], metadata: AttentionMetadata) -> None:
+    def _prepare_varlen(self, order: list[ScheduledRequest], metadata: AttentionMetadata
+                        ) -> tuple[np.ndarray, np.ndarray]:
         """The whole step as varlen sequences (query_start_loc, seq_lens, block_tables), for kernels that
-        read K/V in place."""
-        query_lens = np.array([s.num_new_tokens for s in order], dtype=np.int64)
-        seq_lens = np.array([s.start_pos + s.num_new_tokens for s in order], dtype=np.int64)
+        read K/V in place. Returns the block tables and query lengths as numpy arrays for the runner."""
+        num_seqs = len(order)
+        query_lens = np.fromiter((s.num_new_tokens for s in order), dtype=np.int64, count=num_seqs)
+        seq_lens = np.fromiter((s.start_pos + s.num_new_tokens for s in order), dtype=np.int64, count=num_seqs)
         num_blocks = -(-seq_lens // self.block_size)
-        tables = np.zeros((len(order), int(num_blocks.max())), dtype=np.int64)
-        for i, s in enumerate(order):
-            tables[i, :num_blocks[i]] = s.block_ids[:num_blocks[i]]
+        # One flat write of every request's used blocks into the zero-padded table.
+        tables = np.zeros((num_seqs, int(num_blocks.max())), dtype=np.int64)
+        used = np.arange(tables.shape[1])[None, :] < num_blocks[:, None]
+        tables[used] = np.fromiter(itertools.chain.from_iterable(
+            s.block_ids[:n] for s, n in zip(order, num_blocks.tolist())), dtype=np.int64, count=int(num_blocks.sum()))
         device = self.device
         metadata.query_start_loc = torch.from_numpy(np.concatenate([[0], np.cumsum(query_lens)])).to(device)
         metadata.seq_lens = torch.from_numpy(seq_lens).to(device)
         metadata.block_tables = torch.from_numpy(tables).to(device)
         metadata.max_query_len = int(query_lens.max())
         metadata.max_seq_len = int(seq_lens.max())
+        return tables, query_lens
 
     def _prepare_decodes(self, short: list[ScheduledRequest], metadata: AttentionMetadata) -> None:
         bs = self.block_size
