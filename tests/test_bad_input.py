@@ -206,3 +206,13 @@ def test_longest_allowed_prompt(llm: LLM, expected: list[list[int]]) -> None:
     c = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)[0].outputs[0]
     assert len(c.token_ids) == 1
     assert_healthy(llm, expected)
+
+
+def test_enforce_eager_false_is_refused(tiny_llama_dir: str) -> None:
+    # vLLM would capture CUDA graphs or compile; pagedllm always runs eagerly, and says so instead of
+    # accepting the option and ignoring it
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match="enforce_eager"):
+        EngineArgs(model=tiny_llama_dir, enforce_eager=False)
+    assert EngineArgs(model=tiny_llama_dir, enforce_eager=True).enforce_eager

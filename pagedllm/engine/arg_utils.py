@@ -62,6 +62,11 @@ class EngineArgs:
             if not ok:
                 raise ValueError(message)
 
+        # vLLM's enforce_eager=False lets it capture CUDA graphs / torch.compile the model; pagedllm does
+        # neither (compiling the decode path was measured slower on CPU), so it refuses to pretend.
+        check(bool(self.enforce_eager),
+              "enforce_eager=False asks for CUDA-graph capture or torch.compile, which pagedllm does not do: "
+              "every model runs eagerly. Pass enforce_eager=True or leave it out.")
         check(isinstance(self.block_size, int) and self.block_size >= 1,
               f"block_size must be a positive integer, got {self.block_size}.")
         check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
@@ -168,8 +173,8 @@ class EngineArgs:
         add("--node-rank", type=int, default=0, help="this host's index (node 0 schedules and serves)")
         add("--dist-init-addr", default=None, help="HOST:PORT of node 0, where all ranks meet (nnodes > 1)")
         add("--enforce-eager", action=bool_flag, default=True,
-            help="vLLM's switch for torch.compile and CUDA graphs; pagedllm has neither yet, so the model runs "
-                 "eagerly either way (on CPU with its linear weights prepacked for oneDNN)")
+            help="vLLM's switch that turns off CUDA graphs and torch.compile; pagedllm always runs eagerly (on "
+                 "CPU with its linear weights prepacked for oneDNN), so --no-enforce-eager is refused")
         add("--max-stop-strings", type=int, default=128, help="most stop strings one request may give")
         add("--max-stop-string-len", type=int, default=1024, help="longest stop string, in characters")
         add("--max-stop-token-ids", type=int, default=1024, help="most stop_token_ids one request may give")
