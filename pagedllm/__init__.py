@@ -13,10 +13,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from pagedllm.llm import LLM  # noqa: E402
 from pagedllm.logger import configure_logging  # noqa: E402
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from pagedllm.sampling_params import GuidedDecodingParams, SamplingParams  # noqa: E402
+from pagedllm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams  # noqa: E402
 from pagedllm.version import __version__  # noqa: E402
 
 configure_logging()
 
-__all__ = ["LLM", "SamplingParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "__version__"]
+__all__ = ["LLM", "SamplingParams", "GuidedDecodingParams", "RequestOutputKind", "RequestOutput",
+           "CompletionOutput", "Logprob", "__version__"]

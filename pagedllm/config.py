@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedllm.kv_cache import quant as kv_quant
 from pagedllm.platform import cpu_has_native
 
 if TYPE_CHECKING:
@@ -144,12 +145,10 @@ class ModelConfig:
         if hf.get("auto_map") and not any(name in supported_architectures() for name in architectures):
             # the architecture exists only as Python code shipped with the checkpoint
             raise ValueError(f"model {model!r} needs custom code (auto_map in config.json) for {architectures}; "
-                             "pagedllm never runs code from a model directory, with or without "
-                             f"trust_remote_code. Supported architectures: {', '.join(supported_architectures())}.")
+                             "pagedllm runs only its own model implementations (trust_remote_code="
+                             f"{trust_remote_code} lets a custom tokenizer load, never a custom model). "
+                             f"Supported architectures: {', '.join(supported_architectures())}.")
         architecture = resolve_architecture(architectures)
-        if trust_remote_code:
-            logger.info("trust_remote_code: accepted; no remote code runs, %s uses pagedllm's own implementation",
-                        architecture)
         hidden = hf["hidden_size"]
         heads = hf["num_attention_heads"]
         kv_heads = hf.get("num_key_value_heads") or heads
@@ -214,19 +213,28 @@ class ModelConfig:
         """KV heads one rank holds: a share of them, or one (replicated) when there are fewer than ranks."""
         return max(1, self.num_key_value_heads // tp_size)
 
-    def kv_cache_layer_shape(self, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
+    def kv_cache_layer_shape(self, num_blocks: int, block_size: int, tp_size: int = 1,
+                             kv_dtype: torch.dtype | None = None) -> tuple[int, ...]:
         """One rank's cache tensor for one layer: [2 (K, V), kv_heads, blocks, block_size, head_dim], or for
         MLA [1, 1, blocks, block_size, kv_lora_rank + qk_rope_head_dim] (one latent + rope key per token;
-        the same block axis, so block copies and the pool treat both alike)."""
+        the same block axis, so block copies and the pool treat both alike). A one-byte kv_dtype stores
+        uint8 [P, H, blocks, block_size * (row + 2)]: each tile's codes, then a bf16 scale per row
+        (kv_cache/quant.py)."""
         if self.is_mla:
-            return (1, 1, num_blocks, block_size, self.kv_lora_rank + self.qk_rope_head_dim)
-        return (2, self.get_num_kv_heads(tp_size), num_blocks, block_size, self.head_dim)
+            shape = (1, 1, num_blocks, block_size, self.kv_lora_rank + self.qk_rope_head_dim)
+        else:
+            shape = (2, self.get_num_kv_heads(tp_size), num_blocks, block_size, self.head_dim)
+        if kv_dtype is not None and kv_quant.is_quantized(kv_dtype):
+            return kv_quant.quantized_layer_shape(shape)
+        return shape
 
     def kv_bytes_per_token(self, kv_dtype: torch.dtype, tp_size: int = 1) -> int:
-        """KV cache bytes per token on one rank."""
-        element = torch.empty((), dtype=kv_dtype).element_size()
-        return self.num_hidden_layers * kv_elements_per_token_per_layer(
-            self.get_num_kv_heads(tp_size), self.head_dim, self.kv_lora_rank, self.qk_rope_head_dim) * element
+        """KV cache bytes per token on one rank, one-byte kinds' scales included."""
+        if self.is_mla:
+            rows, row = 1, self.kv_lora_rank + self.qk_rope_head_dim
+        else:
+            rows, row = 2 * self.get_num_kv_heads(tp_size), self.head_dim
+        return self.num_hidden_layers * rows * kv_quant.bytes_per_row(row, kv_dtype)
 
 
 def kv_elements_per_token_per_layer(num_kv_heads: int, head_dim: int, kv_lora_rank: int | None = None,
@@ -279,10 +287,15 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"
+    # One-byte caches: per-layer static scales from each layer's first batch instead of a scale per row
+    calculate_kv_scales: bool = False
     enable_prefix_caching: bool = True
     # TORCH_SDPA, TORCH_FLASH, CPU_FLASH, TRITON; None: PAGEDLLM_ATTENTION_BACKEND, else the device's default
     attention_backend: str | None = None
     num_blocks: int = 0  # decided at start-up from the memory budget
+    # Disaggregated prefill (a KVTransferConfig): kept with the cache's config because it is about the
+    # cache's blocks, and so it reaches every worker the way the cache config does.
+    kv_transfer_config: Any = None
 
 
 @dataclass

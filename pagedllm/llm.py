@@ -12,7 +12,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType, run_worker_node
 from pagedllm.metrics.reader import Metric
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
 
@@ -93,6 +93,10 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 request_id = engine.next_request_id()
+                if isinstance(p, SamplingParams) and p.output_kind is not RequestOutputKind.FINAL_ONLY:
+                    # as vLLM's LLM: only the final outputs are returned, so none is built before
+                    p = p.clone()
+                    p.output_kind = RequestOutputKind.FINAL_ONLY
                 engine.add_request(request_id, prompt, p)
                 ids.append(request_id)
         except ValueError:
@@ -107,7 +111,7 @@ class LLM:
             while len(finals) < len(ids) and engine.has_unfinished_requests():
                 outputs = engine.step()
                 for output in outputs:
-                    if output.finished:
+                    if output.finished and output.request_id in budgets:  # not another caller's request
                         finals[output.request_id] = output
                 failed = [request_id for request_id in ids if request_id in engine.failed_requests]
                 if failed:  # the step ended these alone; the call as a whole cannot succeed
@@ -173,16 +177,14 @@ class _Progress:
     def update(self, outputs: list[RequestOutput], num_finished: int) -> None:
         if self.bar.disable:
             return
-        for output in outputs:
-            if output.finished:
-                self.partial.pop(output.request_id, None)
-            elif output.request_id in self.budgets:
-                done = sum(len(c.token_ids) for c in output.outputs)
-                self.partial[output.request_id] = min(done / self.budgets[output.request_id], 0.99)
         now = time.perf_counter()
         if now - self.last_refresh < 0.2 and num_finished < self.num_prompts:
             return
         self.last_refresh = now
+        # outputs come at the end only (FINAL_ONLY): read the progress of the others where it is kept
+        states = self.engine.output_processor.states
+        self.partial = {request_id: min(sum(len(s.token_ids) for s in state.samples.values()) / budget, 0.99)
+                        for request_id, budget in self.budgets.items() if (state := states.get(request_id))}
         elapsed = max(now - self.start, 1e-9)
         input_rate = (self.engine.num_prompt_tokens - self.start_prompt) / elapsed
         output_rate = (self.engine.num_generation_tokens - self.start_generation) / elapsed

@@ -60,3 +60,36 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # Disaggregated prefill: where a decode instance pulls this request's KV blocks (vLLM's field).
+    kv_transfer_params: dict | None = None
+
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        """Fold a later output of the same request into this one (vLLM's RequestOutput.add): a reader
+        that fell behind gets one output. `aggregate` (DELTA outputs) appends each completion's new
+        text, tokens and logprobs; otherwise the later completion replaces the earlier one."""
+        self.finished = self.finished or next_output.finished
+        self.metrics = next_output.metrics
+        self.num_cached_tokens = next_output.num_cached_tokens
+        self.kv_transfer_params = next_output.kv_transfer_params or self.kv_transfer_params
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = next_output.prompt_logprobs
+        for completion in next_output.outputs:
+            for position, mine in enumerate(self.outputs):
+                if mine.index != completion.index:
+                    continue
+                if aggregate:
+                    mine.text += completion.text
+                    # a DELTA output's lists are its own slices, so extending them in place is safe
+                    mine.token_ids.extend(completion.token_ids)
+                    if completion.logprobs is not None:
+                        if mine.logprobs is None:
+                            mine.logprobs = []
+                        mine.logprobs.extend(completion.logprobs)
+                    mine.cumulative_logprob = completion.cumulative_logprob
+                    mine.finish_reason = completion.finish_reason
+                    mine.stop_reason = completion.stop_reason
+                else:
+                    self.outputs[position] = completion
+                break
+            else:
+                self.outputs.append(completion)

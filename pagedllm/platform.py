@@ -4,9 +4,13 @@ instance) half-precision matmuls are emulated and run several times slower than 
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import platform
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _NATIVE_FLAGS = {
     torch.bfloat16: ("avx512_bf16", "amx_bf16"),
@@ -34,15 +38,49 @@ def cpu_has_native(dtype: torch.dtype) -> bool:
     return any(flag in _cpu_flags() for flag in _NATIVE_FLAGS.get(dtype, ()))
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota (a container
+    limited to 2 CPUs on a 64-core host sees 64 cores, and torch's default would start 64 threads)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
+def default_num_threads() -> tuple[int, str]:
+    """(threads, why) when neither num_threads nor OMP_NUM_THREADS says: torch's default (one per
+    physical core), lowered to the usable CPUs not already kept busy by other processes.
+
+    OpenMP threads meet at a barrier after every operator, so one thread that the OS has parked behind
+    another process stalls all of them: with other jobs on a 2-core machine, 2 threads ran decode 5-20x
+    slower than 1. The 1-minute load average is the count of CPUs other processes keep busy (ours has
+    only just started). Never raises torch's own count (a caller may have lowered it already)."""
+    current = torch.get_num_threads()
+    cpus = usable_cpus()
+    busy = int(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
+    threads = max(1, min(current, cpus - busy))
+    return threads, f"{cpus} usable CPUs, load average {busy}, torch default {current}"
+
+
 def configure_threads(num_threads: int | None) -> int:
     """Set torch's intra-op thread count for this process and return it.
 
-    An explicit count wins; else OMP_NUM_THREADS, which torch read when it loaded; else torch's own
-    default (one thread per physical core). The count is process-wide: torch has one thread pool.
+    An explicit count wins; else OMP_NUM_THREADS, which torch read when it loaded; else
+    `default_num_threads()`. The count is process-wide: torch has one thread pool.
     """
     if num_threads is not None:
         if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
             raise ValueError(f"num_threads must be a positive integer, got {num_threads!r}.")
-        if torch.get_num_threads() != num_threads:
-            torch.set_num_threads(num_threads)
+    elif not os.environ.get("OMP_NUM_THREADS"):
+        num_threads, why = default_num_threads()
+        if num_threads != torch.get_num_threads():
+            logger.info("Using %d torch threads (%s); set num_threads / --num-threads or OMP_NUM_THREADS "
+                        "to choose.", num_threads, why)
+    if num_threads is not None and torch.get_num_threads() != num_threads:
+        torch.set_num_threads(num_threads)
     return torch.get_num_threads()

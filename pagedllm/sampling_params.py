@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json as _json
 import math
 from dataclasses import dataclass, field
@@ -108,6 +109,20 @@ class GuidedDecodingParams:
         return _json.dumps(value, ensure_ascii=False)
 
 
+class RequestOutputKind(enum.Enum):
+    """Which outputs a request yields (vLLM's names and values).
+
+    CUMULATIVE: every output holds everything so far (text, token_ids, logprobs).
+    DELTA: every output holds only what is new since the previous one, so a stream's cost per token does
+    not grow with the output length (the OpenAI server streams this way).
+    FINAL_ONLY: one output, when the request finishes (`LLM.generate` and non-streaming requests).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -131,7 +146,12 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     guided_decoding: GuidedDecodingParams | None = None
-    # Filled by the engine: every token id that ends generation (eos plus stop_token_ids).
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's extension point: per-request data for engine components, e.g. {"kv_transfer_params": {...}}
+    # for a KV connector (disaggregated prefill), as the OpenAI server's kv_transfer_params field sets it.
+    extra_args: dict[str, Any] | None = None
+    # Filled by the engine (vLLM's all_stop_token_ids): stop_token_ids plus the model's EOS ids, whether or
+    # not ignore_eos is set. min_tokens masks all of them; EOS ends a request only without ignore_eos.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
@@ -185,6 +205,8 @@ class SamplingParams:
               "stop_token_ids must contain only non-negative integers.")
         check(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
               f"guided_decoding must be a GuidedDecodingParams, got {type(self.guided_decoding).__name__}.")
+        check(isinstance(self.output_kind, RequestOutputKind),
+              f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
         check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63),
               f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}.")
 
@@ -198,4 +220,5 @@ class SamplingParams:
         copy.stop = list(self.stop)
         copy.stop_token_ids = list(self.stop_token_ids)
         copy.all_stop_token_ids = set(self.all_stop_token_ids)
+        copy.extra_args = dict(self.extra_args) if self.extra_args is not None else None
         return copy

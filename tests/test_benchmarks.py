@@ -360,7 +360,7 @@ def test_bench_serve_against_pagedllm_serve(
 @pytest.mark.parametrize(
     "name, module",
     [("spec-decode", "pagedllm.benchmarks.spec_decode"), ("prefix-caching", "pagedllm.benchmarks.prefix_caching"),
-     ("structured-output", "pagedllm.benchmarks.structured_output")],
+     ("structured-output", "pagedllm.benchmarks.structured_output"), ("prepack", "pagedllm.benchmarks.prepack")],
 )
 def test_other_benchmarks_are_wired_into_pagedllm_bench(name: str, module: str) -> None:
     pytest.importorskip(module)

@@ -51,8 +51,8 @@ def test_engine_construction_errors_are_one_line(tiny_llama_dir: str) -> None:
                               "x").stderr
 
 
-def test_custom_code_models_are_refused_and_trust_remote_code_is_accepted(tiny_llama_dir: str,
-                                                                          tmp_path: Path) -> None:
+def test_custom_code_models_are_refused_and_trust_remote_code_loads_a_custom_tokenizer(tiny_llama_dir: str,
+                                                                                     tmp_path: Path) -> None:
     import shutil
 
     custom = tmp_path / "custom"
@@ -62,10 +62,25 @@ def test_custom_code_models_are_refused_and_trust_remote_code_is_accepted(tiny_l
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_mine.MyOwnForCausalLM"}
     (custom / "config.json").write_text(json.dumps(config))
     assert_one_line_error(cli("generate", "--model", str(custom), *SMALL, "--trust-remote-code", "x"),
-                          "custom code", "never runs")
-    accepted = cli("generate", "--model", tiny_llama_dir, *SMALL, "--trust-remote-code", "--max-tokens", "2", "x")
+                          "custom code", "own model implementations")
+    # a tokenizer shipped as code runs only with --trust-remote-code, as in vLLM
+    custom_tokenizer = tmp_path / "custom_tokenizer"
+    shutil.copytree(tiny_llama_dir, custom_tokenizer)
+    (custom_tokenizer / "shouting.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class ShoutingTokenizer(PreTrainedTokenizerFast):\n"
+        "    def decode(self, *args, **kwargs):\n"
+        "        return super().decode(*args, **kwargs).upper()\n")
+    tokenizer_config = json.loads((custom_tokenizer / "tokenizer_config.json").read_text())
+    tokenizer_config["tokenizer_class"] = "ShoutingTokenizer"
+    tokenizer_config["auto_map"] = {"AutoTokenizer": [None, "shouting.ShoutingTokenizer"]}
+    (custom_tokenizer / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    assert_one_line_error(cli("generate", "--model", str(custom_tokenizer), *SMALL, "x"), "trust_remote_code=True")
+    accepted = cli("generate", "--model", str(custom_tokenizer), *SMALL, "--trust-remote-code", "--max-tokens", "8",
+                   "--temperature", "0", "--ignore-eos", "X")
     assert accepted.returncode == 0, accepted.stderr
-    assert "trust_remote_code: accepted" in accepted.stderr
+    text = accepted.stdout.strip().splitlines()[-1]
+    assert any(c.isalpha() for c in text) and text == text.upper(), "the custom tokenizer's decode ran"
 
 
 def test_broken_pipe_is_quiet() -> None:
@@ -82,7 +97,10 @@ def test_ctrl_c_exits_130_without_traceback(tiny_llama_dir: str) -> None:
                              "--dtype", "float32", "--num-threads", "1", "--max-model-len", "1024",
                              "--max-tokens", "1000", "--ignore-eos", *["x"] * 256],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PAGEDLLM_LOGGING_LEVEL": "INFO"})
+                            env={**os.environ, "PAGEDLLM_LOGGING_LEVEL": "INFO"},
+                            # a suite started in the background (`pytest &`) ignores SIGINT, and an ignored
+                            # signal is inherited: Python would then never raise KeyboardInterrupt
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # SIGINT once the engine has started (it logs its KV cache line)
     assert proc.stderr is not None
     seen = ""
@@ -131,7 +149,8 @@ def test_every_command_takes_num_threads() -> None:
     parser = build_parser()
     for argv in (["generate"], ["serve"], ["plan"], ["bench", "throughput"], ["bench", "latency"],
                  ["bench", "spec-decode"], ["bench", "prefix-caching"], ["bench", "kv-cache-snapshot"],
-                 ["bench", "mla"], ["bench", "quantization"], ["bench", "structured-output"]):
+                 ["bench", "mla"], ["bench", "quantization"], ["bench", "structured-output"],
+                 ["bench", "prepack"]):
         assert parser.parse_args([*argv, "--num-threads", "1"]).num_threads == 1, argv
     args = parser.parse_args(["serve", "--model", "dir", "--trust-remote-code", "--disable-log-requests",
                               "--generation-config", "vllm"])
@@ -177,3 +196,15 @@ def test_serve_logs_requests_and_periodic_stats(tiny_llama_dir: str, tmp_path: P
         assert "Received request" not in quiet.log()
     finally:
         assert quiet.terminate() == 0, quiet.log()
+
+
+def test_python_dash_m_pagedllm_is_the_pagedllm_command() -> None:
+    """`python -m pagedllm ...` works where the console script is not on PATH (issue 19)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    via_module = subprocess.run([sys.executable, "-m", "pagedllm", "serve", "--help"], capture_output=True,
+                                text=True, timeout=300, cwd=ROOT, env=env)
+    assert via_module.returncode == 0, via_module.stderr
+    assert via_module.stdout == cli("serve", "--help").stdout
+    bad = subprocess.run([sys.executable, "-m", "pagedllm", "no-such-command"], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT, env=env)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr

@@ -23,7 +23,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.attention.mla import TorchMLAAttention
 from pagedllm.config import ModelConfig
-from pagedllm.planner.roofline import ModelSpec, kv_bytes_per_token
+from pagedllm.planner.roofline import ModelSpec, kv_bytes_per_token, kv_cache_element_bytes
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
         "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
@@ -202,13 +202,17 @@ def test_bench_mla_runs_and_reports_the_planners_kv_bytes(tmp_path: Path) -> Non
 
 
 def test_fp8_kv_cache_stores_the_latent_in_one_byte(v3_dir: str) -> None:
-    """kv_cache_dtype='fp8' applies to the latent and rope key: a quarter of fp32's bytes, close logprobs."""
+    """kv_cache_dtype='fp8' applies to the latent and rope key: one byte per element plus a 2-byte scale per
+    token's latent row, close logprobs."""
     prompt = random_prompts(1, 500, [37], seed=9)[0]
     llm = LLM(model=v3_dir, dtype="float32", kv_cache_dtype="fp8", max_model_len=128)
     runner = llm.llm_engine.model_runner
-    assert runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    assert runner.kv_caches[0].dtype == torch.uint8  # codes and bf16 scales, see kv_cache/quant.py
     config = llm.llm_engine.model_config
-    assert runner.kv_cache_bytes_per_block() == config.kv_bytes_per_token(torch.float32) // 4 * 16
+    row = config.kv_lora_rank + config.qk_rope_head_dim
+    assert runner.kv_cache_bytes_per_block() == config.num_hidden_layers * (row + 2) * 16
+    assert kv_bytes_per_token(ModelSpec.from_hf_config(v3_dir), kv_cache_element_bytes(
+        ModelSpec.from_hf_config(v3_dir), "fp8")) == pytest.approx(config.num_hidden_layers * (row + 2))
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, logprobs=1), use_tqdm=False)
     token = out[0].outputs[0].token_ids[0]
     want = torch.log_softmax(hf_logits(v3_dir, prompt)[-1], dim=-1)[token].item()
@@ -219,3 +223,25 @@ def test_fp8_kv_cache_stores_the_latent_in_one_byte(v3_dir: str) -> None:
 def test_weight_quantization_is_rejected_not_ignored(v3_dir: str) -> None:
     with pytest.raises(ValueError, match="quantization"):
         LLM(model=v3_dir, dtype="float32", quantization="int8", max_model_len=64)
+
+
+@pytest.mark.parametrize("kv_cache_dtype,calculate_kv_scales,tolerance",
+                         [("int8", False, 0.1), ("fp8_e5m2", False, 2.5), ("fp8", True, 0.5)])
+def test_one_byte_latent_cache_kinds(v3_dir: str, kv_cache_dtype: str, calculate_kv_scales: bool,
+                                     tolerance: float) -> None:
+    """Every one-byte kind (and per-layer static scales) stores the latent row with its scale; cold and
+    prefix-cached runs agree, and the first logprob stays near the fp32 model's (measured on this random
+    model: int8 0.05, e4m3 0.04, e5m2 1.8, where e5m2's 2 mantissa bits flip its greedy token)."""
+    prompt = random_prompts(1, 500, [37], seed=9)[0]
+    llm = LLM(model=v3_dir, dtype="float32", kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
+              max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=1)
+    cold, cached = (llm.generate([prompt], params, use_tqdm=False)[0].outputs[0] for _ in range(2))
+    assert cold.token_ids == cached.token_ids
+    assert [lp[t].logprob for lp, t in zip(cold.logprobs, cold.token_ids)] == \
+        pytest.approx([lp[t].logprob for lp, t in zip(cached.logprobs, cached.token_ids)], abs=1e-5)
+    token = cold.token_ids[0]
+    want = torch.log_softmax(hf_logits(v3_dir, prompt)[-1], dim=-1)[token].item()
+    assert cold.logprobs[0][token].logprob == pytest.approx(want, abs=tolerance)
+    if calculate_kv_scales:
+        assert len(llm.llm_engine.model_runner.model.mla.static_scales) == llm.llm_engine.model_config.num_hidden_layers

@@ -130,6 +130,29 @@ def test_num_threads(tiny_llama_dir: str) -> None:
         torch.set_num_threads(before)
 
 
+def test_default_num_threads_leaves_busy_cores_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without num_threads or OMP_NUM_THREADS the engine takes the usable CPUs other processes do not
+    keep busy (1-minute load average), never more than torch's own count and never fewer than one."""
+    from pagedllm import platform
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(platform, "usable_cpus", lambda: 8)
+    try:
+        torch.set_num_threads(4)
+        for load, expected in ((0.0, 4), (5.5, 3), (7.9, 1), (30.0, 1)):
+            monkeypatch.setattr(platform.os, "getloadavg", lambda load=load: (load, load, load))
+            assert platform.default_num_threads()[0] == expected, load
+        torch.set_num_threads(4)
+        assert platform.configure_threads(None) == 1  # still the load of 30
+        monkeypatch.setenv("OMP_NUM_THREADS", "4")
+        torch.set_num_threads(4)
+        assert platform.configure_threads(None) == 4  # OMP_NUM_THREADS said
+        assert platform.configure_threads(2) == 2      # an explicit count wins
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_omp_wait_policy_is_passive_unless_set() -> None:
     import os
     import subprocess

@@ -227,3 +227,48 @@ def test_chat_without_template_is_a_value_error(tiny_llama_dir: str, tmp_path: P
     with pytest.raises(ValueError, match="(?i)chat.?template"):
         llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)
     assert len(llm.generate(TEXTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 6
+
+
+def test_spaces_between_special_tokens_as_vllm() -> None:
+    """vLLM decodes a slow (Python) tokenizer's added tokens as pieces of their own, joined to the text
+    around them with a space unless spaces_between_special_tokens=False; a fast tokenizer's decode is
+    left as it is."""
+    from transformers import PythonBackend
+
+    from pagedllm.engine.detokenizer import IncrementalDetokenizer
+
+    class WordTokenizer(PythonBackend):
+        def __init__(self, **kwargs):
+            self.vocab = {"<unk>": 0, "hello": 1, "world": 2}
+            self.inverse = {i: w for w, i in self.vocab.items()}
+            super().__init__(**kwargs)
+
+        @property
+        def vocab_size(self) -> int:
+            return len(self.vocab)
+
+        def get_vocab(self) -> dict[str, int]:
+            return dict(self.vocab, **self.added_tokens_encoder)
+
+        def _tokenize(self, text: str) -> list[str]:
+            return text.split()
+
+        def _convert_token_to_id(self, token: str) -> int:
+            return self.vocab.get(token, 0)
+
+        def _convert_id_to_token(self, index: int) -> str:
+            return self.inverse.get(index, "<unk>")
+
+        def convert_tokens_to_string(self, tokens: list[str]) -> str:
+            return "-".join(tokens)
+
+    tokenizer = WordTokenizer(bos_token="<s>", eos_token="</s>")
+    ids = tokenizer.convert_tokens_to_ids(["<s>", "hello", "world", "</s>", "</s>"])
+
+    def text(skip: bool, spaces: bool) -> str:
+        detokenizer = IncrementalDetokenizer(tokenizer, [ids[0]], skip, spaces)
+        return "".join(detokenizer.add_tokens([t]) for t in ids[1:])
+
+    assert text(False, True) == " hello-world </s> </s>"  # spaced from the prompt's <s> too
+    assert text(False, False) == "hello-world</s></s>"
+    assert text(True, True) == text(True, False) == "hello-world"

@@ -76,13 +76,15 @@ def test_plan_reports_the_seed_numbers(llama70b: rl.ModelSpec) -> None:
         PlanInputs(context=CONTEXT, batch=BATCH, kv_cache_dtype="fp8", tp=8),
     )
     assert round(plan["roofline"]["ridge_point_flops_per_byte"]) == 295
-    assert plan["kv_cache"]["bytes_per_token"] == 163_840
-    assert plan["kv_cache"]["bytes_per_token_per_device"] == 163_840 / 8
-    assert round(plan["kv_cache"]["bytes_context_x_batch"] / 1e9, 1) == 167.8
+    # The seed's 163,840 bytes of one-byte codes per token, plus the engine's 2-byte scale per 128-element
+    # row (one token's K or V of one head): 80 layers x 2 x 8 heads x 130 bytes, as the pool is sized.
+    assert plan["kv_cache"]["bytes_per_token"] == 166_400 == 163_840 * 130 / 128
+    assert plan["kv_cache"]["bytes_per_token_per_device"] == 166_400 / 8
+    assert round(plan["kv_cache"]["bytes_context_x_batch"] / 1e9, 1) == 170.4
     variants = plan["kv_cache"]["variants_bytes_per_token"]
     # in the run's KV dtype only (fp8 here)
-    assert variants["MHA"] == {"fp8": 1_310_720} and variants["GQA-8"]["fp8"] == 163_840
-    assert variants["MQA"]["fp8"] == 2 * 80 * 128
+    assert variants["MHA"] == {"fp8": 1_331_200} and variants["GQA-8"]["fp8"] == 166_400
+    assert variants["MQA"]["fp8"] == 2 * 80 * 130
     assert round(plan["speculative"]["tokens_per_target_pass"], 2) == 3.69
     json.dumps(plan)  # JSON-ready
 
@@ -274,14 +276,14 @@ def test_plan_command_table_json_and_plot(tmp_path: Path, capsys: pytest.Capture
     for needle in (
         "ridge point",
         "295.2 FLOPs/byte",
-        "163,840 B",
-        "167.77 GB",
+        "166,400 B",  # fp8 codes (163,840) plus a 2-byte scale per 128-element row, as the engine stores them
+        "170.39 GB",
         "3.69 tokens per target pass",
-        "KV bytes per token by attention variant (fp8):  MHA 1,310,720",
+        "KV bytes per token by attention variant (fp8):  MHA 1,331,200",
     ):
         assert needle in table
     plan = json.loads(out_json.read_text())
-    assert plan["kv_cache"]["bytes_per_token"] == 163_840
+    assert plan["kv_cache"]["bytes_per_token"] == 166_400
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     assert _run_cli(["plan", "--model", "qwen2.5-7b", "--json"]) == 0
@@ -303,3 +305,22 @@ def test_plan_command_on_local_config_and_cpu(tmp_path: Path, capsys: pytest.Cap
 def test_plan_command_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert _run_cli(["plan", "--acceptance-rate", "2"]) == 2
     assert "--acceptance-rate" in capsys.readouterr().err
+
+
+def test_disaggregation_section_by_hand() -> None:
+    """Llama-3.1-8B in bf16, 4,096-token prompt over a 50 GB/s link: 131,072 B of KV per token (GQA-8,
+    32 layers, 128 dims, K and V); colocated decode steps carry a 2,048-token chunk each, disaggregated
+    ones do not."""
+    spec, hw = load_model_spec("llama-3.1-8b"), HARDWARE_PRESETS["h100-sxm"]
+    plan = build_plan(spec, hw, PlanInputs(context=8192, batch=32, link_gbs=50.0, prompt_len=4096))
+    d = plan["disaggregation"]
+    assert d["kv_bytes"] == 131_072 * 4096
+    assert d["transfer_s"] == pytest.approx(131_072 * 4096 / 50e9)
+    assert d["prefill_s"] == pytest.approx(rl.prefill_flops(spec, 4096) / hw.peak_flops)
+    assert d["colocated_stalled_steps"] == 2
+    assert d["colocated_itl_s"] == pytest.approx(d["decode_step_s"] + d["prefill_s"] / 2)
+    assert d["decode_step_s"] < d["disaggregated_itl_s"] < d["colocated_itl_s"]
+    assert d["disaggregated_ttft_s"] == pytest.approx(d["prefill_s"] + d["transfer_s"] + d["decode_step_s"])
+    assert "disaggregation" not in build_plan(spec, hw, PlanInputs(context=8192, batch=32))
+    with pytest.raises(ValueError, match="--link-gbs"):
+        PlanInputs(link_gbs=0.0).validate()

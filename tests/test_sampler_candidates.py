@@ -1,6 +1,8 @@
-"""The sampler's top-k/top-p over a candidate set (issue 14) is exact: the same kept tokens as a full sort,
-the full sort wherever the candidates may not hold the kept set, and unseeded rows (which race over the
-candidates only, with one shared draw) sample the filtered distribution (chi-square)."""
+"""The sampler's filters: min-p before top-k/top-p (vLLM V1's order) and one tie rule (a filter never
+separates tokens of equal logit). The top-k/top-p over a candidate set (issue 14) is exact: the same kept
+tokens as the rule written out, the full sort wherever the candidates may not hold the kept set, and
+unseeded rows (which race over the candidates only, with one shared draw) sample the filtered
+distribution (chi-square)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ from pagedllm.layers.sampler import (
     TOP_CANDIDATES,
     Sampler,
     SamplingRow,
-    _sort_top_k_top_p,
     apply_top_k_top_p_min_p,
 )
 
@@ -21,12 +22,30 @@ P_VALUE_FLOOR = 1e-3  # fixed seeds: deterministic
 
 
 def reference(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """The full sort. Rows with neither filter stay whole: top_p = 1 must not drop the tail tokens whose
-    float32 cumulative mass rounds to 1 before the end (the sort alone would)."""
-    off = ((top_k <= 0) | (top_k >= logits.shape[-1])) & (top_p >= 1.0)
-    out = torch.where(off.unsqueeze(1), logits, _sort_top_k_top_p(logits, top_k, top_p))
-    probs = out.softmax(dim=-1)
-    return out.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1), float("-inf"))
+    """The rule written out row by row, in float64: min-p first (vLLM V1's order), then top-k keeping every
+    token tied with the k-th logit, then the smallest run of best tokens whose renormalized mass reaches
+    top_p plus every token tied with its last one. top_p = 1 is off: it must not drop the tail tokens whose
+    float32 cumulative mass rounds to 1 before the end."""
+    out = logits.clone()
+    vocab = logits.shape[-1]
+    for i, row in enumerate(logits.double()):
+        keep = torch.ones(vocab, dtype=torch.bool)
+        if min_p[i] > 0:
+            probs = row.softmax(dim=-1)
+            keep &= probs >= probs.max() * float(min_p[i])
+        k = int(top_k[i])
+        if 0 < k < vocab:
+            survivors = row[keep].sort(descending=True).values
+            keep &= row >= survivors[min(k, len(survivors)) - 1]
+        if top_p[i] < 1.0:
+            values = row.masked_fill(~keep, float("-inf"))
+            order = values.argsort(descending=True)
+            probs = values.softmax(dim=-1)[order]
+            before = probs.cumsum(dim=-1) - probs
+            last = max(int((before < float(top_p[i])).sum()) - 1, 0)
+            keep &= row >= values[order[last]]
+        out[i] = logits[i].masked_fill(~keep, float("-inf"))
+    return out
 
 
 def peaked_logits(rows: int, scale: float, seed: int) -> torch.Tensor:
@@ -88,3 +107,36 @@ def test_unseeded_rows_sample_the_filtered_distribution(params: dict, scale: flo
     probs = filtered.double().softmax(dim=-1)[0]
     counts = torch.bincount(tokens, minlength=VOCAB).double()
     assert chi_square_p_value(counts, probs) > P_VALUE_FLOOR
+
+
+@pytest.mark.parametrize("shuffle_seed", [0, 1])
+def test_ties_at_the_threshold_are_all_kept(shuffle_seed: int) -> None:
+    """Top-k keeps every token tied with the k-th logit; top-p keeps every token tied with the last token it
+    needs; whatever order the tied tokens sit in the vocabulary, and in the candidate path as in the sort
+    (300 tokens tied at the top lie past the 256 candidates)."""
+    base = torch.full((VOCAB,), -5.0)
+    base[:3] = torch.tensor([6.0, 5.0, 5.0])       # top-k 2: the k-th value 5.0 is tied -> 3 kept
+    row_k = base.clone()
+    row_p = base.clone()
+    row_p[:4] = torch.tensor([2.0, 1.0, 1.0, 1.0])  # top-p 0.5 needs one 1.0 token -> all three kept
+    row_wide = base.clone()
+    row_wide[:300] = 3.0                            # top-k 10: all 300 tied tokens, past the candidates
+    logits = torch.stack([row_k, row_p, row_wide, row_k])
+    top_k = torch.tensor([2, 0, 10, 2])
+    top_p = torch.tensor([1.0, 0.5, 1.0, 0.99])
+    min_p = torch.zeros(4)
+    perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(shuffle_seed))
+    kept = torch.isfinite(apply_top_k_top_p_min_p(logits[:, perm], top_k, top_p, min_p))
+    assert kept.sum(dim=-1).tolist() == [3, 4, 300, 3]
+    assert torch.equal(kept, torch.isfinite(reference(logits[:, perm], top_k, top_p, min_p)))
+
+
+def test_min_p_applies_before_top_p() -> None:
+    """min-p first: top-p then renormalizes over what min-p kept (vLLM V1), so it needs fewer tokens."""
+    probs = torch.full((VOCAB,), 0.10 / (VOCAB - 3), dtype=torch.float64)
+    probs[:3] = torch.tensor([0.32, 0.30, 0.28], dtype=torch.float64)
+    logits = probs.log().float().unsqueeze(0)
+    # min_p 0.5 keeps the first three (renormalized 0.356, 0.333, 0.311); top_p 0.66 then needs two of them.
+    # Top-p first would need three (0.32 + 0.30 < 0.66), and min-p afterwards would keep them.
+    got = apply_top_k_top_p_min_p(logits, torch.tensor([0]), torch.tensor([0.66]), torch.tensor([0.5]))
+    assert torch.isfinite(got[0]).nonzero().flatten().tolist() == [0, 1]

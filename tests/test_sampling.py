@@ -377,3 +377,38 @@ def test_zero_logprobs_returns_only_the_chosen_token(llm: LLM) -> None:
     assert [list(e) for e in c.logprobs] == [[t] for t in c.token_ids]
     assert out.prompt_logprobs[0] is None
     assert [list(e) for e in out.prompt_logprobs[1:]] == [[t] for t in prompt[1:]]
+
+
+def test_min_tokens_masks_eos_even_with_ignore_eos(tiny_llama_dir: str, tmp_path) -> None:
+    """vLLM counts the model's EOS ids (generation_config's list included) among the ids min_tokens masks,
+    whatever ignore_eos says; transformers' generate(min_new_tokens=...) masks them the same way. With
+    ignore_eos the request then runs on past the EOS where transformers stops."""
+    import json
+    import shutil
+
+    prompt = random_prompts(1, VOCAB, [11], seed=41)[0]
+    free = LLM(model=tiny_llama_dir, dtype="float32", seed=0, max_model_len=128).generate(
+        [prompt], greedy(12), use_tqdm=False)[0].outputs[0].token_ids
+    extra_eos = free[1]  # the model's second greedy token becomes a generation_config EOS id
+    assert extra_eos not in free[:1] and extra_eos != EOS_ID
+    model = tmp_path / "extra_eos"
+    shutil.copytree(tiny_llama_dir, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    config["eos_token_id"] = [EOS_ID, extra_eos]
+    (model / "generation_config.json").write_text(json.dumps(config))
+
+    min_tokens, max_tokens = 4, 12
+    hf = load_hf(model)
+    input_ids = torch.tensor([prompt])
+    with torch.no_grad():
+        want = hf.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                           min_new_tokens=min_tokens, max_new_tokens=max_tokens,
+                           pad_token_id=config["pad_token_id"])[0, len(prompt):].tolist()
+    llm = LLM(model=str(model), dtype="float32", seed=0, max_model_len=128)
+    stopped, ignored = (llm.generate([prompt], SamplingParams(temperature=0.0, min_tokens=min_tokens,
+                                                              max_tokens=max_tokens, ignore_eos=ignore),
+                                     use_tqdm=False)[0].outputs[0].token_ids for ignore in (False, True))
+    assert stopped == want
+    assert extra_eos not in ignored[:min_tokens] and EOS_ID not in ignored[:min_tokens]
+    assert ignored[:len(want)] == want, "ignore_eos changes only whether EOS ends the request"
+    assert len(ignored) == max_tokens

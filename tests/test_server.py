@@ -434,14 +434,16 @@ def async_engine(tiny_llama_dir: str) -> Iterator[Any]:
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.async_engine import AsyncLLMEngine
 
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=tiny_llama_dir, dtype="float32", max_model_len=256))
+    # the core on a thread of this process, so a test can reach into it
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=tiny_llama_dir, dtype="float32", max_model_len=256),
+                                             multiprocess=False)
     engine.start()
     yield engine
     engine.shutdown()
 
 
 def engine_metric(engine: Any, name: str) -> float:
-    return sum(metric.value for metric in engine.engine.get_metrics() if metric.name == name)
+    return sum(metric.value for metric in engine.engine_core.get_metrics() if metric.name == name)
 
 
 def test_async_engine_generate_and_abort(async_engine: Any, llm: LLM) -> None:
@@ -467,14 +469,14 @@ def test_async_engine_generate_and_abort(async_engine: Any, llm: LLM) -> None:
         values = {metric.name: metric.value for metric in metrics if not metric.labels}
         return values["pagedllm:num_requests_running"], values["pagedllm:kv_cache_usage_perc"]
 
-    # the abort is applied at the top of the engine thread's next iteration, before this call runs
+    # the abort reaches the core before this call does (one queue, in order)
     assert run_async(counts()) == (0, 0.0)
 
 
 def test_async_engine_survives_a_failed_step(async_engine: Any, llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedllm.engine.async_engine import EngineStepError
 
-    real_step = async_engine.engine.step
+    real_step = async_engine.engine_core.step
     calls = {"n": 0}
 
     def failing_step() -> Any:
@@ -483,7 +485,7 @@ def test_async_engine_survives_a_failed_step(async_engine: Any, llm: LLM, monkey
             raise RuntimeError("injected failure")
         return real_step()
 
-    monkeypatch.setattr(async_engine.engine, "step", failing_step)
+    monkeypatch.setattr(async_engine.engine_core, "step", failing_step)
     params = SamplingParams(max_tokens=8, temperature=0.0)
 
     async def scenario() -> str:

@@ -473,8 +473,9 @@ def test_server_answers_a_failing_request_generically(tiny_llama_dir: str, monke
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.entrypoints.openai.server import ServerConfig, build_app
 
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=tiny_llama_dir, dtype="float32", max_model_len=256))
-    poison_sampler(engine.engine, monkeypatch)
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=tiny_llama_dir, dtype="float32", max_model_len=256),
+                                             multiprocess=False)
+    poison_sampler(engine.engine_core.model_executor.driver_worker, monkeypatch)
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]

@@ -222,9 +222,11 @@ def test_sampling_is_lossless(tiny_vocab_dir: str, tiny_far_draft_dir: str, samp
     spec = make_llm(tiny_vocab_dir, max_model_len=64, speculative_model=tiny_far_draft_dir,
                     num_speculative_tokens=3)
     results = []
-    for llm, seed0 in ((plain, 0), (spec, 10**6)):
-        params = [SamplingParams(max_tokens=num_tokens, ignore_eos=True, seed=seed0 + i, **sampling)
-                  for i in range(num_runs)]
+    # Unseeded with speculation: seeded requests are verified against their own plain sample (identical
+    # output, see test_seeded_output_independent_of_speculation_budget_and_batch); these go through the
+    # rejection sampler.
+    for llm, seeds in ((plain, range(num_runs)), (spec, [None] * num_runs)):
+        params = [SamplingParams(max_tokens=num_tokens, ignore_eos=True, seed=seed, **sampling) for seed in seeds]
         results.append(torch.tensor(token_ids(llm, [prompt] * num_runs, params)))
     plain_ids, spec_ids = results
     values = spec_values(spec)
@@ -248,6 +250,100 @@ def test_seeded_request_is_reproducible(draft_llm: LLM) -> None:
     assert token_ids(draft_llm, [prompts[2]], seeded)[0] == alone
     reseeded = SamplingParams(temperature=0.9, top_p=0.95, seed=78, max_tokens=20, ignore_eos=True)
     assert token_ids(draft_llm, [prompts[2]], reseeded)[0] != alone
+
+
+@pytest.mark.parametrize("proposer", ["draft_model", "ngram"])
+def test_seeded_output_independent_of_speculation_budget_and_batch(
+        tiny_llama_dir: str, close_draft_dir: str, base_llm: LLM, proposer: str) -> None:
+    """A seeded request's tokens are a function of (seed, position): the same without speculation, and with
+    it alone, first or last in a batch, under a 16-token budget that cuts proposals and chunks prefills."""
+    prompts = random_prompts(4, VOCAB, lengths=[6, 12, 3, 25], seed=8)
+    prompts.append(([11, 12, 13, 14] * 5)[:-1])  # repetitive: n-gram proposals fire
+    seeded = [SamplingParams(temperature=0.9, top_p=0.95, seed=77, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.3, top_k=20, seed=5, max_tokens=24, ignore_eos=True,
+                             repetition_penalty=1.05)]
+    others = [SamplingParams(temperature=1.0, max_tokens=10 + i, ignore_eos=True) for i in range(4)]
+    spec = (dict(speculative_model=close_draft_dir, num_speculative_tokens=K) if proposer == "draft_model"
+            else dict(speculative_config=dict(NGRAM)))
+    want = [token_ids(base_llm, [prompts[4]], params)[0] for params in seeded]
+    for budget in (16, 2048):
+        llm = make_llm(tiny_llama_dir, max_num_batched_tokens=budget, **spec)
+        for params, reference in zip(seeded, want):
+            assert token_ids(llm, [prompts[4]], params)[0] == reference
+            assert token_ids(llm, prompts, others + [params])[4] == reference, f"last in a batch, budget {budget}"
+            assert token_ids(llm, prompts[::-1], [params] + others)[0] == reference
+        values = spec_values(llm)
+        assert values["num_accepted_tokens"] > 0, "proposals must have been verified and accepted"
+
+
+def test_draft_catch_up_after_unverified_proposals(same_llm: LLM) -> None:
+    """Proposals dropped unverified (a budget cut), then the target samples the draft's first proposal
+    itself: the draft already has KV for that token but must still feed it for its logits. This crashed
+    the catch-up (`assert num_new >= 1`) when an LLM with a draft model was reused."""
+    from pagedllm.layers.sampler import SamplingRow
+    from pagedllm.spec_decode.spec_decoder import DraftRequest
+
+    engine = same_llm.llm_engine
+    proposer = engine.spec_decoder.proposer
+    prompt = random_prompts(1, VOCAB, lengths=[10], seed=21)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+    def propose(request_id: str, output: list[int]) -> list[int]:
+        row = SamplingRow(params, prompt, output, None, [])
+        return proposer.propose([DraftRequest(request_id, prompt + output, params)], [K], [row])[request_id][0]
+
+    first = propose("dropped", [])
+    again = propose("dropped", first[:1])
+    assert again == propose("fresh", first[:1]) == first[1:] + again[K - 1:]
+    proposer.free({"dropped", "fresh"})
+    assert proposer.kv.num_free_blocks == proposer.kv.pool.num_blocks
+    # and the LLM stays usable for more generate calls
+    prompts, params_list = mixed_batch(4)
+    assert [len(t) for t in token_ids(same_llm, prompts, params_list)] == [p.max_tokens for p in params_list]
+
+
+def test_shared_prefix_workload_keeps_proposing(tiny_llama_dir: str, base_llm: LLM) -> None:
+    """Ten requests share a 48-token prefix: with prefix caching they fit the target's 64 blocks, and the
+    draft's pool shares the prefix the same way, so every request keeps getting proposals (without sharing
+    the draft would need 10 copies of the prefix, more than its pool holds, and proposals would stop)."""
+    shared = random_prompts(1, VOCAB, lengths=[48], seed=23)[0]
+    prompts = [shared + tail for tail in random_prompts(10, VOCAB, lengths=[3] * 10, seed=24)]
+    params = SamplingParams(temperature=0.0, max_tokens=1 + 2 * (K + 1), ignore_eos=True)
+    llm = make_llm(tiny_llama_dir, speculative_model=tiny_llama_dir, num_speculative_tokens=K, block_size=4,
+                   num_gpu_blocks_override=64)
+    draft_kv = llm.llm_engine.spec_decoder.proposer.kv
+    assert draft_kv.pool.num_blocks < len(prompts) * cdiv(len(prompts[0]) + params.max_tokens, 4)  # unshared
+    assert token_ids(llm, prompts, params) == token_ids(base_llm, prompts, params)
+    values = spec_values(llm)
+    # the identical draft is always accepted: each request verifies exactly twice (k+1 tokens a pass)
+    assert values["num_drafts"] == 2 * len(prompts)
+    assert values["num_accepted_tokens"] == values["num_draft_tokens"] == 2 * K * len(prompts)
+    assert draft_kv.prefix_cache_hits >= 9 * 48
+    assert draft_kv.num_free_blocks == draft_kv.pool.num_blocks
+
+
+def test_draft_catch_up_stays_within_the_token_budget(tiny_llama_dir: str, base_llm: LLM) -> None:
+    """The draft computes each prompt chunk in the step the target does, and a catch-up the target's prefix
+    cache spared it (the draft's cache was emptied) is spread over steps of at most max_num_batched_tokens:
+    no draft pass is larger than the budget, and proposals resume once it has caught up."""
+    budget = 16
+    llm = make_llm(tiny_llama_dir, speculative_model=tiny_llama_dir, num_speculative_tokens=K,
+                   max_num_batched_tokens=budget)
+    proposer = llm.llm_engine.spec_decoder.proposer
+    pass_sizes: list[int] = []
+    forward = proposer.runner.forward
+    proposer.runner.forward = lambda batch: (pass_sizes.append(batch.input_ids.numel()), forward(batch))[1]
+    prompt = random_prompts(1, VOCAB, lengths=[70], seed=25)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = token_ids(base_llm, [prompt], params)
+    assert token_ids(llm, [prompt], params) == want
+    assert max(pass_sizes) <= budget
+    before = spec_values(llm)["num_draft_tokens"]
+    assert proposer.kv.reset_prefix_cache()  # the target keeps its cached prompt, the draft does not
+    pass_sizes.clear()
+    assert token_ids(llm, [prompt], params) == want
+    assert max(pass_sizes) <= budget and sum(pass_sizes) >= 64
+    assert spec_values(llm)["num_draft_tokens"] > before, "proposals resume after the catch-up"
 
 
 # --- memory: no leaks, rollback frees ---------------------------------------------------------------------

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from pagedllm.kv_cache import quant
+
 
 @dataclass
 class PrefillSeq:
@@ -60,23 +62,61 @@ class AttentionBackend:
     name = "ABSTRACT"
     # Whether the runner must build the padded decode batch and dense masks (only the reference reads them).
     needs_dense_masks = False
+    # The cache's storage dtype (one-byte kinds: their code dtype, see kv_cache/quant.py); set by
+    # `configure_kv_cache`. None: the same as the compute dtype.
+    kv_cache_dtype: torch.dtype | None = None
+    quantized = False
+    calculate_kv_scales = False
+
+    def configure_kv_cache(self, kv_cache_dtype: torch.dtype, calculate_kv_scales: bool = False) -> None:
+        """Called once by `get_attn_backend`: one-byte caches are quantized with a scale per row; per-layer
+        static scales come from the checkpoint (`static_scales`, filled by the runner) or, with
+        calculate_kv_scales, from each layer's first batch."""
+        self.kv_cache_dtype = kv_cache_dtype
+        self.quantized = quant.is_quantized(kv_cache_dtype)
+        self.calculate_kv_scales = calculate_kv_scales and self.quantized
+        # layer cache (its data_ptr, stable for the engine's life) -> [2] fp32 K and V scales
+        self.static_scales: dict[int, torch.Tensor] = {}
 
     def prepare_metadata(self, metadata: AttentionMetadata) -> None:
         """Called once per step by the runner after it fills `metadata`: derive what every layer reuses."""
 
+    def layer_static_scales(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+                            ) -> torch.Tensor | None:
+        """This layer's static K/V scales, computed from this batch if it is the first and they are asked
+        for; None means a scale per row."""
+        scales = self.static_scales.get(kv_cache.data_ptr())
+        if scales is None and self.calculate_kv_scales:
+            scales = quant.static_scales_from_batch(key, value, self.kv_cache_dtype)
+            self.static_scales[kv_cache.data_ptr()] = scales
+        return scales
+
     # kv_cache for one layer: [2, num_kv_heads, num_blocks, block_size, head_dim]. Head-major, so one
-    # block of one head is a contiguous [block_size, head_dim] tile.
+    # block of one head is a contiguous [block_size, head_dim] tile. One-byte caches: uint8 [2,
+    # num_kv_heads, num_blocks, block_size * (head_dim + 2)], codes then bf16 scales per tile (quant.py).
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         """K and V of this step's tokens into their slots as one indexed copy."""
+        new = torch.stack((key, value)).transpose(1, 2)  # [2, Hkv, T, D]
+        if self.quantized:
+            quant.write_rows(kv_cache, self.kv_cache_dtype, new, slot_mapping,
+                             self.layer_static_scales(kv_cache, key, value))
+            return
         num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape[1:]
         flat = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)
-        new = torch.stack((key, value)).transpose(1, 2).to(kv_cache.dtype)  # [2, Hkv, T, D]
-        if kv_cache.dtype.itemsize == 1 and kv_cache.dtype.is_floating_point:
-            # fp8 storage: index_copy_ is not implemented for float8 on CPU; copy the bytes.
+        new = new.to(kv_cache.dtype)
+        if kv_cache.dtype.itemsize == 1:  # raw fp8 (no scales): index_copy_ has no fp8 kernel on CPU
             flat.view(torch.uint8).index_copy_(2, slot_mapping, new.view(torch.uint8))
         else:
             flat.index_copy_(2, slot_mapping, new)
+
+    def read_kv(self, kv_cache: torch.Tensor, part: int, block_ids: torch.Tensor, head_dim: int,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        """K (part 0) or V (1) of the given blocks as [num_kv_heads, len(block_ids), block_size, head_dim]
+        in out_dtype: exactly what every reader of the cache sees."""
+        if self.quantized:
+            return quant.read_blocks(kv_cache, self.kv_cache_dtype, head_dim, part, block_ids, out_dtype)
+        return kv_cache[part].index_select(1, block_ids).to(out_dtype)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.attention.torch_flash import paged_flash_attention
+from pagedllm.kv_cache import quant
 
 logger = logging.getLogger(__name__)
 
@@ -74,19 +75,26 @@ def load_cpu_kernels() -> bool:
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, kv_cache_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Attention of every query row over its sequence's paged context (bottom-right causal).
 
-    query [T, Hq, D]; kv_cache [2, Hkv, num_blocks, block_size, D]; block_tables [B, max_blocks] and
-    seq_lens [B] and query_start_loc [B + 1], all int64. Returns [T, Hq, D] in the query's dtype.
+    query [T, Hq, D]; kv_cache [2, Hkv, num_blocks, block_size, D], or a one-byte cache of kv_cache_dtype
+    (kv_cache/quant.py); block_tables [B, max_blocks] and seq_lens [B] and query_start_loc [B + 1], all
+    int64. Returns [T, Hq, D] in the query's dtype.
     """
     if out is None:
         out = torch.empty_like(query)
     if load_cpu_kernels():
-        torch.ops.pagedllm_cpu.paged_attention(query.contiguous(), kv_cache, block_tables, seq_lens,
-                                               query_start_loc, scale, out)
+        if kv_cache_dtype is not None and quant.is_quantized(kv_cache_dtype):
+            codes, scales = quant.split_cache(kv_cache, kv_cache_dtype, query.shape[-1])
+            torch.ops.pagedllm_cpu.paged_attention(query.contiguous(), codes, block_tables, seq_lens,
+                                                   query_start_loc, scale, out, scales)
+        else:
+            torch.ops.pagedllm_cpu.paged_attention(query.contiguous(), kv_cache, block_tables, seq_lens,
+                                                   query_start_loc, scale, out)
     else:
-        paged_flash_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out=out)
+        paged_flash_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out=out,
+                              kv_cache_dtype=kv_cache_dtype)
     return out
 
 
@@ -104,7 +112,12 @@ class CpuFlashAttention(AttentionBackend):
 
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        if self.use_kernel:
+        if self.use_kernel and self.quantized:
+            codes, scales = quant.split_cache(kv_cache, self.kv_cache_dtype, self.head_dim)
+            torch.ops.pagedllm_cpu.write_kv_quant(key, value, codes, scales, slot_mapping,
+                                                  self.layer_static_scales(kv_cache, key, value),
+                                                  quant.QMAX[self.kv_cache_dtype])
+        elif self.use_kernel:
             torch.ops.pagedllm_cpu.write_kv(key, value, kv_cache, slot_mapping)
         else:
             super().write_kv(kv_cache, key, value, slot_mapping)
@@ -113,4 +126,4 @@ class CpuFlashAttention(AttentionBackend):
                 kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         self.write_kv(kv_cache, key, value, metadata.slot_mapping)
         return paged_attention(query, kv_cache, metadata.block_tables, metadata.seq_lens,
-                               metadata.query_start_loc, scale)
+                               metadata.query_start_loc, scale, kv_cache_dtype=self.kv_cache_dtype)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.attention.torch_paged import TorchPagedAttention
+from pagedllm.kv_cache import quant
 
 
 class TorchMLAAttention(TorchPagedAttention):
@@ -31,13 +32,16 @@ class TorchMLAAttention(TorchPagedAttention):
         self.absorbed_decode = True
 
     def write_latent(self, kv_cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if self.quantized:
+            # One scale per token over its whole latent row (the "head" of this cache), per row as
+            # for K/V (static per-layer scales: one for the latent, stored in K's slot).
+            static = self.layer_static_scales(kv_cache, latent, latent)
+            quant.write_rows(kv_cache, self.kv_cache_dtype, latent.unsqueeze(0).unsqueeze(0), slot_mapping,
+                             None if static is None else static[:1])
+            return
         cache = kv_cache[0]
         flat = cache.view(1, cache.shape[1] * cache.shape[2], self.head_dim)
-        new = latent.unsqueeze(0).to(kv_cache.dtype)
-        if kv_cache.dtype.itemsize == 1 and kv_cache.dtype.is_floating_point:
-            flat.view(torch.uint8).index_copy_(1, slot_mapping, new.view(torch.uint8))  # no fp8 index_copy_ on CPU
-        else:
-            flat.index_copy_(1, slot_mapping, new)
+        flat.index_copy_(1, slot_mapping, latent.unsqueeze(0).to(kv_cache.dtype))
 
     def forward_mla(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
                     metadata: AttentionMetadata, scale: float, kv_b_weight: torch.Tensor, v_head_dim: int
@@ -57,7 +61,7 @@ class TorchMLAAttention(TorchPagedAttention):
                                                    v_head_dim)
         for seq in metadata.prefills:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
-            context = self._gather(kv_cache[0], seq.block_table.unsqueeze(0), "prefill_latent")[0, 0, :seq.seq_len]
+            context = self._gather(kv_cache, 0, seq.block_table.unsqueeze(0), "prefill_latent")[0, 0, :seq.seq_len]
             k, v = self._expand(context, kv_b_weight, nope_dim, v_head_dim)       # [H, S, Dn + Dr], [H, S, Dv]
             q = torch.cat([q_nope[rows], q_pe[rows]], dim=-1).transpose(0, 1)    # [H, Q, Dn + Dr]
             if seq.seq_len == seq.query_len:
@@ -93,7 +97,7 @@ class TorchMLAAttention(TorchPagedAttention):
         return out if metadata.decode_query_index is None else out[metadata.decode_query_valid]
 
     def _decode_context(self, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        context = self._gather(kv_cache[0], metadata.decode_block_tables, "decode_latent")  # [B, 1, ctx, R + Dr]
+        context = self._gather(kv_cache, 0, metadata.decode_block_tables, "decode_latent")  # [B, 1, ctx, R + Dr]
         if metadata.decode_attn_mask is None:  # one sequence: cut the context instead of masking it
             context = context[:, :, :metadata.decode_seq_len]
         return context

@@ -60,9 +60,6 @@ def resolve_backend_name(name: str | None, device: torch.device, kv_cache_dtype:
     if name == "TRITON":
         if not _triton_usable(device):
             raise ValueError(f"{source}=TRITON needs a CUDA device with triton installed; the device is {device}.")
-        if kv_cache_dtype.itemsize == 1:
-            raise ValueError(f"{source}=TRITON does not read an fp8 KV cache; use TORCH_SDPA or another "
-                             "kv_cache_dtype.")
         if block_size is not None:
             from pagedllm.attention.triton_paged import _check_block_size
 
@@ -72,7 +69,7 @@ def resolve_backend_name(name: str | None, device: torch.device, kv_cache_dtype:
 
 def get_attn_backend(name: str | None, num_heads: int, num_kv_heads: int, head_dim: int,
                      dtype: torch.dtype, kv_cache_dtype: torch.dtype, device: torch.device,
-                     block_size: int | None = None) -> AttentionBackend:
+                     block_size: int | None = None, calculate_kv_scales: bool = False) -> AttentionBackend:
     name = resolve_backend_name(name, device, kv_cache_dtype, block_size)
     if name == "TORCH_SDPA":
         from pagedllm.attention.torch_paged import TorchPagedAttention as backend_class
@@ -83,4 +80,6 @@ def get_attn_backend(name: str | None, num_heads: int, num_kv_heads: int, head_d
     else:
         from pagedllm.attention.triton_paged import TritonPagedAttention as backend_class
     logger.debug("attention backend: %s", name)
-    return backend_class(num_heads, num_kv_heads, head_dim, dtype)
+    backend = backend_class(num_heads, num_kv_heads, head_dim, dtype)
+    backend.configure_kv_cache(kv_cache_dtype, calculate_kv_scales)
+    return backend

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.kv_cache import quant
 
 # Context tokens per tile (rounded to whole blocks): large enough that per-tile torch overhead is small.
 TILE_TOKENS = 512
@@ -24,10 +25,17 @@ TILE_TOKENS = 512
 
 def paged_flash_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                           seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                          out: torch.Tensor | None = None, tile_tokens: int = TILE_TOKENS) -> torch.Tensor:
-    """query [T, Hq, D]; kv_cache [2, Hkv, num_blocks, block_size, D]; returns [T, Hq, D]."""
+                          out: torch.Tensor | None = None, tile_tokens: int = TILE_TOKENS,
+                          kv_cache_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """query [T, Hq, D]; kv_cache [2, Hkv, num_blocks, block_size, D] (or a one-byte cache of
+    kv_cache_dtype, see kv_cache/quant.py, dequantized a tile at a time); returns [T, Hq, D]."""
     num_heads, head_dim = query.shape[1:]
-    num_kv_heads, _, block_size, _ = kv_cache.shape[1:]
+    quantized = kv_cache_dtype is not None and quant.is_quantized(kv_cache_dtype)
+    if quantized:
+        num_kv_heads = kv_cache.shape[1]
+        block_size = kv_cache.shape[3] // (head_dim + quant.SCALE_BYTES)
+    else:
+        num_kv_heads, _, block_size, _ = kv_cache.shape[1:]
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(query)
@@ -50,8 +58,13 @@ def paged_flash_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tab
             k_start = first * block_size
             blocks = block_tables[i, first:min(first + blocks_per_tile, num_blocks)]
             tile_len = min(len(blocks) * block_size, seq_len - k_start)
-            k = kv_cache[0].index_select(1, blocks).flatten(1, 2)[:, :tile_len].float()  # [Hkv, N, D]
-            v = kv_cache[1].index_select(1, blocks).flatten(1, 2)[:, :tile_len].float()
+            if quantized:
+                k = quant.read_blocks(kv_cache, kv_cache_dtype, head_dim, 0, blocks, torch.float32)
+                v = quant.read_blocks(kv_cache, kv_cache_dtype, head_dim, 1, blocks, torch.float32)
+            else:
+                k, v = kv_cache[0].index_select(1, blocks), kv_cache[1].index_select(1, blocks)
+            k = k.flatten(1, 2)[:, :tile_len].float()  # [Hkv, N, D]
+            v = v.flatten(1, 2)[:, :tile_len].float()
             scores = q @ k.unsqueeze(1).transpose(-1, -2)  # [Hkv, G, Q, N]
             k_pos = torch.arange(k_start, k_start + tile_len, device=query.device)
             visible = k_pos[None, :] <= q_pos[:, None]
@@ -84,4 +97,4 @@ class TorchFlashAttention(AttentionBackend):
                 kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         self.write_kv(kv_cache, key, value, metadata.slot_mapping)
         return paged_flash_attention(query, kv_cache, metadata.block_tables, metadata.seq_lens,
-                                     metadata.query_start_loc, scale)
+                                     metadata.query_start_loc, scale, kv_cache_dtype=self.kv_cache_dtype)

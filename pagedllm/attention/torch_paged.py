@@ -3,7 +3,8 @@
 Decode-like requests (short queries) run as one batched SDPA call over their gathered context with an
 explicit bottom-right causal mask; each prefill chunk runs its own SDPA call (a few per step, bounded
 by the token budget). Gathers go into buffers that grow but are never freed: on CPU a fresh large
-tensor per layer per step costs page faults (see FACTS.md).
+tensor per layer per step costs page faults (measured on a 2-vCPU Xeon: a 33.6 MB gather took 10.7 ms
+into a new tensor and 1.4 ms into a preallocated `out=` buffer).
 """
 
 from __future__ import annotations
@@ -36,9 +37,15 @@ class TorchPagedAttention(AttentionBackend):
             self._buffers[name] = buf
         return buf[:numel].view(shape)
 
-    def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor, name: str) -> torch.Tensor:
-        """[B, max_blocks] block ids -> [B, num_kv_heads, max_blocks * block_size, head_dim]."""
+    def _gather(self, kv_cache: torch.Tensor, part: int, block_tables: torch.Tensor, name: str) -> torch.Tensor:
+        """[B, max_blocks] block ids -> K (part 0) or V (1) as [B, num_kv_heads, max_blocks * block_size,
+        head_dim] in the compute dtype, as the cache holds them (one-byte caches dequantized)."""
         num_seqs, max_blocks = block_tables.shape
+        if self.quantized:
+            # Only the blocks read are dequantized, straight into the compute dtype.
+            gathered = self.read_kv(kv_cache, part, block_tables.reshape(-1), self.head_dim, self.compute_dtype)
+            return gathered.view(self.num_kv_heads, num_seqs, -1, self.head_dim).transpose(0, 1)
+        cache = kv_cache[part]
         block_size = cache.shape[2]
         out = self._buffer(name, (self.num_kv_heads, num_seqs * max_blocks, block_size, self.head_dim),
                            cache.dtype, cache.device)
@@ -58,15 +65,16 @@ class TorchPagedAttention(AttentionBackend):
         for seq in metadata.prefills:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             q = query[rows].transpose(0, 1).unsqueeze(0)
+            # Every read goes through the cache, also a chunk with no cached prefix: its K/V as stored
+            # (rounded to the cache dtype, or quantized) are what any later read or prefix-cache hit
+            # sees, so cold and cached runs of one prompt attend to the same values.
+            block_table = seq.block_table.unsqueeze(0)
+            k = self._gather(kv_cache, 0, block_table, "prefill_k")[:, :, :seq.seq_len]
+            v = self._gather(kv_cache, 1, block_table, "prefill_v")[:, :, :seq.seq_len]
             if seq.seq_len == seq.query_len:
-                # No cached prefix: K/V are exactly this chunk, and top-left causal is bottom-right.
-                k = key[rows].transpose(0, 1).unsqueeze(0)
-                v = value[rows].transpose(0, 1).unsqueeze(0)
+                # No cached prefix: top-left causal is bottom-right.
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                block_table = seq.block_table.unsqueeze(0)
-                k = self._gather(kv_cache[0], block_table, "prefill_k")[:, :, :seq.seq_len]
-                v = self._gather(kv_cache[1], block_table, "prefill_v")[:, :, :seq.seq_len]
                 # Bottom-right causal mask, built once per step by the runner (is_causal=True would
                 # align it top-left, wrong when keys outnumber queries).
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=seq.attn_mask, scale=scale,
@@ -77,8 +85,8 @@ class TorchPagedAttention(AttentionBackend):
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float, output: torch.Tensor) -> None:
         num_decodes, max_q = metadata.num_decodes, metadata.decode_max_query_len
-        k = self._gather(kv_cache[0], metadata.decode_block_tables, "decode_k")
-        v = self._gather(kv_cache[1], metadata.decode_block_tables, "decode_v")
+        k = self._gather(kv_cache, 0, metadata.decode_block_tables, "decode_k")
+        v = self._gather(kv_cache, 1, metadata.decode_block_tables, "decode_v")
         if metadata.decode_attn_mask is None:  # one sequence: cut the context instead of masking it
             k, v = k[:, :, :metadata.decode_seq_len], v[:, :, :metadata.decode_seq_len]
         if metadata.decode_query_index is None:

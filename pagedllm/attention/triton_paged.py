@@ -12,11 +12,14 @@ CPU kernel and `torch_flash.py`, reading K/V in place from the paged cache throu
 The split length is fixed rather than derived from the batch, so a sequence's output does not depend
 on what else is in the batch. Under TRITON_INTERPRET=1 (CPU tests) `tl.dot` on bf16 returns garbage,
 so the kernels cast the operands to fp32 there; on a GPU they feed the tensor cores the cache's dtype.
-fp8 KV caches are not read here: the selector keeps them on the reference backend.
+One-byte (quantized) KV caches are not read by the kernels: the blocks a step reads are dequantized
+once per layer into a compact cache in the compute dtype and the block tables are renumbered to it
+(correct, not fast; CUDA picks TORCH_SDPA for one-byte caches by default).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -257,6 +260,14 @@ class TritonPagedAttention(AttentionBackend):
         self.head_dim = head_dim
         self.compute_dtype = compute_dtype
 
+    def _dequantized_blocks(self, kv_cache: torch.Tensor, block_tables: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Only the blocks this step reads, dequantized: [2, Hkv, n, block_size, D] and tables into it."""
+        used, renumbered = torch.unique(block_tables, return_inverse=True)
+        compact = torch.stack([self.read_kv(kv_cache, part, used, self.head_dim, self.compute_dtype)
+                               for part in (0, 1)])
+        return compact, renumbered.view_as(block_tables)
+
     def prepare_metadata(self, metadata: AttentionMetadata) -> None:
         if metadata.max_query_len > 1:
             metadata.backend_data["query_tiles"] = query_tiles(metadata.seq_lens, metadata.query_start_loc)
@@ -265,6 +276,9 @@ class TritonPagedAttention(AttentionBackend):
                 kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         self.write_kv(kv_cache, key, value, metadata.slot_mapping)
         query = query.contiguous()
+        if self.quantized:
+            kv_cache, block_tables = self._dequantized_blocks(kv_cache, metadata.block_tables)
+            metadata = dataclasses.replace(metadata, block_tables=block_tables)
         if metadata.max_query_len == 1:
             return paged_attention_decode(query, kv_cache, metadata.block_tables, metadata.seq_lens,
                                           metadata.max_seq_len, scale)

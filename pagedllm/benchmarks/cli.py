@@ -191,6 +191,18 @@ OTHER_BENCHMARKS = {
         "run_cmd",
         "decode tokens/s with int8 / fp8 weights against bf16, and their roofline fractions",
     ),
+    "prepack": (
+        "pagedllm.benchmarks.prepack",
+        "add_cli_args",
+        "run_cmd",
+        "prefill and decode with linear weights prepacked for oneDNN against plain F.linear",
+    ),
+    "kv-cache": (
+        "pagedllm.benchmarks.kv_cache",
+        "add_cli_args",
+        "run_cmd",
+        "kv_cache_dtype against the model dtype: perplexity, greedy agreement, decode tok/s, sequences per budget",
+    ),
     "kv-cache-snapshot": (
         "pagedllm.benchmarks.kv_cache_snapshot",
         "add_cli_args",

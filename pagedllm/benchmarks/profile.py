@@ -74,7 +74,7 @@ class StepProfiler:
             self.wrap(runner.model, "compute_logits", "forward")
             self.wrap(runner, "sample", "sampling")
         self.wrap(Sampler, "__call__", "sampling")  # called through the type, so wrapped on the class
-        self.wrap(engine.output_processor, "process", "output processing")
+        self.wrap(engine.output_processor, "process_outputs", "output processing")
         self.wrap(IncrementalDetokenizer, "add_tokens", "detokenisation")
         return self
 

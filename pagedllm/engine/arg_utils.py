@@ -22,7 +22,11 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
+    # auto: the model's dtype. fp8 (= fp8_e4m3), fp8_e5m2, int8: one byte per element plus a bf16 scale
+    # per token and KV head (see pagedllm/kv_cache/quant.py)
     kv_cache_dtype: str = "auto"
+    # One-byte caches only: one static scale per layer for K and V, computed from the first batch (vLLM's)
+    calculate_kv_scales: bool = False
     attention_backend: str | None = None
     seed: int = 0
     device: str = "auto"
@@ -50,6 +54,8 @@ class EngineArgs:
     generation_config: str = "auto"
     quantization: str | None = None
     quantization_group_size: int | None = None
+    # Disaggregated prefill: a KVTransferConfig, its dict, or its JSON text (kv_role is required)
+    kv_transfer_config: Any = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -96,11 +102,29 @@ class EngineArgs:
         for name in ("max_stop_strings", "max_stop_string_len", "max_stop_token_ids"):
             check(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
                   f"{name} must be a non-negative integer, got {getattr(self, name)!r}.")
+        from pagedllm.kv_cache.quant import KV_CACHE_DTYPES, ONE_BYTE_DTYPES
+
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+              f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}.")
+        one_byte = [name for name, dtype in KV_CACHE_DTYPES.items() if dtype in ONE_BYTE_DTYPES]
+        check(not self.calculate_kv_scales or KV_CACHE_DTYPES[self.kv_cache_dtype] in ONE_BYTE_DTYPES,
+              f"calculate_kv_scales=True needs a one-byte kv_cache_dtype ({one_byte}), got "
+              f"kv_cache_dtype={self.kv_cache_dtype!r}.")
         from pagedllm.layers.quantization import validate_quantization
 
         validate_quantization(self.quantization, self.quantization_group_size)
         if isinstance(self.speculative_config, str):
             self.speculative_config = json.loads(self.speculative_config)
+        from pagedllm.distributed.kv_transfer.config import KVTransferConfig
+
+        self.kv_transfer_config = KVTransferConfig.from_any(self.kv_transfer_config)
+        check(self.kv_transfer_config is None or self.tensor_parallel_size == 1,
+              "kv_transfer_config needs tensor_parallel_size=1: each rank would serve its own shard of the "
+              "blocks, and the connector moves one rank's.")
+        check(self.kv_transfer_config is None or not self.calculate_kv_scales,
+              "kv_transfer_config cannot be combined with calculate_kv_scales=True: each instance would take "
+              "its per-layer scales from its own first batch, so one instance's codes would not decode on the "
+              "other; use the per-token scales (the default) or a checkpoint's.")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -121,7 +145,11 @@ class EngineArgs:
         add("--kv-cache-memory-bytes", type=int, default=None, help="exact KV cache budget in bytes")
         add("--num-gpu-blocks-override", type=int, default=None, help="exact number of KV blocks")
         add("--kv-cache-dtype", default="auto",
-            choices=["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"])
+            choices=["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],
+            help="auto: the model's dtype; fp8 (e4m3), fp8_e5m2, int8: one byte per element plus a scale per "
+                 "token and KV head")
+        add("--calculate-kv-scales", action=bool_flag, default=False,
+            help="one-byte KV caches: one static scale per layer from the first batch instead of per token")
         add("--attention-backend", default=None,
             choices=["auto", "TORCH_SDPA", "TORCH_FLASH", "CPU_FLASH", "TRITON"],
             help="attention kernels (default: PAGEDLLM_ATTENTION_BACKEND, else CPU_FLASH on CPU, TRITON on CUDA)")
@@ -139,7 +167,9 @@ class EngineArgs:
         add("--nnodes", type=int, default=1, help="hosts the tensor-parallel ranks are spread over")
         add("--node-rank", type=int, default=0, help="this host's index (node 0 schedules and serves)")
         add("--dist-init-addr", default=None, help="HOST:PORT of node 0, where all ranks meet (nnodes > 1)")
-        add("--enforce-eager", action=bool_flag, default=True)
+        add("--enforce-eager", action=bool_flag, default=True,
+            help="vLLM's switch for torch.compile and CUDA graphs; pagedllm has neither yet, so the model runs "
+                 "eagerly either way (on CPU with its linear weights prepacked for oneDNN)")
         add("--max-stop-strings", type=int, default=128, help="most stop strings one request may give")
         add("--max-stop-string-len", type=int, default=1024, help="longest stop string, in characters")
         add("--max-stop-token-ids", type=int, default=1024, help="most stop_token_ids one request may give")
@@ -151,12 +181,17 @@ class EngineArgs:
                  "do_sample, temperature, top_p, top_k, min_p, repetition_penalty); 'vllm': "
                  "SamplingParams' own defaults; or a directory with a generation_config.json")
         add("--trust-remote-code", action="store_true",
-            help="accepted for vLLM compatibility: pagedllm never runs code from a model directory, and "
-                 "refuses a model whose config needs custom code (auto_map) for its architecture")
+            help="let a tokenizer whose class ships as code in the model directory (auto_map) load, as in "
+                 "vLLM; models always run pagedllm's own implementations, and one whose architecture exists "
+                 "only as such code is refused")
         add("--quantization", "-q", default=None, choices=["int8", "fp8", "compressed-tensors"],
             help="weight-only quantization of the linear layers, applied as the weights load (int8: "
             "symmetric per output channel; fp8: e4m3 per output channel); a checkpoint with a "
             "compressed-tensors quantization_config is read as stored")
+        add("--kv-transfer-config", default=None,
+            help='disaggregated prefill: JSON such as \'{"kv_role": "kv_producer", "kv_port": 14579}\' '
+            "(kv_role: kv_producer, kv_consumer or kv_both; optional: kv_connector, kv_ip, kv_port, "
+            "engine_id, kv_buffer_size, kv_connector_extra_config.transfer_timeout_s / staging_ttl_s)")
         add("--quantization-group-size", type=int, default=None,
             help="with --quantization int8: one scale per this many input channels instead of per row")
         return parser

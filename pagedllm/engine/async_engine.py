@@ -1,33 +1,43 @@
-"""AsyncLLMEngine: one background thread runs the LLMEngine's step() loop that every request feeds.
+"""AsyncLLMEngine: the server's engine (vLLM V1's AsyncLLM). The API process tokenizes and checks each
+request (InputProcessor), hands it to the engine core, and turns the core's per-step deltas into
+RequestOutputs (OutputProcessor: detokenizing, stop strings, output_kind) on the asyncio event loop.
 
-The model call blocks for the length of a step, so it lives on its own thread and the asyncio loop
-stays free to accept requests and stream tokens. LLMEngine is not thread-safe: every call into it
-(add_request, abort_request, step, get_metrics) happens on the engine thread. The asyncio side only
-queues commands, which the thread applies at the top of each iteration, and the thread hands outputs
-back with loop.call_soon_threadsafe into per-request OutputQueues (bounded: one output each). When
-there is nothing to do the thread sleeps on a Condition, so an idle server costs no CPU.
+The core (scheduler, executor, KV cache) runs in a process of its own behind ZeroMQ (MPCoreClient), so
+the model's forward pass never shares a GIL with tokenizing, chat templates, detokenizing or JSON, and
+the event loop stays free to accept requests, answer /health and stream. `multiprocess=False` runs the
+same core loop on a thread of this process instead (InprocCoreClient: tests and debugging).
+
+Each request's outputs go into its OutputQueue, which holds at most one item per request: a reader
+that falls behind gets the outputs it missed folded into one (RequestOutput.add), never one per step.
+
+A core that dies (its process exits, or its loop raises) is noticed at once: every request in flight
+ends with EngineDeadError, `is_running` turns false (/health answers 503), and the callbacks in
+`dead_callbacks` run (the server exits with a non-zero status; see uvicorn_server.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.metrics.stat_logger import LoggingStatLogger
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.core import EngineCoreOutput, EngineCoreOutputs, merge_core_outputs
+from pagedllm.engine.core_client import CoreClient, InprocCoreClient, MPCoreClient
+from pagedllm.engine.input_processor import InputProcessor
+from pagedllm.engine.llm_engine import load_tokenizer
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped (it was shut down, or a failed step left it unusable)."""
+    """The engine core stopped (it was shut down, its process died, or a failed step left it unusable)."""
 
 
 class EngineStepError(RuntimeError):
@@ -37,19 +47,24 @@ class EngineStepError(RuntimeError):
 class OutputQueue:
     """The undelivered outputs of one or more requests: at most one item per request.
 
-    Outputs are cumulative, so a newer output replaces an older one nobody has read yet: a reader
-    that falls behind (a client that does not read its stream) holds one output per request, never
-    one per step. An error is never replaced. Runs on the event loop only.
+    A newer output is folded into an older one nobody has read yet (appended for DELTA outputs,
+    replacing for cumulative ones), so a reader that falls behind (a client that does not read its
+    stream) holds one output per request, never one per step. An error is never replaced. Runs on
+    the event loop only.
     """
 
     def __init__(self) -> None:
         self._items: dict[str, RequestOutput | BaseException] = {}
         self._ready = asyncio.Event()
 
-    def put(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        if isinstance(self._items.get(request_id), BaseException):
+    def put(self, request_id: str, item: RequestOutput | BaseException, aggregate: bool = False) -> None:
+        pending = self._items.get(request_id)
+        if isinstance(pending, BaseException):
             return
-        self._items[request_id] = item
+        if isinstance(pending, RequestOutput) and isinstance(item, RequestOutput):
+            pending.add(item, aggregate)
+        else:
+            self._items[request_id] = item
         self._ready.set()
 
     def empty(self) -> bool:
@@ -66,18 +81,12 @@ class OutputQueue:
 
 
 class StepObserver(Protocol):
-    """Called on the engine thread; used by the server's metrics for per-token latencies."""
+    """Called on the event loop with each step's core outputs; the server's metrics use it for
+    per-token latencies (independent of the requests' output_kind)."""
 
-    def on_step(self, outputs: list[RequestOutput], now: float) -> None: ...
+    def on_step(self, outputs: list[EngineCoreOutput], now: float) -> None: ...
 
     def on_abort(self, request_ids: list[str]) -> None: ...
-
-
-def _put_if_open(loop: asyncio.AbstractEventLoop, callback: Callable[..., Any], *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(callback, *args)
-    except RuntimeError:
-        pass  # the event loop is closed: nobody is left to read this
 
 
 class RequestStream:
@@ -87,14 +96,13 @@ class RequestStream:
     request id so the reader can tell them apart.
     """
 
-    def __init__(self, engine: AsyncLLMEngine, request_id: str, loop: asyncio.AbstractEventLoop,
-                 queue: OutputQueue | None, on_started: Callable[[], None] | None = None) -> None:
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, queue: OutputQueue | None,
+                 on_started: Callable[[], None] | None = None, aggregate: bool = False) -> None:
         self.engine = engine
         self.request_id = request_id
-        self.loop = loop
         self.queue = queue if queue is not None else OutputQueue()
-        self.accepted: asyncio.Future[None] = loop.create_future()
         self.finished = False
+        self.aggregate = aggregate  # DELTA outputs: fold unread ones together
         # called once, when the request stops waiting: at its first output, error or abort
         self._on_started = on_started
 
@@ -111,7 +119,7 @@ class RequestStream:
             return  # the reader aborted it, or it already ended
         if isinstance(item, BaseException) or item.finished:
             self.finished = True
-        self.queue.put(self.request_id, item)
+        self.queue.put(self.request_id, item, self.aggregate)
 
     def abort(self) -> None:
         """Abort the request unless it already finished; safe to call more than once."""
@@ -136,296 +144,241 @@ class RequestStream:
             self.abort()  # no-op once finished; frees the blocks of a reader that went away
 
 
-@dataclass
-class _AddCommand:
-    request_id: str
-    prompt: Any
-    params: SamplingParams
-    arrival_time: float
-    stream: RequestStream
-
-
-@dataclass
-class _CallCommand:
-    fn: Callable[[LLMEngine], Any]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[Any]
-
-
-@dataclass
-class _Inbox:
-    """Commands from the asyncio side, applied by the engine thread at the top of each iteration."""
-
-    adds: list[_AddCommand] = field(default_factory=list)
-    aborts: list[str] = field(default_factory=list)
-    calls: list[_CallCommand] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.adds or self.aborts or self.calls)
-
-
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, observers: Iterable[StepObserver] = (), log_stats: bool = False) -> None:
-        self.engine = engine
+    def __init__(self, args: EngineArgs, observers: Iterable[StepObserver] = (), log_stats: bool = False,
+                 multiprocess: bool = True) -> None:
+        self.args = args
         self.observers = list(observers)
-        # vLLM's periodic "Avg prompt throughput ... Running ... KV cache usage" line (the server's default)
-        self.stat_logger = LoggingStatLogger() if log_stats else None
-        self._cond = threading.Condition()
-        self._inbox = _Inbox()
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-        self.dead_error: BaseException | None = None
-        # engine-thread state
+        client: CoreClient = MPCoreClient(args, log_stats) if multiprocess else InprocCoreClient(args, log_stats)
+        self.client = client
+        config = client.config
+        self.model_config = config.model_config
+        self.tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
+        self.input_processor = InputProcessor(args, self.model_config, self.tokenizer, args.block_size,
+                                              config.cache_config.num_blocks)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._streams: dict[str, RequestStream] = {}
-        self._has_work = False
-        # the scheduler's waiting queue as of the engine thread's last look, plus requests submitted
-        # that the thread has not taken in yet: what --max-waiting-requests bounds
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._started = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self.dead_error: BaseException | None = None
+        # run on the event loop when the core dies (the server shuts itself down)
+        self.dead_callbacks: list[Callable[[], None]] = []
         self._engine_num_waiting = 0
-        self._num_pending_adds = 0  # event-loop state
 
     @classmethod
-    def from_engine_args(cls, engine_args: Any, observers: Iterable[StepObserver] = (),
-                         log_stats: bool = False) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_engine_args(engine_args), observers, log_stats)
-
-    # ---- properties read by the server ----------------------------------------------------------
+    def from_engine_args(cls, engine_args: EngineArgs, observers: Iterable[StepObserver] = (),
+                         log_stats: bool = False, multiprocess: bool = True) -> AsyncLLMEngine:
+        return cls(engine_args, observers, log_stats, multiprocess)
 
     @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-    @property
-    def model_config(self) -> Any:
-        return self.engine.model_config
+    def engine_core(self) -> Any:
+        """The EngineCore, where it runs in this process (multiprocess=False)."""
+        core = getattr(self.client, "engine_core", None)
+        if core is None:
+            raise AttributeError("the engine core runs in its own process")
+        return core
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+        return self._started and self.dead_error is None and not self._stopping
 
     @property
     def num_waiting_requests(self) -> int:
-        """Requests waiting to be scheduled: in the scheduler's queue or not yet handed to it."""
-        return self._engine_num_waiting + self._num_pending_adds
+        """Requests waiting to be scheduled, as of the core's last step."""
+        return self._engine_num_waiting
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
-            self._thread.start()
+        """Start serving; the core's outputs go to the event loop that submits requests."""
+        self._started = True
+        try:
+            self._bind_loop()
+        except RuntimeError:
+            pass  # no loop running yet: bound at the first request
+
+    def _bind_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._loop = loop
+            self.client.start(loop, self._dispatch, self._on_core_dead)
 
     def begin_shutdown(self) -> None:
         """Refuse new requests and end every request in flight with EngineDeadError, without waiting
         (the event loop calls this when the server's grace period is over)."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
+        self._stopping = True
+        if self._streams:
+            self.client.send(("abort", list(self._streams)))
+        self._fail_all(EngineDeadError("the engine stopped"))
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Abort whatever is left and stop the thread (after the server stopped taking requests)."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-        if self._thread is None or not self._thread.is_alive():
-            self.engine.shutdown()  # the engine's worker processes, if it has any
+        """Stop the core (after the server stopped taking requests); what is left is aborted."""
+        self._stopping = True
+        self.client.shutdown(timeout if timeout is not None else 30.0)
+        self._fail_all(EngineDeadError("the engine stopped"))
 
     # ---- requests -------------------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
                           arrival_time: float | None = None, queue: OutputQueue | None = None,
                           on_started: Callable[[], None] | None = None) -> RequestStream:
-        """Queue a request and wait until the engine accepted it.
+        """Check a request and hand it to the core.
 
-        Raises the engine's ValueError for an invalid prompt or parameters (before any output),
-        so the server can answer 400 instead of starting a stream. `on_started` is called once when
-        the request stops waiting (its first output, an error, an abort or a refusal).
+        Raises ValueError for an invalid prompt or parameters (before any output), so the server can
+        answer 400 instead of starting a stream. `on_started` is called once when the request stops
+        waiting (its first step in the core, an error or an abort).
         """
-        loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request_id, loop, queue, on_started)
-        if self.dead_error is not None or self._stopping:
+        aggregate = isinstance(params, SamplingParams) and params.output_kind is RequestOutputKind.DELTA
+        stream = RequestStream(self, request_id, queue, on_started, aggregate)
+        if self.dead_error is not None or self._stopping or not self._started:
             stream.started()
             raise EngineDeadError("the engine is not running") from self.dead_error
-        command = _AddCommand(request_id, prompt, params, arrival_time or time.time(), stream)
-        self._num_pending_adds += 1
-        with self._cond:
-            self._inbox.adds.append(command)
-            self._cond.notify()
+        self._bind_loop()
         try:
-            await stream.accepted
-        except asyncio.CancelledError:
-            stream.abort()  # the client went away while the request was being queued
-            raise
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use.")
+            text, core_request = self.input_processor.process(request_id, prompt, params,
+                                                              arrival_time or time.time())
         except BaseException:
             stream.started()
             stream.finished = True
             raise
-        finally:
-            self._num_pending_adds -= 1
+        self.output_processor.add_request(request_id, text, core_request.prompt_token_ids,
+                                          core_request.sampling_params, core_request.arrival_time)
+        self._streams[request_id] = stream
+        self.client.send(("add", core_request))
         return stream
 
     async def generate(self, prompt: Any, params: SamplingParams, request_id: str,
                        arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Cumulative RequestOutputs of one request; leaving the loop early aborts it."""
+        """The RequestOutputs of one request (as its output_kind says); leaving the loop early aborts it."""
         stream = await self.add_request(request_id, prompt, params, arrival_time)
         async for output in stream:
             yield output
 
     def abort(self, request_id: str) -> None:
-        """Abort a request from the event loop; the engine thread frees its blocks next iteration."""
-        with self._cond:
-            self._inbox.aborts.append(request_id)
-            self._cond.notify()
+        """Abort a request (on the event loop); the core frees its blocks at its next iteration."""
+        if self._streams.pop(request_id, None) is None:
+            return
+        self.output_processor.abort(request_id)
+        self.client.send(("abort", [request_id]))
+        for observer in self.observers:
+            observer.on_abort([request_id])
 
-    async def call_on_engine_thread(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run fn(engine) between two steps, where touching the engine is safe (metrics, ...)."""
-        if not self.is_running:
-            return fn(self.engine)  # no thread to race with
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        with self._cond:
-            self._inbox.calls.append(_CallCommand(fn, loop, future))
-            self._cond.notify()
-        return await future
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        """Run EngineCore.<method>(*args) between two steps, where reading the core is safe."""
+        if self.dead_error is not None or not self._started:
+            raise EngineDeadError("the engine is not running") from self.dead_error
+        self._bind_loop()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        self.client.send(("call", call_id, method, args))
+        try:
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
 
     async def get_metrics(self) -> list[Any]:
-        return await self.call_on_engine_thread(lambda engine: engine.get_metrics())
+        return await self.call_utility("get_metrics")
 
-    # ---- the engine thread ----------------------------------------------------------------------
+    async def get_kv_cache_snapshot(self) -> Any:
+        return await self.call_utility("get_kv_cache_snapshot")
 
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while not (self._inbox or self._stopping or self._has_work):
-                        self._cond.wait()
-                    inbox, self._inbox = self._inbox, _Inbox()
-                    stopping = self._stopping
-                self._apply(inbox)
-                if stopping:
-                    break
-                if self.engine.has_unfinished_requests():
-                    try:
-                        outputs = self.engine.step()
-                    except Exception as exc:
-                        self._recover(exc)
-                    else:
-                        self._publish(outputs)
-                        self._fail(list(self.engine.failed_requests))
-                self._engine_num_waiting = self._read_num_waiting()  # after steps and aborts alike
-                self._has_work = self.engine.has_unfinished_requests()
-                if self.stat_logger is not None:
-                    self.stat_logger.maybe_log(self.engine, idle=not self._has_work)
-        except BaseException as exc:  # a failure we could not recover from: fail every request, loudly
-            logger.exception("engine loop died")
-            self.dead_error = exc
-        finally:
-            self._close()
+    async def reset_prefix_cache(self) -> bool:
+        return await self.call_utility("reset_prefix_cache")
 
-    def _apply(self, inbox: _Inbox) -> None:
-        answers: list[tuple[RequestStream, BaseException | None]] = []
-        for command in inbox.adds:
-            try:
-                self.engine.add_request(command.request_id, command.prompt, command.params,
-                                        arrival_time=command.arrival_time)
-            except Exception as exc:  # ValueError for bad input; anything else is still per-request
-                answers.append((command.stream, exc))
+    # ---- what the core sends (event loop) -------------------------------------------------------
+
+    def _dispatch(self, messages: list[tuple]) -> None:
+        """What the core sent since the last call; consecutive steps' outputs are processed as one
+        (merge_core_outputs), so an event loop that fell behind decodes each request once per batch."""
+        run: list[EngineCoreOutputs] = []
+        num_outputs = sum(1 for message in messages if message[0] == "outputs")
+        if num_outputs:  # the core may run on (flow control, core_proc.MAX_UNACKED_OUTPUTS)
+            self.client.send(("ack", num_outputs))
+        for message in messages:
+            if message[0] == "outputs":
+                run.append(message[1])
                 continue
-            self._streams[command.request_id] = command.stream
-            answers.append((command.stream, None))
-        if inbox.adds:
-            # count the new arrivals as waiting before their submitters stop counting them as pending
-            self._engine_num_waiting = self._read_num_waiting()
-        for stream, error in answers:
-            _put_if_open(stream.loop, _set_call_result, stream.accepted, None, error)
-        aborted = [request_id for request_id in inbox.aborts if request_id in self._streams]
-        if aborted:
-            self.engine.abort_request(aborted)
-            for request_id in aborted:
-                del self._streams[request_id]
-            for observer in self.observers:
-                observer.on_abort(aborted)
-        for call in inbox.calls:
-            try:
-                result, error = call.fn(self.engine), None
-            except Exception as exc:
-                result, error = None, exc
-            _put_if_open(call.loop, _set_call_result, call.future, result, error)
+            if run:
+                self._process_outputs(merge_core_outputs(run))
+                run = []
+            self._dispatch_one(message)
+        if run:
+            self._process_outputs(merge_core_outputs(run))
 
-    def _read_num_waiting(self) -> int:
-        # Read every loop iteration: the scheduler's queue itself, not a full metrics snapshot.
-        return len(self.engine.scheduler.waiting)
+    def _dispatch_one(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "result":
+            _, call_id, ok, value = message
+            future = self._calls.get(call_id)
+            if future is not None and not future.done():
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(RuntimeError(value))
+        elif kind == "add_failed":
+            _, request_id, text = message
+            self.output_processor.abort(request_id)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream._deliver(ValueError(text))
 
-    def _fail(self, request_ids: list[str]) -> None:
-        """Requests the engine ended alone because they made a step fail (the rest carry on)."""
-        failed = [request_id for request_id in request_ids if request_id in self._streams]
-        if not failed:
-            return
-        for observer in self.observers:
-            observer.on_abort(failed)
-        for request_id in failed:
-            # the exception itself went to the log; the client gets a generic message
-            stream = self._streams.pop(request_id)
-            _put_if_open(stream.loop, stream._deliver, EngineStepError(
-                "the engine failed while running this request and ended it"))
-
-    def _recover(self, exc: Exception) -> None:
-        """A step raised outside the model run (a bug): rather than take the server down, abort every
-        request in flight, fail their readers, and serve on if that left the engine empty. If it did
-        not, the state is not trustworthy and the loop dies (/health turns 503). A request whose own
-        model run fails is ended alone by LLMEngine.step (see _fail)."""
-        logger.exception("engine step failed; aborting the %d requests in flight", len(self._streams))
-        aborted = list(self._streams)
-        self.engine.abort_request(aborted)
-        for observer in self.observers:
-            observer.on_abort(aborted)
-        error = EngineStepError("the engine failed while running this request and ended it")
-        for stream in self._streams.values():
-            _put_if_open(stream.loop, stream._deliver, error)
-        self._streams.clear()
-        if self.engine.has_unfinished_requests():
-            raise EngineDeadError("the engine could not recover from a failed step") from exc
-
-    def _publish(self, outputs: list[RequestOutput]) -> None:
+    def _process_outputs(self, core_outputs: EngineCoreOutputs) -> None:
+        self._engine_num_waiting = core_outputs.num_waiting
         now = time.time()
         for observer in self.observers:
-            observer.on_step(outputs, now)
+            observer.on_step(core_outputs.outputs, now)
+        for core_output in core_outputs.outputs:
+            stream = self._streams.get(core_output.request_id)
+            if stream is not None:
+                stream.started()  # the core took it up (FINAL_ONLY requests have no output yet)
+        outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs)
+        if stopped:
+            self.client.send(("stop", stopped))
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
-                continue  # aborted this iteration
+                continue  # aborted meanwhile
             if output.finished:
                 del self._streams[output.request_id]
-            _put_if_open(stream.loop, stream._deliver, output)
+            stream._deliver(output)
+        failed = [request_id for request_id in core_outputs.failed_request_ids if request_id in self._streams]
+        if failed:
+            for observer in self.observers:
+                observer.on_abort(failed)
+            for request_id in failed:
+                # the exception itself went to the core's log; the client gets a generic message
+                self.output_processor.abort(request_id)
+                self._streams.pop(request_id)._deliver(
+                    EngineStepError("the engine failed while running this request and ended it"))
 
-    def _close(self) -> None:
-        """Abort everything left, fail its readers, and answer pending calls (on the engine thread)."""
-        with self._cond:
-            self._stopping = True
-            inbox, self._inbox = self._inbox, _Inbox()
-        error = EngineDeadError("the engine stopped")
-        if self.dead_error is not None:
-            error.__cause__ = self.dead_error
-        leftover = list(self._streams)
-        if leftover:
+    def _on_core_dead(self, exc: BaseException) -> None:
+        if self.dead_error is not None or self._stopping:
+            return
+        self.dead_error = exc
+        logger.error("the engine core stopped (%s); failing the %d requests in flight", exc, len(self._streams))
+        error = EngineDeadError("the engine core stopped")
+        error.__cause__ = exc
+        self._fail_all(error)
+        for callback in self.dead_callbacks:
             try:
-                self.engine.abort_request(leftover)
+                callback()
             except Exception:
-                logger.exception("abort at shutdown failed")
-        for stream in self._streams.values():
-            _put_if_open(stream.loop, stream._deliver, error)
-        self._streams.clear()
-        for command in inbox.adds:
-            _put_if_open(command.stream.loop, _set_call_result, command.stream.accepted, None, error)
-        for call in inbox.calls:
-            _put_if_open(call.loop, _set_call_result, call.future, None, error)
+                logger.exception("engine-dead callback failed")
 
-
-def _set_call_result(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return  # the waiter was cancelled
-    if error is None:
-        future.set_result(result)
-    else:
-        future.set_exception(error)
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            self.output_processor.abort(request_id)
+            stream._deliver(error)
+        if streams:
+            for observer in self.observers:
+                observer.on_abort(list(streams))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)

@@ -17,14 +17,64 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
+        # vLLM decodes a slow (Python) tokenizer's added tokens itself, each as its own piece, joined to the
+        # text around them with a space when spaces_between_special_tokens (its default), else directly.
+        # A fast tokenizer's decode never spaces them, and vLLM leaves it at that: so do we.
+        self.added_vocab: dict[str, int] = {}
+        if not getattr(tokenizer, "is_fast", True):
+            self.added_vocab = tokenizer.get_added_vocab()
+            self.special_tokens = set(tokenizer.all_special_tokens)
         context = prompt_token_ids[-INITIAL_CONTEXT_TOKENS:]
         self.token_ids: list[int] = list(context)
         self.prefix_offset = 0
         self.read_offset = len(context)
-        self.text = ""
+        # The text as the pieces each step added: appending is O(piece), where `text += piece` on an
+        # attribute copies the whole text every step (O(n^2) over a long output).
+        self._pieces: list[str] = []
+        self.text_len = 0
+
+    @property
+    def text(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    def text_from(self, start: int) -> str:
+        """text[start:], reading only the pieces it spans."""
+        if start >= self.text_len:
+            return ""
+        tail: list[str] = []
+        position = self.text_len
+        for piece in reversed(self._pieces):
+            tail.append(piece)
+            position -= len(piece)
+            if position <= start:
+                break
+        return "".join(reversed(tail))[start - position:]
+
+    def truncate(self, end: int) -> None:
+        """Keep text[:end] (a stop string ended the output)."""
+        self._pieces = [self.text[:end]]
+        self.text_len = end
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        if not self.added_vocab:
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        pieces: list[str] = []
+        run: list[str] = []
+        for token in self.tokenizer.convert_ids_to_tokens(ids):
+            if self.skip_special_tokens and token in self.special_tokens:
+                continue
+            if token in self.added_vocab:
+                if run:
+                    pieces.append(self.tokenizer.convert_tokens_to_string(run))
+                    run = []
+                pieces.append(token)
+            else:
+                run.append(token)
+        if run:
+            pieces.append(self.tokenizer.convert_tokens_to_string(run))
+        return (" " if self.spaces_between_special_tokens else "").join(pieces)
 
     def add_tokens(self, new_token_ids: list[int]) -> str:
         """Feed newly generated tokens; returns the text they complete (may be empty)."""
@@ -35,7 +85,8 @@ class IncrementalDetokenizer:
             delta = full_text[len(prefix_text):]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.token_ids)
-            self.text += delta
+            self._pieces.append(delta)
+            self.text_len += len(delta)
             return delta
         return ""
 

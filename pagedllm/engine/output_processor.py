@@ -1,24 +1,37 @@
-"""Turns scheduler updates into RequestOutputs: detokenize, find stop strings, group parallel samples."""
+"""Turns the core's per-step token deltas into RequestOutputs, in the API process (vLLM V1's
+OutputProcessor): incremental detokenization, stop strings, parallel samples, and output_kind.
+
+The core sends each sample's new token ids and logprobs only (core.py). Here they are appended to the
+sample's lists, decoded, and shaped by the request's output_kind: CUMULATIVE copies everything so far
+into each output, DELTA hands out only what is new (a stream's work per token stays flat however long
+the output grows), FINAL_ONLY makes one output at the end. A stop string is found here, so the samples it
+ends are returned to the caller, which tells the core to stop them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from pagedllm.engine.core import EngineCoreOutput, engine_request_id
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.engine.request import Request
-from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
 class _SampleState:
-    request: Request
+    index: int
     detokenizer: IncrementalDetokenizer | None
-    num_processed_tokens: int = 0
-    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    num_decoded_logprobs: int = 0
+    # DELTA: how much of the text and tokens earlier outputs carried, and whether the end was sent
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+    sent_finish: bool = False
 
 
 @dataclass
@@ -29,9 +42,12 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    root: Request
+    metrics: RequestMetrics
     samples: dict[int, _SampleState] = field(default_factory=dict)
-    num_decoded_prompt_logprobs: int = 0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    sent_prompt_logprobs: bool = False
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None  # disaggregated prefill: sent with the final output
 
     @property
     def finished(self) -> bool:
@@ -39,124 +55,177 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
 
-    def add_request(self, request: Request) -> None:
-        state = RequestState(request.request_id, request.prompt, request.prompt_token_ids,
-                             request.sampling_params, request)
-        self.states[request.request_id] = state
-        if not request.is_fork_parent:
-            self._add_sample(state, request)
-
-    def _add_sample(self, state: RequestState, request: Request) -> None:
-        params = request.sampling_params
-        detok = None
-        if params.detokenize and self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens,
-                                           params.spaces_between_special_tokens)
-        state.samples[request.index] = _SampleState(request, detok)
-
-    def add_forked(self, children: list[Request]) -> None:
-        for child in children:
-            state = self.states.get(child.parent_id)
-            if state is not None:
-                self._add_sample(state, child)
-
-    def group_id(self, request: Request) -> str:
-        return request.parent_id or request.request_id
-
-    def process(self, updated: list[Request]) -> tuple[list[RequestOutput], list[Request]]:
-        """Returns the outputs of requests that changed, and samples stopped by a stop string (which
-        the engine must finish in the scheduler)."""
-        stopped: list[Request] = []
-        changed: dict[str, RequestState] = {}
-        for request in updated:
-            state = self.states.get(self.group_id(request))
-            if state is None:
-                continue
-            sample = state.samples[request.index]
-            if sample.finish_reason:
-                continue
-            new_tokens = request.output_token_ids[sample.num_processed_tokens:]
-            sample.num_processed_tokens = len(request.output_token_ids)
-            if sample.detokenizer is not None:
-                old_len = len(sample.detokenizer.text)
-                sample.detokenizer.add_tokens(new_tokens)
-                if self._check_stop_strings(sample, old_len):
-                    stopped.append(request)
-            if not sample.finish_reason and request.is_finished:
-                sample.finish_reason = request.status.finish_reason
-                sample.stop_reason = request.stop_reason
-            changed[state.request_id] = state
-        outputs = [self._make_output(state) for state in changed.values()]
-        for state in changed.values():
-            if state.finished:
-                del self.states[state.request_id]
-        return outputs, stopped
-
-    def _check_stop_strings(self, sample: _SampleState, old_len: int) -> bool:
-        params = sample.request.sampling_params
-        text = sample.detokenizer.text
-        if params.stop:
-            for stop in params.stop:
-                start = max(0, old_len - len(stop) + 1)
-                index = text.find(stop, start)
-                if index != -1:
-                    end = index + len(stop) if params.include_stop_str_in_output else index
-                    sample.detokenizer.text = text[:end]
-                    sample.finish_reason = "stop"
-                    sample.stop_reason = stop
-                    return True
-        return False
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float) -> None:
+        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params,
+                                               RequestMetrics(arrival_time=arrival_time))
 
     def abort(self, request_id: str) -> RequestState | None:
         return self.states.pop(request_id, None)
 
-    def _visible_text(self, sample: _SampleState) -> str:
-        if sample.detokenizer is None:
-            return ""
-        text = sample.detokenizer.text
-        params = sample.request.sampling_params
+    def _sample(self, state: RequestState, index: int) -> _SampleState:
+        sample = state.samples.get(index)
+        if sample is None:
+            params = state.params
+            detok = None
+            if params.detokenize and self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, params.skip_special_tokens,
+                                               params.spaces_between_special_tokens)
+            sample = _SampleState(index, detok, logprobs=[] if params.logprobs is not None else None)
+            state.samples[index] = sample
+        return sample
+
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """The RequestOutputs this step makes (per output_kind), and the scheduler ids of samples a
+        stop string ended (the core must stop them)."""
+        stopped: list[str] = []
+        changed: dict[str, RequestState] = {}
+        for core_output in core_outputs:
+            state = self.states.get(core_output.request_id)
+            if state is None:
+                continue  # aborted meanwhile
+            sample = self._sample(state, core_output.index)
+            if sample.finish_reason:
+                continue  # a stop string ended it before the core heard of it
+            self._update_request(state, core_output)
+            new_token_ids = core_output.new_token_ids
+            sample.token_ids.extend(new_token_ids)
+            if sample.logprobs is not None and core_output.new_logprobs is not None:
+                self._decode_logprobs(core_output.new_logprobs, sample.detokenizer)
+                sample.logprobs.extend(core_output.new_logprobs)
+            sample.cumulative_logprob = core_output.cumulative_logprob
+            if sample.detokenizer is not None:
+                old_len = sample.detokenizer.text_len
+                # one token at a time, as they were sampled: a batch decoded at once whose text ends
+                # inside a UTF-8 sequence would hold back all of its text, not just the last piece
+                for token_id in new_token_ids:
+                    sample.detokenizer.add_tokens([token_id])
+                if self._check_stop_strings(state.params, sample, old_len):
+                    stopped.append(engine_request_id(state.request_id, sample.index, state.params.n))
+            if not sample.finish_reason and core_output.finish_reason:
+                sample.finish_reason = core_output.finish_reason
+                sample.stop_reason = core_output.stop_reason
+            changed[state.request_id] = state
+        outputs = []
+        for state in changed.values():
+            output = self._make_output(state)
+            if output is not None:
+                outputs.append(output)
+            if state.finished:
+                del self.states[state.request_id]
+        return outputs, stopped
+
+    def _update_request(self, state: RequestState, core_output: EngineCoreOutput) -> None:
+        state.num_cached_tokens = core_output.num_cached_tokens
+        state.kv_transfer_params = core_output.kv_transfer_params or state.kv_transfer_params
+        if core_output.prompt_logprobs is not None and state.prompt_logprobs is None:
+            # Prompt logprobs arrive with the first token; each position is decoded once.
+            state.prompt_logprobs = core_output.prompt_logprobs
+            if self.tokenizer is not None:
+                for position in state.prompt_logprobs:
+                    for token_id, logprob in (position or {}).items():
+                        if logprob.decoded_token is None:
+                            logprob.decoded_token = self.tokenizer.decode([token_id])
+        core_metrics = core_output.metrics
+        if core_metrics is not None:  # the core's clock: scheduling, first token, end, preemptions
+            metrics = state.metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or core_metrics.first_scheduled_time
+            metrics.first_token_time = metrics.first_token_time or core_metrics.first_token_time
+            metrics.last_token_time = core_metrics.last_token_time
+            metrics.finished_time = core_metrics.finished_time
+            metrics.num_preemptions = max(metrics.num_preemptions, core_metrics.num_preemptions)
+
+    @staticmethod
+    def _decode_logprobs(positions: list[PositionLogprobs], detokenizer: IncrementalDetokenizer | None) -> None:
+        if detokenizer is None:
+            return
+        for position in positions:
+            for token_id, logprob in position.items():
+                if logprob.decoded_token is None:
+                    logprob.decoded_token = detokenizer.decode_token(token_id)
+
+    @staticmethod
+    def _check_stop_strings(params: SamplingParams, sample: _SampleState, old_len: int) -> bool:
+        if not params.stop:
+            return False
+        detokenizer = sample.detokenizer
+        longest = max(len(stop) for stop in params.stop)
+        window_start = max(0, old_len - longest + 1)
+        window = detokenizer.text_from(window_start)  # only the text a new stop string can touch
+        for stop in params.stop:
+            index = window.find(stop, max(0, old_len - len(stop) + 1) - window_start)
+            if index != -1:
+                end = window_start + index + (len(stop) if params.include_stop_str_in_output else 0)
+                detokenizer.truncate(end)
+                sample.finish_reason = "stop"
+                sample.stop_reason = stop
+                return True
+        return False
+
+    @staticmethod
+    def _visible_len(params: SamplingParams, sample: _SampleState) -> int:
+        text_len = sample.detokenizer.text_len if sample.detokenizer is not None else 0
         # While running, hold back a possible start of a stop string so a stream never shows it.
         if not sample.finish_reason and params.stop and not params.include_stop_str_in_output:
             hold = max(len(s) for s in params.stop) - 1
-            if hold > 0:
-                text = text[:max(0, len(text) - hold)]
-        return text
+            return max(0, text_len - hold)
+        return text_len
 
-    def _make_output(self, state: RequestState) -> RequestOutput:
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        kind = state.params.output_kind
+        finished = state.finished
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA
         completions = []
         for index in sorted(state.samples):
             sample = state.samples[index]
-            request = sample.request
-            logprobs = request.logprobs
-            if logprobs is not None and sample.detokenizer is not None:
-                for position in logprobs[sample.num_decoded_logprobs:]:
-                    for token_id, logprob in position.items():
-                        if logprob.decoded_token is None:
-                            logprob.decoded_token = sample.detokenizer.decode_token(token_id)
-                sample.num_decoded_logprobs = len(logprobs)
-            completions.append(CompletionOutput(
-                index=index,
-                text=self._visible_text(sample),
-                token_ids=list(request.output_token_ids),
-                cumulative_logprob=request.cumulative_logprob if logprobs is not None else None,
-                logprobs=list(logprobs) if logprobs is not None else None,
-                finish_reason=sample.finish_reason,
-                stop_reason=sample.stop_reason,
-            ))
-        prompt_logprobs = state.root.prompt_logprobs
-        if prompt_logprobs is not None and self.tokenizer is not None:
-            # Prompt logprobs arrive during prefill; each position is decoded once, not every step.
-            for position in prompt_logprobs[state.num_decoded_prompt_logprobs:]:
-                for token_id, logprob in (position or {}).items():
-                    if logprob.decoded_token is None:
-                        logprob.decoded_token = self.tokenizer.decode([token_id])
-            state.num_decoded_prompt_logprobs = len(prompt_logprobs)
+            visible_len = self._visible_len(state.params, sample)
+            if delta:
+                completion = self._delta_completion(sample, visible_len)
+                if completion is None:
+                    continue
+            else:
+                text = sample.detokenizer.text[:visible_len] if sample.detokenizer is not None else ""
+                completion = CompletionOutput(
+                    index=index, text=text, token_ids=list(sample.token_ids),
+                    cumulative_logprob=sample.cumulative_logprob,
+                    logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
+                    finish_reason=sample.finish_reason, stop_reason=sample.stop_reason)
+            completions.append(completion)
+        prompt_logprobs = state.prompt_logprobs
+        if delta:  # sent once, with the first output
+            prompt_logprobs = None if state.sent_prompt_logprobs else prompt_logprobs
+            state.sent_prompt_logprobs = state.sent_prompt_logprobs or prompt_logprobs is not None
+        elif prompt_logprobs is not None:
+            prompt_logprobs = list(prompt_logprobs)
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
-            prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
-            outputs=completions, finished=state.finished, metrics=state.root.metrics,
-            num_cached_tokens=max(0, state.root.num_cached_tokens))
+            prompt_logprobs=prompt_logprobs, outputs=completions, finished=finished, metrics=state.metrics,
+            num_cached_tokens=state.num_cached_tokens,
+            kv_transfer_params=state.kv_transfer_params if finished else None)
+
+    @staticmethod
+    def _delta_completion(sample: _SampleState, visible_len: int) -> CompletionOutput | None:
+        """What the sample gained since its last output, or None if nothing (not even its end)."""
+        num_tokens = len(sample.token_ids)
+        ends_now = sample.finish_reason is not None and not sample.sent_finish
+        if num_tokens == sample.num_sent_tokens and visible_len <= sample.num_sent_chars and not ends_now:
+            return None
+        text = ""
+        if sample.detokenizer is not None and visible_len > sample.num_sent_chars:
+            text = sample.detokenizer.text_from(sample.num_sent_chars)[:visible_len - sample.num_sent_chars]
+        start = sample.num_sent_tokens
+        completion = CompletionOutput(
+            index=sample.index, text=text, token_ids=sample.token_ids[start:],
+            cumulative_logprob=sample.cumulative_logprob,
+            logprobs=sample.logprobs[start:] if sample.logprobs is not None else None,
+            finish_reason=sample.finish_reason, stop_reason=sample.stop_reason)
+        sample.num_sent_chars = max(sample.num_sent_chars, visible_len)
+        sample.num_sent_tokens = num_tokens
+        sample.sent_finish = sample.finish_reason is not None
+        return completion

@@ -17,6 +17,7 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # its prompt's blocks are being loaded by a KV connector
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
@@ -59,6 +60,12 @@ class Request:
             [None] if self.sampling_params.prompt_logprobs is not None else None)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.num_preemptions = 0
+        self.num_sent_tokens = 0  # output tokens already sent to the API process (EngineCore)
+        # Disaggregated prefill: what the client sent for a KV connector, and what the response carries.
+        extra = self.sampling_params.extra_args or {}
+        self.kv_transfer_params: dict | None = extra.get("kv_transfer_params")
+        self.kv_transfer_params_out: dict | None = None
+        self.num_external_tokens = 0  # prompt tokens a KV connector loads for it
 
     @property
     def is_fork_parent(self) -> bool:
@@ -117,4 +124,5 @@ def make_child(parent: Request, index: int) -> Request:
     child.block_hashes = list(parent.block_hashes)
     child.metrics = parent.metrics
     child.prompt_logprobs = parent.prompt_logprobs
+    child.kv_transfer_params = None  # the parent did any transfer; a preempted sample recomputes
     return child

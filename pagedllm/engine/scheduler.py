@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
+from pagedllm.distributed.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler
 from pagedllm.engine.request import Request, RequestStatus, make_child
 from pagedllm.kv_cache.manager import KVCacheManager
 from pagedllm.kv_cache.snapshot import KVCacheSnapshot, RequestBlocks
@@ -42,6 +43,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # Allowed tokens of the rows that sample under a grammar (None when no scheduled request has one).
     grammar_bitmask: GrammarBitmask | None = None
+    # The KV connector's loads and saves for this step (None without a connector).
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -59,13 +62,20 @@ class ModelRunnerOutput:
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals for the next step
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  eos_token_ids: Iterable[int] = (),
-                 structured_output_manager: StructuredOutputManager | None = None):
+                 structured_output_manager: StructuredOutputManager | None = None,
+                 connector: KVConnectorScheduler | None = None):
         self.config = config
+        self.connector = connector
+        # Requests whose prompt blocks a KV connector is loading: they hold blocks but do not run.
+        self.waiting_for_kv: dict[str, Request] = {}
+        # Ended while loading: their blocks are freed only once the worker stops writing into them.
+        self.aborted_loads: set[str] = set()
         self.structured_output_manager = structured_output_manager
         self.kv = kv_cache_manager
         self.eos_token_ids = set(eos_token_ids)
@@ -85,7 +95,7 @@ class Scheduler:
         return sum(r.sampling_params.n if r.is_fork_parent else 1 for r in self.running)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_kv or self.aborted_loads)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         finished = []
@@ -98,15 +108,23 @@ class Scheduler:
         return finished
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         request.status = status
         if request in self.running:
             self.running.remove(request)
+        elif loading:
+            del self.waiting_for_kv[request.request_id]
         else:
             try:
                 self.waiting.remove(request)
             except ValueError:
                 pass
-        self.kv.free(request.request_id)
+        if self.connector is not None:
+            request.kv_transfer_params_out = self.connector.request_finished(request)
+        if loading:
+            self.aborted_loads.add(request.request_id)  # the worker may still be writing its blocks
+        else:
+            self.kv.free(request.request_id)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
         if self.structured_output_manager is not None:
@@ -171,7 +189,18 @@ class Scheduler:
             max_cached = request.target_num_tokens - (0 if request.is_fork_parent else 1)
             if request.prompt_logprobs is not None and len(request.prompt_logprobs) < request.num_prompt_tokens:
                 max_cached = 0  # prompt logprobs need the logits of every prompt position (as in vLLM)
-            cached_blocks, num_cached = self.kv.get_computed_blocks(request, max_cached)
+            loaded = request.num_computed_tokens > 0
+            if loaded:
+                # Its blocks were loaded by the KV connector and are already its own.
+                cached_blocks, num_cached = [], request.num_computed_tokens
+            else:
+                cached_blocks, num_cached = self.kv.get_computed_blocks(request, max_cached)
+                if self.connector is not None and request.prompt_logprobs is None:
+                    num_external, _ = self.connector.get_num_new_matched_tokens(request, num_cached, max_cached)
+                    if num_external > 0:
+                        if not self._start_kv_load(request, cached_blocks, num_cached, num_external):
+                            break
+                        continue
             num_new = request.target_num_tokens - num_cached
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
@@ -179,7 +208,8 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, cached_blocks,
                                           num_cacheable_tokens=request.num_tokens):
                 break
-            self.kv.record_prefix_query(request.num_tokens, num_cached)
+            if not loaded:
+                self.kv.record_prefix_query(request.num_tokens, num_cached)
             self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -191,7 +221,9 @@ class Scheduler:
                 budget -= num_new
 
         som = self.structured_output_manager
+        connector_meta = self.connector.build_connector_meta(list(scheduled.values())) if self.connector else None
         return SchedulerOutput(
+            kv_connector_metadata=connector_meta,
             scheduled=list(scheduled.values()),
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             blocks_to_copy=self.kv.take_pending_copies(),
@@ -199,6 +231,49 @@ class Scheduler:
             finished_req_ids=self._take_finished_req_ids(),
             grammar_bitmask=som.grammar_bitmask(list(scheduled.values())) if som is not None else None,
         )
+
+    def _start_kv_load(self, request: Request, cached_blocks: list, num_cached: int, num_external: int) -> bool:
+        """Allocate the blocks of the tokens a KV connector will load and park the request until they
+        arrive. The loaded blocks get their prefix-cache hashes only once their KV is there."""
+        if not self.kv.allocate_slots(request, num_external, cached_blocks, num_cacheable_tokens=num_cached):
+            return False
+        self.kv.record_prefix_query(request.num_tokens, num_cached)
+        self.waiting.remove(request)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = num_cached
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+        self.waiting_for_kv[request.request_id] = request
+        assert self.connector is not None
+        self.connector.update_state_after_alloc(request, self.kv.get_block_ids(request.request_id), num_external)
+        request.num_external_tokens = num_external
+        return True
+
+    def _update_kv_transfers(self, output: KVConnectorOutput) -> None:
+        """Loads that ended: a finished one resumes its request with the loaded tokens computed; a failed
+        one gives its blocks back, and the request computes its prompt here (nothing is lost)."""
+        assert self.connector is not None
+        self.connector.update_connector_output(output)
+        for request_id in output.finished_recving | output.failed_recving:
+            if request_id in self.aborted_loads:
+                self.aborted_loads.discard(request_id)
+                self.kv.free(request_id)
+                continue
+            request = self.waiting_for_kv.pop(request_id, None)
+            if request is None:
+                continue
+            request.status = RequestStatus.WAITING
+            if request_id in output.finished_recving:
+                request.num_computed_tokens += request.num_external_tokens
+            else:
+                self.connector.record_fallback()
+                self.kv.free(request_id)
+                request.num_computed_tokens = 0
+            self.waiting.appendleft(request)
+
+    @property
+    def num_waiting_for_kv(self) -> int:
+        return len(self.waiting_for_kv)
 
     def _take_finished_req_ids(self) -> set[str]:
         finished, self.finished_req_ids = self.finished_req_ids, set()
@@ -246,6 +321,8 @@ class Scheduler:
         """Apply a step's results. Returns (requests with new tokens, requests finished by a stop token or
         length, children created by forking a parallel-sampling parent)."""
         updated, finished, forked = [], [], []
+        if model_output.kv_connector_output is not None and self.connector is not None:
+            self._update_kv_transfers(model_output.kv_connector_output)
         for item in output.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens

@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "plan": "pagedllm.planner.cli",
     "bench": "pagedllm.benchmarks.cli",
     "quantize": "pagedllm.entrypoints.quantize_cmd",
+    "router": "pagedllm.entrypoints.router",
 }
 
 # Errors a user can cause (a bad flag value, a missing file, an unsupported feature): one line, exit 2.

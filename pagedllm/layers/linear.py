@@ -14,10 +14,15 @@ collective, so a single-process engine runs exactly as before.
 
 Weights come from `get_slice(name)`, a safetensors slice: indexing it reads only the requested rows or
 columns from the file, so no rank ever materializes a whole sharded tensor.
+
+On CPU, `prepack_linear_weights` then puts every full-precision projection weight in oneDNN's blocked
+layout once (see there), and the layers call oneDNN's linear on it.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +32,8 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce, tensor_model_parallel_gather
 from pagedllm.layers.quantization import linear
+
+logger = logging.getLogger(__name__)
 
 GetSlice = Callable[[str], Any]  # name -> a safetensors slice (supports get_shape() and [a:b] / [:, a:b])
 # (param, checkpoint names) -> True if it installed a weight-only quantized projection in param's place
@@ -54,9 +61,10 @@ class ColumnParallelLinear(nn.Module):
         self.shard_indices = shard_indices
         self.weight = _param(sum(shard_sizes), input_size, dtype=dtype)
         self.bias = _param(sum(shard_sizes), dtype=dtype) if bias else None
+        self.matmul: Callable[..., torch.Tensor] = linear  # packed_linear once the weight is prepacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)  # F.linear, or a weight-only quantized matmul
+        return self.matmul(x, self.weight, self.bias)  # F.linear, oneDNN's, or a weight-only quantized matmul
 
     def load(self, get_slice: GetSlice, weight_names: list[str], bias_names: list[str] | None = None,
              load_linear: LoadLinear | None = None) -> None:
@@ -113,11 +121,12 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_rank = divide(input_size, tp_size, "input features of a row-parallel layer")
         self.weight = _param(output_size, self.input_size_per_rank, dtype=dtype)
         self.bias = _param(output_size, dtype=dtype) if bias else None
+        self.matmul: Callable[..., torch.Tensor] = linear  # packed_linear once the weight is prepacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias)  # F.linear, or a weight-only quantized matmul
-        out = tensor_model_parallel_all_reduce(linear(x, self.weight))
+            return self.matmul(x, self.weight, self.bias)  # F.linear, oneDNN's, or a weight-only quantized matmul
+        out = tensor_model_parallel_all_reduce(self.matmul(x, self.weight))
         return out if self.bias is None else out + self.bias  # added once, after the sum
 
     def load(self, get_slice: GetSlice, weight_name: str, bias_name: str | None = None,
@@ -159,12 +168,88 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection with the embedding's vocabulary split (and, when tied, its very weight)."""
 
+    # The weight in oneDNN's layout (prepack_linear_weights), beside `weight`, which the tied embedding
+    # still reads as rows.
+    packed_weight: torch.Tensor | None = None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [N, vocab] on rank 0 (gathered once); None on the other ranks."""
-        logits = F.linear(hidden, self.weight)
+        if self.packed_weight is not None:
+            logits = packed_linear(hidden, self.packed_weight)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = tensor_model_parallel_gather(logits, dim=-1)
             if logits is None:
                 return None
             logits = logits[:, :self.vocab_size]
         return logits.float()
+
+
+# ---- prepacked CPU weights ----
+# oneDNN's linear wants its weight in a blocked layout; F.linear hands it the plain [out, in] tensor, and
+# (bf16) oneDNN reorders it on every call, or (fp32) the BLAS runs instead. Reordered once at load, the
+# projections of the 386M Qwen2 (hidden 896, 24 layers) ran on one Zen 4 core: bf16 1.9x faster at
+# batch 1, 1.5x at 16, about even in compute-bound prefill; fp32 1.5-2.2x at 1, 1.8-2.6x at 16 to 2048.
+# bf16 results are bit-identical to F.linear; fp32 ones differ in summation order (about 1e-6), as
+# between any two BLAS.
+PREPACK_ENV = "PAGEDLLM_CPU_PREPACK_WEIGHTS"
+PREPACK_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T + bias, `weight` reordered by `torch.ops.mkldnn._reorder_linear_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def prepack_enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """CPU, fp32 or bf16, oneDNN built in, and not turned off by PAGEDLLM_CPU_PREPACK_WEIGHTS=0."""
+    return (device.type == "cpu" and dtype in PREPACK_DTYPES and torch.backends.mkldnn.is_available()
+            and os.environ.get(PREPACK_ENV, "1") != "0")
+
+
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def prepack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """Reorder every full-precision Column/RowParallelLinear weight (and the LM head) into oneDNN's
+    layout in place; weight-only quantized projections keep their own kernels. Returns how many
+    weights were packed (0 when prepack_enabled says no, or oneDNN refuses the first one)."""
+    if not prepack_enabled(device, dtype):
+        return 0
+    num_packed = extra_bytes = 0
+    try:
+        for module in model.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                weight = module.weight
+                if not isinstance(weight, torch.Tensor) or weight.dtype != dtype or weight.is_mkldnn:
+                    continue  # a QuantizedWeight, or already packed (a module reached twice)
+                module.weight = nn.Parameter(_reorder(weight), requires_grad=False)
+                module.matmul = packed_linear
+                num_packed += 1
+            elif isinstance(module, ParallelLMHead) and module.packed_weight is None \
+                    and module.weight.dtype == dtype:
+                # A copy: a tied embedding reads `weight` by rows, which the blocked layout cannot serve.
+                module.packed_weight = _reorder(module.weight)
+                extra_bytes += module.weight.numel() * module.weight.element_size()
+                num_packed += 1
+    except RuntimeError as error:  # a oneDNN build without this op or dtype: the plain path is correct
+        logger.warning("Prepacking linear weights for oneDNN failed (%s); using F.linear.", error)
+        _unpack(model)
+        return 0
+    if num_packed:
+        logger.info("Prepacked %d linear weights for oneDNN (%s)%s; %s=0 turns it off", num_packed,
+                    str(dtype).removeprefix("torch."),
+                    f", plus a {extra_bytes / 2**20:.1f} MiB LM head copy" if extra_bytes else "", PREPACK_ENV)
+    return num_packed
+
+
+def _unpack(model: nn.Module) -> None:
+    """Back to plain weights after a failure midway (to_dense undoes the reorder)."""
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.matmul is packed_linear:
+            module.weight = nn.Parameter(module.weight.to_dense(), requires_grad=False)
+            module.matmul = linear
+        elif isinstance(module, ParallelLMHead):
+            module.packed_weight = None

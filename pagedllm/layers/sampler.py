@@ -1,9 +1,10 @@
 """The sampler: logits of one row per request -> next token, with vLLM's sampling parameters.
 
 Order: penalties, min_tokens suppression, then greedy rows take the argmax and random rows divide by
-temperature, apply top-k, top-p and min-p, and sample with the exponential-race trick
-(argmax(p / q), q ~ Exp(1)). A seeded row draws one exponential per vocabulary entry from its own
-generator, so it samples the same tokens alone or in any batch. Unseeded rows share one draw from the
+temperature, apply min-p, top-k and top-p (vLLM V1's order; ties rule below), and sample with the exponential-race trick
+(argmax(p / q), q ~ Exp(1)). A seeded row draws one exponential per vocabulary entry from a generator
+seeded by (seed, output position) alone, so it samples the same tokens alone or in any batch, and under
+speculative decoding whatever was proposed (see position_seed). Unseeded rows share one draw from the
 engine's generator, and where their top-k/top-p set lies within the best TOP_CANDIDATES tokens (found by
 torch.topk, not a full sort) they race over those candidates only; both are exact in distribution.
 Logprobs are reported from the raw model distribution, as vLLM does by default (top-k logprobs and ranks only
@@ -26,8 +27,15 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None
-    stop_token_ids: list[int]  # eos (unless ignore_eos) + stop_token_ids, masked before min_tokens
+    generator: torch.Generator | None  # seeded requests only; re-seeded for every token (see position_seed)
+    stop_token_ids: list[int]  # eos (even with ignore_eos) + stop_token_ids, masked before min_tokens
+    # Index of the output token this row draws; None: len(output_token_ids). Set where output_token_ids
+    # does not hold the draft tokens before this position (speculative rows that need no history).
+    output_index: int | None = None
+
+    @property
+    def position(self) -> int:
+        return len(self.output_token_ids) if self.output_index is None else self.output_index
 
 
 @dataclass
@@ -90,25 +98,55 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 
 
 # Top-k / top-p look at this many best tokens first (one torch.topk, no full-vocabulary sort). A row whose
-# kept set may reach past them (top_k above this, or top-p mass not reached within them) is filtered by the
-# full sort instead, so the result is always exact. 256 holds the top-p 0.9-0.95 nucleus of a trained model
-# in nearly every step.
+# kept set may reach past them (top_k above this, top-p mass not reached within them, or a tie at the last
+# candidate's logit) is filtered by the full sort instead, so the result is always exact. 256 holds the
+# top-p 0.9-0.95 nucleus of a trained model in nearly every step.
 TOP_CANDIDATES = 256
+
+# The filters, in vLLM V1's order (temperature, min-p, then top-k and top-p), and the tie rule:
+#   min-p drops every token with p < min_p * p_max, i.e. with logit < max logit + log(min_p);
+#   top-k keeps every token whose logit is at least the k-th largest logit (ties at the k-th value are all
+#     kept, as vLLM's `logits < k-th value` mask does), so more than k tokens survive a tie;
+#   top-p then keeps the smallest run of best tokens whose mass (renormalized over what min-p and top-k
+#     kept) reaches top_p, and every token tied with the last of them: which of several equal logits a sort
+#     happens to put first never decides what is kept. top_p = 1 is off.
+# Each filter therefore comes down to one logit threshold per row: a token is kept iff its logit >= it.
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] after temperature; rows with min_p 0 are returned as they are."""
+    if not bool((min_p > 0).any()):
+        return logits
+    threshold = logits.max(dim=-1, keepdim=True).values + min_p.log().unsqueeze(1)  # log 0 = -inf: off
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _kept_threshold(values: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, log_norm: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N, 1] the logit threshold of top-k then top-p over `values`, [N] the top-k set's mass within
+    `values`), each row of `values` in descending order with k <= its length. log_norm: the top-p
+    normalizer per row, None for the logsumexp of the top-k set."""
+    kth = values.gather(1, (k - 1).unsqueeze(1))
+    remove = values < kth
+    masked = values.masked_fill(remove, float("-inf"))
+    if log_norm is None:
+        log_norm = masked.logsumexp(dim=-1)
+    probs = (masked - log_norm.unsqueeze(1)).exp()
+    cumulative = probs.cumsum(dim=-1)
+    remove |= ((cumulative - probs) >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    remove |= ~torch.isfinite(values)
+    # The kept tokens are a prefix (the mass before a token only grows); the first one always stays.
+    num_kept = (~remove).sum(dim=-1).clamp(min=1)
+    return values.gather(1, (num_kept - 1).unsqueeze(1)), cumulative[:, -1]
 
 
 def _sort_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Top-k then top-p by a full sort: the reference, used where the candidate set may not suffice."""
     vocab = logits.shape[-1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
-    remove = ranks >= k
-    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
-    remove |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
-    remove[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
+    threshold, _ = _kept_threshold(sorted_logits, k, top_p, None)
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
 def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
@@ -119,30 +157,30 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
     exact [N]). A row is exact when its kept set provably lies within the candidates: top_k <= C (the
     top-k set is the candidates' prefix and top-p renormalizes over it), or no top-k and the candidates'
     mass under the full softmax already reaches top_p (every later token has at least that much mass
-    before it, so top-p removes it). Rows that are not exact must be filtered by the full sort. Every
-    quantity is per row, so a row's result never depends on the rest of the batch."""
+    before it, so top-p removes it); and in both cases the threshold lies above the last candidate's logit
+    (else a token tied with it may sit outside). Rows that are not exact must be filtered by the full sort.
+    Every quantity is per row, so a row's result never depends on the rest of the batch."""
     vocab = logits.shape[-1]
     c = min(TOP_CANDIDATES, vocab)
     values, ids = logits.topk(c, dim=-1)
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
     within = k <= c
-    remove = torch.arange(c, device=logits.device).unsqueeze(0) >= k.unsqueeze(1)
-    masked = values.masked_fill(remove, float("-inf"))
-    log_norm = masked.logsumexp(dim=-1)
+    log_norm = values.new_zeros(values.shape[0])  # overwritten below for every row
+    if bool(within.any()):
+        kth = values.gather(1, (k.clamp(max=c) - 1).unsqueeze(1))
+        log_norm = values.masked_fill(values < kth, float("-inf")).logsumexp(dim=-1)
     if not bool(within.all()):  # without top-k the normalizer is the whole row's
         log_norm = torch.where(within, log_norm, logits.logsumexp(dim=-1))
-    probs = (masked - log_norm.unsqueeze(1)).exp()
-    cumulative = probs.cumsum(dim=-1)
-    remove |= (cumulative - probs) >= top_p.unsqueeze(1)
-    remove[:, 0] = False
-    exact = within | ((k >= vocab) & (cumulative[:, -1] >= top_p))
-    return values.masked_fill(remove, float("-inf")), ids, exact
+    threshold, mass = _kept_threshold(values, k.clamp(max=c), top_p, log_norm)
+    exact = (within | ((k >= vocab) & (mass >= top_p))) & ((threshold.squeeze(1) > values[:, -1]) | (c == vocab))
+    return values.masked_fill(values < threshold, float("-inf")), ids, exact
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                             min_p: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] already divided by temperature; top_k 0 (or >= V) = off, top_p 1 = off, min_p 0 = off.
-    Rows with neither top-k nor top-p are left as they are."""
+    """logits [N, V] already divided by temperature; min-p, then top-k and top-p (see the rule above);
+    top_k 0 (or >= V) = off, top_p 1 = off, min_p 0 = off. Rows with neither top-k nor top-p skip those."""
+    logits = apply_min_p(logits, min_p)
     vocab = logits.shape[-1]
     filtered = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
     if bool(filtered.any()):
@@ -155,10 +193,6 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
             sub[slow] = _sort_top_k_top_p(sub_logits[slow], sub_k[slow], sub_p[slow])
         logits = logits.clone()
         logits[rows] = sub
-    if bool((min_p > 0).any()):
-        probs = logits.softmax(dim=-1)
-        threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
 
@@ -207,11 +241,33 @@ def processed_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return probs
 
 
+_MASK64 = 2**64 - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of output token `position` of a request seeded with `seed` (splitmix64 of the
+    pair, so neighbouring seeds and positions get unrelated streams).
+
+    A seeded request's noise is a function of (seed, position) alone, never of how many draws came
+    before it: its tokens are the same alone or in any batch, under any token budget or chunking, and
+    with or without speculative decoding, where the number of tokens proposed and verified per step
+    depends on all of those."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 def exponential_noise(shape: tuple[int, ...], rows: list[SamplingRow], device: torch.device,
                       default_generator: torch.Generator | None) -> torch.Tensor:
+    """Exp(1) noise, one row per SamplingRow: a seeded row's from (seed, position) alone, the others' from
+    the engine's generator."""
     noise = torch.empty(shape, dtype=torch.float32, device=device)
     for i, row in enumerate(rows):
-        noise[i].exponential_(generator=row.generator if row.generator is not None else default_generator)
+        generator = row.generator
+        if generator is not None:
+            generator.manual_seed(position_seed(row.params.seed, row.position))
+        noise[i].exponential_(generator=generator if generator is not None else default_generator)
     return noise
 
 
@@ -227,8 +283,9 @@ class Sampler:
         seeded = [i for i, r in enumerate(rows) if not r.params.greedy and r.generator is not None]
         unseeded = [i for i, r in enumerate(rows) if not r.params.greedy and r.generator is None]
         if seeded:
-            # A seeded row draws one exponential per vocabulary entry from its own generator, exactly as
-            # it always has, so its stream (and its tokens) do not depend on this optimisation or the batch.
+            # A seeded row draws one exponential per vocabulary entry from (seed, position), so its tokens
+            # depend neither on this optimisation nor on the batch; speculative verification of a seeded
+            # request uses the very same noise (spec_decoder.py).
             sub_rows = [rows[i] for i in seeded]
             probs = processed_probs(logits[seeded], sub_rows)
             noise = exponential_noise(tuple(probs.shape), sub_rows, probs.device, self.generator)
@@ -246,12 +303,12 @@ class Sampler:
         return SamplerOutput(token_ids, sampled_logprobs, topk_logprobs, topk_ids, ranks)
 
     def _sample_unseeded(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Rows without a seed share the engine's generator, so their noise comes from one call. Rows whose
-        top-k/top-p set lies within the candidates race only over those (min-p compares against the best
-        kept token, which is the first candidate, so it applies there too); the others race over the full
-        vocabulary. Either way argmax(p / q) with q ~ Exp(1) draws index j with probability p_j."""
+        """Rows without a seed share the engine's generator, so their noise comes from one call. Min-p is
+        applied first, to the whole row; rows whose top-k/top-p set then lies within the candidates race
+        only over those, the others over the full vocabulary. Either way argmax(p / q) with q ~ Exp(1)
+        draws index j with probability p_j."""
         temperature, top_k, top_p, min_p = _filter_params(rows, logits.dtype, logits.device, logits.shape[-1])
-        scaled = logits / temperature.unsqueeze(1)
+        scaled = apply_min_p(logits / temperature.unsqueeze(1), min_p)
         vocab = logits.shape[-1]
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         filtered = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
@@ -262,14 +319,14 @@ class Sampler:
             full[rows_f[~exact]] = True
             rows_c = exact.nonzero().flatten()
             if len(rows_c):
-                values, ids, row_min_p = values[rows_c], ids[rows_c], min_p[rows_f[rows_c]]
-                probs = values.softmax(dim=-1)
-                probs = probs.masked_fill(probs < probs[:, :1] * row_min_p.unsqueeze(1), 0.0)
+                probs = values[rows_c].softmax(dim=-1)
+                ids = ids[rows_c]
                 noise = self._exponential(probs)
                 token_ids[rows_f[rows_c]] = ids.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
         if bool(full.any()):
             rows_v = full.nonzero().flatten()
-            probs = apply_top_k_top_p_min_p(scaled[rows_v], top_k[rows_v], top_p[rows_v], min_p[rows_v])
+            probs = apply_top_k_top_p_min_p(scaled[rows_v], top_k[rows_v], top_p[rows_v],
+                                            torch.zeros_like(min_p[rows_v]))  # min-p already applied
             probs = probs.softmax(dim=-1)
             noise = self._exponential(probs)
             token_ids[rows_v] = (probs / noise).argmax(dim=-1)

@@ -22,6 +22,16 @@ class Gauge(Metric):
     pass
 
 
+@dataclass
+class Histogram(Metric):
+    """`value` is the sum of observations; bucket_counts[i] counts those <= buckets[i] and above the
+    bound before (non-cumulative), the last entry those above every bound."""
+
+    buckets: list[float] = field(default_factory=list)
+    bucket_counts: list[int] = field(default_factory=list)
+    count: int = 0
+
+
 def as_dict(metrics: list[Metric]) -> dict[str, float]:
     """name -> value, with labelled series summed (handy in tests and scripts)."""
     result: dict[str, float] = {}

@@ -162,8 +162,8 @@ class DeepseekV2ForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         assert tp_size == 1, "ParallelConfig refuses tensor parallelism for DeepSeek models"
-        # MLA brings its own attention (latent cache, absorbed decode); the runner's MHA backend is unused.
-        del backend
+        # MLA brings its own attention (latent cache, absorbed decode); of the runner's MHA backend only
+        # the cache dtype (one-byte kinds: quantized latent rows) is taken.
         hf = config.hf_config
         validate_deepseek_config(hf, self.model_type)
         reject_quantization(config, type(self).__name__)
@@ -171,6 +171,9 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.config = config
         self.mla = TorchMLAAttention(config.num_attention_heads, hf["kv_lora_rank"], hf["qk_rope_head_dim"],
                                      config.dtype)
+        if backend is not None and backend.kv_cache_dtype is not None:
+            self.mla.configure_kv_cache(backend.kv_cache_dtype, backend.calculate_kv_scales)
+        del backend
         max_positions = max(config.max_model_len, config.max_position_embeddings)
         self.rotary = RotaryEmbedding(hf["qk_rope_head_dim"], max_positions, config.rope, config.dtype)
         interleaved = bool(hf.get("rope_interleave", True)) if v3 else True

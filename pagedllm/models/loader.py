@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import ModelConfig
+from pagedllm.layers.linear import prepack_linear_weights
 from pagedllm.layers.quantization import QuantizationConfig, QuantizedWeight
 from pagedllm.layers.quantization.compressed_tensors import has_quantized, read_quantized
 from pagedllm.models.registry import get_model_class
@@ -131,4 +132,6 @@ def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.dev
                             "read as stored" if config.quantization.from_checkpoint else "quantized on load",
                             loader.full_precision_bytes / 2**20, str(config.dtype).removeprefix("torch."),
                             loader.quantized_bytes / 2**20)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    prepack_linear_weights(model, device, config.dtype)
+    return model

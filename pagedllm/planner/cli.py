@@ -25,6 +25,10 @@ class PlanInputs:
     acceptance_rate: float = 0.8
     num_speculative_tokens: int = 5
     quantization: str | None = None  # weight-only int8 / fp8 of the linear projections
+    # disaggregated prefill: the link between the prefill and the decode machine (None: no such section)
+    link_gbs: float | None = None
+    prompt_len: int = 4096
+    max_num_batched_tokens: int = 2048
 
     def validate(self) -> None:
         for name in ("context", "batch", "tp", "block_size"):
@@ -34,6 +38,11 @@ class PlanInputs:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0.0 <= self.acceptance_rate <= 1.0:
             raise ValueError(f"--acceptance-rate must be in [0, 1], got {self.acceptance_rate}")
+        if self.link_gbs is not None and not self.link_gbs > 0:
+            raise ValueError(f"--link-gbs must be > 0, got {self.link_gbs}")
+        for name in ("prompt_len", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"--num-speculative-tokens must be >= 0, got {self.num_speculative_tokens}")
 
@@ -45,7 +54,7 @@ def build_plan(spec: rl.ModelSpec, hw: HardwareSpec, inputs: PlanInputs) -> dict
     # auto follows vLLM: the activations' dtype, which is the weights' unless they are quantized
     auto_kv = weight_dtype if rl.dtype_bytes(weight_dtype) >= 2 else spec.dtype
     kv_dtype = auto_kv if inputs.kv_cache_dtype == "auto" else inputs.kv_cache_dtype
-    wb, kb = rl.dtype_bytes(weight_dtype), rl.dtype_bytes(kv_dtype)
+    wb, kb = rl.dtype_bytes(weight_dtype), rl.kv_cache_element_bytes(spec, kv_dtype)
     wb_total = wb
     if inputs.quantization:
         # the projections at 1 byte plus scales; embeddings, LM head and norms stay in the weight dtype
@@ -57,7 +66,7 @@ def build_plan(spec: rl.ModelSpec, hw: HardwareSpec, inputs: PlanInputs) -> dict
     decode_1 = rl.decode_bound(spec, ctx, 1, wb, kb, hw.peak_flops, hw.memory_bandwidth, tp)
     tokens_per_pass = rl.speculative_tokens_per_pass(inputs.acceptance_rate, inputs.num_speculative_tokens)
     prefill_tps = rl.prefill_bound_tokens_per_s(spec, ctx, hw.peak_flops, tp)
-    return {
+    plan = {
         "model": {
             "name": spec.name,
             "attention": spec.attention_kind,
@@ -113,6 +122,11 @@ def build_plan(spec: rl.ModelSpec, hw: HardwareSpec, inputs: PlanInputs) -> dict
             "batch1_tokens_per_s_upper_bound": decode_1.tokens_per_s * tokens_per_pass,
         },
     }
+    if inputs.link_gbs is not None:
+        plan["disaggregation"] = {"link_bytes_per_s": inputs.link_gbs * 1e9, **asdict(rl.disaggregation(
+            spec, inputs.prompt_len, ctx, batch, wb, kb, hw.peak_flops, hw.memory_bandwidth, inputs.link_gbs * 1e9,
+            inputs.max_num_batched_tokens, tp))}
+    return plan
 
 
 # --- formatting ----------------------------------------------------------------------------------
@@ -232,6 +246,21 @@ def format_plan(plan: dict[str, Any]) -> str:
                 and "per sequence" not in row[1]
             )
         ]
+    if "disaggregation" in plan:
+        d = plan["disaggregation"]
+        ms = 1e3
+        rows += [
+            ("", ""),
+            ("disaggregation", f"a {d['prompt_len']:,}-token prompt joins {batch} decodes; link "
+             f"{_rate(d['link_bytes_per_s'], 'B/s')}"),
+            ("  prompt KV, transfer", f"{_bytes(d['kv_bytes'])}, {d['transfer_s'] * ms:,.2f} ms over the link"),
+            ("  colocated", f"ITL {d['colocated_itl_s'] * ms:,.2f} ms for {d['colocated_stalled_steps']} steps "
+             f"(decode step {d['decode_step_s'] * ms:,.2f} ms + a prefill chunk), "
+             f"TTFT {d['colocated_ttft_s'] * ms:,.1f} ms"),
+            ("  disaggregated", f"ITL {d['disaggregated_itl_s'] * ms:,.2f} ms, "
+             f"TTFT {d['disaggregated_ttft_s'] * ms:,.1f} ms (prefill {d['prefill_s'] * ms:,.1f} + transfer + "
+             "one decode step)"),
+        ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" if k else "" for k, v in rows]
     lines.append("")
@@ -272,6 +301,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--bandwidth-gbs", type=float, help="override the hardware's memory bandwidth (GB/s)")
     parser.add_argument("--memory-gb", type=float, help="override the hardware's memory per device (GB)")
     parser.add_argument("--num-threads", type=int, help="torch threads for measuring --hardware cpu")
+    parser.add_argument("--link-gbs", type=float, default=None,
+                        help="disaggregated prefill: GB/s of the link between a prefill and a decode machine "
+                        "(adds a section comparing it with colocated chunked prefill)")
+    parser.add_argument("--prompt-len", type=int, default=PlanInputs.prompt_len,
+                        help="with --link-gbs: the long prompt that joins the running decodes")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=PlanInputs.max_num_batched_tokens,
+                        help="with --link-gbs: the colocated engine's prefill chunk")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--output-json", help="also write the JSON to this file")
     parser.add_argument("--plot", help="draw KV memory against context length into this PNG")
@@ -306,6 +342,9 @@ def run_plan(args: argparse.Namespace) -> int:
             acceptance_rate=args.acceptance_rate,
             num_speculative_tokens=args.num_speculative_tokens,
             quantization=args.quantization,
+            link_gbs=args.link_gbs,
+            prompt_len=args.prompt_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
         )
         inputs.validate()
         if args.quantization:

@@ -264,6 +264,22 @@ def kv_bytes_per_token(spec: ModelSpec, kv_dtype_bytes: float) -> float:
     return spec.num_layers * per_layer * kv_dtype_bytes
 
 
+# kv_cache_dtype names the engine stores in one byte with a bf16 scale per row (kv_cache/quant.py)
+ONE_BYTE_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "float8_e4m3fn", "float8_e5m2", "int8")
+KV_SCALE_BYTES = 2
+
+
+def kv_cache_element_bytes(spec: ModelSpec, kv_dtype: str) -> float:
+    """Bytes per cached element as the engine stores `kv_dtype`: one-byte kinds add a 2-byte scale per
+    row (one token's K or V of one head; MLA: its latent), so 1 + 2 / row. A drop-in kv_dtype_bytes
+    for the functions here, so the planner's pool matches the engine's block for block."""
+    element = dtype_bytes(kv_dtype)
+    if kv_dtype not in ONE_BYTE_KV_DTYPES:
+        return element
+    row = (spec.kv_lora_rank or 0) + spec.qk_rope_head_dim if spec.is_mla else spec.head_dim
+    return element + KV_SCALE_BYTES / row
+
+
 def kv_bytes_per_token_per_device(spec: ModelSpec, kv_dtype_bytes: float, tp: int) -> float:
     """Tensor parallelism splits KV heads across devices; with fewer KV heads than devices each device
     keeps a replica of one head, and MLA's latent is not split by head at all, so it is replicated."""
@@ -526,3 +542,43 @@ def kv_variants(spec: ModelSpec) -> dict[str, ModelSpec]:
     variants["MQA"] = dataclasses.replace(dense, num_kv_heads=1, **keep)
     variants["MLA"] = spec if spec.is_mla else dataclasses.replace(spec, kv_lora_rank=512, qk_rope_head_dim=64, **keep)
     return variants
+
+
+@dataclass
+class Disaggregation:
+    """One long prompt arriving while `batch` sequences decode: colocated on one machine with chunked
+    prefill, or prefilled on a second machine and its KV shipped over a link of `link_bandwidth`."""
+
+    prompt_len: int
+    kv_bytes: float              # the prompt's KV, what crosses the link
+    transfer_s: float            # kv_bytes / link bandwidth
+    prefill_s: float             # the prompt at peak FLOP/s
+    decode_step_s: float         # one decode step of the batch (its memory-bound time)
+    colocated_itl_s: float       # a decode step that also carries a prefill chunk
+    colocated_stalled_steps: int  # steps of the running decodes slowed by the prompt
+    colocated_ttft_s: float
+    disaggregated_itl_s: float   # decode steps never carry a prefill; the KV copy-in uses memory bandwidth
+    disaggregated_ttft_s: float
+
+
+def disaggregation(spec: ModelSpec, prompt_len: int, context_len: int, batch: int, weight_dtype_bytes: float,
+                   kv_dtype_bytes: float, peak_flops: float, memory_bandwidth: float, link_bandwidth: float,
+                   chunk_tokens: int = 2048, tp: int = 1) -> Disaggregation:
+    """The usual first-order picture (DistServe, Splitwise): colocated, every step that carries a chunk of
+    the prompt takes the chunk's compute time on top of the decode step, for ceil(prompt / chunk) steps;
+    disaggregated, decode steps stay at their own time and the prompt's first token waits for the prefill
+    plus the transfer plus one decode step. Upper-bound arithmetic like the rest of this module."""
+    kv_bytes = kv_bytes_per_token(spec, kv_dtype_bytes) * prompt_len
+    prefill_s = prefill_flops(spec, prompt_len) / (peak_flops * tp)
+    step = decode_bound(spec, context_len, batch, weight_dtype_bytes, kv_dtype_bytes, peak_flops, memory_bandwidth,
+                        tp).step_time_s
+    num_chunks = math.ceil(prompt_len / chunk_tokens)
+    chunk_s = prefill_s / num_chunks
+    transfer_s = kv_bytes / link_bandwidth
+    copy_in_s = kv_bytes / (memory_bandwidth * tp)  # the decode machine writes the blocks into its pool
+    return Disaggregation(
+        prompt_len=prompt_len, kv_bytes=kv_bytes, transfer_s=transfer_s, prefill_s=prefill_s, decode_step_s=step,
+        colocated_itl_s=step + chunk_s, colocated_stalled_steps=num_chunks,
+        colocated_ttft_s=prefill_s + num_chunks * step,
+        disaggregated_itl_s=step + copy_in_s / max(1, num_chunks),
+        disaggregated_ttft_s=prefill_s + transfer_s + step)

@@ -47,7 +47,7 @@ class DraftSeq:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_confirmed: int = 0
-    block_hashes: list[BlockHash] = field(default_factory=list)  # unused: the draft pool does no caching
+    block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks; cut back on rollback
 
     @property
     def num_tokens(self) -> int:
@@ -56,8 +56,8 @@ class DraftSeq:
 
 class DraftModelProposer:
     def __init__(self, model_config: ModelConfig, block_size: int, scheduler_config: SchedulerConfig,
-                 device: torch.device, seed: int):
-        cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=False)
+                 device: torch.device, seed: int, enable_prefix_caching: bool = True):
+        cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
         self.runner = ModelRunner(model_config, cache_config, scheduler_config, device, seed=seed)
         self.kv: KVCacheManager | None = None
         self.seqs: dict[str, DraftSeq] = {}
@@ -66,7 +66,10 @@ class DraftModelProposer:
         """The draft's KV pool; the target's runner sizes it, inside the same memory budget."""
         self.runner.cache_config.num_blocks = num_blocks
         self.runner.allocate_kv_cache(num_blocks)
-        self.kv = KVCacheManager(num_blocks, self.runner.block_size, enable_caching=False)
+        # Prefix caching as in the target's pool: requests sharing a prompt prefix share its draft KV too,
+        # else a shared-prefix workload that fits the target's pool overflows the draft's and stops proposals.
+        self.kv = KVCacheManager(num_blocks, self.runner.block_size,
+                                 enable_caching=self.runner.cache_config.enable_prefix_caching)
 
     def free(self, request_ids: set[str]) -> None:
         """Give back the draft blocks of requests that left the running set."""
@@ -80,42 +83,83 @@ class DraftModelProposer:
         if seq is None:
             seq = self.seqs[request.request_id] = DraftSeq(request.request_id)
         tokens = request.all_token_ids
-        matched = seq.num_confirmed
-        limit = min(seq.num_computed_tokens, len(tokens))
+        # The last token is always fed again: its logits give the first draft token. The draft may already
+        # hold KV for it (its earlier proposals were dropped unverified and the target then sampled the
+        # same token), and without this cap the catch-up would have nothing to compute. The draft pool may
+        # also have refused a catch-up, leaving num_confirmed above what has KV.
+        limit = min(seq.num_computed_tokens, len(tokens) - 1)
+        matched = min(seq.num_confirmed, limit)
         while matched < limit and seq.all_token_ids[matched] == tokens[matched]:
             matched += 1
         seq.num_computed_tokens = matched
         self.kv.trim(seq)
         del seq.all_token_ids[matched:]
+        del seq.block_hashes[matched // self.runner.block_size:]  # blocks that held rolled-back drafts
         seq.all_token_ids.extend(tokens[matched:])
         seq.num_confirmed = len(tokens)
         return seq
 
     @torch.inference_mode()
-    def propose(self, requests: list[DraftRequest], num_spec_tokens: list[int], base_rows: list[SamplingRow]
+    def propose(self, requests: list[DraftRequest], num_spec_tokens: list[int], base_rows: list[SamplingRow],
+                prefill: list[DraftRequest] | None = None, max_catch_up_tokens: int | None = None
                 ) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         """Up to num_spec_tokens[i] draft tokens for requests[i], with the distributions they were drawn
-        from ([k, V]; None for greedy requests, whose verification needs only the tokens)."""
+        from ([k, V]; None for greedy requests, whose verification needs only the tokens).
+
+        prefill: requests whose prompt chunk the target computed this step without sampling; the draft
+        computes the same chunk now, so a request's draft prefill is spread over the steps the target's is.
+        max_catch_up_tokens: the most tokens the catch-up pass may compute (the step's token budget); a
+        request whose catch-up does not fit (a prefix the target had cached and the draft had not) catches
+        up in part and proposes nothing this step."""
+        prefill = prefill or []
+        requests = requests + prefill
+        num_spec_tokens = num_spec_tokens + [0] * len(prefill)
         seqs = [self._sync(request) for request in requests]
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = [i for i, k in enumerate(num_spec_tokens) if k > 0]
-        while active:
+        feeding = active + [i for i, k in enumerate(num_spec_tokens) if k == 0]  # the catch-up pass
+        allowance = max_catch_up_tokens
+        while feeding:
             scheduled, stepping = [], []
-            for i in active:
+            for i in feeding:
                 seq = seqs[i]
-                num_new = seq.num_tokens - seq.num_computed_tokens
+                cached_blocks, num_cached = [], 0
+                if seq.num_computed_tokens == 0 and not self.kv.get_block_ids(seq.request_id):
+                    # a new request: its prompt prefix may be in the draft's cache (the last token never is)
+                    cached_blocks, num_cached = self.kv.get_computed_blocks(seq, seq.num_tokens - 1)
+                num_new = seq.num_tokens - seq.num_computed_tokens - num_cached
                 assert num_new >= 1
-                if not self.kv.allocate_slots(seq, num_new):
+                if allowance is not None:
+                    num_new = min(num_new, allowance)
+                    if num_new <= 0:
+                        continue
+                # only blocks full of the request's own tokens enter the cache, never draft tokens
+                if not self.kv.allocate_slots(seq, num_new, cached_blocks, num_cacheable_tokens=seq.num_confirmed):
                     continue  # the draft pool is full: this request proposes what it has so far
+                if allowance is not None:
+                    allowance -= num_new
+                if cached_blocks:
+                    self.kv.record_prefix_query(seq.num_tokens, num_cached)
+                seq.num_computed_tokens += num_cached
+                reaches_end = seq.num_computed_tokens + num_new == seq.num_tokens
                 scheduled.append(ScheduledRequest(
                     request=seq, num_new_tokens=num_new, start_pos=seq.num_computed_tokens,  # type: ignore[arg-type]
-                    block_ids=self.kv.get_block_ids(seq.request_id), sample=True))
-                stepping.append(i)
+                    block_ids=self.kv.get_block_ids(seq.request_id), sample=reaches_end))
+                if reaches_end and num_spec_tokens[i] > 0:
+                    stepping.append(i)
+            allowance = None  # the k-1 passes after the catch-up feed one token per proposing request
             if not scheduled:
                 break
+            # a shared partial block is copied before it is written (re-feeding a request's last token)
+            self.runner.copy_blocks(self.kv.take_pending_copies())
             batch = self.runner.prepare(scheduled)
             hidden = self.runner.forward(batch)
+            for s in scheduled:
+                s.request.num_computed_tokens += s.num_new_tokens
+            feeding = []
+            if not stepping:
+                break
             last_row = {id(s.request): start + s.num_new_tokens - 1
                         for s, start in zip(batch.order, batch.query_starts)}
             logits = self.runner.model.compute_logits(hidden[[last_row[id(seqs[i])] for i in stepping]])
@@ -126,17 +170,18 @@ class DraftModelProposer:
             else:
                 q = request_probs(logits, rows)
                 token_ids = self._sample(q, rows)
-            active = []
             for j, i in enumerate(stepping):
                 request, seq = requests[i], seqs[i]
-                seq.num_computed_tokens = seq.num_tokens
                 drafts[i].append(token_ids[j])
-                if q is not None and not rows[j].params.greedy:
-                    probs[i].append(q[j])
+                if q is not None and not rows[j].params.greedy and rows[j].generator is None:
+                    probs[i].append(q[j])  # a seeded request's drafts are verified without q
                 seq.all_token_ids.append(token_ids[j])  # fed to the next pass, or rolled back later
-                stop = token_ids[j] in request.sampling_params.all_stop_token_ids
+                params = request.sampling_params
+                # a token that would end the request (EOS only without ignore_eos): nothing follows it
+                stop = token_ids[j] in params.all_stop_token_ids and (
+                    not params.ignore_eos or token_ids[j] in params.stop_token_ids)
                 if len(drafts[i]) < num_spec_tokens[i] and not stop:
-                    active.append(i)
+                    feeding.append(i)
         proposals: dict[str, tuple[list[int], torch.Tensor | None]] = {}
         for request, tokens, q_rows in zip(requests, drafts, probs):
             if tokens:
@@ -144,7 +189,8 @@ class DraftModelProposer:
         return proposals
 
     def _sample(self, q: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        """Draw each draft token from q with the request's generator (greedy rows: q is one-hot)."""
+        """Draw each draft token from q (greedy rows: q is one-hot). A seeded request's draft at position j
+        uses the noise the target's sample at j will use (exponential_noise), coupling the two draws."""
         token_ids = q.argmax(dim=-1)
         random = [j for j, row in enumerate(rows) if not row.params.greedy]
         if random:

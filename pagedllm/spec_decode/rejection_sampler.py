@@ -15,9 +15,17 @@ A proposer without probabilities (n-gram lookup) is a point mass, q_i = one_hot(
 with probability p_i(x_i) and the residual is p_i with x_i removed. Greedy requests (p one-hot at the
 argmax) reduce to "accept while x_i equals the target's argmax, then emit the argmax", with no random draw.
 
-Draws use the request's own generator (seeded requests are reproducible) through the same exponential
-race as the sampler: argmax(w / e) with e ~ Exp(1) picks index j with probability w_j / sum(w), so the
-residual needs no explicit normalization.
+Draws use the same exponential race as the sampler: argmax(w / e) with e ~ Exp(1) picks index j with
+probability w_j / sum(w), so the residual needs no explicit normalization.
+
+Seeded requests are not verified this way (spec_decoder.py): their emitted token at each position is
+the target's own sample there, argmax(p / e) with the noise e of (seed, position) that plain sampling
+uses, and a draft token is accepted iff it equals that sample. That is lossless too (every token is a
+target sample), and it makes a seeded output independent of the proposals, hence of k, the token budget
+and the batch. A draft model samples a seeded request's drafts with the same noise (argmax(q / e)), a
+coupling that matches the target's sample with probability at least (1 - d) / (1 + d), d the total
+variation distance between p and q (the rejection sampler reaches 1 - d); an n-gram proposal (q a point
+mass) is accepted with probability p(x) either way.
 """
 
 from __future__ import annotations
@@ -101,10 +109,13 @@ def needs_history(params: SamplingParams) -> bool:
 
 
 def row_with_drafts(base: SamplingRow, draft_token_ids: list[int]) -> SamplingRow:
-    """The request's row as if `draft_token_ids` had already been generated (shared when nothing reads it)."""
-    if not draft_token_ids or not needs_history(base.params):
+    """The request's row as if `draft_token_ids` had already been generated (the output list is shared
+    when nothing reads it; the position always moves on, a seeded row's noise depends on it)."""
+    if not draft_token_ids:
         return base
-    return replace(base, output_token_ids=base.output_token_ids + draft_token_ids)
+    if not needs_history(base.params):
+        return replace(base, output_index=base.position + len(draft_token_ids))
+    return replace(base, output_token_ids=base.output_token_ids + draft_token_ids, output_index=None)
 
 
 def rows_with_drafts(base: SamplingRow, draft_token_ids: list[int], num_rows: int) -> list[SamplingRow]:

@@ -3,7 +3,8 @@
 The target's ModelRunner owns a SpecDecoder (on rank 0 only under tensor parallelism). In step N the
 runner computes, for every request carrying k proposals, all k+1 positions in its one forward pass and
 hands their logits to `verify`, which builds p (the request's own sampling distribution at each
-position), runs the rejection sampler against q (what the proposer drew from), and returns the accepted
+position), runs the rejection sampler against q (what the proposer drew from; a seeded request is
+instead checked against the target's own seeded sample at each position), and returns the accepted
 tokens plus one correction or bonus token. Then, still in step N, `propose` drafts up to k tokens past
 them for every request that sampled; they travel back to the engine in ModelRunnerOutput.spec_token_ids,
 the scheduler stores them in `request.spec_token_ids`, and step N+1's plan counts them as extra tokens of
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest
-from pagedllm.layers.sampler import SamplingRow, processed_probs
+from pagedllm.layers.sampler import SamplingRow, exponential_noise, processed_probs
 from pagedllm.metrics.reader import Counter, Gauge, Metric
 from pagedllm.outputs import position_logprobs
 from pagedllm.planner.roofline import speculative_tokens_per_pass as expected_tokens_per_pass
@@ -48,8 +49,9 @@ if TYPE_CHECKING:
 
 
 # Adaptive k: a request's acceptance is estimated from its own recent verifications (older ones decay),
-# starting from a prior worth a few verifications at the agreement FACTS.md measured for an independently
-# trained draft. Only the request's own history is used, so a seeded request stays reproducible.
+# starting from a prior worth a few verifications at the agreement measured for an independently trained
+# draft (the 1.4M-parameter demo draft agreed with its 12.6M target on 60% of greedy tokens). Only the
+# request's own history is used, so a seeded request stays reproducible.
 ACCEPTANCE_PRIOR = 0.6
 ACCEPTANCE_PRIOR_WEIGHT = 4.0
 ACCEPTANCE_DECAY = 0.8
@@ -134,14 +136,16 @@ class SpecDecoder:
         else:
             assert config.draft_model_config is not None
             self.proposer = DraftModelProposer(config.draft_model_config, target_runner.block_size,
-                                               self.scheduler_config, target_runner.device, seed)
+                                               self.scheduler_config, target_runner.device, seed,
+                                               target_runner.cache_config.enable_prefix_caching)
         # q of the current proposals, per request (draft model, non-greedy requests only).
         self.draft_probs: dict[str, torch.Tensor] = {}
         self.adaptive = config.adaptive_num_speculative_tokens
         # Cost of one draft token relative to a target pass, fixed at start-up so that k never depends on
         # timing (a seeded request must stay reproducible). A small model's step is part per-operator
-        # overhead (in proportion to layers, FACTS.md) and part weight reads (in proportion to bytes): take
-        # the geometric mean of the two ratios (on the demo pair it is 0.19; measured here 0.15-0.2).
+        # overhead (in proportion to layers: at these sizes microseconds per torch call dominate) and part
+        # weight reads (in proportion to bytes): take the geometric mean of the two ratios (on the demo
+        # pair it is 0.19; measured here 0.15-0.2).
         if isinstance(self.proposer, DraftModelProposer):
             layer_ratio = (self.proposer.runner.model_config.num_hidden_layers
                            / target_runner.model_config.num_hidden_layers)
@@ -209,15 +213,22 @@ class SpecDecoder:
                                          request.output_token_ids + new_tokens, request.generator,
                                          list(request.sampling_params.all_stop_token_ids)))
             num_spec_tokens.append(k)
-        if not candidates:
+        # A draft model computes each prompt chunk in the step the target does (its catch-up when the
+        # request first samples is then a chunk, not the whole prompt), within the step's token budget.
+        prefill = [DraftRequest(s.request.request_id, s.request.all_token_ids[:s.start_pos + s.num_new_tokens],
+                                s.request.sampling_params)
+                   for s in scheduled if s.request.request_id not in output.sampled_token_ids] \
+            if isinstance(self.proposer, DraftModelProposer) else []
+        if not candidates and not prefill:
             return
         start = time.perf_counter()
         if isinstance(self.proposer, DraftModelProposer):
-            proposals = self.proposer.propose(candidates, num_spec_tokens, base_rows)  # type: ignore[arg-type]
+            proposals = self.proposer.propose(candidates, num_spec_tokens, base_rows, prefill,  # type: ignore[arg-type]
+                                              self.scheduler_config.max_num_batched_tokens)
         else:
             proposals = self.proposer.propose(candidates, num_spec_tokens)  # type: ignore[arg-type]
         self.stats.propose_s += time.perf_counter() - start
-        self.stats.num_propose_calls += 1
+        self.stats.num_propose_calls += bool(candidates)
         for request in candidates:
             tokens, q = proposals.get(request.request_id, ([], None))
             if tokens:
@@ -268,14 +279,21 @@ class SpecDecoder:
             k = len(spec)
             if request.sampling_params.greedy:
                 result = greedy_accept(target_ids[offset:offset + k + 1], spec)
+            elif request.generator is not None:
+                # Seeded: the target's own sample at each position, with the noise plain sampling uses
+                # there, so the output never depends on what was proposed (rejection_sampler.py).
+                assert probs is not None
+                self.draft_probs.pop(request.request_id, None)
+                noise = exponential_noise((k + 1, probs.shape[1]), rows[offset:offset + k + 1], probs.device,
+                                          None)
+                result = greedy_accept((probs[offset:offset + k + 1] / noise).argmax(dim=-1).tolist(), spec)
             else:
                 assert probs is not None
                 q = self.draft_probs.pop(request.request_id, None)
                 if isinstance(self.proposer, DraftModelProposer):
                     assert q is not None and q.shape[0] >= k, "a sampled draft must come with its q"
                     q = q[:k]
-                generator = request.generator if request.generator is not None else runner.sampler.generator
-                result = rejection_sample(probs[offset:offset + k + 1], spec, q, generator)
+                result = rejection_sample(probs[offset:offset + k + 1], spec, q, runner.sampler.generator)
             self.stats.record(k, result.num_accepted)
             if self.adaptive:
                 self._record_acceptance(request.request_id, k, result.num_accepted)

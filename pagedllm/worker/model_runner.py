@@ -7,6 +7,7 @@ inputs; the logits are gathered on rank 0, which alone samples.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -22,6 +23,7 @@ from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedllm.kv_cache.quant import KV_CACHE_DTYPES, is_quantized, resolve_kv_cache_dtype  # noqa: F401
 from pagedllm.layers.sampler import Sampler, SamplingRow
 from pagedllm.models.loader import load_model
 from pagedllm.outputs import PositionLogprobs, position_logprobs
@@ -36,18 +38,6 @@ logger = logging.getLogger(__name__)
 # Requests computing at most this many tokens share one batched attention call (decodes, speculative
 # verification, short prompts); longer prefill chunks get a call each.
 MAX_BATCHED_QUERY_LEN = 8
-
-KV_CACHE_DTYPES = {
-    "auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
-}
-
-
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {name!r}.")
-    return KV_CACHE_DTYPES[name] or model_dtype
-
 
 @dataclass
 class Batch:
@@ -112,12 +102,27 @@ class ModelRunner:
         backend_name = "TORCH_SDPA" if model_config.is_mla else cache_config.attention_backend
         self.backend = get_attn_backend(backend_name, model_config.num_attention_heads // tp_size,
                                         self.num_kv_heads, model_config.head_dim, model_config.dtype,
-                                        self.kv_dtype, device, self.block_size)
+                                        self.kv_dtype, device, self.block_size,
+                                        calculate_kv_scales=cache_config.calculate_kv_scales)
         self.model = load_model(model_config, self.backend, device, tp_rank, tp_size)
+        # A one-byte cache with a checkpoint's per-layer k_scale / v_scale (vLLM's fp8 KV checkpoints).
+        self.checkpoint_kv_scales = None
+        if is_quantized(self.kv_dtype) and not model_config.is_mla and not cache_config.calculate_kv_scales:
+            from pagedllm.kv_cache.checkpoint_scales import load_kv_scales
+
+            self.checkpoint_kv_scales = load_kv_scales(model_config.model, model_config.num_hidden_layers,
+                                                       self.kv_dtype)
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         self.sampler = Sampler(generator)
         self.kv_caches: list[torch.Tensor] = []
+        # Disaggregated prefill: saves finished prompts' blocks (producer), loads remote ones (consumer).
+        self.kv_connector = None
+        kv_transfer_config = cache_config.kv_transfer_config
+        if kv_transfer_config is not None:
+            from pagedllm.distributed.kv_transfer import make_worker_connector
+
+            self.kv_connector = make_worker_connector(kv_transfer_config, device)
         # Speculative decoding: verifies the k+1 positions of each request and drafts the next proposals.
         # Rank 0 only: it alone sees the logits, and the draft runs there unsharded.
         self.spec_decoder: SpecDecoder | None = None
@@ -199,15 +204,23 @@ class ModelRunner:
         # One tensor for all layers; each layer gets a [2, kv_heads, num_blocks, block_size, head_dim] view
         # (MLA: [1, 1, num_blocks, block_size, latent + rope key], see ModelConfig.kv_cache_layer_shape).
         # Zeroed: masked-out padding is multiplied by 0 in attention, and 0 * NaN garbage would be NaN.
-        shape = (c.num_hidden_layers, *c.kv_cache_layer_shape(num_blocks, self.block_size, self.tp_size))
+        # One-byte kinds: uint8 tiles of codes followed by their bf16 row scales (kv_cache/quant.py).
+        shape = (c.num_hidden_layers, *c.kv_cache_layer_shape(num_blocks, self.block_size, self.tp_size,
+                                                              self.kv_dtype))
+        storage_dtype = torch.uint8 if is_quantized(self.kv_dtype) else self.kv_dtype
         if self.device.type == "cpu":
             # calloc'd memory: the OS hands out zero pages on first touch, so start-up does not write
             # (and the process does not hold) gigabytes of cache that no request has used yet.
-            nbytes = math.prod(shape) * self.kv_dtype.itemsize
-            cache = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(self.kv_dtype).view(shape)
+            nbytes = math.prod(shape) * storage_dtype.itemsize
+            cache = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(storage_dtype).view(shape)
         else:
-            cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            cache = torch.zeros(shape, dtype=storage_dtype, device=self.device)
         self.kv_caches = list(cache.unbind(0))
+        if self.checkpoint_kv_scales is not None:
+            for layer_cache, scales in zip(self.kv_caches, self.checkpoint_kv_scales):
+                self.backend.static_scales[layer_cache.data_ptr()] = scales.to(self.device)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_transfer_tensors())
         if self.spec_decoder is not None:
             self.spec_decoder.allocate(num_blocks)
         rank = f"rank {self.tp_rank}/{self.tp_size}: " if self.tp_size > 1 else ""
@@ -216,13 +229,29 @@ class ModelRunner:
         max_model_len = self.scheduler_config.max_model_len
         logger.info("%sKV cache: %s (%s, %d bytes per token%s, %d KV heads, from %s) = %d blocks of %d tokens = %d "
                     "tokens, room for %d sequences of max_model_len %d%s; weights %s%s",
-                    rank, _gib(cache.numel() * cache.element_size()), str(self.kv_dtype).removeprefix("torch."),
+                    rank, _gib(cache.numel() * cache.element_size()), self._kv_dtype_description(),
                     c.kv_bytes_per_token(self.kv_dtype, self.tp_size), ", MLA latent" if c.is_mla else "",
                     self.num_kv_heads, getattr(self, "kv_budget_source", "the budget"), num_blocks, self.block_size,
                     num_tokens, num_blocks // -(-max_model_len // self.block_size), max_model_len,
                     "; host memory is taken lazily, as blocks are first written (set --kv-cache-memory-bytes "
                     f"or {CPU_KVCACHE_SPACE_ENV}=GiB to change)" if self.device.type == "cpu" else "",
                     _gib(self.weight_bytes()), draft)
+
+    def kv_transfer_tensors(self) -> list[list[torch.Tensor]]:
+        """Per layer, every tensor that holds its blocks (block index on dim 2): what a KV connector
+        moves. One cache tensor per layer, K and V together (and, for one-byte KV, each token's scales,
+        which live in the block beside its codes)."""
+        return [[cache] for cache in self.kv_caches]
+
+    def _kv_dtype_description(self) -> str:
+        name = str(self.kv_dtype).removeprefix("torch.")
+        if not is_quantized(self.kv_dtype):
+            return name
+        if self.cache_config.calculate_kv_scales:
+            return f"{name} codes, per-layer scales from the first batch"
+        if self.checkpoint_kv_scales is not None:
+            return f"{name} codes, the checkpoint's per-layer k_scale/v_scale"
+        return f"{name} codes + a bf16 scale per token and KV head"
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -244,10 +273,19 @@ class ModelRunner:
             self.spec_decoder.free_requests(scheduler_output.finished_req_ids | set(scheduler_output.preempted_ids))
         self.copy_blocks(scheduler_output.blocks_to_copy)
         output = ModelRunnerOutput()
+        connector_meta = scheduler_output.kv_connector_metadata
+        if self.kv_connector is not None and connector_meta is not None:
+            self.kv_connector.start_load_kv(connector_meta)
         if scheduler_output.scheduled:
             batch = self.prepare(scheduler_output.scheduled)
             hidden = self.forward(batch)
             self.sample(batch, hidden, output, scheduler_output.grammar_bitmask)
+        if self.kv_connector is not None:
+            if connector_meta is not None and connector_meta.reqs_to_save:
+                for layer in range(len(self.kv_caches)):
+                    self.kv_connector.save_kv_layer(layer, connector_meta)
+                self.kv_connector.wait_for_save(connector_meta)
+            output.kv_connector_output = self.kv_connector.get_finished(wait=not scheduler_output.scheduled)
         if self.spec_decoder is not None and scheduler_output.scheduled:
             self.spec_decoder.record_step(time.perf_counter() - start, output)
             self.spec_decoder.propose(batch.order, output)
@@ -262,22 +300,26 @@ class ModelRunner:
         order = short + long
         bs = self.block_size
         token_ids: list[int] = []
-        positions, slots, query_starts = [], [], []
+        query_starts = []
         for s in order:
-            request = s.request
             query_starts.append(len(token_ids))
             end = s.start_pos + s.num_new_tokens
-            known = request.all_token_ids
+            known = s.request.all_token_ids
             token_ids.extend(known[s.start_pos:min(end, len(known))])
             if end > len(known):
                 token_ids.extend(s.spec_token_ids[:end - len(known)])
-            pos = np.arange(s.start_pos, end)
-            table = np.asarray(s.block_ids, dtype=np.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
         device = self.device
-        metadata = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device))
-        self._prepare_varlen(order, metadata)
+        metadata = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))  # set below
+        tables, query_lens = self._prepare_varlen(order, metadata)
+        # Every token's position and KV slot in one vectorized pass over the step's block tables (a
+        # per-request loop of small numpy calls cost about as much again at batch 64).
+        num_tokens = len(token_ids)
+        row_starts = np.asarray(query_starts, dtype=np.int64)
+        seq_index = np.repeat(np.arange(len(order)), query_lens)
+        start_pos = np.fromiter((s.start_pos for s in order), dtype=np.int64, count=len(order))
+        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(start_pos - row_starts, query_lens)
+        slots = tables[seq_index, positions // bs] * bs + positions % bs
+        metadata.slot_mapping = torch.from_numpy(slots).to(device)
         if short and self.backend.needs_dense_masks:
             self._prepare_decodes(short, metadata)
         for s, start in zip(long, query_starts[len(short):]):
@@ -294,24 +336,29 @@ class ModelRunner:
         self.backend.prepare_metadata(metadata)
         return Batch(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
-            positions=torch.from_numpy(np.concatenate(positions)).to(device),
+            positions=torch.from_numpy(positions).to(device),
             metadata=metadata, order=order, query_starts=query_starts)
 
-    def _prepare_varlen(self, order: list[ScheduledRequest], metadata: AttentionMetadata) -> None:
+    def _prepare_varlen(self, order: list[ScheduledRequest], metadata: AttentionMetadata
+                        ) -> tuple[np.ndarray, np.ndarray]:
         """The whole step as varlen sequences (query_start_loc, seq_lens, block_tables), for kernels that
-        read K/V in place."""
-        query_lens = np.array([s.num_new_tokens for s in order], dtype=np.int64)
-        seq_lens = np.array([s.start_pos + s.num_new_tokens for s in order], dtype=np.int64)
+        read K/V in place. Returns the block tables and query lengths as numpy arrays for the runner."""
+        num_seqs = len(order)
+        query_lens = np.fromiter((s.num_new_tokens for s in order), dtype=np.int64, count=num_seqs)
+        seq_lens = np.fromiter((s.start_pos + s.num_new_tokens for s in order), dtype=np.int64, count=num_seqs)
         num_blocks = -(-seq_lens // self.block_size)
-        tables = np.zeros((len(order), int(num_blocks.max())), dtype=np.int64)
-        for i, s in enumerate(order):
-            tables[i, :num_blocks[i]] = s.block_ids[:num_blocks[i]]
+        # One flat write of every request's used blocks into the zero-padded table.
+        tables = np.zeros((num_seqs, int(num_blocks.max())), dtype=np.int64)
+        used = np.arange(tables.shape[1])[None, :] < num_blocks[:, None]
+        tables[used] = np.fromiter(itertools.chain.from_iterable(
+            s.block_ids[:n] for s, n in zip(order, num_blocks.tolist())), dtype=np.int64, count=int(num_blocks.sum()))
         device = self.device
         metadata.query_start_loc = torch.from_numpy(np.concatenate([[0], np.cumsum(query_lens)])).to(device)
         metadata.seq_lens = torch.from_numpy(seq_lens).to(device)
         metadata.block_tables = torch.from_numpy(tables).to(device)
         metadata.max_query_len = int(query_lens.max())
         metadata.max_seq_len = int(seq_lens.max())
+        return tables, query_lens
 
     def _prepare_decodes(self, short: list[ScheduledRequest], metadata: AttentionMetadata) -> None:
         bs = self.block_size

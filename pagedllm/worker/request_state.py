@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.distributed.kv_transfer.base import KVConnectorMetadata
 from pagedllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import GrammarBitmask
@@ -47,6 +48,7 @@ class WorkerSchedulerOutput:
     finished_req_ids: set[str]
     preempted_ids: list[str]
     grammar_bitmask: GrammarBitmask | None
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
 
 @dataclass(eq=False)
@@ -92,7 +94,7 @@ class SchedulerOutputEncoder:
                 s.sample, s.spec_token_ids, request.num_prompt_logprobs_computed))
         return WorkerSchedulerOutput(new_requests, scheduled, scheduler_output.blocks_to_copy,
                                      scheduler_output.finished_req_ids, scheduler_output.preempted_ids,
-                                     scheduler_output.grammar_bitmask)
+                                     scheduler_output.grammar_bitmask, scheduler_output.kv_connector_metadata)
 
 
 class RequestStates:
@@ -117,4 +119,5 @@ class RequestStates:
                 block_ids=data.block_ids, sample=data.sample, spec_token_ids=data.spec_token_ids))
         return SchedulerOutput(scheduled=scheduled, num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
                                blocks_to_copy=message.blocks_to_copy, preempted_ids=message.preempted_ids,
-                               finished_req_ids=message.finished_req_ids, grammar_bitmask=message.grammar_bitmask)
+                               finished_req_ids=message.finished_req_ids, grammar_bitmask=message.grammar_bitmask,
+                               kv_connector_metadata=message.kv_connector_metadata)

@@ -62,6 +62,16 @@ class Worker:
         output = self.execute_model(self.request_states.apply(message))
         return output if self.rank == 0 else None
 
+    def kv_staging_stats(self) -> tuple[int, int]:
+        """(requests, bytes) a KV producer holds now for consumers to pull."""
+        connector = self.model_runner.kv_connector
+        return connector.staging_stats() if connector is not None else (0, 0)
+
+    def shutdown_kv_connector(self) -> None:
+        if self.model_runner.kv_connector is not None:
+            self.model_runner.kv_connector.shutdown()
+            self.model_runner.kv_connector = None
+
     def communication_stats(self) -> dict[str, int]:
         """Bytes this rank put through each collective, and the tokens computed meanwhile."""
         return {**{f"{name}_bytes": n for name, n in collective_bytes.items()},

@@ -8,6 +8,11 @@
 // row sits at position seq_lens[i] - 1 (bottom-right causal: chunked prefill over a cached prefix and
 // speculative verification both need that alignment).
 //
+// One-byte caches (int8, fp8 e4m3 / e5m2; see pagedllm/kv_cache/quant.py) come as a strided codes view
+// [2, num_kv_heads, num_blocks, block_size, head_dim] plus a bf16 scale per row [2, num_kv_heads,
+// num_blocks, block_size]; a row is widened to fp32 and multiplied by its scale as its tile is loaded,
+// so only the tiles attention reads are dequantized, once per KV head group.
+//
 // Work items are (sequence, kv head, query tile, kv split). All query heads of a KV head group are
 // processed together, so each KV block is read (and converted to fp32) once per group. Sequences with
 // one query tile (decode, verification) are split along the context every kSplitTokens tokens
@@ -50,9 +55,57 @@ inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
 }
+// int8 codes widen with one vector conversion. fp8 codes widen exactly with integer shifts the compiler
+// vectorises: the sign and the exponent+mantissa bits are moved into an fp32's fields, which reads the
+// value times 2^(127 - bias) (subnormal codes become fp32 subnormals, equally exact), then one multiply
+// restores the bias. (torch's scalar fp8 cast runs at well under 1 Gelem/s on CPUs.)
+inline void to_float(const int8_t* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+template <int kMantissaBits, int kBias>
+inline void fp8_to_float(const uint8_t* bits, float* dst, int64_t n) {
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  constexpr float kRebias = static_cast<float>(1ull << (127 - kBias - 64)) * static_cast<float>(1ull << 63) * 2.f;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = bits[i];
+    out[i] = ((b & 0x80u) << 24) | ((b & 0x7Fu) << (23 - kMantissaBits));
+  }
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] *= kRebias;
+}
+inline void to_float(const c10::Float8_e4m3fn* src, float* dst, int64_t n) {
+  fp8_to_float<3, 7>(reinterpret_cast<const uint8_t*>(src), dst, n);
+}
+inline void to_float(const c10::Float8_e5m2* src, float* dst, int64_t n) {
+  fp8_to_float<2, 15>(reinterpret_cast<const uint8_t*>(src), dst, n);
+}
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+inline float bf16_to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// Rows j0..j1 of a [block_size, D] tile -> fp32, each times its scale when the cache is one-byte
+// (row_scales non-null). Rows are D apart in both.
+template <typename cache_t>
+inline void rows_to_float(const cache_t* src, float* dst, int64_t j0, int64_t j1, int64_t D,
+                          const c10::BFloat16* row_scales) {
+  to_float(src + j0 * D, dst + j0 * D, (j1 - j0) * D);
+  if (row_scales != nullptr) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const float sc = bf16_to_float(row_scales[j]);
+      float* row = dst + j * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) row[d] *= sc;
+    }
+  }
 }
 
 inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
@@ -65,10 +118,15 @@ inline void from_float(const float* src, T* dst, int64_t n) {
 // scores are never read).
 template <typename cache_t>
 inline void transpose_to_float(const cache_t* src, float* dst, int64_t j0, int64_t j1, int64_t block_size,
-                               int64_t D) {
+                               int64_t D, const c10::BFloat16* row_scales) {
   float row[1024];
   for (int64_t j = j0; j < j1; ++j) {
     to_float(src + j * D, row, D);
+    const float sc = row_scales != nullptr ? bf16_to_float(row_scales[j]) : 1.f;
+    if (row_scales != nullptr) {
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) row[d] *= sc;
+    }
     for (int64_t d = 0; d < D; ++d) dst[d * block_size + j] = row[d];
   }
 }
@@ -254,10 +312,17 @@ struct WorkItem {
   int64_t partial;    // index of this split's partial result, or -1 when the item writes the output
 };
 
+// Element strides of the cache (and of its scales): K/V part, KV head, block. A block's [block_size,
+// head_dim] tile is contiguous.
+struct CacheStrides {
+  int64_t part, head, block;
+};
+
 template <typename scalar_t, typename cache_t>
 void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache, const int64_t* block_table,
               int64_t q_row0, int64_t seq_len, int64_t query_len, int64_t num_heads, int64_t num_kv_heads,
-              int64_t num_blocks, int64_t block_size, int64_t head_dim, float scale, scalar_t* out,
+              CacheStrides cs, const c10::BFloat16* kv_scales, CacheStrides ss, int64_t block_size,
+              int64_t head_dim, float scale, scalar_t* out,
               float* partial_acc, float* partial_max, float* partial_sum, std::vector<float>& scratch) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t rows = (w.q_end - w.q_begin) * group;  // row m = (query position - q_begin) * group + g
@@ -286,7 +351,7 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
   // Query position p sees keys 0..p; the tile's last query bounds the keys any row can see.
   const int64_t first_pos = seq_len - query_len + w.q_begin;
   const int64_t k_stop = std::min(w.k_end, seq_len - query_len + w.q_end);
-  const int64_t tile_elems = block_size * D;
+  const int64_t tile_elems = block_size * D;  // the prefetched bytes of a tile (its scales follow closely)
   const bool transpose = rows >= 16;
   for (int64_t kb = w.k_begin; kb < k_stop; kb = (kb / block_size + 1) * block_size) {
     const int64_t logical = kb / block_size;
@@ -294,15 +359,16 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
     const int64_t j0 = kb - block_start;
     const int64_t j1 = std::min(block_size, k_stop - block_start);
     const int64_t physical = block_table[logical];
-    const cache_t* k_src = kv_cache + (w.kv_head * num_blocks + physical) * tile_elems;
-    const cache_t* v_src = kv_cache + ((num_kv_heads + w.kv_head) * num_blocks + physical) * tile_elems;
+    const cache_t* k_src = kv_cache + w.kv_head * cs.head + physical * cs.block;
+    const cache_t* v_src = k_src + cs.part;
+    const c10::BFloat16* k_scales = kv_scales ? kv_scales + w.kv_head * ss.head + physical * ss.block : nullptr;
+    const c10::BFloat16* v_scales = kv_scales ? k_scales + ss.part : nullptr;
     // Blocks sit anywhere in the pool, so hardware prefetchers stop at every block boundary: ask for the
     // block kPrefetchBlocks ahead in the table while this one is computed.
     if (block_start + kPrefetchBlocks * block_size < k_stop) {
       const int64_t next = block_table[logical + kPrefetchBlocks];
-      const char* k_next = reinterpret_cast<const char*>(kv_cache + (w.kv_head * num_blocks + next) * tile_elems);
-      const char* v_next =
-          reinterpret_cast<const char*>(kv_cache + ((num_kv_heads + w.kv_head) * num_blocks + next) * tile_elems);
+      const char* k_next = reinterpret_cast<const char*>(kv_cache + w.kv_head * cs.head + next * cs.block);
+      const char* v_next = k_next + cs.part * static_cast<int64_t>(sizeof(cache_t));
       for (int64_t byte = 0; byte < tile_elems * static_cast<int64_t>(sizeof(cache_t)); byte += 64) {
         __builtin_prefetch(k_next + byte, 0, 2);
         __builtin_prefetch(v_next + byte, 0, 2);
@@ -314,13 +380,13 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
     if constexpr (std::is_same_v<cache_t, float>) {
       v = v_src;
     } else {
-      to_float(v_src + j0 * D, v_tile + j0 * D, (j1 - j0) * D);
+      rows_to_float(v_src, v_tile, j0, j1, D, v_scales);
       v = v_tile;
     }
     if (transpose) {
-      transpose_to_float(k_src, k_tile, j0, j1, block_size, D);
+      transpose_to_float(k_src, k_tile, j0, j1, block_size, D, k_scales);
     } else {
-      to_float(k_src + j0 * D, k_tile + j0 * D, (j1 - j0) * D);
+      rows_to_float(k_src, k_tile, j0, j1, D, k_scales);
     }
     int64_t m = 0;
     if (transpose && j0 == 0 && j1 == block_size) {
@@ -362,12 +428,18 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
 template <typename scalar_t, typename cache_t>
 void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                          at::Tensor& out) {
+                          at::Tensor& out, const c10::optional<at::Tensor>& kv_scales) {
   const int64_t num_heads = query.size(1);
   const int64_t head_dim = query.size(2);
   const int64_t num_kv_heads = kv_cache.size(1);
-  const int64_t num_blocks = kv_cache.size(2);
   const int64_t block_size = kv_cache.size(3);
+  const CacheStrides cs{kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2)};
+  const c10::BFloat16* scales_ptr = nullptr;
+  CacheStrides ss{0, 0, 0};
+  if (kv_scales.has_value()) {
+    scales_ptr = reinterpret_cast<const c10::BFloat16*>(kv_scales->data_ptr());
+    ss = CacheStrides{kv_scales->stride(0), kv_scales->stride(1), kv_scales->stride(2)};
+  }
   const int64_t group = num_heads / num_kv_heads;
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t max_blocks = block_tables.size(1);
@@ -417,8 +489,9 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, c
       const WorkItem& w = items[i];
       const int64_t query_len = starts[w.seq + 1] - starts[w.seq];
       run_item<scalar_t, cache_t>(w, q_ptr, cache_ptr, tables + w.seq * max_blocks, starts[w.seq], lens[w.seq],
-                                  query_len, num_heads, num_kv_heads, num_blocks, block_size, head_dim, fscale,
-                                  out_ptr, partial_acc.data(), partial_max.data(), partial_sum.data(), scratch);
+                                  query_len, num_heads, num_kv_heads, cs, scales_ptr, ss, block_size, head_dim,
+                                  fscale, out_ptr, partial_acc.data(), partial_max.data(), partial_sum.data(),
+                                  scratch);
     }
   });
 
@@ -456,46 +529,62 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, c
 
 template <typename scalar_t>
 void dispatch_cache(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale, at::Tensor& out) {
+                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale, at::Tensor& out,
+                    const c10::optional<at::Tensor>& kv_scales) {
   switch (kv_cache.scalar_type()) {
+    case at::kChar:
+      return paged_attention_impl<scalar_t, int8_t>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
+                                                    out, kv_scales);
     case at::kFloat:
-      return paged_attention_impl<scalar_t, float>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out);
+      return paged_attention_impl<scalar_t, float>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, kv_scales);
     case at::kBFloat16:
       return paged_attention_impl<scalar_t, c10::BFloat16>(query, kv_cache, block_tables, seq_lens, query_start_loc,
-                                                           scale, out);
+                                                           scale, out, kv_scales);
     case at::kHalf:
       return paged_attention_impl<scalar_t, c10::Half>(query, kv_cache, block_tables, seq_lens, query_start_loc,
-                                                       scale, out);
+                                                       scale, out, kv_scales);
     case at::kFloat8_e4m3fn:
       return paged_attention_impl<scalar_t, c10::Float8_e4m3fn>(query, kv_cache, block_tables, seq_lens,
-                                                                query_start_loc, scale, out);
+                                                                query_start_loc, scale, out, kv_scales);
     case at::kFloat8_e5m2:
       return paged_attention_impl<scalar_t, c10::Float8_e5m2>(query, kv_cache, block_tables, seq_lens,
-                                                              query_start_loc, scale, out);
+                                                              query_start_loc, scale, out, kv_scales);
     default:
       TORCH_CHECK(false, "paged_attention: unsupported kv cache dtype ", kv_cache.scalar_type());
   }
 }
 
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale, at::Tensor out) {
+                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale, at::Tensor out,
+                     const c10::optional<at::Tensor>& kv_scales) {
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous() && out.is_contiguous() && out.sizes() == query.sizes() &&
                   out.scalar_type() == query.scalar_type(),
               "paged_attention: query and out must be contiguous [num_tokens, num_heads, head_dim] of one dtype");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                  kv_cache.size(4) == query.size(2) && query.size(2) <= 1024 && query.size(1) % kv_cache.size(1) == 0,
-              "paged_attention: kv_cache must be contiguous [2, num_kv_heads, num_blocks, block_size, head_dim]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.stride(4) == 1 &&
+                  kv_cache.stride(3) == kv_cache.size(4) && kv_cache.size(4) == query.size(2) &&
+                  query.size(2) <= 1024 && query.size(1) % kv_cache.size(1) == 0,
+              "paged_attention: kv_cache must be [2, num_kv_heads, num_blocks, block_size, head_dim] with "
+              "contiguous [block_size, head_dim] tiles");
+  const bool one_byte = kv_cache.scalar_type() == at::kChar || kv_cache.scalar_type() == at::kFloat8_e4m3fn ||
+                        kv_cache.scalar_type() == at::kFloat8_e5m2;
+  // A one-byte cache without scales reads its codes as values (scale 1).
+  TORCH_CHECK(one_byte || !kv_scales.has_value(), "paged_attention: kv_scales go with one-byte caches only");
+  if (kv_scales.has_value()) {
+    TORCH_CHECK(kv_scales->scalar_type() == at::kBFloat16 && kv_scales->dim() == 4 && kv_scales->stride(3) == 1 &&
+                    kv_scales->size(1) == kv_cache.size(1) && kv_scales->size(3) == kv_cache.size(3),
+                "paged_attention: kv_scales must be bf16 [2, num_kv_heads, num_blocks, block_size]");
+  }
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   query_start_loc.scalar_type() == at::kLong && block_tables.is_contiguous() &&
                   query_start_loc.size(0) == seq_lens.size(0) + 1,
               "paged_attention: block_tables, seq_lens and query_start_loc must be contiguous int64");
   switch (query.scalar_type()) {
     case at::kFloat:
-      return dispatch_cache<float>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out);
+      return dispatch_cache<float>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, kv_scales);
     case at::kBFloat16:
-      return dispatch_cache<c10::BFloat16>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out);
+      return dispatch_cache<c10::BFloat16>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, kv_scales);
     case at::kHalf:
-      return dispatch_cache<c10::Half>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out);
+      return dispatch_cache<c10::Half>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, kv_scales);
     default:
       TORCH_CHECK(false, "paged_attention: unsupported query dtype ", query.scalar_type());
   }
@@ -563,15 +652,117 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cach
   }
 }
 
+// One-byte caches: each token's K and V row of each head gets scale = amax / qmax (or the layer's static
+// scale), rounded to bf16, and codes round(x / scale) clamped to +-qmax: the same arithmetic as
+// quant.write_rows in torch, element for element.
+template <typename code_t>
+inline code_t encode(float y, float qmax) {
+  y = std::min(std::max(y, -qmax), qmax);
+  if constexpr (std::is_same_v<code_t, int8_t>) {
+    return static_cast<int8_t>(std::nearbyint(y));
+  } else {
+    return static_cast<code_t>(y);
+  }
+}
+
+template <typename src_t, typename code_t>
+void write_kv_quant_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& codes, at::Tensor& scales,
+                         const at::Tensor& slot_mapping, const float* static_scales, float qmax) {
+  const int64_t num_tokens = key.size(0);
+  const int64_t num_kv_heads = codes.size(1);
+  const int64_t block_size = codes.size(3);
+  const int64_t D = codes.size(4);
+  const CacheStrides cs{codes.stride(0), codes.stride(1), codes.stride(2)};
+  const CacheStrides ss{scales.stride(0), scales.stride(1), scales.stride(2)};
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  code_t* code_ptr = reinterpret_cast<code_t*>(codes.data_ptr());
+  c10::BFloat16* scale_ptr = reinterpret_cast<c10::BFloat16*>(scales.data_ptr());
+  const src_t* srcs[2] = {key.data_ptr<src_t>(), value.data_ptr<src_t>()};
+  const int64_t tok_strides[2] = {key.stride(0), value.stride(0)};
+  const int64_t head_strides[2] = {key.stride(1), value.stride(1)};
+  const float tiny = std::numeric_limits<float>::min();
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(D);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+      for (int64_t part = 0; part < 2; ++part) {
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          to_float(srcs[part] + t * tok_strides[part] + h * head_strides[part], row.data(), D);
+          float sc;
+          if (static_scales != nullptr) {
+            sc = static_scales[part];
+          } else {
+            float amax = 0.f;
+            for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(row[d]));
+            sc = std::max(amax / qmax, tiny);
+          }
+          const c10::BFloat16 stored(sc);
+          const float used = bf16_to_float(stored);
+          code_t* dst = code_ptr + part * cs.part + h * cs.head + block * cs.block + offset * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = encode<code_t>(row[d] / used, qmax);
+          scale_ptr[part * ss.part + h * ss.head + block * ss.block + offset] = stored;
+        }
+      }
+    }
+  });
+}
+
+template <typename src_t>
+void write_kv_quant_dispatch(const at::Tensor& key, const at::Tensor& value, at::Tensor& codes, at::Tensor& scales,
+                             const at::Tensor& slot_mapping, const float* static_scales, double qmax) {
+  const float q = static_cast<float>(qmax);
+  switch (codes.scalar_type()) {
+    case at::kChar: return write_kv_quant_impl<src_t, int8_t>(key, value, codes, scales, slot_mapping, static_scales, q);
+    case at::kFloat8_e4m3fn:
+      return write_kv_quant_impl<src_t, c10::Float8_e4m3fn>(key, value, codes, scales, slot_mapping, static_scales, q);
+    case at::kFloat8_e5m2:
+      return write_kv_quant_impl<src_t, c10::Float8_e5m2>(key, value, codes, scales, slot_mapping, static_scales, q);
+    default: TORCH_CHECK(false, "write_kv_quant: unsupported code dtype ", codes.scalar_type());
+  }
+}
+
+void write_kv_quant(const at::Tensor& key, const at::Tensor& value, at::Tensor codes, at::Tensor scales,
+                    const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& static_scales, double qmax) {
+  TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && value.stride(2) == 1 && key.sizes() == value.sizes() &&
+                  key.scalar_type() == value.scalar_type(),
+              "write_kv_quant: key and value must be [num_tokens, num_kv_heads, head_dim] with unit stride in head_dim");
+  TORCH_CHECK(codes.dim() == 5 && codes.size(0) == 2 && codes.stride(4) == 1 && codes.stride(3) == codes.size(4) &&
+                  codes.size(1) == key.size(1) && codes.size(4) == key.size(2) && key.size(2) <= 4096,
+              "write_kv_quant: codes must be [2, num_kv_heads, num_blocks, block_size, head_dim] with contiguous tiles");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 4 && scales.stride(3) == 1 &&
+                  scales.size(3) == codes.size(3),
+              "write_kv_quant: scales must be bf16 [2, num_kv_heads, num_blocks, block_size]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.size(0) == key.size(0),
+              "write_kv_quant: slot_mapping must be contiguous int64 [num_tokens]");
+  const float* static_ptr = nullptr;
+  if (static_scales.has_value()) {
+    TORCH_CHECK(static_scales->scalar_type() == at::kFloat && static_scales->is_contiguous() &&
+                    static_scales->numel() == 2,
+                "write_kv_quant: static_scales must be fp32 [2]");
+    static_ptr = static_scales->data_ptr<float>();
+  }
+  switch (key.scalar_type()) {
+    case at::kFloat: return write_kv_quant_dispatch<float>(key, value, codes, scales, slot_mapping, static_ptr, qmax);
+    case at::kBFloat16:
+      return write_kv_quant_dispatch<c10::BFloat16>(key, value, codes, scales, slot_mapping, static_ptr, qmax);
+    case at::kHalf: return write_kv_quant_dispatch<c10::Half>(key, value, codes, scales, slot_mapping, static_ptr, qmax);
+    default: TORCH_CHECK(false, "write_kv_quant: unsupported key dtype ", key.scalar_type());
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor query_start_loc, float scale, Tensor(a!) out) -> ()");
+        "Tensor query_start_loc, float scale, Tensor(a!) out, Tensor? kv_scales=None) -> ()");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.def("write_kv_quant(Tensor key, Tensor value, Tensor(a!) codes, Tensor(b!) scales, Tensor slot_mapping, "
+        "Tensor? static_scales, float qmax) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("write_kv", &write_kv);
+  m.impl("write_kv_quant", &write_kv_quant);
 }

@@ -1,10 +1,11 @@
 """The live KV-cache page: `GET /kv-cache/state` (JSON) and `GET /kv-cache` (one self-contained HTML page).
 
-The state is taken on the engine thread between two steps (`call_on_engine_thread`), so block tables,
-reference counts and free counts always agree; only the copy runs there, the JSON is built in a worker
-thread. The state is behind the API key like the rest of the API. The page itself is static and holds
-no data, so it is served without the key: it reads the key from `?api_key=` (or asks for it) and sends
-it as a Bearer header on its own requests.
+The state is taken by the engine core between two steps (a utility call to
+EngineCore.get_kv_cache_snapshot), so block tables, reference counts and free counts always agree; only
+the copy runs there, the JSON is built in a worker thread of the API process. The state is behind the
+API key like the rest of the API. The page itself is static and holds no data, so it is served without
+the key: it reads the key from `?api_key=` (or asks for it) and sends it as a Bearer header on its own
+requests.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def kv_cache_router(engine: Any, verify_api_key: Callable[[Request], Awaitable[N
     @router.get(STATE_PATH, dependencies=[Depends(verify_api_key)])
     async def kv_cache_state() -> Response:
         try:
-            snapshot = await engine.call_on_engine_thread(lambda llm_engine: llm_engine.get_kv_cache_snapshot())
+            snapshot = await engine.get_kv_cache_snapshot()
         except EngineDeadError as exc:
             raise APIError(503, "The engine is not running.") from exc
 

@@ -1,9 +1,10 @@
 """Prometheus metrics for GET /metrics, named after vLLM's (`vllm:` becomes `pagedllm:`).
 
 Two sources: the engine's own counters and gauges (requests running and waiting, KV cache usage,
-token and prefix-cache counts), read with engine.get_metrics() at scrape time so /metrics is exact
-when it is read; and latency histograms, observed on the engine thread as outputs come out of each
-step (inter-token gaps) and from each finished request's RequestMetrics (TTFT, queue, end to end).
+token and prefix-cache counts), read from the engine core with engine.get_metrics() at scrape time so
+/metrics is exact when it is read; and latency histograms, observed on the event loop as each step's
+core outputs arrive (inter-token gaps, per sample) and from each finished sample's RequestMetrics
+(TTFT, queue, end to end, on the core's clock).
 Everything lives in a private CollectorRegistry, so two apps in one process never collide.
 """
 
@@ -14,10 +15,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagedllm.outputs import RequestOutput
+from pagedllm.engine.core import EngineCoreOutput
 
 # vLLM's bucket boundaries, so the same dashboards read both
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -41,6 +42,9 @@ class _EngineSnapshotCollector(Collector):
         families: dict[str, tuple[CounterMetricFamily | GaugeMetricFamily, list[str]]] = {}
         for metric in self.snapshot:
             labels = {"model_name": self.model_name, **dict(metric.labels or {})}
+            if type(metric).__name__ == "Histogram":  # the engine's own histograms (KV transfer times)
+                yield _histogram_family(metric, labels)
+                continue
             if metric.name not in families:
                 is_counter = type(metric).__name__ == "Counter"
                 cls = CounterMetricFamily if is_counter else GaugeMetricFamily
@@ -53,8 +57,18 @@ class _EngineSnapshotCollector(Collector):
             yield family
 
 
+def _histogram_family(metric: Any, labels: dict[str, str]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(metric.name, f"pagedllm engine histogram {metric.name}", labels=list(labels))
+    cumulative, buckets = 0, []
+    for bound, count in zip([*metric.buckets, float("inf")], metric.bucket_counts):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+    family.add_metric(list(labels.values()), buckets, metric.value)
+    return family
+
+
 class ServerMetrics:
-    """Histograms fed from the engine thread (a StepObserver) plus the engine snapshot collector."""
+    """Histograms fed from each step's core outputs (a StepObserver) plus the engine snapshot collector."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
@@ -78,29 +92,31 @@ class ServerMetrics:
         self.request_queue_time = histogram(
             "pagedllm:request_queue_time_seconds", "Time from arrival to first being scheduled.",
             REQUEST_LATENCY_BUCKETS)
-        # engine-thread state: request id -> (generated tokens so far, time the last ones came out)
-        self._progress: dict[str, tuple[int, float]] = {}
+        # request id -> sample index -> when its last tokens came out
+        self._last_token_time: dict[str, dict[int, float]] = {}
         self._scrape_lock = threading.Lock()
 
-    # ---- StepObserver (engine thread) -----------------------------------------------------------
+    # ---- StepObserver (event loop) ----------------------------------------------------------------
 
-    def on_step(self, outputs: list[RequestOutput], now: float) -> None:
+    def on_step(self, outputs: list[EngineCoreOutput], now: float) -> None:
         for output in outputs:
-            num_tokens = sum(len(completion.token_ids) for completion in output.outputs)
-            previous = self._progress.get(output.request_id)
-            if previous is not None and num_tokens > previous[0]:
-                self.inter_token_latency.observe(now - previous[1])
-            if num_tokens > (previous[0] if previous else 0):
-                self._progress[output.request_id] = (num_tokens, now)
-            if output.finished:
-                self._progress.pop(output.request_id, None)
+            samples = self._last_token_time.setdefault(output.request_id, {})
+            if output.new_token_ids:
+                previous = samples.get(output.index)
+                if previous is not None:
+                    self.inter_token_latency.observe(now - previous)
+                samples[output.index] = now
+            if output.finish_reason is not None:
+                samples.pop(output.index, None)
+                if not samples:
+                    del self._last_token_time[output.request_id]
                 self._observe_finished(output, now)
 
     def on_abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            self._progress.pop(request_id, None)
+            self._last_token_time.pop(request_id, None)
 
-    def _observe_finished(self, output: RequestOutput, now: float) -> None:
+    def _observe_finished(self, output: EngineCoreOutput, now: float) -> None:
         metrics = getattr(output, "metrics", None)
         arrival = getattr(metrics, "arrival_time", None)
         if arrival is None:

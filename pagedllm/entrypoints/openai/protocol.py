@@ -126,6 +126,9 @@ class SamplingRequestFields(OpenAIRequestModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    # disaggregated prefill (vLLM's field): {"do_remote_decode": true} asks a KV producer to keep the
+    # prompt's blocks; the params its response returns make a KV consumer pull them
+    kv_transfer_params: dict[str, Any] | None = None
 
     def build_sampling_params(self, max_tokens: int, logprobs: int | None,
                               prompt_logprobs: int | None = None,
@@ -149,7 +152,9 @@ class SamplingRequestFields(OpenAIRequestModel):
             max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens, **optional,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            extra_args={"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params else None,
+            **optional,
         )
 
 
@@ -187,6 +192,7 @@ class CompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionStreamResponse(OpenAIBaseModel):
@@ -302,6 +308,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):

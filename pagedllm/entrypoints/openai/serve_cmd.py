@@ -5,7 +5,9 @@ it serves the bundled demo model. It listens on loopback unless told otherwise.
 
 Shutdown on SIGTERM or Ctrl-C: uvicorn stops accepting connections and lets in-flight requests run
 for --timeout-graceful-shutdown seconds; then the engine ends what is left, each handler answers
-503 (a stream: an error event and [DONE]), the engine thread stops, and the process exits 0.
+503 (a stream: an error event and [DONE]), the engine core process stops, and the process exits 0.
+If the engine core process dies instead, requests in flight get errors, /health answers 503, and the
+process exits 1 (uvicorn_server.py).
 """
 
 from __future__ import annotations
@@ -143,6 +145,9 @@ def run_server(args: argparse.Namespace) -> int:
         server.run()
     finally:
         engine.shutdown()
+    if engine.dead_error is not None:
+        logging.getLogger(__name__).error("exiting: the engine core stopped (%s)", engine.dead_error)
+        return 1
     return 0 if server.started else 1
 
 

@@ -271,13 +271,13 @@ def _default_sampling_params(engine: AsyncLLMEngine) -> dict[str, Any]:
 
 
 def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | None = None) -> FastAPI:
-    """The server for `engine`; its lifespan starts the engine thread and shuts it down at exit."""
+    """The server for `engine`; its lifespan starts taking the engine's outputs and stops the engine at exit."""
     model_path = str(getattr(engine.model_config, "model", "") or "")
     config = ServerConfig.from_args(args, model_path)
     metrics = ServerMetrics(config.served_model_names[0])
     engine.observers.append(metrics)
-    # the engine thread detokenizes with engine.tokenizer; the HTTP side gets its own copy so two
-    # threads never share one Rust tokenizer ("Already borrowed")
+    # the event loop detokenizes with engine.tokenizer; the tokenizer threads get their own copies so
+    # two threads never share one Rust tokenizer ("Already borrowed")
     try:
         tokenizer = copy.deepcopy(engine.tokenizer)
     except Exception:

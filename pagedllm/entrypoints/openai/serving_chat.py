@@ -51,6 +51,7 @@ from pagedllm.entrypoints.openai.structured_outputs import (
     tool_mode,
 )
 from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import RequestOutputKind
 
 # SamplingParams calls the chat API's top_logprobs "logprobs"
 _PARAM_RENAMES = {"logprobs": "top_logprobs"}
@@ -162,6 +163,8 @@ class OpenAIServingChat:
             if request.max_completion_tokens else _PARAM_RENAMES
         params = context.build_params(request, max_tokens, logprobs, renames=renames)
         params.guided_decoding = guided_decoding_params(request)
+        # a stream takes what is new each step (DELTA); a plain request one output at the end
+        params.output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         request_id = random_id("chatcmpl")
         streams, queue = await context.submit(request_id, [prompt_ids], params, request, renames)
         created = int(time.time())
@@ -222,7 +225,8 @@ class OpenAIServingChat:
         return ChatCompletionResponse(
             id=request_id, created=created, model=model_name, choices=choices,
             usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated,
-                            total_tokens=num_prompt_tokens + num_generated))
+                            total_tokens=num_prompt_tokens + num_generated),
+            kv_transfer_params=final.kv_transfer_params)
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
                       num_prompt_tokens: int, streams: list[RequestStream],
@@ -248,12 +252,10 @@ class OpenAIServingChat:
                     state = states[completion.index]
                     if state.finished:
                         continue
-                    delta_text = completion.text[state.text_len:]
-                    new_ids = completion.token_ids[state.num_tokens:]
-                    new_logprobs = (completion.logprobs[state.num_tokens:]
-                                    if completion.logprobs is not None else None)
-                    state.text_len = len(completion.text)
-                    state.num_tokens = len(completion.token_ids)
+                    delta_text = completion.text
+                    new_ids = completion.token_ids
+                    new_logprobs = completion.logprobs
+                    state.num_tokens += len(new_ids)
                     state.finished = completion.finish_reason is not None
                     delta = DeltaMessage(content=delta_text)
                     finish_reason = completion.finish_reason

@@ -2,7 +2,8 @@
 
 A request with several prompts becomes one engine request per prompt; their outputs arrive on one
 shared queue, and choice i*n + j is sample j of prompt i, as in OpenAI's and vLLM's servers.
-Outputs are cumulative, so a stream sends what each choice gained since the last chunk.
+A stream asks the engine for DELTA outputs (what each choice gained since the last one), so its cost per
+token does not grow with the output; a non-streaming request asks for FINAL_ONLY (one output at the end).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
 )
 from pagedllm.entrypoints.openai.structured_outputs import guided_decoding_params
 from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import RequestOutputKind
 
 
 class OpenAIServingCompletion:
@@ -86,6 +88,7 @@ class OpenAIServingCompletion:
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         params = context.build_params(request, max_tokens, request.logprobs, prompt_logprobs)
         params.guided_decoding = guided_decoding_params(request)
+        params.output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         request_id = random_id("cmpl")
         streams, queue = await context.submit(request_id, prompts, params, request)
         created = int(time.time())
@@ -141,7 +144,8 @@ class OpenAIServingCompletion:
         num_prompt = sum(len(p) for p in prompts)
         return CompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
                                   usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                                                  total_tokens=num_prompt + num_generated))
+                                                  total_tokens=num_prompt + num_generated),
+                                  kv_transfer_params=finals[0].kv_transfer_params if finals else None)
 
     def _add_logprobs(self, target: CompletionLogProbs, token_ids: list[int],
                       logprobs: list[dict[int, Any]] | None, text_offset: int) -> int:
@@ -168,10 +172,14 @@ class OpenAIServingCompletion:
                       prompts: list[list[int]], streams: list[RequestStream],
                       queue: OutputQueue) -> AsyncIterator[str]:
         states: dict[int, ChoiceState] = {}
+        # DELTA outputs carry the prompt's logprobs once, in a prompt's first output
+        prompt_logprobs: dict[int, Any] = {}
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         try:
             async for prompt_index, output in merged_outputs(streams, queue):
                 prompt_ids = prompts[prompt_index]
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs.setdefault(prompt_index, output.prompt_logprobs)
                 choices = []
                 for completion in output.outputs:
                     index = prompt_index * request.n + completion.index
@@ -183,20 +191,17 @@ class OpenAIServingCompletion:
                         # the first chunk repeats the prompt
                         prefix = self._prompt_text(request, prompt_index, output, prompt_ids)
                         state.echoed = True
-                    delta_text = prefix + completion.text[state.text_len:]
-                    new_ids = completion.token_ids[state.num_tokens:]
+                    delta_text = prefix + completion.text
+                    new_ids = completion.token_ids
                     logprobs = None
                     if request.logprobs is not None and (new_ids or prefix):
                         logprobs = CompletionLogProbs()
                         if prefix:
-                            self._add_logprobs(logprobs, prompt_ids, output.prompt_logprobs, 0)
+                            self._add_logprobs(logprobs, prompt_ids, prompt_logprobs.get(prompt_index), 0)
                             state.text_offset = len(prefix)
-                        new_logprobs = (completion.logprobs[state.num_tokens:]
-                                        if completion.logprobs is not None else None)
-                        state.text_offset = self._add_logprobs(logprobs, new_ids, new_logprobs,
+                        state.text_offset = self._add_logprobs(logprobs, new_ids, completion.logprobs,
                                                                state.text_offset)
-                    state.text_len = len(completion.text)
-                    state.num_tokens = len(completion.token_ids)
+                    state.num_tokens += len(new_ids)
                     state.finished = completion.finish_reason is not None
                     if delta_text or new_ids or state.finished:
                         choices.append(CompletionResponseChoice(

@@ -2,9 +2,10 @@
 server-sent events, disconnect handling and logprob helpers.
 
 One request never harms another: everything a client sends is checked here or by the engine before
-it reaches a step; tokenization and chat templates run on worker threads with a time limit, so the
-event loop (and /health) stays responsive; admission counts sequences atomically; a 5xx body says
-only "internal server error" and a request id, and the details go to the log.
+it reaches a step; tokenization and chat templates run on worker threads with a time limit, and the
+model runs in the engine core's own process, so the event loop (and /health) stays responsive;
+admission counts sequences atomically; a 5xx body says only "internal server error" and a request id,
+and the details go to the log.
 """
 
 from __future__ import annotations
@@ -100,7 +101,6 @@ def param_of(message: str, known: set[str], renames: dict[str, str] | None = Non
 class ChoiceState:
     """What a stream already sent for one choice."""
 
-    text_len: int = 0
     num_tokens: int = 0
     text_offset: int = 0
     echoed: bool = False
@@ -350,8 +350,8 @@ async def merged_outputs(streams: list[RequestStream], queue: OutputQueue,
                          ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) until every stream finished.
 
-    The queue keeps only the newest undelivered output of each request (outputs are cumulative),
-    so a reader that falls behind skips to the latest state instead of replaying every step.
+    The queue folds the undelivered outputs of each request into one (OutputQueue), so a reader that
+    falls behind gets what it missed in one piece instead of replaying every step.
     """
     index_of = {stream.request_id: index for index, stream in enumerate(streams)}
     remaining = len(streams)

@@ -7,6 +7,12 @@ connection whose headers are not complete within the read timeout. After the gra
 cancels the request tasks, and a cancelled handler answers a text/plain 500 (or cuts a stream
 short); `GracefulServer` ends the engine's requests first, so each handler answers itself: a 503 in
 OpenAI's shape, or a stream's error event followed by `data: [DONE]`.
+
+If the engine core dies, the requests in flight have already been answered with errors (503, or a
+stream's error event) by the engine; the server then answers /health with 503 for a moment, so a load
+balancer sees it, and shuts down, and `pagedllm serve` exits with status 1 for a supervisor to restart
+it (vLLM's behaviour too). It does not restart the core itself: a core that crashed once would
+likely crash again on the same input, and a supervisor sees and counts restarts.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from pagedllm.entrypoints.openai.server import ABORT_CONNECTION
 
 # after the engine's requests were ended, how long handlers get to send their answers
 ANSWER_GRACE_S = 5.0
+# after the engine core died: how long /health answers 503 before the server shuts down
+ENGINE_DEAD_EXIT_DELAY_S = 2.0
 
 
 class ReadTimeoutH11Protocol(H11Protocol):
@@ -93,4 +101,13 @@ def make_server(app: Any, engine: AsyncLLMEngine, host: str, port: int, log_leve
                             timeout_keep_alive=keep_alive_timeout,
                             # uvicorn's own cut-off comes after ours, for handlers that cannot answer
                             timeout_graceful_shutdown=grace_period + ANSWER_GRACE_S)
-    return GracefulServer(config, engine, grace_period)
+    server = GracefulServer(config, engine, grace_period)
+
+    def on_engine_dead() -> None:
+        def stop() -> None:
+            server.should_exit = True
+
+        asyncio.get_running_loop().call_later(ENGINE_DEAD_EXIT_DELAY_S, stop)
+
+    engine.dead_callbacks.append(on_engine_dead)
+    return server

@@ -1,0 +1,381 @@
+"""EngineCore: the scheduler, the executor and the KV cache manager, stepping token ids (vLLM V1's name).
+
+It sees token ids in and token ids out, never text: tokenizing, chat templates, detokenizing, stop
+strings and the shape of outputs (output_kind) belong to the API process (LLMEngine for `LLM`,
+AsyncLLMEngine for the server; see output_processor.py). So the same core runs in-process under `LLM`
+and in its own process behind ZeroMQ under the server (core_proc.py), and what crosses that boundary
+each step is small: per request, the token ids and logprobs produced since its last output (a delta),
+never the whole list again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter as TallyCounter
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from pagedllm.executor.abstract import Executor, ExecutorDeadError
+from pagedllm.kv_cache.manager import KVCacheManager
+from pagedllm.kv_cache.snapshot import KVCacheSnapshot
+from pagedllm.metrics.reader import Counter, Gauge, Histogram, Metric
+from pagedllm.outputs import PositionLogprobs, RequestMetrics
+from pagedllm.platform import configure_threads
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
+
+
+def _compact_reduce(self):  # type: ignore[no-untyped-def]
+    # Pickled as (class, field values): the class reference is memoised once per message, so each
+    # further object costs its values only, not its field names.
+    return self.__class__, tuple(getattr(self, f.name) for f in fields(self))
+
+
+@dataclass
+class EngineCoreRequest:
+    """A request as the core takes it: token ids and resolved SamplingParams (max_tokens set,
+    all_stop_token_ids filled). The prompt text stays in the API process."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+
+    __reduce__ = _compact_reduce
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one sample gained in one step. `request_id` is the user request's; `index` the sample's
+    (parallel sampling, n > 1). Token ids and logprobs are the new ones only."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    # the prompt's logprobs (complete once the first token is sampled): in a sample's first output only
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # the core's timings: in a sample's first and last output only
+    metrics: RequestMetrics | None = None
+    # disaggregated prefill: where a decode instance pulls this request's KV blocks (last output only)
+    kv_transfer_params: dict | None = None
+
+    __reduce__ = _compact_reduce
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def engine_request_id(request_id: str, index: int, n: int) -> str:
+    """The scheduler's id of sample `index`: the request's own id, or its fork's when n > 1 (make_child)."""
+    return f"{index}_{request_id}" if n > 1 else request_id
+
+
+@dataclass
+class EngineCoreOutputs:
+    """Everything one core iteration sends back."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    # user requests a failing step ended alone (the others carry on); their exceptions go to the log
+    failed_request_ids: list[str] = field(default_factory=list)
+    # the scheduler's waiting queue after the iteration (what --max-waiting-requests is about)
+    num_waiting: int = 0
+
+    __reduce__ = _compact_reduce
+
+
+def merge_core_outputs(steps: list[EngineCoreOutputs]) -> EngineCoreOutputs:
+    """Several consecutive steps' outputs as one: per sample, the new tokens and logprobs in order and
+    the latest state (what the API process needs when it catches up on a backlog)."""
+    if len(steps) == 1:
+        return steps[0]
+    merged: dict[tuple[str, int], EngineCoreOutput] = {}
+    failed: list[str] = []
+    for step in steps:
+        failed += step.failed_request_ids
+        for output in step.outputs:
+            key = (output.request_id, output.index)
+            previous = merged.get(key)
+            if previous is None:
+                merged[key] = output
+                continue
+            previous.new_token_ids = previous.new_token_ids + output.new_token_ids
+            if output.new_logprobs is not None:
+                previous.new_logprobs = (previous.new_logprobs or []) + output.new_logprobs
+            previous.cumulative_logprob = output.cumulative_logprob
+            previous.finish_reason = output.finish_reason
+            previous.stop_reason = output.stop_reason
+            previous.num_cached_tokens = output.num_cached_tokens
+            previous.prompt_logprobs = previous.prompt_logprobs or output.prompt_logprobs
+            previous.metrics = output.metrics or previous.metrics
+            previous.kv_transfer_params = output.kv_transfer_params or previous.kv_transfer_params
+    return EngineCoreOutputs(list(merged.values()), failed, steps[-1].num_waiting)
+
+
+class EngineCore:
+    """Owns the executor (and through it the workers, one per tensor-parallel rank), the KV cache
+    manager and the scheduler. Not thread-safe: one thread calls it."""
+
+    def __init__(self, args: EngineArgs, tokenizer: Any = None):
+        from pagedllm.engine.llm_engine import create_engine_config, load_tokenizer
+
+        self.args = args
+        self.num_threads = configure_threads(args.num_threads)  # before the executor: its workers take it
+        config = create_engine_config(args)
+        # grammars compile against the tokenizer's vocabulary, so the core has one (an in-process
+        # engine shares its own); loaded before the model, as the engine always did
+        if tokenizer is None:
+            tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
+        self.config = config
+        self.device = config.device
+        self.model_config = config.model_config
+        self.scheduler_config = config.scheduler_config
+        self.cache_config = config.cache_config
+        self.parallel_config = config.parallel_config
+        self.speculative_config = config.speculative_config
+        executor_class = Executor.get_class(self.parallel_config)
+        self.model_executor = executor_class(self.model_config, self.cache_config, self.scheduler_config,
+                                             self.parallel_config, self.device, seed=args.seed,
+                                             speculative_config=self.speculative_config)
+        num_blocks = self.model_executor.determine_num_blocks()
+        self.cache_config.num_blocks = num_blocks
+        self.model_executor.initialize_kv_cache(num_blocks)
+        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.structured_output_manager = StructuredOutputManager(tokenizer, self.model_config.vocab_size,
+                                                                 self.model_config.eos_token_ids)
+        # Disaggregated prefill: the scheduler side of a KV connector (the worker side lives in the workers)
+        self.kv_connector = None
+        if args.kv_transfer_config is not None:
+            from pagedllm.distributed.kv_transfer import make_scheduler_connector
+
+            self.kv_connector = make_scheduler_connector(args.kv_transfer_config, args.block_size)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.model_config.eos_token_ids,
+                                   self.structured_output_manager, connector=self.kv_connector)
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.finished_reasons: TallyCounter[str] = TallyCounter()
+        # user request id -> the exception that ended it in the last step (see step())
+        self.failed_requests: dict[str, Exception] = {}
+        # user request id -> n, for requests with parallel samples (their scheduler ids differ)
+        self._num_samples: dict[str, int] = {}
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None and self.parallel_config.distributed_executor_backend == "uni":
+            self.model_executor.collective_rpc("shutdown_kv_connector")  # frees its port for a next engine
+        self.model_executor.shutdown()
+
+    # ---- requests in ----
+    def add_request(self, request: EngineCoreRequest) -> None:
+        params = request.sampling_params
+        if request.request_id in self.scheduler.requests or request.request_id in self._num_samples:
+            raise ValueError(f"request_id {request.request_id!r} is already in use.")
+        core_request = Request(request.request_id, request.prompt_token_ids, params,
+                               arrival_time=request.arrival_time)
+        if params.n > 1:
+            self._num_samples[request.request_id] = params.n
+        self.scheduler.add_request(core_request)
+        self.num_prompt_tokens += len(request.prompt_token_ids)
+
+    def _member_ids(self, request_id: str) -> list[str]:
+        n = self._num_samples.get(request_id, 1)
+        return [request_id] + ([engine_request_id(request_id, index, n) for index in range(n)] if n > 1 else [])
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """End user requests (every sample of each); unknown or finished ids are ignored."""
+        for request_id in request_ids:
+            ended = self.scheduler.finish_requests(self._member_ids(request_id), RequestStatus.FINISHED_ABORTED)
+            self._num_samples.pop(request_id, None)
+            if ended:
+                self.finished_reasons["abort"] += 1
+        self._flush_finished_if_idle()
+
+    def stop_requests(self, engine_request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        """End samples the API process found a stop string in (by their scheduler ids); returns their
+        last outputs (no new tokens: the API process has them), which carry the timings."""
+        now = time.time()
+        outputs = []
+        for request in self.scheduler.finish_requests(engine_request_ids, RequestStatus.FINISHED_STOPPED):
+            request.stop_reason = None  # the stop string itself is known to the API process
+            outputs.append(self._make_output(request, now))
+        self._flush_finished_if_idle()
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop ----
+    def step(self) -> list[EngineCoreOutput]:
+        """One scheduling step. A request that makes the model run fail is ended alone: its id lands
+        in `failed_requests` (read it after each step) and the other requests carry on."""
+        self.failed_requests.clear()
+        scheduler_output = self.scheduler.schedule()
+        now = time.time()
+        for item in scheduler_output.scheduled:
+            if item.request.metrics.first_scheduled_time is None:
+                item.request.metrics.first_scheduled_time = now
+        try:
+            model_output = self.model_executor.execute_model(scheduler_output)
+        except ExecutorDeadError:
+            raise  # a dead worker process is fatal for the engine, not one request's fault
+        except Exception as exc:
+            if len(scheduler_output.scheduled) <= 1:
+                for item in scheduler_output.scheduled:
+                    self._fail_request(item.request, exc)
+                return []
+            return self._isolate_failure(scheduler_output, exc)
+        return self._finish_step(scheduler_output, model_output)
+
+    def _isolate_failure(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
+        """Run the failed step's requests one at a time: the ones that fail alone are the culprits.
+
+        Safe to retry because a step changes request state only after the model ran: the scheduler
+        already allocated every request's slots, so each one can run its part of the plan alone.
+        """
+        logger.error("engine step of %d requests failed (%s: %s); retrying them one at a time",
+                     len(scheduler_output.scheduled), type(exc).__name__, exc)
+        outputs: list[EngineCoreOutput] = []
+        # Block copies and the finished ids go with the first retry only (copying a block twice is harmless);
+        # the step's grammar bitmask is keyed by request id, so every retry can carry it whole.
+        copies, finished_req_ids = scheduler_output.blocks_to_copy, scheduler_output.finished_req_ids
+        for item in scheduler_output.scheduled:
+            if item.request.request_id not in self.scheduler.requests:
+                continue  # a sibling of an earlier culprit, ended with it
+            single = SchedulerOutput(scheduled=[item], num_batched_tokens=item.num_new_tokens,
+                                     blocks_to_copy=copies, preempted_ids=[], finished_req_ids=finished_req_ids,
+                                     grammar_bitmask=scheduler_output.grammar_bitmask)
+            copies, finished_req_ids = [], set()
+            try:
+                model_output = self.model_executor.execute_model(single)
+            except ExecutorDeadError:
+                raise
+            except Exception as item_exc:
+                self._fail_request(item.request, item_exc)
+                continue
+            outputs += self._finish_step(single, model_output)
+        return outputs
+
+    def _fail_request(self, request: Request, exc: Exception) -> None:
+        """End the user request this (sample of a) request belongs to; the error goes to the log only."""
+        group_id = request.parent_id or request.request_id
+        logger.error("request %s failed inside a step and was ended", group_id, exc_info=exc)
+        for member_id in self._member_ids(group_id):
+            member = self.scheduler.requests.get(member_id)
+            if member is not None:
+                # the failed step may have put hashes on blocks whose KV it never wrote
+                self.kv_cache_manager.forget_uncomputed(member)
+        self.abort_requests([group_id])
+        self.failed_requests[group_id] = exc
+
+    def _finish_step(self, scheduler_output: SchedulerOutput,
+                     model_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        updated, _, _ = self.scheduler.update(scheduler_output, model_output)
+        self.scheduler.update_draft_token_ids(model_output.spec_token_ids)
+        self.num_generation_tokens += sum(len(t) for t in model_output.sampled_token_ids.values())
+        now = time.time()
+        outputs = [self._make_output(request, now) for request in updated]
+        self._flush_finished_if_idle()
+        return outputs
+
+    def _make_output(self, request: Request, now: float) -> EngineCoreOutput:
+        metrics = request.metrics
+        first = request.num_sent_tokens == 0
+        start, request.num_sent_tokens = request.num_sent_tokens, request.num_output_tokens
+        if request.num_sent_tokens > start:
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+        # slices of what is new, so a step's message stays the same size however long the output is
+        new_token_ids = request.output_token_ids[start:]
+        new_logprobs = request.logprobs[start:] if request.logprobs is not None else None
+        finish_reason = request.status.finish_reason if request.is_finished else None
+        if finish_reason is not None:
+            metrics.finished_time = now
+            self.finished_reasons[finish_reason] += 1
+            self._forget_group_if_done(request)
+        return EngineCoreOutput(
+            request_id=request.parent_id or request.request_id, index=request.index,
+            new_token_ids=new_token_ids, new_logprobs=new_logprobs,
+            cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
+            finish_reason=finish_reason, stop_reason=request.stop_reason,
+            num_cached_tokens=max(0, request.num_cached_tokens),
+            prompt_logprobs=request.prompt_logprobs if first else None,
+            metrics=metrics if first or finish_reason is not None else None,
+            kv_transfer_params=request.kv_transfer_params_out if finish_reason is not None else None)
+
+    def _forget_group_if_done(self, request: Request) -> None:
+        group_id = request.parent_id
+        if group_id is None or group_id not in self._num_samples:
+            return
+        if not any(member in self.scheduler.requests for member in self._member_ids(group_id)):
+            del self._num_samples[group_id]
+
+    def _flush_finished_if_idle(self) -> None:
+        if not self.scheduler.has_unfinished_requests() and self.scheduler.finished_req_ids:
+            # Going idle: tell the workers now which requests are gone, so what they hold for them (a
+            # draft's KV blocks, their copies of the requests) is freed without waiting for more work.
+            self.model_executor.execute_model(self.scheduler.schedule())
+
+    # ---- state read by metrics, the KV-cache page and the stats log ----
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def get_kv_cache_snapshot(self) -> KVCacheSnapshot:
+        """Every KV block and every request's block table as of now (GET /kv-cache/state). Call it
+        between steps; it only copies numbers, the JSON is built by the snapshot elsewhere."""
+        return self.scheduler.kv_cache_snapshot()
+
+    def get_metrics(self) -> list[Metric]:
+        kv = self.kv_cache_manager
+        metrics: list[Metric] = [
+            Gauge("pagedllm:kv_cache_total_blocks", kv.pool.num_blocks),
+            Gauge("pagedllm:kv_cache_free_blocks", kv.num_free_blocks),
+            Gauge("pagedllm:kv_cache_usage_perc", kv.usage()),
+            Gauge("pagedllm:num_cached_blocks", kv.pool.num_cached_blocks),
+            Gauge("pagedllm:num_requests_running", self.scheduler.num_running),
+            Gauge("pagedllm:num_requests_waiting", len(self.scheduler.waiting)),
+            Counter("pagedllm:num_preemptions", self.scheduler.num_preemptions),
+            Counter("pagedllm:prompt_tokens", self.num_prompt_tokens),
+            Counter("pagedllm:generation_tokens", self.num_generation_tokens),
+            Counter("pagedllm:prefix_cache_queries", kv.prefix_cache_queries),
+            Counter("pagedllm:prefix_cache_hits", kv.prefix_cache_hits),
+        ]
+        for reason in ("stop", "length", "abort"):
+            metrics.append(Counter("pagedllm:request_success", self.finished_reasons[reason],
+                                   {"finished_reason": reason}))
+        if self.speculative_config is not None:
+            metrics.extend(self.model_executor.collective_rpc("spec_decode_metrics")[0])
+        if self.kv_connector is not None:
+            staged = self.model_executor.collective_rpc("kv_staging_stats")[0]
+            metrics.extend(kv_transfer_metrics(self.kv_connector, self.scheduler.num_waiting_for_kv, staged))
+        return metrics
+
+
+def kv_transfer_metrics(connector: Any, num_waiting_for_kv: int, staged: tuple[int, int]) -> list[Metric]:
+    """Disaggregated prefill: bytes moved each way, load times, requests waiting, recomputes."""
+    from pagedllm.distributed.kv_transfer.scheduler_side import KV_TRANSFER_SECONDS_BUCKETS
+
+    return [
+        *(Counter("pagedllm:kv_transfer_bytes", n, {"direction": d}) for d, n in connector.bytes_total.items()),
+        Histogram("pagedllm:kv_transfer_seconds", connector.seconds_sum, buckets=list(KV_TRANSFER_SECONDS_BUCKETS),
+                  bucket_counts=list(connector.seconds_bucket_counts), count=connector.seconds_count),
+        Gauge("pagedllm:num_requests_waiting_for_kv", num_waiting_for_kv),
+        Counter("pagedllm:kv_transfer_fallbacks", connector.num_fallbacks),
+        Gauge("pagedllm:kv_transfer_staged_requests", staged[0]),
+        Gauge("pagedllm:kv_transfer_staged_bytes", staged[1]),
+    ]

@@ -1,0 +1,105 @@
+"""Prompts and SamplingParams in, EngineCoreRequests out, in the API process (vLLM V1's input processor):
+tokenize, check every bound the engine has, resolve max_tokens and the stop token ids.
+
+Everything a bad request could break is checked here, before the request reaches the core, so a
+ValueError naming the parameter reaches the caller (an HTTP 400) and no step ever fails on bad input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.config import ModelConfig
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.core import EngineCoreRequest
+from pagedllm.kv_cache.manager import cdiv
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import StructuredOutputManager
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class InputProcessor:
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, tokenizer: Any, block_size: int,
+                 num_blocks: int, structured_output_manager: StructuredOutputManager | None = None) -> None:
+        self.args = args
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        # compiles each guided-decoding spec once here so a bad one is a ValueError, not a failed step
+        # (an in-process core shares its manager, so its cache of compiled grammars serves both)
+        self.structured_output_manager = structured_output_manager or StructuredOutputManager(
+            tokenizer, model_config.vocab_size, model_config.eos_token_ids)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict must have 'prompt' or 'prompt_token_ids'.")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids.")
+            return prompt, list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
+                arrival_time: float) -> tuple[str | None, EngineCoreRequest]:
+        """(the prompt's text if it had one, the request for the core); ValueError for bad input."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
+        text, token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params)
+        params = params.clone()
+        if params.max_tokens is None:
+            params.max_tokens = self.model_config.max_model_len - len(token_ids)
+        # As vLLM: the model's EOS ids (generation_config's included) are among the ids min_tokens masks
+        # even with ignore_eos, which only stops EOS from ending the request.
+        params.all_stop_token_ids = set(params.stop_token_ids) | set(self.model_config.eos_token_ids)
+        return text, EngineCoreRequest(request_id, token_ids, params, arrival_time)
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        max_len = self.model_config.max_model_len
+        if not token_ids:
+            raise ValueError("prompt must not be empty.")
+        vocab = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}).")
+        if len(token_ids) >= max_len:
+            raise ValueError(f"prompt is {len(token_ids)} tokens, which is not below max_model_len={max_len}.")
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > max_len:
+            raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {len(token_ids)} tokens exceeds "
+                             f"max_model_len={max_len}; lower max_tokens or shorten the prompt.")
+        total = len(token_ids) + (params.max_tokens or max_len - len(token_ids))
+        if cdiv(total, self.block_size) > self.num_blocks:
+            raise ValueError(f"prompt plus max_tokens ({total} tokens) can never fit in the KV cache of "
+                             f"{self.num_blocks * self.block_size} tokens.")
+        if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
+            raise ValueError(f"logprobs must be at most max_logprobs={self.args.max_logprobs}, got {params.logprobs}.")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.args.max_logprobs:
+            raise ValueError(f"prompt_logprobs must be at most max_logprobs={self.args.max_logprobs}, "
+                             f"got {params.prompt_logprobs}.")
+        # Everything below would otherwise fail (or slow every request) inside a step.
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids contains token id {bad[0]}, outside the vocabulary [0, {vocab}).")
+        if len(params.stop_token_ids) > self.args.max_stop_token_ids:
+            raise ValueError(f"stop_token_ids has {len(params.stop_token_ids)} entries; the limit is "
+                             f"max_stop_token_ids={self.args.max_stop_token_ids}.")
+        if len(params.stop) > self.args.max_stop_strings:
+            raise ValueError(f"stop has {len(params.stop)} strings; the limit is "
+                             f"max_stop_strings={self.args.max_stop_strings}.")
+        longest = max((len(stop) for stop in params.stop), default=0)
+        if longest > self.args.max_stop_string_len:
+            raise ValueError(f"stop has a string of {longest} characters; the limit is "
+                             f"max_stop_string_len={self.args.max_stop_string_len}.")
+        if params.guided_decoding is not None:
+            if self.tokenizer is None:
+                raise ValueError("guided_decoding needs the model's tokenizer, and this model has none.")
+            self.structured_output_manager.compile(params.guided_decoding)  # ValueError if it cannot compile

@@ -1,0 +1,93 @@
+"""Linear weights prepacked for oneDNN on CPU (pagedllm.layers.linear.prepack_linear_weights): the same
+outputs as F.linear on the plain weights (bit-identical in bf16, to rounding in fp32), quantized
+projections left to their own kernels, and PAGEDLLM_CPU_PREPACK_WEIGHTS=0 as the way back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.linear import (
+    PREPACK_ENV,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    packed_linear,
+    prepack_enabled,
+    prepack_linear_weights,
+)
+
+pytestmark = pytest.mark.skipif(not prepack_enabled(torch.device("cpu"), torch.float32),
+                                reason="torch built without oneDNN")
+
+
+def _layers(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.up = MergedColumnParallelLinear(48, [40, 40], True, dtype)
+    model.down = RowParallelLinear(40, 48, False, dtype)
+    model.head = ParallelLMHead(100, 48, dtype)
+    for param in model.parameters():
+        param.data.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_layers_match_f_linear(dtype: torch.dtype) -> None:
+    model = _layers(dtype)
+    x = torch.randn(5, 48, dtype=dtype)
+    plain = {"up": F.linear(x, model.up.weight, model.up.bias), "head": F.linear(x, model.head.weight).float()}
+    plain["down"] = F.linear(plain["up"][:, :40], model.down.weight)
+    assert prepack_linear_weights(model, torch.device("cpu"), dtype) == 3
+    assert model.up.matmul is packed_linear and model.up.weight.is_mkldnn
+    assert not model.head.weight.is_mkldnn  # the embedding's rows stay readable; the head has a copy
+    packed = {"up": model.up(x), "head": model.head.compute_logits(x)}
+    packed["down"] = model.down(plain["up"][:, :40])
+    for name in plain:
+        if dtype == torch.bfloat16:
+            assert torch.equal(packed[name], plain[name]), name
+        else:
+            torch.testing.assert_close(packed[name], plain[name], rtol=1e-5, atol=1e-5)
+    assert prepack_linear_weights(model, torch.device("cpu"), dtype) == 0  # already packed: nothing to do
+
+
+def test_prepack_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PREPACK_ENV, "0")
+    model = _layers(torch.float32)
+    assert prepack_linear_weights(model, torch.device("cpu"), torch.float32) == 0
+    assert not model.up.weight.is_mkldnn and model.head.packed_weight is None
+    assert prepack_linear_weights(_layers(torch.float16), torch.device("cpu"), torch.float16) == 0
+
+
+def _generate(model_dir: str, dtype: str, **kwargs) -> list:
+    llm = LLM(model=model_dir, dtype=dtype, seed=0, max_model_len=128, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, ignore_eos=True)
+    return [o.outputs[0] for o in llm.generate(["def fibonacci(n):", "The quick brown fox"], params,
+                                               use_tqdm=False)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_engine_outputs_unchanged(tiny_qwen2_dir: str, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    packed = _generate(tiny_qwen2_dir, dtype)
+    monkeypatch.setenv(PREPACK_ENV, "0")
+    plain = _generate(tiny_qwen2_dir, dtype)
+    for a, b in zip(packed, plain):
+        assert a.token_ids == b.token_ids
+        for lp_a, lp_b in zip(a.logprobs, b.logprobs):
+            assert lp_a.keys() == lp_b.keys()
+            for token in lp_a:
+                if dtype == "bfloat16":
+                    assert lp_a[token].logprob == lp_b[token].logprob
+                else:
+                    assert lp_a[token].logprob == pytest.approx(lp_b[token].logprob, abs=1e-4)
+
+
+def test_quantized_projections_keep_their_kernel(tiny_llama_dir: str) -> None:
+    llm = LLM(model=tiny_llama_dir, dtype="float32", quantization="int8", seed=0, max_model_len=128)
+    model = llm.llm_engine.model_runner.model
+    assert all(layer.mlp.gate_up_proj.matmul is not packed_linear for layer in model.layers)
+    assert model.lm_head.packed_weight is not None  # the LM head stays full precision, so it is packed
+    out = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
