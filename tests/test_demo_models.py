@@ -119,9 +119,10 @@ def test_validation_loss_matches_card(models: dict, val_slice: torch.Tensor, res
         assert loss < uniform - 3.0, f"{name} is barely better than a uniform guess"
     assert losses["target"] < losses["draft"] - 0.1
     # What this pair achieves on the card's 16,384 validation tokens. The goals were 3.0 (target) and
-    # 3.6 (draft); 12M training tokens (about five passes over the library) got the target to 3.34.
-    assert results["target"]["val_loss"] <= 3.35
-    assert results["draft"]["val_loss"] <= 4.1
+    # 3.6 (draft); 22M training tokens (12M over the library, then 10M with the test suites added)
+    # got the target to 3.25 and the draft, distilled from it, to 4.12.
+    assert results["target"]["val_loss"] <= 3.26
+    assert results["draft"]["val_loss"] <= 4.13
 
 
 @torch.no_grad()
@@ -186,7 +187,5 @@ def test_cli_greedy_completions_parse(results: dict) -> None:
     parsed = [script.block_parses(text, prompt) for text, prompt in zip(texts, prompts)]
     # The engine reproduces the card's fp32 samples (up to floating-point summation order).
     assert parsed == results["parses"]["target"], texts
-    # The goal is 4 of 5; this target gets 1 (its greedy loops run past the token limit inside
-    # docstrings or break the indentation, and "def " ending in a space is a token boundary the
-    # tokenizer never produced in training: the space belongs to the next word's token).
-    assert sum(parsed) >= 1, texts
+    # The goal is 4 of 5; this target gets all 5 (the earlier one, trained on the library alone, got 1).
+    assert sum(parsed) >= 4, texts

@@ -153,12 +153,19 @@ def is_data_like(text: str) -> bool:
     return literal >= DATA_LIKE_FRACTION * len(lines)
 
 
-def load_corpus(seed: int, include_tests: bool = False) -> tuple[list[str], list[str], dict]:
-    """Training and validation documents (one per file) and what was left out, by reason."""
-    train, val = [], []
+def load_corpus(seed: int, include_tests: bool = False) -> tuple[list[str], list[str], list[str], dict]:
+    """Training and validation documents of the library (one per file), the test suites' documents
+    (empty unless include_tests), and what was left out, by reason.
+
+    Test files are kept apart: they only ever join the training stream, so the tokenizer and the
+    validation split (library files only) are the same with and without them, and a run can add
+    them halfway and resume from its checkpoint.
+    """
+    train, val, tests = [], [], []
     seen: set[bytes] = set()
     dropped = {"unreadable_or_empty": 0, "data_like": 0, "duplicate": 0}
-    for rel, path in stdlib_files(include_tests):
+    # Library files first, so a test file that duplicates one never takes its place in the split.
+    for rel, path in sorted(stdlib_files(include_tests), key=lambda f: is_test_file(f[0])):
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
@@ -175,8 +182,15 @@ def load_corpus(seed: int, include_tests: bool = False) -> tuple[list[str], list
             dropped["duplicate"] += 1
             continue
         seen.add(digest)
-        (val if is_validation(rel, seed) else train).append(text)
-    return train, val, dropped
+        if is_test_file(rel):
+            tests.append(text)
+        else:
+            (val if is_validation(rel, seed) else train).append(text)
+    return train, val, tests, dropped
+
+
+def is_test_file(rel_path: str) -> bool:
+    return any(part in TEST_DIRS for part in rel_path.split("/")[:-1])
 
 
 # ------------------------------------------------------------------------------------ tokenizer
@@ -459,25 +473,36 @@ def prepare_data(a: argparse.Namespace) -> tuple[Path, torch.Tensor, torch.Tenso
     cache = work / "streams.pt"
     settings = {"seed": a.seed, "vocab_size": a.vocab_size, "include_tests": a.include_tests,
                 "python": sys.version.split()[0]}
+    same_tokenizer = False
     if cache.exists() and (tok_dir / "tokenizer.json").exists():
         data = torch.load(cache)
         if data.get("settings") == settings:
             return tok_dir, data["train"], data["val"], data["corpus"]
-        if (work / "target.pt").exists():
+        # The tokenizer is trained on library files only, so adding or dropping the test suites
+        # keeps it (and the checkpoints trained with it) valid; anything else starts over.
+        cached = dict(data.get("settings") or {}, include_tests=a.include_tests)
+        same_tokenizer = cached == settings
+        if not same_tokenizer and (work / "target.pt").exists():
             sys.exit(f"{work} holds a run with other data settings ({data.get('settings')}); use another --ckpt-dir")
     t0 = time.time()
-    train_texts, val_texts, dropped = load_corpus(a.seed, a.include_tests)
-    log(f"corpus: {len(train_texts)} train files, {len(val_texts)} validation files, "
-        f"{sum(map(len, train_texts)) / 1e6:.1f}M / {sum(map(len, val_texts)) / 1e6:.2f}M characters; "
-        f"left out {dropped}")
-    tok = train_tokenizer(train_texts, a.vocab_size)
-    tok_dir.mkdir(parents=True, exist_ok=True)
-    save_tokenizer(tok, tok_dir)
+    train_texts, val_texts, test_texts, dropped = load_corpus(a.seed, a.include_tests)
+    log(f"corpus: {len(train_texts)} train files (+{len(test_texts)} test-suite files), {len(val_texts)} "
+        f"validation files, {sum(map(len, train_texts)) / 1e6:.1f}M (+{sum(map(len, test_texts)) / 1e6:.1f}M) / "
+        f"{sum(map(len, val_texts)) / 1e6:.2f}M characters; left out {dropped}")
+    if same_tokenizer:
+        tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+        log(f"kept the tokenizer in {tok_dir} (same library files)")
+    else:
+        tok = train_tokenizer(train_texts, a.vocab_size)
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        save_tokenizer(tok, tok_dir)
+    train_texts = train_texts + test_texts
     train_stream, val_stream = encode_documents(tok, train_texts), encode_documents(tok, val_texts)
     log(f"tokenizer ({tok.get_vocab_size()} tokens) and streams in {time.time() - t0:.0f} s: "
         f"{len(train_stream) / 1e6:.2f}M train, {len(val_stream) / 1e6:.3f}M validation tokens")
     corpus = {
         "files_train": len(train_texts),
+        "files_tests": len(test_texts),
         "files_val": len(val_texts),
         "chars_train": sum(map(len, train_texts)),
         "chars_val": sum(map(len, val_texts)),
@@ -663,7 +688,9 @@ def render_card(name: str, r: dict) -> str:
     ta, da = r["target"]["args"], r["draft"]["args"]
     left_out = c["files_left_out"]
     tests_note = (
-        "The test suites (`test/`, `tests/`, `idle_test/`) are included (--include-tests)."
+        f"The test suites (`test/`, `tests/`, `idle_test/`: {c.get('files_tests', '?')} files) join the training\n"
+        "stream only (--include-tests, added partway through the run); the tokenizer and the validation split are\n"
+        "library files only."
         if c["include_tests"] else
         "Left out: the test suites (`test/`, `lib2to3/tests/` with its fixtures, `idlelib/idle_test/`),\n"
         "which pull completions into test boilerplate, and `site-packages`."
