@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from pagedllm.assets import installed_model_path
-from pagedllm.benchmarks.reporting import fail, write_json
+from pagedllm.benchmarks.reporting import fail, int_list, write_json
 
 DEFAULT_DTYPES = ["auto", "int8", "fp8", "fp8_e5m2"]
 
@@ -164,13 +164,6 @@ def format_kv_cache(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _int_list(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
-    return values
-
-
 def _dtype_list(text: str) -> list[str]:
     from pagedllm.kv_cache.quant import KV_CACHE_DTYPES
 
@@ -185,7 +178,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory (default: the bundled demo model)")
     parser.add_argument("--kv-cache-dtypes", type=_dtype_list, default=DEFAULT_DTYPES,
                         help=f"comma-separated, the first is the baseline (default: {','.join(DEFAULT_DTYPES)})")
-    parser.add_argument("--batch-sizes", type=_int_list, default=[1, 32])
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 32])
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--num-iters", type=int, default=3)

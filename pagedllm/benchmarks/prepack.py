@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from pagedllm.assets import installed_model_path
-from pagedllm.benchmarks.quantization import RANDOM_QWEN2, _decode_rates, _int_list, build_random_qwen2
-from pagedllm.benchmarks.reporting import fail, write_json
+from pagedllm.benchmarks.quantization import RANDOM_QWEN2, _decode_rates, build_random_qwen2
+from pagedllm.benchmarks.reporting import fail, int_list, write_json
 from pagedllm.layers.linear import PREPACK_ENV
 
 VARIANTS = {"plain": "0", "prepacked": "1"}  # the PAGEDLLM_CPU_PREPACK_WEIGHTS value each engine loads under
@@ -99,7 +99,7 @@ def format_prepack(report: dict[str, Any]) -> str:
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help=f"model directory, or {RANDOM_QWEN2} (default: the bundled demo model)")
-    parser.add_argument("--batch-sizes", type=_int_list, default=[1, 16])
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 16])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--num-iters", type=int, default=3)

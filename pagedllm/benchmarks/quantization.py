@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from pagedllm.assets import installed_model_path
-from pagedllm.benchmarks.reporting import write_json
+from pagedllm.benchmarks.reporting import int_list, write_json
 from pagedllm.planner import roofline as rl
 from pagedllm.planner.hardware import measure_memory_bandwidth
 
@@ -153,13 +153,6 @@ def format_quantization(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _int_list(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
-    return values
-
-
 def _method_list(text: str) -> list[str]:
     values = [v for v in text.split(",") if v]
     bad = [v for v in values if v not in METHODS]
@@ -173,7 +166,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help=f"model directory, or {RANDOM_QWEN2} (default: the bundled demo model)")
     parser.add_argument("--methods", type=_method_list, default=list(METHODS),
                         help="comma-separated, the first is the baseline (default: bf16,int8,fp8)")
-    parser.add_argument("--batch-sizes", type=_int_list, default=[1, 16])
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 16])
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--num-iters", type=int, default=3)

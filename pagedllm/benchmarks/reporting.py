@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from typing import Any
@@ -19,3 +20,11 @@ def write_json(path: str | None, report: Any) -> None:
         with open(path, "w") as f:
             json.dump(report, f, indent=2, default=str)
             f.write("\n")
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse type: positive integers separated by commas ("1,16,64")."""
+    values = [int(v) for v in text.split(",") if v]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
