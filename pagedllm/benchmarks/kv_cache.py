@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from pagedllm.assets import installed_model_path
-from pagedllm.benchmarks.reporting import fail, int_list, write_json
+from pagedllm.benchmarks.reporting import choice_list, fail, int_list, set_num_threads, write_json
+from pagedllm.kv_cache.quant import KV_CACHE_DTYPES
 
 DEFAULT_DTYPES = ["auto", "int8", "fp8", "fp8_e5m2"]
 
@@ -164,19 +165,10 @@ def format_kv_cache(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _dtype_list(text: str) -> list[str]:
-    from pagedllm.kv_cache.quant import KV_CACHE_DTYPES
-
-    values = [v for v in text.split(",") if v]
-    bad = [v for v in values if v not in KV_CACHE_DTYPES]
-    if not values or bad:
-        raise argparse.ArgumentTypeError(f"kv cache dtypes must be among {list(KV_CACHE_DTYPES)}, got {text!r}")
-    return values
-
-
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory (default: the bundled demo model)")
-    parser.add_argument("--kv-cache-dtypes", type=_dtype_list, default=DEFAULT_DTYPES,
+    parser.add_argument("--kv-cache-dtypes", type=choice_list(KV_CACHE_DTYPES, "kv cache dtypes"),
+                        default=DEFAULT_DTYPES,
                         help=f"comma-separated, the first is the baseline (default: {','.join(DEFAULT_DTYPES)})")
     parser.add_argument("--batch-sizes", type=int_list, default=[1, 32])
     parser.add_argument("--input-len", type=int, default=512)
@@ -191,10 +183,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cmd(args: argparse.Namespace) -> int:
-    if args.num_threads is not None:
-        if args.num_threads < 1:
-            return fail(f"--num-threads must be >= 1, got {args.num_threads}")
-        torch.set_num_threads(args.num_threads)
+    if (status := set_num_threads(args.num_threads)) is not None:
+        return status
     if args.input_len < 1 or args.output_len < 2 or args.num_iters < 1 or args.seq_len < 1 or args.memory_budget < 1:
         return fail("--input-len, --num-iters, --seq-len and --memory-budget must be >= 1 and --output-len >= 2")
     model = args.model or installed_model_path()

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.benchmarks.reporting import fail, write_json
+from pagedllm.benchmarks.reporting import fail, set_num_threads, write_json
 
 
 @dataclass
@@ -210,10 +210,8 @@ def run_cmd(args: argparse.Namespace) -> int:
         return fail(f"--fill must be in (0, 1], got {args.fill}")
     if args.engine_prompt_len >= 4096:
         return fail(f"--engine-prompt-len must be below 4096, got {args.engine_prompt_len}")
-    if args.num_threads is not None:
-        if args.num_threads < 1:
-            return fail(f"--num-threads must be at least 1, got {args.num_threads}")
-        torch.set_num_threads(args.num_threads)
+    if (status := set_num_threads(args.num_threads)) is not None:
+        return status
     result = run_snapshot_bench(args.num_blocks, args.block_size, args.fill, args.num_requests, args.num_iters,
                                 args.engine_prompt_len, args.engine_steps)
     print(format_result(result))

@@ -24,7 +24,7 @@ import torch
 
 from pagedllm.assets import installed_model_path
 from pagedllm.benchmarks.quantization import RANDOM_QWEN2, _decode_rates, build_random_qwen2
-from pagedllm.benchmarks.reporting import fail, int_list, write_json
+from pagedllm.benchmarks.reporting import fail, int_list, set_num_threads, write_json
 from pagedllm.layers.linear import PREPACK_ENV
 
 VARIANTS = {"plain": "0", "prepacked": "1"}  # the PAGEDLLM_CPU_PREPACK_WEIGHTS value each engine loads under
@@ -110,10 +110,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cmd(args: argparse.Namespace) -> int:
-    if args.num_threads is not None:
-        if args.num_threads < 1:
-            return fail(f"--num-threads must be >= 1, got {args.num_threads}")
-        torch.set_num_threads(args.num_threads)
+    if (status := set_num_threads(args.num_threads)) is not None:
+        return status
     if args.input_len < 1 or args.output_len < 2 or args.num_iters < 1:
         return fail("--input-len and --num-iters must be >= 1 and --output-len >= 2")
     with tempfile.TemporaryDirectory() as tmp:

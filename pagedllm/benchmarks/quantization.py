@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from pagedllm.assets import installed_model_path
-from pagedllm.benchmarks.reporting import int_list, write_json
+from pagedllm.benchmarks.reporting import choice_list, int_list, set_num_threads, write_json
 from pagedllm.planner import roofline as rl
 from pagedllm.planner.hardware import measure_memory_bandwidth
 
@@ -153,18 +153,10 @@ def format_quantization(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _method_list(text: str) -> list[str]:
-    values = [v for v in text.split(",") if v]
-    bad = [v for v in values if v not in METHODS]
-    if not values or bad:
-        raise argparse.ArgumentTypeError(f"methods must be among {list(METHODS)}, got {text!r}")
-    return values
-
-
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help=f"model directory, or {RANDOM_QWEN2} (default: the bundled demo model)")
-    parser.add_argument("--methods", type=_method_list, default=list(METHODS),
+    parser.add_argument("--methods", type=choice_list(METHODS, "methods"), default=list(METHODS),
                         help="comma-separated, the first is the baseline (default: bf16,int8,fp8)")
     parser.add_argument("--batch-sizes", type=int_list, default=[1, 16])
     parser.add_argument("--input-len", type=int, default=32)
@@ -177,11 +169,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cmd(args: argparse.Namespace) -> int:
-    if args.num_threads is not None:
-        if args.num_threads < 1:
-            print(f"error: --num-threads must be >= 1, got {args.num_threads}", file=sys.stderr)
-            return 2
-        torch.set_num_threads(args.num_threads)
+    if (status := set_num_threads(args.num_threads)) is not None:
+        return status
     if args.input_len < 1 or args.output_len < 2 or args.num_iters < 1:
         print("error: --input-len and --num-iters must be >= 1 and --output-len >= 2", file=sys.stderr)
         return 2

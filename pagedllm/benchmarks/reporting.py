@@ -1,10 +1,12 @@
-"""What every benchmark command shares at its edge: a one-line error exit and the JSON report file."""
+"""What every benchmark command shares at its edge: a one-line error exit, the JSON report file, and the
+parsing of the options they have in common."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -28,3 +30,28 @@ def int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
     return values
+
+
+def choice_list(allowed: Iterable[str], what: str):
+    """An argparse type: a comma-separated, non-empty selection from `allowed` ("bf16,int8")."""
+    allowed = list(allowed)
+
+    def parse(text: str) -> list[str]:
+        values = [v for v in text.split(",") if v]
+        if not values or any(v not in allowed for v in values):
+            raise argparse.ArgumentTypeError(f"{what} must be among {allowed}, got {text!r}")
+        return values
+
+    return parse
+
+
+def set_num_threads(num_threads: int | None) -> int | None:
+    """Apply --num-threads to torch (None keeps torch's count); the exit status if the value is refused."""
+    if num_threads is None:
+        return None
+    if num_threads < 1:
+        return fail(f"--num-threads must be at least 1, got {num_threads}")
+    import torch
+
+    torch.set_num_threads(num_threads)
+    return None

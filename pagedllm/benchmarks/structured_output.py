@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from pagedllm.assets import installed_model_path
-from pagedllm.benchmarks.reporting import fail, write_json
+from pagedllm.benchmarks.reporting import fail, set_num_threads, write_json
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -182,10 +182,8 @@ def run_cmd(args: argparse.Namespace) -> int:
     for name in ("max_tokens", "num_compile_iters"):
         if getattr(args, name) < 1:
             return fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.num_threads is not None:
-        if args.num_threads < 1:
-            return fail(f"--num-threads must be at least 1, got {args.num_threads}")
-        torch.set_num_threads(args.num_threads)
+    if (status := set_num_threads(args.num_threads)) is not None:
+        return status
     model = args.model or installed_model_path()
     if model is None:
         return fail("--model is required (the bundled demo model is not installed)")
