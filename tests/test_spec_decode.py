@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import build_model, build_tiny_vocab_model, metric_values, random_prompts
+from tiny_models import build_model, build_tiny_vocab_model, metric_values, perturbed_copy, random_prompts
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
@@ -34,17 +33,6 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
 
 
 # --- model builders ---------------------------------------------------------------------------------------
-
-
-def perturbed_copy(src: str, dst: Path, noise: float, seed: int = 0) -> str:
-    """The same model with every weight jittered: a draft that agrees with the target often, not always."""
-    shutil.copytree(src, dst, dirs_exist_ok=True)
-    weights = load_file(str(dst / "model.safetensors"))
-    gen = torch.Generator().manual_seed(seed)
-    weights = {name: w + noise * w.std() * torch.randn(w.shape, generator=gen, dtype=w.dtype)
-               for name, w in weights.items()}
-    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return str(dst)
 
 
 def build_cycle_model(dir: Path, cycle: list[int]) -> str:

@@ -16,7 +16,7 @@ import textwrap
 import time
 
 import pytest
-from tiny_models import build_model, metric_values, random_prompts
+from tiny_models import build_model, metric_values, perturbed_copy, random_prompts
 
 from pagedllm import LLM, GuidedDecodingParams, SamplingParams
 from pagedllm.executor.abstract import ExecutorDeadError
@@ -182,22 +182,6 @@ def test_sigterm_of_the_engine_leaves_no_worker(tiny_llama_dir: str) -> None:
 
 
 # --- speculative decoding under TP: the draft runs unsharded on rank 0 --------------------------------------
-
-
-def perturbed_copy(src: str, dst, noise: float, seed: int = 0) -> str:
-    """The same model with every weight jittered: a draft that agrees with the target often, not always."""
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst, dirs_exist_ok=True)
-    weights = load_file(str(dst / "model.safetensors"))
-    gen = torch.Generator().manual_seed(seed)
-    weights = {name: w + noise * w.std() * torch.randn(w.shape, generator=gen, dtype=w.dtype)
-               for name, w in weights.items()}
-    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return str(dst)
 
 
 @pytest.mark.slow

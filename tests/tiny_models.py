@@ -359,3 +359,18 @@ def metric_values(llm: Any) -> dict[str, float]:
     for m in llm.get_metrics():
         values[m.name] = values.get(m.name, 0.0) + float(m.value)
     return values
+
+
+def perturbed_copy(src: str | os.PathLike, dst: Path, noise: float, seed: int = 0) -> str:
+    """The same model with every weight jittered: a draft that agrees with the target often, not always."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    weights = load_file(str(dst / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    weights = {name: w + noise * w.std() * torch.randn(w.shape, generator=gen, dtype=w.dtype)
+               for name, w in weights.items()}
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
