@@ -68,6 +68,12 @@ class AttentionBackend:
     quantized = False
     calculate_kv_scales = False
 
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, compute_dtype: torch.dtype):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.compute_dtype = compute_dtype
+
     def configure_kv_cache(self, kv_cache_dtype: torch.dtype, calculate_kv_scales: bool = False) -> None:
         """Called once by `get_attn_backend`: one-byte caches are quantized with a scale per row; per-layer
         static scales come from the checkpoint (`static_scales`, filled by the runner) or, with

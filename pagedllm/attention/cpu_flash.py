@@ -104,10 +104,7 @@ class CpuFlashAttention(AttentionBackend):
     name = "CPU_FLASH"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, compute_dtype: torch.dtype):
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.compute_dtype = compute_dtype
+        super().__init__(num_heads, num_kv_heads, head_dim, compute_dtype)
         self.use_kernel = load_cpu_kernels()
 
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -87,12 +87,6 @@ class TorchFlashAttention(AttentionBackend):
 
     name = "TORCH_FLASH"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, compute_dtype: torch.dtype):
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.compute_dtype = compute_dtype
-
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         self.write_kv(kv_cache, key, value, metadata.slot_mapping)

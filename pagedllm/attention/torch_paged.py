@@ -20,10 +20,7 @@ class TorchPagedAttention(AttentionBackend):
     needs_dense_masks = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, compute_dtype: torch.dtype):
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.compute_dtype = compute_dtype
+        super().__init__(num_heads, num_kv_heads, head_dim, compute_dtype)
         self._buffers: dict[str, torch.Tensor] = {}
 
     def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device

@@ -254,12 +254,6 @@ def paged_attention_varlen(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
 class TritonPagedAttention(AttentionBackend):
     name = "TRITON"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, compute_dtype: torch.dtype):
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.compute_dtype = compute_dtype
-
     def _dequantized_blocks(self, kv_cache: torch.Tensor, block_tables: torch.Tensor
                             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Only the blocks this step reads, dequantized: [2, Hkv, n, block_size, D] and tables into it."""
