@@ -256,7 +256,6 @@ class SpecDecoder:
         for s, _ in verify:
             k = len(s.spec_token_ids)
             rows.extend(rows_with_drafts(runner.sampling_row(s.request), s.spec_token_ids, k + 1))
-        raw_logprobs = logits.log_softmax(dim=-1)
         # Under a grammar p is the masked target distribution at every position, so a draft token the
         # grammar refuses has p = 0 and is rejected, and the output stays a sample of the constrained target.
         token_bitmask = None
@@ -301,34 +300,36 @@ class SpecDecoder:
             output.num_accepted_tokens[request.request_id] = result.num_accepted
             emitted.append((s, result, offset))
             offset += k + 1
-        self._write_outputs(emitted, raw_logprobs, output)
+        self._write_outputs(emitted, logits, output)
 
     def _write_outputs(self, emitted: list[tuple[ScheduledRequest, RejectionResult, int]],
-                       raw_logprobs: torch.Tensor, output: ModelRunnerOutput) -> None:
-        """Token ids and raw-model logprobs of each emitted token (row j of a request scored token j)."""
+                       logits: torch.Tensor, output: ModelRunnerOutput) -> None:
+        """Token ids of each emitted token, and the raw-model logprobs of those whose request asked for
+        logprobs (row j of a request scored token j)."""
+        wants = [s.request.sampling_params.logprobs for s, _, _ in emitted]
+        for s, result, _ in emitted:
+            output.sampled_token_ids[s.request.request_id] = result.token_ids
+        max_logprobs = max((n for n in wants if n is not None), default=None)
+        if max_logprobs is None:
+            return  # nobody reads them: skip the full-vocabulary log-softmax
         rows = [offset + j for _, result, offset in emitted for j in range(len(result.token_ids))]
         tokens = [t for _, result, _ in emitted for t in result.token_ids]
-        rows_t = torch.tensor(rows, dtype=torch.long, device=raw_logprobs.device)
-        tokens_t = torch.tensor(tokens, dtype=torch.long, device=raw_logprobs.device)
-        chosen = raw_logprobs[rows_t, tokens_t]
+        rows_t = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        tokens_t = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+        selected = logits[rows_t].log_softmax(dim=-1)
+        chosen = selected.gather(1, tokens_t.unsqueeze(1)).squeeze(1)
         chosen_list = chosen.tolist()
-        wants = [s.request.sampling_params.logprobs for s, _, _ in emitted]
-        max_logprobs = max((n for n in wants if n is not None), default=None)
-        ranks = top_lp = top_ids = None
-        if max_logprobs is not None:
-            selected = raw_logprobs[rows_t]
-            ranks = ((selected > chosen.unsqueeze(1)).sum(dim=-1) + 1).tolist()
-            if max_logprobs > 0:
-                top_lp_t, top_ids_t = selected.topk(max_logprobs, dim=-1)
-                top_lp, top_ids = top_lp_t.tolist(), top_ids_t.tolist()
+        ranks = ((selected > chosen.unsqueeze(1)).sum(dim=-1) + 1).tolist()
+        top_lp = top_ids = None
+        if max_logprobs > 0:
+            top_lp_t, top_ids_t = selected.topk(max_logprobs, dim=-1)
+            top_lp, top_ids = top_lp_t.tolist(), top_ids_t.tolist()
         i = 0
         for (s, result, _), num_lp in zip(emitted, wants):
             rid = s.request.request_id
             n = len(result.token_ids)
-            output.sampled_token_ids[rid] = result.token_ids
-            output.sampled_logprobs[rid] = chosen_list[i:i + n]
             if num_lp is not None:
-                assert ranks is not None
+                output.sampled_logprobs[rid] = chosen_list[i:i + n]
                 output.logprobs[rid] = [
                     position_logprobs(tokens[j], chosen_list[j], ranks[j], top_ids[j][:num_lp] if num_lp else [],
                                       top_lp[j][:num_lp] if num_lp else [])

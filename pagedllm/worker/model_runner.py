@@ -432,16 +432,16 @@ class ModelRunner:
                 token_bitmask = grammar_bitmask.select((s.request.request_id, i, 1) for i, s in enumerate(sampled))
             result = self.sampler(logits, rows, max_logprobs, token_bitmask)
             token_ids = result.token_ids.tolist()
-            sampled_lp = result.sampled_logprobs.tolist()
+            sampled_lp = result.sampled_logprobs.tolist() if result.sampled_logprobs is not None else None
             i = 0
             for s in batch.order:
                 if not s.sample or s.spec_token_ids:
                     continue
                 rid = s.request.request_id
                 output.sampled_token_ids[rid] = [token_ids[i]]
-                output.sampled_logprobs[rid] = [sampled_lp[i]]
                 num_lp = s.request.sampling_params.logprobs
                 if num_lp is not None:
+                    output.sampled_logprobs[rid] = [sampled_lp[i]]
                     top_ids = result.topk_token_ids[i, :num_lp].tolist() if num_lp else []
                     top_lps = result.topk_logprobs[i, :num_lp].tolist() if num_lp else []
                     output.logprobs[rid] = [position_logprobs(token_ids[i], sampled_lp[i],
