@@ -276,6 +276,7 @@ inline void update_rows4(const float* __restrict q, const float* __restrict kT, 
 // Rows m0..m0+3 over a whole block, if a compiled-in shape fits; false means "do them one by one".
 inline bool update_rows4_if_compiled(const float* q, const float* kT, const float* v, float* row_max,
                                      float* row_sum, float* acc, int64_t block_size, int64_t D) {
+  if (block_size == 16 && D == 32) return update_rows4<16, 32>(q, kT, v, row_max, row_sum, acc), true;
   if (block_size == 16 && D == 64) return update_rows4<16, 64>(q, kT, v, row_max, row_sum, acc), true;
   if (block_size == 16 && D == 128) return update_rows4<16, 128>(q, kT, v, row_max, row_sum, acc), true;
   if (block_size == 32 && D == 64) return update_rows4<32, 64>(q, kT, v, row_max, row_sum, acc), true;
@@ -287,6 +288,7 @@ template <int BS>
 inline void update_row_bs(const float* q, const float* kT, const float* v, int64_t j0, int64_t j_end, float* s,
                           float& row_max, float& row_sum, float* acc, int64_t block_size, int64_t D, bool transposed) {
   switch (D) {
+    case 32: return update_row_impl<BS, 32>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
     case 64: return update_row_impl<BS, 64>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
     case 128: return update_row_impl<BS, 128>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
     default: return update_row_impl<BS, 0>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
