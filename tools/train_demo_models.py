@@ -530,9 +530,9 @@ def stage_target(a: argparse.Namespace) -> None:
     tok_dir, train_stream, val_stream, _ = prepare_data(a)
     torch.manual_seed(a.seed)
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-    model = LlamaForCausalLM(make_config(TARGET_SHAPE, tok))
+    model = LlamaForCausalLM(make_config(a.target_shape, tok))
     log(f"target: {num_params(model) / 1e6:.2f}M parameters")
-    args = TrainArgs(steps=1, lr=2e-3, warmup=100)
+    args = TrainArgs(steps=1, lr=a.target_lr, warmup=100)
     args.steps = max(1, round(a.target_tokens * a.scale / (args.batch_size * args.seq_len)))
     val = val_windows(val_stream, args.seq_len, 64)
     stats = train(model, train_stream, val, args, a.seed, a.ckpt_dir / "target.pt", bf16=a.bf16,
@@ -547,7 +547,7 @@ def stage_draft(a: argparse.Namespace) -> None:
     teacher.requires_grad_(False)
     torch.manual_seed(a.seed + 1)
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-    model = LlamaForCausalLM(make_config(DRAFT_SHAPE, tok))
+    model = LlamaForCausalLM(make_config(a.draft_shape, tok))
     log(f"draft: {num_params(model) / 1e6:.2f}M parameters (target {num_params(teacher) / 1e6:.2f}M)")
     # Mostly KL to the target's distribution: the draft's job is to guess what the target will say.
     args = TrainArgs(steps=1, lr=3e-3, warmup=50, distill_alpha=0.9, distill_temperature=1.0)
@@ -651,7 +651,7 @@ def stage_card(a: argparse.Namespace) -> None:
         train_stats = json.loads((work / f"{name}_train.json").read_text())
         results[name] = {
             "params": num_params(model),
-            "shape": asdict(TARGET_SHAPE if name == "target" else DRAFT_SHAPE),
+            "shape": asdict(model_shape_of(model)),
             "val_loss": loss,
             "val_ppl": math.exp(loss),
             "val_slice_loss": slice_loss,
@@ -683,7 +683,7 @@ def stage_card(a: argparse.Namespace) -> None:
 def render_card(name: str, r: dict) -> str:
     is_target = name == TARGET_NAME
     me = r["target" if is_target else "draft"]
-    shape = TARGET_SHAPE if is_target else DRAFT_SHAPE
+    shape = ModelShape(**me["shape"])
     c = r["corpus"]
     ta, da = r["target"]["args"], r["draft"]["args"]
     left_out = c["files_left_out"]
@@ -825,6 +825,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--include-tests", action="store_true", help="also train on the stdlib's test suites")
+    p.add_argument("--target-shape", type=model_shape, default=TARGET_SHAPE, metavar="H,L,HEADS,KV,FFN",
+                   help="hidden size, layers, query heads, KV heads, MLP size (default: %(default)s)")
+    p.add_argument("--draft-shape", type=model_shape, default=DRAFT_SHAPE, metavar="H,L,HEADS,KV,FFN")
+    p.add_argument("--target-lr", type=float, default=2e-3, help="the target's peak learning rate")
     p.add_argument("--target-tokens", type=float, default=12e6, help="training tokens for the target")
     p.add_argument("--draft-tokens", type=float, default=2e6, help="distillation tokens for the draft")
     p.add_argument("--scale", type=float, default=1.0, help="multiply both token budgets (0.01 = smoke run)")
@@ -855,6 +859,20 @@ def main() -> None:
     if a.stage in ("all", "card"):
         stage_card(a)
     log(f"done in {(time.time() - t0) / 60:.1f} min")
+
+
+def model_shape_of(model: LlamaForCausalLM) -> ModelShape:
+    cfg = model.config
+    return ModelShape(cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+                      cfg.num_key_value_heads, cfg.intermediate_size)
+
+
+def model_shape(text: str) -> ModelShape:
+    """--target-shape / --draft-shape: five comma-separated integers."""
+    try:
+        return ModelShape(*map(int, text.split(",")))
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected H,L,HEADS,KV,FFN (five integers), got {text!r}") from None
 
 
 def cpu_has_bf16() -> bool:
