@@ -7,7 +7,6 @@ inputs; the logits are gathered on rank 0, which alone samples.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import os
@@ -299,26 +298,41 @@ class ModelRunner:
         long = [s for s in scheduled if s.num_new_tokens > MAX_BATCHED_QUERY_LEN]
         order = short + long
         bs = self.block_size
+        # One Python pass over the requests; everything else is whole-batch array work. This runs right
+        # after the forward pass has flushed the CPU caches, where each small call costs several times
+        # its warm price, so the step's inputs are built with as few calls as possible.
         token_ids: list[int] = []
-        query_starts = []
+        query_starts: list[int] = []
+        start_pos: list[int] = []
+        query_lens: list[int] = []
+        num_blocks: list[int] = []
+        block_ids: list[int] = []  # every request's used blocks, one after the other
         for s in order:
             query_starts.append(len(token_ids))
+            start_pos.append(s.start_pos)
+            query_lens.append(s.num_new_tokens)
             end = s.start_pos + s.num_new_tokens
             known = s.request.all_token_ids
-            token_ids.extend(known[s.start_pos:min(end, len(known))])
+            token_ids.extend(known[s.start_pos:end])
             if end > len(known):
                 token_ids.extend(s.spec_token_ids[:end - len(known)])
+            num_blocks.append(-(-end // bs))
+            block_ids.extend(s.block_ids[:num_blocks[-1]])
         device = self.device
         metadata = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))  # set below
-        tables, query_lens = self._prepare_varlen(order, metadata)
-        # Every token's position and KV slot in one vectorized pass over the step's block tables (a
-        # per-request loop of small numpy calls cost about as much again at batch 64).
+        tables, query_lens_np, start_pos_np = self._prepare_varlen(start_pos, query_lens, num_blocks, block_ids,
+                                                                   metadata)
+        # Every token's position and KV slot in one vectorized pass over the step's block tables.
         num_tokens = len(token_ids)
-        row_starts = np.asarray(query_starts, dtype=np.int64)
-        seq_index = np.repeat(np.arange(len(order)), query_lens)
-        start_pos = np.fromiter((s.start_pos for s in order), dtype=np.int64, count=len(order))
-        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(start_pos - row_starts, query_lens)
-        slots = tables[seq_index, positions // bs] * bs + positions % bs
+        if num_tokens == len(order):  # one token per request (plain decode): no per-token expansion
+            positions = start_pos_np
+            seq_index = np.arange(num_tokens)
+        else:
+            row_starts = np.asarray(query_starts, dtype=np.int64)
+            seq_index = np.repeat(np.arange(len(order)), query_lens_np)
+            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(start_pos_np - row_starts, query_lens_np)
+        block_index, offset = np.divmod(positions, bs)
+        slots = tables[seq_index, block_index] * bs + offset
         metadata.slot_mapping = torch.from_numpy(slots).to(device)
         if short and self.backend.needs_dense_masks:
             self._prepare_decodes(short, metadata)
@@ -339,26 +353,28 @@ class ModelRunner:
             positions=torch.from_numpy(positions).to(device),
             metadata=metadata, order=order, query_starts=query_starts)
 
-    def _prepare_varlen(self, order: list[ScheduledRequest], metadata: AttentionMetadata
-                        ) -> tuple[np.ndarray, np.ndarray]:
+    def _prepare_varlen(self, start_pos: list[int], query_lens: list[int], num_blocks: list[int],
+                        block_ids: list[int], metadata: AttentionMetadata
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The whole step as varlen sequences (query_start_loc, seq_lens, block_tables), for kernels that
-        read K/V in place. Returns the block tables and query lengths as numpy arrays for the runner."""
-        num_seqs = len(order)
-        query_lens = np.fromiter((s.num_new_tokens for s in order), dtype=np.int64, count=num_seqs)
-        seq_lens = np.fromiter((s.start_pos + s.num_new_tokens for s in order), dtype=np.int64, count=num_seqs)
-        num_blocks = -(-seq_lens // self.block_size)
+        read K/V in place. Takes per request its start position, query length and number of blocks, and
+        all their block ids in one list; returns the block tables, query lengths and start positions as
+        numpy arrays."""
+        query_lens_np = np.array(query_lens, dtype=np.int64)
+        start_pos_np = np.array(start_pos, dtype=np.int64)
+        seq_lens = start_pos_np + query_lens_np
         # One flat write of every request's used blocks into the zero-padded table.
-        tables = np.zeros((num_seqs, int(num_blocks.max())), dtype=np.int64)
-        used = np.arange(tables.shape[1])[None, :] < num_blocks[:, None]
-        tables[used] = np.fromiter(itertools.chain.from_iterable(
-            s.block_ids[:n] for s, n in zip(order, num_blocks.tolist())), dtype=np.int64, count=int(num_blocks.sum()))
+        tables = np.zeros((len(num_blocks), max(num_blocks)), dtype=np.int64)
+        tables[np.arange(tables.shape[1]) < np.array(num_blocks)[:, None]] = block_ids
+        query_start_loc = np.zeros(len(num_blocks) + 1, dtype=np.int64)
+        np.cumsum(query_lens_np, out=query_start_loc[1:])
         device = self.device
-        metadata.query_start_loc = torch.from_numpy(np.concatenate([[0], np.cumsum(query_lens)])).to(device)
+        metadata.query_start_loc = torch.from_numpy(query_start_loc).to(device)
         metadata.seq_lens = torch.from_numpy(seq_lens).to(device)
         metadata.block_tables = torch.from_numpy(tables).to(device)
-        metadata.max_query_len = int(query_lens.max())
+        metadata.max_query_len = max(query_lens)
         metadata.max_seq_len = int(seq_lens.max())
-        return tables, query_lens
+        return tables, query_lens_np, start_pos_np
 
     def _prepare_decodes(self, short: list[ScheduledRequest], metadata: AttentionMetadata) -> None:
         bs = self.block_size
