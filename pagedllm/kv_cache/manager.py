@@ -109,20 +109,23 @@ class KVCacheManager:
             candidate = blocks[num_computed // self.block_size]
             if candidate.ref_cnt > 1:
                 cow_block = candidate
-        num_evictable_touched = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        num_evictable_touched = sum(1 for block in new_computed_blocks if block.ref_cnt == 0) \
+            if new_computed_blocks else 0
         if num_new_blocks + (cow_block is not None) > self.pool.num_free_blocks - num_evictable_touched:
             return False
 
-        self.pool.touch(new_computed_blocks)
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        blocks.extend(new_computed_blocks)
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
         if cow_block is not None:
             (copy,) = self.pool.get_new_blocks(1)
             index = num_computed // self.block_size
             blocks[index] = copy
             self.pending_copies.append((cow_block.block_id, copy.block_id))
             self.pool.free_blocks([cow_block])
-        blocks.extend(self.pool.get_new_blocks(num_new_blocks))
+        if num_new_blocks:
+            blocks.extend(self.pool.get_new_blocks(num_new_blocks))
 
         if self.enable_caching:
             cacheable = min(total_tokens, request.num_tokens if num_cacheable_tokens is None

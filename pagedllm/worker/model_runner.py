@@ -414,6 +414,7 @@ class ModelRunner:
         speculative tokens are handed, with the logits of their k+1 positions, to `self.spec_decoder`.
         Every row that needs logits goes through the LM head in one call (one gather under TP)."""
         sample_rows: list[int] = []
+        sampled: list[ScheduledRequest] = []  # the requests of sample_rows, in order
         verify: list[tuple[ScheduledRequest, int]] = []  # (request, first row of its k+1 positions)
         verify_rows: list[int] = []
         prompt_lp: list[tuple[ScheduledRequest, int, int]] = []  # (request, first row, count)
@@ -430,6 +431,7 @@ class ModelRunner:
                 verify_rows.extend(range(first, first + len(s.spec_token_ids) + 1))
             elif s.sample:
                 sample_rows.append(start + s.num_new_tokens - 1)
+                sampled.append(s)
         prompt_rows = [row for _, start, count in prompt_lp for row in range(start, start + count)]
         logits_rows = sample_rows + verify_rows + prompt_rows
         if not logits_rows:
@@ -439,20 +441,16 @@ class ModelRunner:
             return  # not rank 0: the logits were gathered there, and only rank 0 samples
         num_sample, num_verify = len(sample_rows), len(verify_rows)
         if sample_rows:
-            rows = [self.sampling_row(s.request) for s in batch.order if s.sample and not s.spec_token_ids]
+            rows = [self.sampling_row(s.request) for s in sampled]
             logits = all_logits[:num_sample]
             max_logprobs = max((r.params.logprobs or 0) for r in rows)
             token_bitmask = None
             if grammar_bitmask is not None:
-                sampled = [s for s in batch.order if s.sample and not s.spec_token_ids]
                 token_bitmask = grammar_bitmask.select((s.request.request_id, i, 1) for i, s in enumerate(sampled))
             result = self.sampler(logits, rows, max_logprobs, token_bitmask)
             token_ids = result.token_ids.tolist()
             sampled_lp = result.sampled_logprobs.tolist() if result.sampled_logprobs is not None else None
-            i = 0
-            for s in batch.order:
-                if not s.sample or s.spec_token_ids:
-                    continue
+            for i, s in enumerate(sampled):
                 rid = s.request.request_id
                 output.sampled_token_ids[rid] = [token_ids[i]]
                 num_lp = s.request.sampling_params.logprobs
@@ -462,7 +460,6 @@ class ModelRunner:
                     top_lps = result.topk_logprobs[i, :num_lp].tolist() if num_lp else []
                     output.logprobs[rid] = [position_logprobs(token_ids[i], sampled_lp[i],
                                                               int(result.sampled_ranks[i]), top_ids, top_lps)]
-                i += 1
         if verify:
             assert self.spec_decoder is not None
             self.spec_decoder.verify(verify, all_logits[num_sample:num_sample + num_verify], output,
