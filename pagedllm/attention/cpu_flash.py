@@ -1,76 +1,16 @@
-"""The CPU FlashAttention backend: the C++ kernel in csrc/paged_attention_cpu.cpp, compiled on first use.
-
-The kernel is built with `-march=native` for the machine that runs it (AVX2 or AVX-512, whichever the
-CPU has), so it is compiled here rather than shipped: `torch.utils.cpp_extension.load` builds it into
-a cache directory keyed by the source, the torch version and the CPU's flags, once per machine. With
-no compiler (or a failed build) one line is logged and the same algorithm runs in plain torch
-(`torch_flash.paged_flash_attention`): correct, slower.
+"""The CPU FlashAttention backend: the C++ kernel in csrc/paged_attention_cpu.cpp, compiled on first use
+with the other CPU ops (pagedllm/cpu_kernels.py). With no compiler (or a failed build) the same algorithm
+runs in plain torch (`torch_flash.paged_flash_attention`): correct, slower.
 """
 
 from __future__ import annotations
-
-import fcntl
-import functools
-import hashlib
-import logging
-import os
-import platform
-import time
 
 import torch
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.attention.torch_flash import paged_flash_attention
+from pagedllm.cpu_kernels import load_cpu_kernels
 from pagedllm.kv_cache import quant
-
-logger = logging.getLogger(__name__)
-
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_attention_cpu.cpp")
-
-
-def _cache_dir(source_digest: str) -> str:
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
-    # -march=native binaries are only valid on CPUs with the same flags: key the build by them.
-    from pagedllm.platform import _cpu_flags
-
-    machine = hashlib.sha256(" ".join(sorted(_cpu_flags())).encode() + platform.machine().encode()).hexdigest()[:12]
-    return os.path.join(root, "kernels", f"cpu_attention-{torch.__version__}-{source_digest}-{machine}")
-
-
-@functools.cache
-def load_cpu_kernels() -> bool:
-    """Build (first time on this machine) and load the C++ ops; False, with one log line, if impossible."""
-    if os.environ.get("PAGEDLLM_DISABLE_CPU_KERNELS") == "1":
-        return False
-    try:
-        from torch.utils import cpp_extension
-
-        with open(_SOURCE, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()[:12]
-        build_dir = _cache_dir(digest)
-        os.makedirs(build_dir, exist_ok=True)
-        start = time.perf_counter()
-        flags = ["-O3", "-fopenmp-simd", "-std=c++17"]
-        if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
-            flags.append("-march=native")
-        # torch's build lock is a plain file: a process killed mid-build leaves it behind and every later
-        # load would wait on it forever. An flock dies with its holder, so whoever holds ours may clear it.
-        with open(build_dir + ".flock", "w") as flock_file:
-            fcntl.flock(flock_file, fcntl.LOCK_EX)
-            stale = os.path.join(build_dir, "lock")
-            if os.path.exists(stale):
-                os.remove(stale)
-            cpp_extension.load(name="pagedllm_cpu_attention", sources=[_SOURCE], extra_cflags=flags,
-                               build_directory=build_dir, is_python_module=False, verbose=False)
-        elapsed = time.perf_counter() - start
-        if elapsed > 1.0:
-            logger.info("Built the CPU attention kernel in %.0f s (cached in %s)", elapsed, build_dir)
-        return True
-    except Exception as exc:  # no compiler, no headers, a failed build: all mean "use the torch path"
-        logger.warning("CPU attention kernel unavailable (%s: %s); using the pure-torch tiled attention",
-                       type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
-        return False
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -34,7 +34,7 @@ def _triton_usable(device: torch.device) -> bool:
 
 def default_backend_name(device: torch.device, kv_cache_dtype: torch.dtype) -> str:
     if device.type == "cpu":
-        from pagedllm.attention.cpu_flash import load_cpu_kernels
+        from pagedllm.cpu_kernels import load_cpu_kernels
 
         # The kernel beats gather + SDPA at every measured size (see the README's attention table);
         # without a compiler the reference is faster than the torch-op recurrence.

@@ -7,6 +7,7 @@ import math
 import torch
 
 from pagedllm.config import RopeConfig
+from pagedllm.cpu_kernels import cpu_ops_available
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -109,6 +110,11 @@ class RotaryEmbedding(torch.nn.Module):
               ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, Hq, D], k: [T, Hkv, D]; rotate-half (non-interleaved) layout, as in Llama.
         cos, sin = cos_sin
+        if q.dtype == cos.dtype == k.dtype and q.stride(-1) == 1 and k.stride(-1) == 1 and cpu_ops_available(q):
+            # One C++ call rotates q and k in place with the same rounding (the callers own both: they
+            # are views of this step's qkv projection), instead of eight torch ops each.
+            torch.ops.pagedllm_cpu_layers.rotary_embedding(q, k, cos, sin)
+            return q, k
         return _apply(q, cos, sin), _apply(k, cos, sin)
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.cpu_kernels import cpu_ops_available
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -55,6 +56,14 @@ class TokenBitmask:
 
     bitmask: torch.Tensor   # [R, ceil(V / 32)] int32
     logit_rows: list[int]   # [R]
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of a 2-D tensor (the first of tied maxima). On CPU through a C++ op: torch's row
+    argmax compares one element at a time, 0.30 ms for [64, 8192] fp32 here, ten times a max pass."""
+    if x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1 and x.stride(0) == x.shape[1] and cpu_ops_available(x):
+        return torch.ops.pagedllm_cpu_layers.argmax_rows(x)
+    return x.argmax(dim=-1)
 
 
 _BIT_POSITIONS = torch.arange(32, dtype=torch.int32)
@@ -237,7 +246,7 @@ def processed_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
     probs = apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p).softmax(dim=-1)
     if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        one_hot = torch.zeros_like(probs).scatter_(1, argmax_rows(logits).unsqueeze(1), 1.0)
         probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
     return probs
 
@@ -280,7 +289,7 @@ class Sampler:
                  token_bitmask: TokenBitmask | None = None) -> SamplerOutput:
         raw_logits = logits
         logits = adjusted_logits(logits, rows, token_bitmask)
-        token_ids = logits.argmax(dim=-1)  # what greedy rows take
+        token_ids = argmax_rows(logits)  # what greedy rows take
         seeded = [i for i, r in enumerate(rows) if not r.params.greedy and r.generator is not None]
         unseeded = [i for i, r in enumerate(rows) if not r.params.greedy and r.generator is None]
         if seeded:
@@ -290,7 +299,7 @@ class Sampler:
             sub_rows = [rows[i] for i in seeded]
             probs = processed_probs(logits[seeded], sub_rows)
             noise = exponential_noise(tuple(probs.shape), sub_rows, probs.device, self.generator)
-            token_ids[seeded] = (probs / noise).argmax(dim=-1)
+            token_ids[seeded] = argmax_rows(probs / noise)
         if unseeded:
             token_ids[unseeded] = self._sample_unseeded(logits[unseeded], [rows[i] for i in unseeded])
         if max_logprobs < 0 or all(r.params.logprobs is None for r in rows):
@@ -326,14 +335,14 @@ class Sampler:
                 probs = values[rows_c].softmax(dim=-1)
                 ids = ids[rows_c]
                 noise = self._exponential(probs)
-                token_ids[rows_f[rows_c]] = ids.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+                token_ids[rows_f[rows_c]] = ids.gather(1, argmax_rows(probs / noise).unsqueeze(1)).squeeze(1)
         if bool(full.any()):
             rows_v = full.nonzero().flatten()
             probs = apply_top_k_top_p_min_p(scaled[rows_v], top_k[rows_v], top_p[rows_v],
                                             torch.zeros_like(min_p[rows_v]))  # min-p already applied
             probs = probs.softmax(dim=-1)
             noise = self._exponential(probs)
-            token_ids[rows_v] = (probs / noise).argmax(dim=-1)
+            token_ids[rows_v] = argmax_rows(probs / noise)
         return token_ids
 
     def _exponential(self, like: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedllm.engine.scheduler import ScheduledRequest
 from pagedllm.kv_cache.hashing import BlockHash
 from pagedllm.kv_cache.manager import KVCacheManager
-from pagedllm.layers.sampler import SamplingRow, adjusted_logits, exponential_noise
+from pagedllm.layers.sampler import SamplingRow, adjusted_logits, argmax_rows, exponential_noise
 from pagedllm.spec_decode.rejection_sampler import request_probs, row_with_drafts
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -166,7 +166,7 @@ class DraftModelProposer:
             rows = [row_with_drafts(base_rows[i], drafts[i]) for i in stepping]
             if all(row.params.greedy for row in rows):  # the common case: skip the distribution entirely
                 q = None
-                token_ids = adjusted_logits(logits, rows).argmax(dim=-1).tolist()
+                token_ids = argmax_rows(adjusted_logits(logits, rows)).tolist()
             else:
                 q = request_probs(logits, rows)
                 token_ids = self._sample(q, rows)
@@ -191,10 +191,10 @@ class DraftModelProposer:
     def _sample(self, q: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         """Draw each draft token from q (greedy rows: q is one-hot). A seeded request's draft at position j
         uses the noise the target's sample at j will use (exponential_noise), coupling the two draws."""
-        token_ids = q.argmax(dim=-1)
+        token_ids = argmax_rows(q)
         random = [j for j, row in enumerate(rows) if not row.params.greedy]
         if random:
             sub_rows = [rows[j] for j in random]
             noise = exponential_noise((len(random), q.shape[1]), sub_rows, q.device, self.runner.sampler.generator)
-            token_ids[random] = (q[random] / noise).argmax(dim=-1)
+            token_ids[random] = argmax_rows(q[random] / noise)
         return token_ids.tolist()

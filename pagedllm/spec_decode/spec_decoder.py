@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest
-from pagedllm.layers.sampler import SamplingRow, exponential_noise, processed_probs
+from pagedllm.layers.sampler import SamplingRow, argmax_rows, exponential_noise, processed_probs
 from pagedllm.metrics.reader import Counter, Gauge, Metric
 from pagedllm.outputs import position_logprobs
 from pagedllm.planner.roofline import speculative_tokens_per_pass as expected_tokens_per_pass
@@ -267,7 +267,7 @@ class SpecDecoder:
                                                    for (s, _), start in zip(verify, starts))
         adjusted = adjusted_logits(logits, rows, token_bitmask)
         probs = None if all(r.params.greedy for r in rows) else processed_probs(adjusted, rows)
-        target_ids = (adjusted if probs is None else probs).argmax(dim=-1).tolist()
+        target_ids = argmax_rows(adjusted if probs is None else probs).tolist()
 
         self.stats.num_target_passes += 1
         emitted: list[tuple[ScheduledRequest, RejectionResult, int]] = []
@@ -285,7 +285,7 @@ class SpecDecoder:
                 self.draft_probs.pop(request.request_id, None)
                 noise = exponential_noise((k + 1, probs.shape[1]), rows[offset:offset + k + 1], probs.device,
                                           None)
-                result = greedy_accept((probs[offset:offset + k + 1] / noise).argmax(dim=-1).tolist(), spec)
+                result = greedy_accept(argmax_rows(probs[offset:offset + k + 1] / noise).tolist(), spec)
             else:
                 assert probs is not None
                 q = self.draft_probs.pop(request.request_id, None)

@@ -614,9 +614,14 @@ void write_kv_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
         cache_t* v_dst = cache + ((num_kv_heads + h) * num_slots + slot) * D;
         const src_t* k_src = k + t * k_stride + h * k_head_stride;
         const src_t* v_src = v + t * v_stride + h * v_head_stride;
-        for (int64_t d = 0; d < D; ++d) {
-          k_dst[d] = static_cast<cache_t>(k_src[d]);
-          v_dst[d] = static_cast<cache_t>(v_src[d]);
+        if constexpr (std::is_same_v<src_t, cache_t>) {  // c10's 16-bit casts are scalar calls: copy bytes
+          std::memcpy(k_dst, k_src, D * sizeof(cache_t));
+          std::memcpy(v_dst, v_src, D * sizeof(cache_t));
+        } else {
+          for (int64_t d = 0; d < D; ++d) {
+            k_dst[d] = static_cast<cache_t>(k_src[d]);
+            v_dst[d] = static_cast<cache_t>(v_src[d]);
+          }
         }
       }
     }

@@ -1,0 +1,80 @@
+"""pagedllm's C++ CPU ops, compiled on first use: the paged attention kernel
+(attention/csrc/paged_attention_cpu.cpp, namespace torch.ops.pagedllm_cpu) and the decoder's small fused
+ops (layers/csrc/cpu_layers.cpp, torch.ops.pagedllm_cpu_layers: argmax, residual add + RMSNorm, RoPE).
+
+They are built with `-march=native` for the machine that runs them (AVX2 or AVX-512, whichever the CPU
+has), so they are compiled here rather than shipped: `torch.utils.cpp_extension.load` builds one
+extension into a cache directory keyed by the sources, the torch version and the CPU's flags, once per
+machine. With no compiler (or a failed build) one line is logged and every caller runs its plain-torch
+path: correct, slower. PAGEDLLM_DISABLE_CPU_KERNELS=1 forces that path.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import platform
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_ROOT = os.path.dirname(__file__)
+_SOURCES = [os.path.join(_ROOT, "attention", "csrc", "paged_attention_cpu.cpp"),
+            os.path.join(_ROOT, "layers", "csrc", "cpu_layers.cpp")]
+
+
+def _cache_dir(source_digest: str) -> str:
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
+    # -march=native binaries are only valid on CPUs with the same flags: key the build by them.
+    from pagedllm.platform import _cpu_flags
+
+    machine = hashlib.sha256(" ".join(sorted(_cpu_flags())).encode() + platform.machine().encode()).hexdigest()[:12]
+    return os.path.join(root, "kernels", f"cpu_ops-{torch.__version__}-{source_digest}-{machine}")
+
+
+@functools.cache
+def load_cpu_kernels() -> bool:
+    """Build (first time on this machine) and load the C++ ops; False, with one log line, if impossible."""
+    if os.environ.get("PAGEDLLM_DISABLE_CPU_KERNELS") == "1":
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        sources = hashlib.sha256()
+        for path in _SOURCES:
+            with open(path, "rb") as f:
+                sources.update(f.read())
+        build_dir = _cache_dir(sources.hexdigest()[:12])
+        os.makedirs(build_dir, exist_ok=True)
+        start = time.perf_counter()
+        flags = ["-O3", "-fopenmp-simd", "-std=c++17"]
+        if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
+            flags.append("-march=native")
+        # torch's build lock is a plain file: a process killed mid-build leaves it behind and every later
+        # load would wait on it forever. An flock dies with its holder, so whoever holds ours may clear it.
+        with open(build_dir + ".flock", "w") as flock_file:
+            fcntl.flock(flock_file, fcntl.LOCK_EX)
+            stale = os.path.join(build_dir, "lock")
+            if os.path.exists(stale):
+                os.remove(stale)
+            cpp_extension.load(name="pagedllm_cpu_ops", sources=_SOURCES, extra_cflags=flags,
+                               build_directory=build_dir, is_python_module=False, verbose=False)
+        elapsed = time.perf_counter() - start
+        if elapsed > 1.0:
+            logger.info("Built the CPU kernels in %.0f s (cached in %s)", elapsed, build_dir)
+        return True
+    except Exception as exc:  # no compiler, no headers, a failed build: all mean "use the torch path"
+        logger.warning("CPU kernels unavailable (%s: %s); using the pure-torch paths",
+                       type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+        return False
+
+
+def cpu_ops_available(*tensors: torch.Tensor) -> bool:
+    """Whether the C++ ops can take these tensors: all on the CPU, and the ops built."""
+    return all(t.device.type == "cpu" for t in tensors) and load_cpu_kernels()

@@ -1,0 +1,221 @@
+// Small fused CPU ops for the decoder's glue between the matmuls. At batch 1 a layer is four matmuls
+// and some twenty small torch ops (norms, residual adds, RoPE's slices and concatenations), and each
+// small op costs a few microseconds of dispatch whatever its size: fused here, they are one call each.
+//
+// Each op rounds exactly as the torch code it replaces (see pagedllm/layers/norm.py and rotary.py):
+// a bf16 or fp16 tensor op computes in fp32 and rounds its result to the tensor's dtype, so the ops
+// below round after every step the torch code rounds after. The one difference is the order of the
+// sum of squares in RMSNorm (fp32, a few ulps), which no test or output can tell apart.
+//
+// Every op works row by row, so a row's result never depends on the rest of the batch.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// Element <-> fp32 in plain integer arithmetic the compiler vectorises (c10's conversions are scalar
+// calls): bf16 is the top half of an fp32, and fp32 -> bf16 rounds to nearest even, NaN staying NaN.
+inline float load(float x) { return x; }
+inline float load(double x) { return static_cast<float>(x); }
+inline float load(c10::Half x) { return static_cast<float>(x); }
+inline float load(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+inline uint16_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>((u >> 16) | 0x40u) : static_cast<uint16_t>(rounded);
+}
+inline void store(float* dst, float x) { *dst = x; }
+inline void store(double* dst, float x) { *dst = x; }
+inline void store(c10::Half* dst, float x) { *dst = static_cast<c10::Half>(x); }
+inline void store(c10::BFloat16* dst, float x) { dst->x = bf16_bits(x); }
+
+// The fp32 -> dtype -> fp32 round trip of a torch op's result in that dtype.
+template <typename T>
+inline float round_to(float x) {
+  T t;
+  store(&t, x);
+  return load(t);
+}
+
+// First index of the largest value of each row, as torch.argmax (a NaN counts as the largest, the
+// first NaN wins). torch's CPU argmax along a row runs one scalar comparison per element; here a
+// vectorised max pass, then a scan for its first occurrence that checks 64 elements at a time.
+template <typename T>
+void argmax_rows_impl(const T* x, int64_t rows, int64_t cols, int64_t* out) {
+  constexpr int64_t kChunk = 64;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> chunk_max((cols + kChunk - 1) / kChunk);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = x + r * cols;
+      // Pass 1: the maximum of every 64 elements (NaNs are not seen by max: `poison` catches them).
+      float poison = 0.f;  // NaN iff the row holds a NaN or an infinity
+      float best = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c * kChunk < cols; ++c) {
+        const T* chunk = row + c * kChunk;
+        const int64_t n = std::min(kChunk, cols - c * kChunk);
+        float m = -std::numeric_limits<float>::infinity();
+        float p = 0.f;
+#pragma omp simd reduction(max : m) reduction(+ : p)
+        for (int64_t i = 0; i < n; ++i) {
+          const float v = load(chunk[i]);
+          m = std::max(m, v);
+          p += v * 0.f;
+        }
+        chunk_max[c] = m;
+        best = std::max(best, m);
+        poison += p;
+      }
+      int64_t found = -1;
+      if (poison != poison) {  // torch.argmax returns the first NaN, if any
+        for (int64_t i = 0; i < cols && found < 0; ++i) {
+          if (load(row[i]) != load(row[i])) found = i;
+        }
+      }
+      // Pass 2: the first chunk that reached the maximum, then the first element in it that did.
+      for (int64_t c = 0; found < 0 && c * kChunk < cols; ++c) {
+        if (chunk_max[c] != best) continue;
+        for (int64_t i = c * kChunk; i < std::min(cols, (c + 1) * kChunk); ++i) {
+          if (load(row[i]) == best) {
+            found = i;
+            break;
+          }
+        }
+      }
+      out[r] = found < 0 ? 0 : found;
+    }
+  });
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "argmax_rows: a 2-D tensor with contiguous rows");
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "argmax_rows", [&] {
+    TORCH_CHECK(x.stride(0) == x.size(1), "argmax_rows: rows must be packed");
+    argmax_rows_impl<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1), out.data_ptr<int64_t>());
+  });
+  return out;
+}
+
+// residual <- x + residual; x <- RMSNorm(residual) * weight, both in place, one pass per row.
+// As norm.py: fp32 rows use F.rms_norm's fused form (x * rsqrt(mean(x^2) + eps) * w, rounded once);
+// 16-bit rows are normalised in fp32, rounded to the dtype, then multiplied by the weight in the dtype.
+template <typename T>
+void add_rms_norm_impl(T* x, T* residual, const T* weight, int64_t rows, int64_t cols, int64_t x_stride,
+                       int64_t res_stride, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * x_stride;
+      T* rr = residual + r * res_stride;
+      float sumsq = 0.f;
+#pragma omp simd reduction(+ : sumsq)
+      for (int64_t i = 0; i < cols; ++i) {
+        const float h = round_to<T>(load(xr[i]) + load(rr[i]));
+        store(rr + i, h);
+        sumsq += h * h;
+      }
+      const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(cols) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < cols; ++i) {
+        const float h = load(rr[i]);
+        if constexpr (std::is_same_v<T, float>) {
+          xr[i] = h * inv * weight[i];
+        } else {
+          store(xr + i, load(weight[i]) * round_to<T>(h * inv));
+        }
+      }
+    }
+  });
+}
+
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && residual.dim() == 2 && x.sizes() == residual.sizes(), "fused_add_rms_norm: shapes");
+  TORCH_CHECK(x.stride(1) == 1 && residual.stride(1) == 1 && weight.is_contiguous(), "fused_add_rms_norm: layout");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type(),
+              "fused_add_rms_norm: dtypes");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_add_rms_norm", [&] {
+    add_rms_norm_impl<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                                x.size(0), x.size(1), x.stride(0), residual.stride(0), static_cast<float>(eps));
+  });
+}
+
+// Rotate-half RoPE of q [T, Hq, D] and k [T, Hk, D] in place (rows may be strided, as the q and k views
+// of the fused qkv output are), with cos/sin [T, D] already looked up for the step's positions:
+// x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype as the torch code does.
+// No FMA contraction here: a fused multiply-add would round once where torch rounds twice.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rope_rows(T* x, int64_t heads, int64_t head_stride,
+                                                            const T* cos, const T* sin, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* v = x + h * head_stride;
+    float out[1024];
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = round_to<T>(load(v[i]) * load(cos[i]));
+      const float b = round_to<T>(-load(v[i + half]) * load(sin[i]));
+      out[i] = a + b;
+    }
+#pragma omp simd
+    for (int64_t i = half; i < D; ++i) {
+      const float a = round_to<T>(load(v[i]) * load(cos[i]));
+      const float b = round_to<T>(load(v[i - half]) * load(sin[i]));
+      out[i] = a + b;
+    }
+    #pragma omp simd
+    for (int64_t i = 0; i < D; ++i) store(v + i, out[i]);
+  }
+}
+
+void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2), "rotary_embedding: shapes");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.size(2) % 2 == 0 && q.size(2) <= 1024, "rotary_embedding: layout");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == q.size(0) * q.size(2),
+              "rotary_embedding: cos/sin must be [T, D] contiguous");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == cos.scalar_type(), "rotary_embedding: dtypes");
+  const int64_t T = q.size(0), D = q.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        rope_rows<scalar_t>(qp + t * q.stride(0), q.size(1), q.stride(1), cp + t * D, sp + t * D, D);
+        rope_rows<scalar_t>(kp + t * k.stride(0), k.size(1), k.stride(1), cp + t * D, sp + t * D, D);
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedllm_cpu_layers, m) {
+  m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu_layers, CPU, m) {
+  m.impl("argmax_rows", &argmax_rows);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
+}

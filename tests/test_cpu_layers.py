@@ -1,0 +1,65 @@
+"""The decoder's fused C++ CPU ops (pagedllm/layers/csrc/cpu_layers.cpp) against the torch code they replace.
+
+bf16 and fp16 results must be bitwise equal to the torch path (same roundings in the same places), so a
+model's outputs do not depend on whether the kernels built; fp32 RMSNorm may differ in the last bits
+(the order of the sum of squares), nothing else.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.cpu_kernels import load_cpu_kernels
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import _apply
+from pagedllm.layers.sampler import argmax_rows
+
+pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="the C++ CPU kernels did not build")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_matches_torch_with_ties_nan_and_inf(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(9, 1000).to(dtype)
+    x[1, 10] = x[1, 500] = 100.0                            # a tie: the first index wins
+    x[2, 7] = x[2, 900] = float("nan")                      # NaN counts as the largest, the first one wins
+    x[3, 999] = float("inf")
+    x[4] = float("-inf")                                    # nothing above -inf: index 0
+    x[5, 3] = float("inf")
+    x[5, 4] = float("nan")
+    got = argmax_rows(x)
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert argmax_rows(x[:0]).shape == (0,)
+    odd = torch.randn(3, 77).to(dtype)                      # a width that is no multiple of the chunk
+    assert torch.equal(argmax_rows(odd), odd.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_matches_the_torch_path(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    norm = RMSNorm(96, 1e-6, dtype)
+    norm.weight.data = torch.randn(96).to(dtype)
+    x, residual = torch.randn(13, 96).to(dtype), torch.randn(13, 96).to(dtype)
+    want_residual = x + residual
+    want = norm._norm(want_residual)
+    out, new_residual = norm(x.clone(), residual.clone())
+    assert torch.equal(new_residual, want_residual)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding_in_place_on_strided_views(dtype: torch.dtype) -> None:
+    # q and k are views of a fused qkv output, as in the model; v must not be touched.
+    torch.manual_seed(2)
+    qkv = torch.randn(11, (4 + 2 + 2) * 64).to(dtype)
+    q, k = qkv[:, :256].reshape(-1, 4, 64), qkv[:, 256:384].reshape(-1, 2, 64)
+    cos, sin = torch.randn(11, 1, 64).to(dtype), torch.randn(11, 1, 64).to(dtype)
+    want_q, want_k, v = _apply(q, cos, sin), _apply(k, cos, sin), qkv[:, 384:].clone()
+    torch.ops.pagedllm_cpu_layers.rotary_embedding(q, k, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(qkv[:, 384:], v)
