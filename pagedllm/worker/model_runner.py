@@ -436,7 +436,9 @@ class ModelRunner:
         logits_rows = sample_rows + verify_rows + prompt_rows
         if not logits_rows:
             return
-        all_logits = self.model.compute_logits(hidden[logits_rows])
+        # A plain decode step samples from every row in order: no gather (a copy of the hidden states).
+        all_rows = len(logits_rows) == hidden.shape[0] and logits_rows == list(range(len(logits_rows)))
+        all_logits = self.model.compute_logits(hidden if all_rows else hidden[logits_rows])
         if all_logits is None:
             return  # not rank 0: the logits were gathered there, and only rank 0 samples
         num_sample, num_verify = len(sample_rows), len(verify_rows)
