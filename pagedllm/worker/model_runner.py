@@ -320,17 +320,19 @@ class ModelRunner:
             block_ids.extend(s.block_ids[:num_blocks[-1]])
         device = self.device
         metadata = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))  # set below
-        tables, query_lens_np, start_pos_np = self._prepare_varlen(start_pos, query_lens, num_blocks, block_ids,
-                                                                   metadata)
-        # Every token's position and KV slot in one vectorized pass over the step's block tables.
         num_tokens = len(token_ids)
+        tables = self._prepare_varlen(query_starts + [num_tokens], start_pos, query_lens, num_blocks, block_ids,
+                                      metadata)
+        # Every token's position and KV slot in one vectorized pass over the step's block tables.
+        start_pos_np = np.array(start_pos, dtype=np.int64)
         if num_tokens == len(order):  # one token per request (plain decode): no per-token expansion
             positions = start_pos_np
             seq_index = np.arange(num_tokens)
         else:
-            row_starts = np.asarray(query_starts, dtype=np.int64)
+            query_lens_np = np.array(query_lens, dtype=np.int64)
             seq_index = np.repeat(np.arange(len(order)), query_lens_np)
-            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(start_pos_np - row_starts, query_lens_np)
+            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(
+                start_pos_np - np.array(query_starts, dtype=np.int64), query_lens_np)
         block_index, offset = np.divmod(positions, bs)
         slots = tables[seq_index, block_index] * bs + offset
         metadata.slot_mapping = torch.from_numpy(slots).to(device)
@@ -349,32 +351,27 @@ class ModelRunner:
             metadata.prefills.append(prefill)
         self.backend.prepare_metadata(metadata)
         return Batch(
-            input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
+            # through numpy: torch.tensor of a Python list costs 4x as much (measured at 64 ints)
+            input_ids=torch.from_numpy(np.array(token_ids, dtype=np.int64)).to(device),
             positions=torch.from_numpy(positions).to(device),
             metadata=metadata, order=order, query_starts=query_starts)
 
-    def _prepare_varlen(self, start_pos: list[int], query_lens: list[int], num_blocks: list[int],
-                        block_ids: list[int], metadata: AttentionMetadata
-                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _prepare_varlen(self, query_start_loc: list[int], start_pos: list[int], query_lens: list[int],
+                        num_blocks: list[int], block_ids: list[int], metadata: AttentionMetadata) -> np.ndarray:
         """The whole step as varlen sequences (query_start_loc, seq_lens, block_tables), for kernels that
         read K/V in place. Takes per request its start position, query length and number of blocks, and
-        all their block ids in one list; returns the block tables, query lengths and start positions as
-        numpy arrays."""
-        query_lens_np = np.array(query_lens, dtype=np.int64)
-        start_pos_np = np.array(start_pos, dtype=np.int64)
-        seq_lens = start_pos_np + query_lens_np
+        all their block ids in one list; returns the block tables as a numpy array."""
+        seq_lens = [start + query_len for start, query_len in zip(start_pos, query_lens)]
         # One flat write of every request's used blocks into the zero-padded table.
         tables = np.zeros((len(num_blocks), max(num_blocks)), dtype=np.int64)
         tables[np.arange(tables.shape[1]) < np.array(num_blocks)[:, None]] = block_ids
-        query_start_loc = np.zeros(len(num_blocks) + 1, dtype=np.int64)
-        np.cumsum(query_lens_np, out=query_start_loc[1:])
         device = self.device
-        metadata.query_start_loc = torch.from_numpy(query_start_loc).to(device)
-        metadata.seq_lens = torch.from_numpy(seq_lens).to(device)
+        metadata.query_start_loc = torch.from_numpy(np.array(query_start_loc, dtype=np.int64)).to(device)
+        metadata.seq_lens = torch.from_numpy(np.array(seq_lens, dtype=np.int64)).to(device)
         metadata.block_tables = torch.from_numpy(tables).to(device)
         metadata.max_query_len = max(query_lens)
-        metadata.max_seq_len = int(seq_lens.max())
-        return tables, query_lens_np, start_pos_np
+        metadata.max_seq_len = max(seq_lens)
+        return tables
 
     def _prepare_decodes(self, short: list[ScheduledRequest], metadata: AttentionMetadata) -> None:
         bs = self.block_size
