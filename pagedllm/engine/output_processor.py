@@ -51,7 +51,12 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return len(self.samples) == self.params.n and all(s.finish_reason for s in self.samples.values())
+        if len(self.samples) != self.params.n:
+            return False
+        for sample in self.samples.values():  # a loop, not all(generator): asked for every output every step
+            if not sample.finish_reason:
+                return False
+        return True
 
 
 class OutputProcessor:
