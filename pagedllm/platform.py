@@ -3,6 +3,7 @@ instance) half-precision matmuls are emulated and run several times slower than 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -84,3 +85,34 @@ def configure_threads(num_threads: int | None) -> int:
     if num_threads is not None and torch.get_num_threads() != num_threads:
         torch.set_num_threads(num_threads)
     return torch.get_num_threads()
+
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+
+
+@functools.cache
+def configure_cpu_allocator() -> bool:
+    """Keep freed memory in the process's heap for the next step instead of handing it back to the OS.
+
+    By default glibc serves every allocation above a threshold (at most 32 MiB) with its own mmap and
+    unmaps it on free, so a prefill's large activations (a 2,048-token chunk through a 4,864-wide MLP
+    is 40 MB in bf16) arrive as fresh pages every layer, each page faulted in and zeroed by the kernel.
+    Serving everything from the heap and trimming it only past 2 GiB of free space at its top made a
+    2,048-token bf16 prefill of a 386M model 1.3-1.45x faster here (3.6-3.9 s against 5.1-6.2 s);
+    decode steps are unchanged. The cost is that the process keeps its peak heap. This is the process
+    that runs the model, as vLLM's CPU backend gets the same effect by preloading tcmalloc.
+    PAGEDLLM_CPU_MALLOC_TUNING=0 leaves glibc's defaults; other C libraries are left alone.
+    """
+    if os.environ.get("PAGEDLLM_CPU_MALLOC_TUNING", "1") == "0" or platform.system() != "Linux":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        tuned = bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    except (OSError, AttributeError):
+        return False
+    if tuned:
+        logger.info("glibc malloc keeps freed memory in the heap (no per-allocation mmap); "
+                    "PAGEDLLM_CPU_MALLOC_TUNING=0 restores its defaults")
+    return tuned

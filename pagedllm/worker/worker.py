@@ -17,6 +17,7 @@ from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerC
 from pagedllm.distributed.parallel_state import collective_bytes, init_distributed_environment
 from pagedllm.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from pagedllm.metrics.reader import Metric
+from pagedllm.platform import configure_cpu_allocator
 from pagedllm.spec_decode import SpeculativeConfig
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.request_state import RequestStates, WorkerSchedulerOutput
@@ -35,6 +36,8 @@ class Worker:
             device = torch.device("cuda", rank % parallel_config.ranks_per_node)
             torch.cuda.set_device(device)
         self.device = device
+        if device.type == "cpu":
+            configure_cpu_allocator()  # before the weights and the first activations are allocated
         if tp_size > 1:
             assert distributed_init_method is not None
             init_distributed_environment(rank, tp_size, distributed_init_method,

@@ -206,16 +206,74 @@ void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const a
   });
 }
 
+// exp(x) in plain arithmetic so `omp simd` loops vectorise it: 2^(x log2 e) = 2^n 2^f with n an integer
+// and |f| <= 1/2, 2^f by a degree-6 polynomial (relative error about 2e-7, an ulp or two of fp32).
+// Inputs are clamped to [-87, 88]: beyond, silu's result is already 0 or x in every dtype.
+inline float exp_approx(float x) {
+  const float t = std::min(std::max(x, -87.f), 88.f) * 1.44269504088896341f;
+  const float n = (t + 12582912.f) - 12582912.f;  // round to nearest without a libm call
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += static_cast<int32_t>(n) << 23;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// out = silu(gate) * up for gate_up = [gate | up] (the fused projection's output), [T, 2I] -> [T, I]:
+// one pass instead of torch's chunk, silu and multiply, each a pass over memory (at a 2,048-token
+// prefill of a 4,864-wide MLP those two ops took 13% of the step). silu rounds to the dtype before the
+// multiply, as the torch code does; its exp is ours, not torch's, so an fp32 result may differ from
+// F.silu's in the last bit or two (and then, rarely, a 16-bit one by one ulp).
+template <typename T>
+void silu_and_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t inter, int64_t in_stride) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gate_up + r * in_stride;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) {
+        const float x = load(g[i]);
+        const float act = round_to<T>(x / (1.f + exp_approx(-x)));
+        store(o + i, act * load(u[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "silu_and_mul: [T, 2 * intermediate] with contiguous rows");
+  const int64_t inter = gate_up.size(1) / 2;
+  auto out = at::empty({gate_up.size(0), inter}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_impl<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.size(0), inter,
+                                gate_up.stride(0));
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedllm_cpu_layers, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu_layers, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &silu_and_mul);
 }
