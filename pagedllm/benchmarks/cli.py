@@ -261,7 +261,7 @@ def format_tensor_parallel(summary: dict[str, Any] | None) -> str:
 
 def run_throughput_cmd(args: argparse.Namespace) -> int:
     from pagedllm.benchmarks.datasets import get_requests
-    from pagedllm.benchmarks.throughput import format_results, run_hf_batch_sizes, run_pagedllm, throughput_report
+    from pagedllm.benchmarks.throughput import format_results, run_hf_fresh_process, run_pagedllm, throughput_report
 
     try:
         model = _resolve_model(args)
@@ -293,7 +293,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     if args.compare == "hf":
         batch_sizes = [args.hf_batch_size] + ([our_batch] if our_batch != args.hf_batch_size else [])
         device = "cuda" if device.startswith("cuda") else "cpu"
-        results.extend(run_hf_batch_sizes(model, requests, dtype, batch_sizes, device=device))
+        results.extend(run_hf_fresh_process(model, requests, dtype, batch_sizes, device=device))
     mean_prompt = sum(r.prompt_len for r in requests) / len(requests)
     mean_output = sum(r.output_len for r in requests) / len(requests)
     print(

@@ -1,5 +1,5 @@
 """`pagedllm bench throughput`: offline throughput of LLM.generate over a request set, optionally against
-Hugging Face transformers' `generate` on the same prompts and output lengths in the same process.
+Hugging Face transformers' `generate` on the same prompts and output lengths in the same run.
 
 Both sides decode greedily and ignore EOS, so each request produces exactly its output_len tokens and
 the two runs do the same useful work. transformers gets static batches, as a user of `generate` would
@@ -9,7 +9,9 @@ requested output; only the requested tokens are counted.
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
+import multiprocessing
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -82,6 +84,19 @@ def run_hf(
 ) -> ThroughputResult:
     """The same requests through transformers' generate in static, left-padded batches."""
     return run_hf_batch_sizes(model, requests, dtype, [batch_size], device)[0]
+
+
+def run_hf_fresh_process(
+    model: str, requests: list[SampleRequest], dtype: torch.dtype, batch_sizes: list[int], device: str = "cpu"
+) -> list[ThroughputResult]:
+    """run_hf_batch_sizes in a fresh process with this one's thread count: transformers then runs as a
+    user would run it, with none of the state our engine left here (on CPU it tunes glibc's malloc for
+    its whole process, which would speed up the baseline's prefill as well)."""
+    threads = torch.get_num_threads()
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=torch.set_num_threads,
+                                                initargs=(threads,)) as pool:
+        return pool.submit(run_hf_batch_sizes, model, requests, dtype, batch_sizes, device).result()
 
 
 def run_hf_batch_sizes(
