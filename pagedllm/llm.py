@@ -113,7 +113,8 @@ class LLM:
                 for output in outputs:
                     if output.finished and output.request_id in budgets:  # not another caller's request
                         finals[output.request_id] = output
-                failed = [request_id for request_id in ids if request_id in engine.failed_requests]
+                failed = [request_id for request_id in ids if request_id in engine.failed_requests] \
+                    if engine.failed_requests else []
                 if failed:  # the step ended these alone; the call as a whole cannot succeed
                     engine.abort_request(ids)
                     raise RuntimeError(f"request {failed[0]} failed inside the engine "

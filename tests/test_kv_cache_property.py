@@ -271,3 +271,28 @@ class KVCacheMachine(RuleBasedStateMachine):
 KVCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])
 TestKVCacheManager = KVCacheMachine.TestCase
+
+
+def test_blocks_are_registered_once_and_a_refused_one_is_offered_again() -> None:
+    """Each step registers only the blocks that became full since the last one; a block refused because
+    another block holds its hash takes the hash over once that block is evicted."""
+    bs = 2
+    kv = KVCacheManager(num_blocks=4, block_size=bs, enable_caching=True)
+    first = FakeRequest("a", [1, 2, 3])
+    assert kv.allocate_slots(first, 3)
+    first.num_computed_tokens = 3
+    kv.free("a")  # its block [1, 2] stays cached while it waits in the free queue
+    held = kv.pool.cached_blocks[first.block_hashes[0]]
+    second = FakeRequest("b", [1, 2, 3])  # computes its own copy of [1, 2] (a capped or logprobs prompt)
+    assert kv.allocate_slots(second, 3)
+    second.num_computed_tokens = 3
+    own = kv.req_to_blocks["b"][0]
+    assert own is not held and own.block_hash is None and kv.num_cached_blocks["b"] == 0
+    # Taking every free block evicts the holder; the next step hands the hash to the running request.
+    kv.pool.get_new_blocks(kv.num_free_blocks)
+    assert first.block_hashes[0] not in kv.pool.cached_blocks
+    second.tokens.append(4)
+    assert kv.allocate_slots(second, 1) is True
+    assert kv.pool.cached_blocks[second.block_hashes[0]] is own
+    assert kv.pool.cached_blocks[second.block_hashes[1]] is kv.req_to_blocks["b"][1]
+    assert kv.num_cached_blocks["b"] == 2

@@ -11,6 +11,26 @@ from __future__ import annotations
 INITIAL_CONTEXT_TOKENS = 5
 
 
+def backend_decoder(tokenizer):
+    """The `tokenizers.Tokenizer` under a transformers fast tokenizer, when decoding through it directly
+    gives exactly what `tokenizer.decode` gives; else None. transformers' decode wraps that one Rust call
+    in about 5 us of Python per call (argument conversion, kwargs, the clean-up check), more than the
+    decode itself of the few tokens an incremental step looks at, twice per token of every request."""
+    from transformers import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    cls = type(tokenizer)
+    if not (isinstance(tokenizer, TokenizersBackend) and cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is TokenizersBackend._decode):
+        return None  # a slow tokenizer, or a class with a decode of its own
+    backend = tokenizer.backend_tokenizer
+    # TokenizersBackend._decode cleans up tokenization spaces when asked, except for BPE models (unless
+    # forced); only where it would not, is its output the backend's.
+    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+    cleans_up = tokenizer.clean_up_tokenization_spaces and (type(backend.model).__name__ != "BPE" or forced)
+    return None if cleans_up else backend
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool,
                  spaces_between_special_tokens: bool = True):
@@ -21,6 +41,7 @@ class IncrementalDetokenizer:
         # text around them with a space when spaces_between_special_tokens (its default), else directly.
         # A fast tokenizer's decode never spaces them, and vLLM leaves it at that: so do we.
         self.added_vocab: dict[str, int] = {}
+        self._backend = backend_decoder(tokenizer)
         if not getattr(tokenizer, "is_fast", True):
             self.added_vocab = tokenizer.get_added_vocab()
             self.special_tokens = set(tokenizer.all_special_tokens)
@@ -58,6 +79,8 @@ class IncrementalDetokenizer:
         self.text_len = end
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         if not self.added_vocab:
             return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
         pieces: list[str] = []
@@ -91,4 +114,6 @@ class IncrementalDetokenizer:
         return ""
 
     def decode_token(self, token_id: int) -> str:
+        if self._backend is not None:
+            return self._backend.decode([token_id], skip_special_tokens=False)
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

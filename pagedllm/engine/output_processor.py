@@ -51,7 +51,12 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return len(self.samples) == self.params.n and all(s.finish_reason for s in self.samples.values())
+        if len(self.samples) != self.params.n:
+            return False
+        for sample in self.samples.values():  # a loop, not all(generator): asked for every output every step
+            if not sample.finish_reason:
+                return False
+        return True
 
 
 class OutputProcessor:
@@ -112,10 +117,11 @@ class OutputProcessor:
             changed[state.request_id] = state
         outputs = []
         for state in changed.values():
-            output = self._make_output(state)
+            finished = state.finished
+            output = self._make_output(state, finished)
             if output is not None:
                 outputs.append(output)
-            if state.finished:
+            if finished:
                 del self.states[state.request_id]
         return outputs, stopped
 
@@ -175,9 +181,8 @@ class OutputProcessor:
             return max(0, text_len - hold)
         return text_len
 
-    def _make_output(self, state: RequestState) -> RequestOutput | None:
+    def _make_output(self, state: RequestState, finished: bool) -> RequestOutput | None:
         kind = state.params.output_kind
-        finished = state.finished
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = kind is RequestOutputKind.DELTA

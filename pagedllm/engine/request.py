@@ -24,12 +24,18 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value >= RequestStatus.FINISHED_STOPPED.value
+        # a tuple scan by identity: Enum.value is a Python-level descriptor, and this runs for every
+        # request every step
+        return self in _FINISHED_STATUSES
 
     @property
     def finish_reason(self) -> str | None:
-        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+                   RequestStatus.FINISHED_ABORTED: "abort"}
+_FINISHED_STATUSES = tuple(_FINISH_REASONS)
 
 
 @dataclass(eq=False)
@@ -46,6 +52,8 @@ class Request:
     generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:
+        # An attribute, not a property: the scheduler reads it for every running request every step.
+        self.is_fork_parent = self.sampling_params.n > 1 and self.parent_id is None
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
@@ -66,10 +74,6 @@ class Request:
         self.kv_transfer_params: dict | None = extra.get("kv_transfer_params")
         self.kv_transfer_params_out: dict | None = None
         self.num_external_tokens = 0  # prompt tokens a KV connector loads for it
-
-    @property
-    def is_fork_parent(self) -> bool:
-        return self.sampling_params.n > 1 and self.parent_id is None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -80,14 +80,18 @@ class BlockPool:
                     block.block_hash = None
                 self.free_queue[block.block_id] = block
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Register a full block under its hash; if another block already holds that hash, keep that one."""
-        if not self.enable_caching or block.block_hash is not None:
-            return
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Register a full block under its hash; if another block already holds that hash, keep that one
+        and return False (True when the block holds a hash now)."""
+        if not self.enable_caching:
+            return False
+        if block.block_hash is not None:
+            return True
         if block_hash in self.cached_blocks:
-            return
+            return False
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
+        return True
 
     def uncache_block(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None and self.cached_blocks.get(block.block_hash) is block:

@@ -38,6 +38,10 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Per request, how many leading blocks were already offered to the prefix cache (vLLM's
+        # num_cached_block): each step registers only the blocks that became full since, instead of
+        # walking every full block of every running request again.
+        self.num_cached_blocks: dict[str, int] = {}
         self.pending_copies: list[tuple[int, int]] = []
         # Prefix-cache statistics, in tokens.
         self.prefix_cache_queries = 0
@@ -105,27 +109,38 @@ class KVCacheManager:
             candidate = blocks[num_computed // self.block_size]
             if candidate.ref_cnt > 1:
                 cow_block = candidate
-        num_evictable_touched = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        num_evictable_touched = sum(1 for block in new_computed_blocks if block.ref_cnt == 0) \
+            if new_computed_blocks else 0
         if num_new_blocks + (cow_block is not None) > self.pool.num_free_blocks - num_evictable_touched:
             return False
 
-        self.pool.touch(new_computed_blocks)
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        blocks.extend(new_computed_blocks)
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
         if cow_block is not None:
             (copy,) = self.pool.get_new_blocks(1)
             index = num_computed // self.block_size
             blocks[index] = copy
             self.pending_copies.append((cow_block.block_id, copy.block_id))
             self.pool.free_blocks([cow_block])
-        blocks.extend(self.pool.get_new_blocks(num_new_blocks))
+        if num_new_blocks:
+            blocks.extend(self.pool.get_new_blocks(num_new_blocks))
 
         if self.enable_caching:
             cacheable = min(total_tokens, request.num_tokens if num_cacheable_tokens is None
                             else num_cacheable_tokens)
-            self._update_hashes(request)
-            for i in range(cacheable // self.block_size):
-                self.pool.cache_block(blocks[i], request.block_hashes[i])
+            num_full = cacheable // self.block_size
+            num_done = self.num_cached_blocks.get(request.request_id, 0)
+            if num_full > num_done:
+                self._update_hashes(request)
+                # A block whose hash another block holds stays unregistered, and is offered again next
+                # step (it takes over the hash once the other block is evicted): the count stops there.
+                first_refused = None
+                for i in range(num_done, num_full):
+                    if not self.pool.cache_block(blocks[i], request.block_hashes[i]) and first_refused is None:
+                        first_refused = i
+                self.num_cached_blocks[request.request_id] = num_full if first_refused is None else first_refused
         return True
 
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -133,9 +148,11 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(parent_id, [])
         self.pool.touch(blocks)
         self.req_to_blocks[child_id] = list(blocks)
+        self.num_cached_blocks[child_id] = self.num_cached_blocks.get(parent_id, 0)
 
     def free(self, request_id: str) -> None:
         blocks = self.req_to_blocks.pop(request_id, [])
+        self.num_cached_blocks.pop(request_id, None)
         # Tail blocks first, so they are evicted before the prefix that others are likelier to share.
         self.pool.free_blocks(reversed(blocks))
 
@@ -143,8 +160,11 @@ class KVCacheManager:
         """Take the prefix-cache hashes off the request's blocks past its computed tokens: a step that
         failed registered them at allocation, but may never have written their KV."""
         blocks = self.req_to_blocks.get(request.request_id, [])
-        for block in blocks[request.num_computed_tokens // self.block_size:]:
+        num_kept = request.num_computed_tokens // self.block_size
+        for block in blocks[num_kept:]:
             self.pool.uncache_block(block)
+        if request.request_id in self.num_cached_blocks:
+            self.num_cached_blocks[request.request_id] = min(self.num_cached_blocks[request.request_id], num_kept)
 
     def trim(self, request: CacheableRequest) -> None:
         """Give back blocks past the request's computed tokens (rejected speculative tokens)."""
@@ -155,6 +175,8 @@ class KVCacheManager:
         if len(blocks) > keep:
             extra = blocks[keep:]
             del blocks[keep:]
+            if self.num_cached_blocks.get(request.request_id, 0) > keep:
+                self.num_cached_blocks[request.request_id] = keep
             self.pool.free_blocks(reversed(extra))
 
     def take_pending_copies(self) -> list[tuple[int, int]]:

@@ -7,7 +7,6 @@ inputs; the logits are gathered on rank 0, which alone samples.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import os
@@ -299,26 +298,43 @@ class ModelRunner:
         long = [s for s in scheduled if s.num_new_tokens > MAX_BATCHED_QUERY_LEN]
         order = short + long
         bs = self.block_size
+        # One Python pass over the requests; everything else is whole-batch array work. This runs right
+        # after the forward pass has flushed the CPU caches, where each small call costs several times
+        # its warm price, so the step's inputs are built with as few calls as possible.
         token_ids: list[int] = []
-        query_starts = []
+        query_starts: list[int] = []
+        start_pos: list[int] = []
+        query_lens: list[int] = []
+        num_blocks: list[int] = []
+        block_ids: list[int] = []  # every request's used blocks, one after the other
         for s in order:
             query_starts.append(len(token_ids))
+            start_pos.append(s.start_pos)
+            query_lens.append(s.num_new_tokens)
             end = s.start_pos + s.num_new_tokens
             known = s.request.all_token_ids
-            token_ids.extend(known[s.start_pos:min(end, len(known))])
+            token_ids.extend(known[s.start_pos:end])
             if end > len(known):
                 token_ids.extend(s.spec_token_ids[:end - len(known)])
+            num_blocks.append(-(-end // bs))
+            block_ids.extend(s.block_ids[:num_blocks[-1]])
         device = self.device
         metadata = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))  # set below
-        tables, query_lens = self._prepare_varlen(order, metadata)
-        # Every token's position and KV slot in one vectorized pass over the step's block tables (a
-        # per-request loop of small numpy calls cost about as much again at batch 64).
         num_tokens = len(token_ids)
-        row_starts = np.asarray(query_starts, dtype=np.int64)
-        seq_index = np.repeat(np.arange(len(order)), query_lens)
-        start_pos = np.fromiter((s.start_pos for s in order), dtype=np.int64, count=len(order))
-        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(start_pos - row_starts, query_lens)
-        slots = tables[seq_index, positions // bs] * bs + positions % bs
+        tables = self._prepare_varlen(query_starts + [num_tokens], start_pos, query_lens, num_blocks, block_ids,
+                                      metadata)
+        # Every token's position and KV slot in one vectorized pass over the step's block tables.
+        start_pos_np = np.array(start_pos, dtype=np.int64)
+        if num_tokens == len(order):  # one token per request (plain decode): no per-token expansion
+            positions = start_pos_np
+            seq_index = np.arange(num_tokens)
+        else:
+            query_lens_np = np.array(query_lens, dtype=np.int64)
+            seq_index = np.repeat(np.arange(len(order)), query_lens_np)
+            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(
+                start_pos_np - np.array(query_starts, dtype=np.int64), query_lens_np)
+        block_index, offset = np.divmod(positions, bs)
+        slots = tables[seq_index, block_index] * bs + offset
         metadata.slot_mapping = torch.from_numpy(slots).to(device)
         if short and self.backend.needs_dense_masks:
             self._prepare_decodes(short, metadata)
@@ -335,30 +351,27 @@ class ModelRunner:
             metadata.prefills.append(prefill)
         self.backend.prepare_metadata(metadata)
         return Batch(
-            input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
+            # through numpy: torch.tensor of a Python list costs 4x as much (measured at 64 ints)
+            input_ids=torch.from_numpy(np.array(token_ids, dtype=np.int64)).to(device),
             positions=torch.from_numpy(positions).to(device),
             metadata=metadata, order=order, query_starts=query_starts)
 
-    def _prepare_varlen(self, order: list[ScheduledRequest], metadata: AttentionMetadata
-                        ) -> tuple[np.ndarray, np.ndarray]:
+    def _prepare_varlen(self, query_start_loc: list[int], start_pos: list[int], query_lens: list[int],
+                        num_blocks: list[int], block_ids: list[int], metadata: AttentionMetadata) -> np.ndarray:
         """The whole step as varlen sequences (query_start_loc, seq_lens, block_tables), for kernels that
-        read K/V in place. Returns the block tables and query lengths as numpy arrays for the runner."""
-        num_seqs = len(order)
-        query_lens = np.fromiter((s.num_new_tokens for s in order), dtype=np.int64, count=num_seqs)
-        seq_lens = np.fromiter((s.start_pos + s.num_new_tokens for s in order), dtype=np.int64, count=num_seqs)
-        num_blocks = -(-seq_lens // self.block_size)
+        read K/V in place. Takes per request its start position, query length and number of blocks, and
+        all their block ids in one list; returns the block tables as a numpy array."""
+        seq_lens = [start + query_len for start, query_len in zip(start_pos, query_lens)]
         # One flat write of every request's used blocks into the zero-padded table.
-        tables = np.zeros((num_seqs, int(num_blocks.max())), dtype=np.int64)
-        used = np.arange(tables.shape[1])[None, :] < num_blocks[:, None]
-        tables[used] = np.fromiter(itertools.chain.from_iterable(
-            s.block_ids[:n] for s, n in zip(order, num_blocks.tolist())), dtype=np.int64, count=int(num_blocks.sum()))
+        tables = np.zeros((len(num_blocks), max(num_blocks)), dtype=np.int64)
+        tables[np.arange(tables.shape[1]) < np.array(num_blocks)[:, None]] = block_ids
         device = self.device
-        metadata.query_start_loc = torch.from_numpy(np.concatenate([[0], np.cumsum(query_lens)])).to(device)
-        metadata.seq_lens = torch.from_numpy(seq_lens).to(device)
+        metadata.query_start_loc = torch.from_numpy(np.array(query_start_loc, dtype=np.int64)).to(device)
+        metadata.seq_lens = torch.from_numpy(np.array(seq_lens, dtype=np.int64)).to(device)
         metadata.block_tables = torch.from_numpy(tables).to(device)
-        metadata.max_query_len = int(query_lens.max())
-        metadata.max_seq_len = int(seq_lens.max())
-        return tables, query_lens
+        metadata.max_query_len = max(query_lens)
+        metadata.max_seq_len = max(seq_lens)
+        return tables
 
     def _prepare_decodes(self, short: list[ScheduledRequest], metadata: AttentionMetadata) -> None:
         bs = self.block_size
@@ -398,6 +411,7 @@ class ModelRunner:
         speculative tokens are handed, with the logits of their k+1 positions, to `self.spec_decoder`.
         Every row that needs logits goes through the LM head in one call (one gather under TP)."""
         sample_rows: list[int] = []
+        sampled: list[ScheduledRequest] = []  # the requests of sample_rows, in order
         verify: list[tuple[ScheduledRequest, int]] = []  # (request, first row of its k+1 positions)
         verify_rows: list[int] = []
         prompt_lp: list[tuple[ScheduledRequest, int, int]] = []  # (request, first row, count)
@@ -414,29 +428,28 @@ class ModelRunner:
                 verify_rows.extend(range(first, first + len(s.spec_token_ids) + 1))
             elif s.sample:
                 sample_rows.append(start + s.num_new_tokens - 1)
+                sampled.append(s)
         prompt_rows = [row for _, start, count in prompt_lp for row in range(start, start + count)]
         logits_rows = sample_rows + verify_rows + prompt_rows
         if not logits_rows:
             return
-        all_logits = self.model.compute_logits(hidden[logits_rows])
+        # A plain decode step samples from every row in order: no gather (a copy of the hidden states).
+        all_rows = len(logits_rows) == hidden.shape[0] and logits_rows == list(range(len(logits_rows)))
+        all_logits = self.model.compute_logits(hidden if all_rows else hidden[logits_rows])
         if all_logits is None:
             return  # not rank 0: the logits were gathered there, and only rank 0 samples
         num_sample, num_verify = len(sample_rows), len(verify_rows)
         if sample_rows:
-            rows = [self.sampling_row(s.request) for s in batch.order if s.sample and not s.spec_token_ids]
+            rows = [self.sampling_row(s.request) for s in sampled]
             logits = all_logits[:num_sample]
             max_logprobs = max((r.params.logprobs or 0) for r in rows)
             token_bitmask = None
             if grammar_bitmask is not None:
-                sampled = [s for s in batch.order if s.sample and not s.spec_token_ids]
                 token_bitmask = grammar_bitmask.select((s.request.request_id, i, 1) for i, s in enumerate(sampled))
             result = self.sampler(logits, rows, max_logprobs, token_bitmask)
             token_ids = result.token_ids.tolist()
             sampled_lp = result.sampled_logprobs.tolist() if result.sampled_logprobs is not None else None
-            i = 0
-            for s in batch.order:
-                if not s.sample or s.spec_token_ids:
-                    continue
+            for i, s in enumerate(sampled):
                 rid = s.request.request_id
                 output.sampled_token_ids[rid] = [token_ids[i]]
                 num_lp = s.request.sampling_params.logprobs
@@ -446,7 +459,6 @@ class ModelRunner:
                     top_lps = result.topk_logprobs[i, :num_lp].tolist() if num_lp else []
                     output.logprobs[rid] = [position_logprobs(token_ids[i], sampled_lp[i],
                                                               int(result.sampled_ranks[i]), top_ids, top_lps)]
-                i += 1
         if verify:
             assert self.spec_decoder is not None
             self.spec_decoder.verify(verify, all_logits[num_sample:num_sample + num_verify], output,

@@ -1,0 +1,89 @@
+"""The incremental detokenizer decodes a fast tokenizer through its `tokenizers.Tokenizer` directly: the
+text must be exactly what transformers' decode gives, for byte-level BPE (multi-byte UTF-8 split across
+tokens), SentencePiece-style Metaspace (leading spaces) and WordPiece with clean-up (left to transformers)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from pagedllm.engine.detokenizer import IncrementalDetokenizer, backend_decoder
+from tests.tiny_models import SPECIAL_TOKENS, build_tokenizer, training_text
+
+TEXT = training_text()[:20000] + " naïve café ünïcödé 漢字 かな 😀🚀 ok"
+
+
+def _metaspace_tokenizer() -> PreTrainedTokenizerFast:
+    """SentencePiece's layout: '▁' for spaces, a prefix space added at the start and dropped on decode."""
+    tok = Tokenizer(models.BPE(byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = None
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    alphabet = [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIAL_TOKENS + alphabet, show_progress=False)
+    tok.train_from_iterator([TEXT], trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIAL_TOKENS[0], eos_token=SPECIAL_TOKENS[1])
+
+
+def _wordpiece_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(vocab_size=400, special_tokens=["[UNK]", "[CLS]"], show_progress=False)
+    tok.train_from_iterator([TEXT], trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", cls_token="[CLS]",
+                                   clean_up_tokenization_spaces=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PreTrainedTokenizerFast]:
+    return {"byte-level BPE": build_tokenizer(tmp_path_factory.mktemp("bpe")),
+            "metaspace": _metaspace_tokenizer(), "wordpiece": _wordpiece_tokenizer()}
+
+
+def _incremental_text(tokenizer, prompt: list[int], output: list[int], skip: bool) -> str:
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt, skip)
+    for token_id in output:
+        detokenizer.add_tokens([token_id])
+    return detokenizer.text
+
+
+def _reference_text(tokenizer, prompt: list[int], output: list[int], skip: bool) -> str:
+    """The same algorithm through transformers' decode (the detokenizer before its fast path)."""
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt, skip)
+    detokenizer._backend = None
+    for token_id in output:
+        detokenizer.add_tokens([token_id])
+    return detokenizer.text
+
+
+@pytest.mark.parametrize("name", ["byte-level BPE", "metaspace", "wordpiece"])
+def test_backend_decode_matches_transformers(tokenizers: dict, name: str) -> None:
+    tokenizer = tokenizers[name]
+    assert (backend_decoder(tokenizer) is None) == (name == "wordpiece")  # clean-up stays with transformers
+    ids = tokenizer.encode(TEXT[-400:], add_special_tokens=False)
+    rng = random.Random(0)
+    for trial in range(20):
+        # real text, random ids (bytes of broken UTF-8 sequences) and special tokens
+        output = ids[trial * 7:trial * 7 + 30] if trial % 2 else [rng.randrange(len(tokenizer)) for _ in range(30)]
+        output = [0, *output[:10], 1, *output[10:]]
+        prompt = ids[:rng.randrange(1, 8)]
+        for skip in (True, False):
+            assert _incremental_text(tokenizer, prompt, output, skip) == _reference_text(tokenizer, prompt, output,
+                                                                                         skip)
+            detokenizer = IncrementalDetokenizer(tokenizer, prompt, skip)
+            assert [detokenizer.decode_token(t) for t in output] == [tokenizer.decode([t]) for t in output]
+
+
+def test_text_of_real_text_is_the_text(tokenizers: dict) -> None:
+    """Decoded one token at a time after a prompt, an encoded text comes back whole (its leading space
+    included: the prompt's last tokens give the SentencePiece decoder its context)."""
+    for name in ("byte-level BPE", "metaspace"):
+        tokenizer = tokenizers[name]
+        ids = tokenizer.encode("x = 1 naïve 漢字 😀 end", add_special_tokens=False)
+        assert _incremental_text(tokenizer, ids[:3], ids[3:], True) == tokenizer.decode(ids)[
+            len(tokenizer.decode(ids[:3])):]
