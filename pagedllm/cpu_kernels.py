@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 _ROOT = os.path.dirname(__file__)
 _SOURCES = [os.path.join(_ROOT, "attention", "csrc", "paged_attention_cpu.cpp"),
             os.path.join(_ROOT, "layers", "csrc", "cpu_layers.cpp")]
+_INCLUDE = os.path.join(_ROOT, "csrc")  # headers both share (fast_exp.h)
 
 
 def _cache_dir(source_digest: str) -> str:
@@ -47,7 +48,7 @@ def load_cpu_kernels() -> bool:
         from torch.utils import cpp_extension
 
         sources = hashlib.sha256()
-        for path in _SOURCES:
+        for path in _SOURCES + sorted(os.path.join(_INCLUDE, name) for name in os.listdir(_INCLUDE)):
             with open(path, "rb") as f:
                 sources.update(f.read())
         build_dir = _cache_dir(sources.hexdigest()[:12])
@@ -64,7 +65,8 @@ def load_cpu_kernels() -> bool:
             if os.path.exists(stale):
                 os.remove(stale)
             cpp_extension.load(name="pagedllm_cpu_ops", sources=_SOURCES, extra_cflags=flags,
-                               build_directory=build_dir, is_python_module=False, verbose=False)
+                               extra_include_paths=[_INCLUDE], build_directory=build_dir,
+                               is_python_module=False, verbose=False)
         elapsed = time.perf_counter() - start
         if elapsed > 1.0:
             logger.info("Built the CPU kernels in %.0f s (cached in %s)", elapsed, build_dir)

@@ -32,6 +32,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "fast_exp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -135,28 +137,6 @@ inline void transpose_to_float(const cache_t* src, float* dst, int64_t j0, int64
   }
 }
 
-// exp(x) for x <= 0 (scores minus their running max), in plain arithmetic so `omp simd` loops
-// vectorise it: 2^(x log2 e) = 2^n * 2^f, n integer, |f| <= 1/2, 2^f by a degree-6 polynomial
-// (relative error about 2e-7, the size of fp32 rounding). Below 2^-126 it returns 0.
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x * 1.44269504088896341f, -127.f);
-  const float n = (t + 12582912.f) - 12582912.f;  // round to nearest without a libm call
-  const float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, sizeof(bits));
-  bits += static_cast<int32_t>(n) << 23;
-  float result;
-  std::memcpy(&result, &bits, sizeof(result));
-  return n < -126.f ? 0.f : result;
-}
-
 #if defined(__AVX512F__)
 // The 16 scores q.k_j of a whole 16-key block, k as stored ([16][D], D a multiple of 16), in one vector
 // pass: 16 product vectors, then a transpose-and-add tree (8 + 4 + 2 + 1 vector adds) instead of 16
@@ -229,7 +209,7 @@ inline void update_row_impl(const float* __restrict q, const float* __restrict k
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = j0; j < j_end; ++j) {
-    s[j] = exp_nonpositive(s[j] - new_max);
+    s[j] = pagedllm::fast_exp(s[j] - new_max);
     sum += s[j];
   }
   row_sum = row_sum * alpha + sum;
@@ -281,7 +261,7 @@ inline void update_rows4(const float* __restrict q, const float* __restrict kT, 
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int j = 0; j < BS; ++j) {
-      s[r][j] = exp_nonpositive(s[r][j] - new_max);
+      s[r][j] = pagedllm::fast_exp(s[r][j] - new_max);
       sum += s[r][j];
     }
     row_sum[r] = row_sum[r] * alpha[r] + sum;

@@ -17,6 +17,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "fast_exp.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -206,33 +208,11 @@ void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const a
   });
 }
 
-// exp(x) in plain arithmetic so `omp simd` loops vectorise it: 2^(x log2 e) = 2^n 2^f with n an integer
-// and |f| <= 1/2, 2^f by a degree-6 polynomial (relative error about 2e-7, an ulp or two of fp32).
-// Inputs are clamped to [-87, 88]: beyond, silu's result is already 0 or x in every dtype.
-inline float exp_approx(float x) {
-  const float t = std::min(std::max(x, -87.f), 88.f) * 1.44269504088896341f;
-  const float n = (t + 12582912.f) - 12582912.f;  // round to nearest without a libm call
-  const float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, sizeof(bits));
-  bits += static_cast<int32_t>(n) << 23;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
 // out = silu(gate) * up for gate_up = [gate | up] (the fused projection's output), [T, 2I] -> [T, I]:
 // one pass instead of torch's chunk, silu and multiply, each a pass over memory (at a 2,048-token
 // prefill of a 4,864-wide MLP those two ops took 13% of the step). silu rounds to the dtype before the
-// multiply, as the torch code does; its exp is ours, not torch's, so an fp32 result may differ from
-// F.silu's in the last bit or two (and then, rarely, a 16-bit one by one ulp).
+// multiply, as the torch code does; its exp is ours (fast_exp.h), not torch's, so an fp32 result may
+// differ from F.silu's in the last bit or two (and then, rarely, a 16-bit one by one ulp).
 template <typename T>
 void silu_and_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t inter, int64_t in_stride) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
@@ -243,7 +223,7 @@ void silu_and_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t inter, in
 #pragma omp simd
       for (int64_t i = 0; i < inter; ++i) {
         const float x = load(g[i]);
-        const float act = round_to<T>(x / (1.f + exp_approx(-x)));
+        const float act = round_to<T>(x / (1.f + pagedllm::fast_exp(-x)));
         store(o + i, act * load(u[i]));
       }
     }
