@@ -153,17 +153,22 @@ def test_default_num_threads_leaves_busy_cores_alone(monkeypatch: pytest.MonkeyP
         torch.set_num_threads(before)
 
 
-def test_omp_wait_policy_is_passive_unless_set() -> None:
+def test_openmp_threads_sleep_on_a_busy_machine_and_spin_briefly_on_an_idle_one() -> None:
     import os
     import subprocess
     import sys
 
-    code = "import os, pagedllm; print(os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True).stdout.strip() == "PASSIVE"
-    assert subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
-                          capture_output=True, text=True, check=True).stdout.strip() == "ACTIVE"
+    def policy(load: float, **extra: str) -> str:
+        code = (f"import os; os.getloadavg = lambda: ({load}, 0.0, 0.0); import pagedllm; "
+                "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))")
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+        return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert policy(1.5) == "PASSIVE None"
+    assert policy(0.2) == "None 1000000"
+    assert policy(0.2, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE None"   # the environment wins
+    assert policy(1.5, GOMP_SPINCOUNT="10") == "None 10"
 
 
 def test_chat_prompt_and_continue_final_message(tiny_llama_dir: str) -> None:
