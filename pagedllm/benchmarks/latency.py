@@ -10,6 +10,7 @@ then means nothing (a 32 MiB L3 holds a 16M-parameter bf16 model).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -40,6 +41,8 @@ class LatencyResult:
     planner_bound_tokens_per_s: float  # min of memory and compute bounds (compute measured on CPU only)
     planner_limited_by: str
     num_threads: int = 0
+    # how idle OpenMP threads wait (pagedllm/__init__.py): at 2+ threads it moves batch-1 decode by tens of percent
+    openmp_wait: str = ""
     plan_command: str = ""  # the `pagedllm plan` line that predicts the same bound
     ttft_all_s: list[float] = field(default_factory=list)
     decode_tokens_per_s_all: list[float] = field(default_factory=list)
@@ -151,6 +154,7 @@ def run_latency(
         planner_bound_tokens_per_s=bound.tokens_per_s,
         planner_limited_by=bound.limited_by,
         num_threads=torch.get_num_threads(),
+        openmp_wait=openmp_wait_policy(),
         plan_command=f"pagedllm plan --model {model} --hardware {'cpu' if not on_cuda else '<gpu preset>'} "
         f"--context {mean_context} --batch 1 --dtype {weight_dtype} --kv-cache-dtype {kv_dtype}"
         + (f" --quantization {quantization.method}" if quantization is not None else ""),
@@ -161,9 +165,18 @@ def run_latency(
     )
 
 
+def openmp_wait_policy() -> str:
+    """How idle OpenMP threads wait in this process, from the variables GNU OpenMP read at start-up."""
+    if os.environ.get("GOMP_SPINCOUNT"):
+        return f"spin {os.environ['GOMP_SPINCOUNT']} iterations, then sleep"
+    policy = os.environ.get("OMP_WAIT_POLICY", "").upper()
+    return {"PASSIVE": "sleep at once", "ACTIVE": "spin"}.get(policy, "spin a while (OpenMP's default)")
+
+
 def format_latency(r: LatencyResult) -> str:
     rows = [
-        ("model", f"{r.model} ({r.dtype}, KV {r.kv_cache_dtype}, {r.device}, {r.num_threads} threads)"),
+        ("model", f"{r.model} ({r.dtype}, KV {r.kv_cache_dtype}, {r.device}, {r.num_threads} threads"
+                  + (f", OpenMP threads {r.openmp_wait}" if r.openmp_wait and r.num_threads > 1 else "") + ")"),
         ("prompt / output tokens", f"{r.input_len} / {r.output_len}, {r.num_iters} iterations (medians)"),
         ("time to first token", f"{r.ttft_s * 1e3:,.1f} ms"),
         (
