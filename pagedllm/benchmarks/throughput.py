@@ -79,17 +79,11 @@ def run_pagedllm(llm: Any, requests: list[SampleRequest], use_tqdm: bool = False
     return ThroughputResult("pagedllm", len(requests), elapsed, sum(r.prompt_len for r in requests), output_tokens)
 
 
-def run_hf(
-    model: str, requests: list[SampleRequest], dtype: torch.dtype, batch_size: int = 16, device: str = "cpu"
-) -> ThroughputResult:
-    """The same requests through transformers' generate in static, left-padded batches."""
-    return run_hf_batch_sizes(model, requests, dtype, [batch_size], device)[0]
-
-
 def run_hf_fresh_process(
     model: str, requests: list[SampleRequest], dtype: torch.dtype, batch_sizes: list[int], device: str = "cpu"
 ) -> list[ThroughputResult]:
-    """run_hf_batch_sizes in a fresh process with this one's thread count: transformers then runs as a
+    """run_hf_batch_sizes (the same requests through transformers' generate in static, left-padded
+    batches) in a fresh process with this one's thread count: transformers then runs as a
     user would run it, with none of the state our engine left here (on CPU it tunes glibc's malloc for
     its whole process, which would speed up the baseline's prefill as well)."""
     threads = torch.get_num_threads()
