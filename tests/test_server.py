@@ -111,6 +111,21 @@ class RemoteServer:
             self.proc.kill()
             raise
 
+    def post_and_hang_up(self, path: str, body: Any, running: int = 1) -> None:
+        """POST body, then close the connection unread once /metrics shows `running` sequences running.
+
+        A hang-up tied to the request's admission, not to a client timer: however fast or slow the engine
+        is, the request is mid-generation when the connection closes (give it thousands of tokens)."""
+        content = json.dumps(body).encode()
+        auth = f"Authorization: Bearer {self.api_key}\r\n" if self.api_key else ""
+        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{auth}"
+                f"Content-Length: {len(content)}\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", self.port)) as connection:
+            connection.sendall(head + content)
+            deadline = time.monotonic() + 60.0
+            while self.metrics().get("pagedllm:num_requests_running", 0) < running:
+                assert time.monotonic() < deadline, f"the request never had {running} sequences running"
+
     def assert_healthy(self) -> None:
         assert self.proc.poll() is None, self.log()
         assert httpx.get(f"{self.url}/health", timeout=30.0).status_code == 200

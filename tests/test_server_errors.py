@@ -7,7 +7,6 @@ One server with an API key, a 64 KiB body limit, one running sequence and room f
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -258,17 +257,8 @@ def abort_count(server: RemoteServer) -> float:
 
 def test_non_streaming_client_disconnect_aborts(server: RemoteServer) -> None:
     before = abort_count(server)
-    body = json.dumps({"prompt": "hello", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True,
-                       "temperature": 0}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-    # hang up once the request is running, not after a timer: the engine can be fast or slow, the request
-    # is admitted either way and has thousands of tokens left when the connection closes
-    with socket.create_connection(("127.0.0.1", server.port)) as connection:
-        connection.sendall(head + body)
-        deadline = time.monotonic() + 60.0
-        while server.metrics().get("pagedllm:num_requests_running", 0) < 1:
-            assert time.monotonic() < deadline, "the request never started running"
+    server.post_and_hang_up("/v1/completions", {"prompt": "hello", "max_tokens": MAX_MODEL_LEN - 16,
+                                                "ignore_eos": True, "temperature": 0})
     deadline = time.monotonic() + 60.0
     while abort_count(server) < before + 1:
         assert time.monotonic() < deadline, "the abandoned request was never aborted"
