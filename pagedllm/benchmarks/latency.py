@@ -1,11 +1,12 @@
 """`pagedllm bench latency`: batch-1 time to first token and decode speed, and decode as a fraction of
 the memory-bandwidth roofline.
 
-The roofline is the planner's: bandwidth (measured here, in the same run) divided by the bytes one
-decode step reads (every weight plus the cached KV at the mean context of the run). Timings come from
-the engine's own RequestMetrics, so they exclude Python-side setup around `generate`. When the weights fit
-in the CPU's last-level cache, decode reads them from cache, not DRAM, and the report says the roofline
-then means nothing (a 32 MiB L3 holds a 16M-parameter bf16 model).
+The roofline is the planner's: bandwidth (a copy probed right before each timed run, each run set
+against its own probe) divided by the bytes one decode step reads (every weight plus the cached KV at
+the mean context of the run). Timings come from the engine's own RequestMetrics, so they exclude
+Python-side setup around `generate`. When the weights fit in the CPU's last-level cache, decode reads
+them from cache, not DRAM, and the report says the roofline then means nothing (a 32 MiB L3 holds a
+16M-parameter bf16 model).
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ class LatencyResult:
     ttft_s: float  # medians over iterations
     decode_tokens_per_s: float
     e2e_s: float
-    memory_bandwidth_bytes_per_s: float
+    memory_bandwidth_bytes_per_s: float  # median of the probes, one right before each timed run
     bytes_per_token: float
     roofline_tokens_per_s: float
-    roofline_fraction: float
+    roofline_fraction: float  # median over runs of each run's decode rate against its own probe
     planner_bound_tokens_per_s: float  # min of memory and compute bounds (compute measured on CPU only)
     planner_limited_by: str
     num_threads: int = 0
@@ -46,6 +47,8 @@ class LatencyResult:
     plan_command: str = ""  # the `pagedllm plan` line that predicts the same bound
     ttft_all_s: list[float] = field(default_factory=list)
     decode_tokens_per_s_all: list[float] = field(default_factory=list)
+    memory_bandwidth_all: list[float] = field(default_factory=list)
+    roofline_fraction_all: list[float] = field(default_factory=list)
     weight_bytes: float = 0.0
     last_level_cache_bytes: int | None = None  # CPU only, from sysfs; None where unknown
 
@@ -113,14 +116,20 @@ def run_latency(
     kv_dtype = weight_dtype if _dtype_name(kv_dtype) == "auto" else _dtype_name(kv_dtype)
     device = str(getattr(model_config, "device", None) or getattr(engine, "device", "cpu"))
 
+    on_cuda = device.startswith("cuda")
     for _ in range(num_warmup):
         _one_run(llm, prompt_ids, min(output_len, 8))
-    runs = [_one_run(llm, prompt_ids, output_len) for _ in range(num_iters)]
+    # The roofline's bandwidth is probed right before each timed run, and each run is set against its own
+    # probe: a shared host's bandwidth drifts by 2x from one minute to the next, so a probe taken at another
+    # moment than the run it divides says more about the drift than about the engine.
+    bandwidths, runs = [], []
+    for _ in range(num_iters):
+        bandwidths.append(measure_memory_bandwidth(device="cuda" if on_cuda else "cpu"))
+        runs.append(_one_run(llm, prompt_ids, output_len))
     ttfts, decode_rates, e2es = zip(*runs)
+    bandwidth = statistics.median(bandwidths)
 
-    # the roofline: bandwidth measured now, bytes from the planner at the run's mean context length
-    on_cuda = device.startswith("cuda")
-    bandwidth = measure_memory_bandwidth(device="cuda" if on_cuda else "cpu")
+    # the roofline: bytes per token from the planner at the run's mean context length
     hf_config = model_config.hf_config
     spec = rl.ModelSpec.from_hf_config(hf_config if isinstance(hf_config, dict) else hf_config.to_dict(), name=model)
     mean_context = len(prompt_ids) + output_len // 2
@@ -130,6 +139,7 @@ def run_latency(
         wb = rl.quantized_weight_dtype_bytes(spec, wb, quantization.method, quantization.group_size)
     bytes_per_token = rl.decode_bytes_per_token(spec, mean_context, 1, wb, kb)
     roofline = bandwidth / bytes_per_token
+    fractions = [rate * bytes_per_token / bw for rate, bw in zip(decode_rates, bandwidths)]
     if on_cuda:  # no quick peak-FLOP measurement on GPUs here; decode at batch 1 is memory-bound anyway
         peak_flops = float("inf")
     else:
@@ -150,7 +160,7 @@ def run_latency(
         memory_bandwidth_bytes_per_s=bandwidth,
         bytes_per_token=bytes_per_token,
         roofline_tokens_per_s=roofline,
-        roofline_fraction=decode_tps / roofline,
+        roofline_fraction=statistics.median(fractions),
         planner_bound_tokens_per_s=bound.tokens_per_s,
         planner_limited_by=bound.limited_by,
         num_threads=torch.get_num_threads(),
@@ -160,6 +170,8 @@ def run_latency(
         + (f" --quantization {quantization.method}" if quantization is not None else ""),
         ttft_all_s=list(ttfts),
         decode_tokens_per_s_all=list(decode_rates),
+        memory_bandwidth_all=bandwidths,
+        roofline_fraction_all=fractions,
         weight_bytes=rl.weight_bytes(spec, wb),
         last_level_cache_bytes=None if on_cuda else last_level_cache_bytes(),
     )
@@ -184,10 +196,11 @@ def format_latency(r: LatencyResult) -> str:
             f"{r.decode_tokens_per_s:,.1f} tokens/s ({1e3 / r.decode_tokens_per_s:,.2f} ms/token)",
         ),
         ("end-to-end", f"{r.e2e_s:,.3f} s"),
-        ("memory bandwidth (measured)", f"{r.memory_bandwidth_bytes_per_s / 1e9:,.1f} GB/s"),
+        ("memory bandwidth (measured)", f"{r.memory_bandwidth_bytes_per_s / 1e9:,.1f} GB/s (a copy before each run)"),
         ("bytes per token (planner)", f"{r.bytes_per_token / 1e6:,.2f} MB"),
         ("roofline", f"{r.roofline_tokens_per_s:,.1f} tokens/s"),
-        ("fraction of roofline", f"{r.roofline_fraction:.1%}"),
+        ("fraction of roofline", f"{r.roofline_fraction:.1%} (each run against its own copy; runs: "
+                                 + ", ".join(f"{f:.0%}" for f in r.roofline_fraction_all) + ")"),
         (
             "planner bound (mem+compute)",
             f"{r.planner_bound_tokens_per_s:,.1f} tokens/s ({r.planner_limited_by}-bound)",
