@@ -108,6 +108,20 @@ def spec_values(llm: LLM) -> dict[str, float]:
             for name, value in metric_values(llm).items() if name.startswith("pagedllm:spec_decode_")}
 
 
+def test_draft_runs_in_the_targets_dtype(tiny_llama_dir: str, tmp_path: Path) -> None:
+    """As in vLLM, the draft takes the target's dtype: a bf16 draft checkpoint beside a target run in fp32
+    (what dtype="auto" picks on a CPU without bf16 matmul units) decodes in fp32, not in slow bf16."""
+    draft_dir = build_model(tmp_path / "bf16_draft", "llama", seed=7, hidden_size=32, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+                            dtype=torch.bfloat16)
+    assert json.loads((Path(draft_dir) / "config.json").read_text())["dtype"] == "bfloat16"
+    llm = LLM(model=tiny_llama_dir, dtype="auto", max_model_len=512, speculative_model=draft_dir,
+              num_speculative_tokens=K)  # the target's checkpoint is fp32
+    runner = llm.llm_engine.spec_decoder.proposer.runner
+    assert runner.model_config.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in runner.model.parameters() if p.is_floating_point())
+
+
 # --- greedy: token for token ------------------------------------------------------------------------------
 
 

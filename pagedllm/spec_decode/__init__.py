@@ -88,8 +88,11 @@ class SpeculativeConfig:
         name = "speculative_config model" if args.speculative_config else "speculative_model"
         if not isinstance(model, str) or not os.path.isdir(model):
             raise ValueError(f"{name} must be a local model directory; {model!r} does not exist.")
-        # As in vLLM, the draft is quantized only when speculative_config says so (or its checkpoint is).
-        draft = ModelConfig.from_pretrained(model, args.dtype, target.max_model_len,
+        # As in vLLM, the draft runs in the target's dtype (so dtype="auto" resolves once, against the
+        # CPU's flags: a bf16 draft checkpoint beside a target run in fp32 would otherwise decode in
+        # bf16 on a CPU without bf16 matmul units, several times slower), and is quantized only when
+        # speculative_config says so (or its checkpoint is).
+        draft = ModelConfig.from_pretrained(model, target.dtype, target.max_model_len,
                                             quantization=raw.get("quantization"))
         if draft.vocab_size != target.vocab_size:
             raise ValueError(f"{name} has vocab_size {draft.vocab_size} but the target has {target.vocab_size}: "
