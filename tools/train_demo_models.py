@@ -76,6 +76,10 @@ LITERAL_LINE = re.compile(
     r"""^\s*(?:[-+]?(?:0[xX][0-9a-fA-F]+|\d+(?:\.\d*)?)|[uUbBrR]?'[^']*'|[uUbBrR]?"[^"]*"|[\s,:()\[\]{}]|#.*$)+$"""
 )
 DATA_LIKE_FRACTION = 0.5
+# On-policy distillation of the draft: prompt windows of the training text and the target's greedy
+# continuations of them, about the shape of `pagedllm bench spec-decode`'s requests.
+ON_POLICY_PROMPT_LEN = 128
+ON_POLICY_MAX_TOKENS = 192
 # Greedy tokens per sample: enough for a short function or class to finish its first block.
 SAMPLE_MAX_TOKENS = 128
 
@@ -492,6 +496,12 @@ def prepare_data(a: argparse.Namespace) -> tuple[Path, torch.Tensor, torch.Tenso
     if same_tokenizer:
         tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
         log(f"kept the tokenizer in {tok_dir} (same library files)")
+    elif a.init_target is not None:
+        # Continuing a saved model needs its own token ids: take its tokenizer, do not retrain one.
+        tok = Tokenizer.from_file(str(a.init_target / "tokenizer.json"))
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        save_tokenizer(tok, tok_dir)
+        log(f"tokenizer taken from {a.init_target}")
     else:
         tok = train_tokenizer(train_texts, a.vocab_size)
         tok_dir.mkdir(parents=True, exist_ok=True)
@@ -526,11 +536,28 @@ def stop_time(hhmm: str | None) -> float | None:
     return at + 86400 if now.timestamp() - at > 12 * 3600 else at
 
 
+def init_model(init_dir: Path | None, config: LlamaConfig) -> LlamaForCausalLM:
+    """A fresh model, or (--init-target / --init-draft) a saved one to train further in fp32.
+
+    Starting from the bundled weights carries training across sessions whose checkpoint directory
+    is gone: the optimizer state starts afresh, the weights (and so the tokens seen) carry over.
+    A checkpoint in --ckpt-dir, once written, still takes precedence (train() loads it).
+    """
+    if init_dir is None:
+        return LlamaForCausalLM(config)
+    model = LlamaForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
+    if model_shape_of(model) != ModelShape(config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+                                           config.num_key_value_heads, config.intermediate_size):
+        sys.exit(f"{init_dir} has shape {model_shape_of(model)}; pass the matching --target-shape/--draft-shape")
+    log(f"starting from the weights in {init_dir}")
+    return model
+
+
 def stage_target(a: argparse.Namespace) -> None:
     tok_dir, train_stream, val_stream, _ = prepare_data(a)
     torch.manual_seed(a.seed)
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-    model = LlamaForCausalLM(make_config(a.target_shape, tok))
+    model = init_model(a.init_target, make_config(a.target_shape, tok))
     log(f"target: {num_params(model) / 1e6:.2f}M parameters")
     args = TrainArgs(steps=1, lr=a.target_lr, warmup=100)
     args.steps = max(1, round(a.target_tokens * a.scale / (args.batch_size * args.seq_len)))
@@ -547,16 +574,54 @@ def stage_draft(a: argparse.Namespace) -> None:
     teacher.requires_grad_(False)
     torch.manual_seed(a.seed + 1)
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-    model = LlamaForCausalLM(make_config(a.draft_shape, tok))
+    model = init_model(a.init_draft, make_config(a.draft_shape, tok))
     log(f"draft: {num_params(model) / 1e6:.2f}M parameters (target {num_params(teacher) / 1e6:.2f}M)")
     # Mostly KL to the target's distribution: the draft's job is to guess what the target will say.
-    args = TrainArgs(steps=1, lr=3e-3, warmup=50, distill_alpha=0.9, distill_temperature=1.0)
+    args = TrainArgs(steps=1, lr=a.draft_lr, warmup=50, distill_alpha=0.9, distill_temperature=1.0)
     args.steps = max(1, round(a.draft_tokens * a.scale / (args.batch_size * args.seq_len)))
     val = val_windows(val_stream, args.seq_len, 64)
+    if a.on_policy_prompts > 0:
+        # Speculative decoding asks the draft to guess the target's own continuations, which are
+        # not the library's text (a small model's greedy output repeats itself): distil on those too.
+        generated = on_policy_stream(a, train_stream)
+        train_stream = torch.cat([generated, train_stream[: len(generated)]])
+        log(f"draft stream: {len(generated) / 1e6:.2f}M tokens of target continuations + as many of library text")
     stats = train(model, train_stream, val, args, a.seed + 1, a.ckpt_dir / "draft.pt", teacher, bf16=a.bf16,
                   stop_at=stop_time(a.draft_stop_at), compile_step=a.compile)
     save_model(model, tok_dir, a.out / DRAFT_NAME)
     (a.ckpt_dir / "draft_train.json").write_text(json.dumps({**stats, "args": asdict(args), "command": a.command}))
+
+
+def on_policy_stream(a: argparse.Namespace, train_stream: torch.Tensor) -> torch.Tensor:
+    """The target's greedy continuations of random training windows, as one token stream (each
+    sequence: its prompt window, then the continuation). Generated by pagedllm's engine in fp32 and
+    cached in --ckpt-dir, keyed by the target's weights."""
+    target_dir = a.out / TARGET_NAME
+    key = hashlib.sha256((target_dir / "model.safetensors").read_bytes()).hexdigest()[:16]
+    settings = {"target": key, "prompts": a.on_policy_prompts, "prompt_len": ON_POLICY_PROMPT_LEN,
+                "max_tokens": ON_POLICY_MAX_TOKENS, "seed": a.seed}
+    cache = a.ckpt_dir / "on_policy.pt"
+    if cache.exists():
+        data = torch.load(cache)
+        if data["settings"] == settings:
+            return data["stream"]
+    sys.path.insert(0, str(REPO_ROOT))
+    from pagedllm import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(a.seed + 2)
+    starts = torch.randint(0, len(train_stream) - ON_POLICY_PROMPT_LEN, (a.on_policy_prompts,), generator=gen)
+    prompts = [{"prompt_token_ids": train_stream[s : s + ON_POLICY_PROMPT_LEN].tolist()} for s in starts.tolist()]
+    t0 = time.time()
+    llm = LLM(model=str(target_dir), dtype="float32", max_num_seqs=64, max_model_len=1024, num_threads=a.threads)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=ON_POLICY_MAX_TOKENS, detokenize=False),
+                           use_tqdm=False)
+    ids: list[int] = []
+    for prompt, out in zip(prompts, outputs):
+        ids += prompt["prompt_token_ids"] + list(out.outputs[0].token_ids)
+    stream = torch.tensor(ids, dtype=torch.int32)
+    log(f"generated {len(outputs)} target continuations ({len(stream) / 1e6:.2f}M tokens) in {time.time() - t0:.0f} s")
+    torch.save({"settings": settings, "stream": stream}, cache)
+    return stream
 
 
 @torch.no_grad()
@@ -829,6 +894,13 @@ def main() -> None:
                    help="hidden size, layers, query heads, KV heads, MLP size (default: %(default)s)")
     p.add_argument("--draft-shape", type=model_shape, default=DRAFT_SHAPE, metavar="H,L,HEADS,KV,FFN")
     p.add_argument("--target-lr", type=float, default=2e-3, help="the target's peak learning rate")
+    p.add_argument("--draft-lr", type=float, default=3e-3, help="the draft's peak learning rate")
+    p.add_argument("--init-target", type=Path, default=None, metavar="DIR",
+                   help="continue training this saved target (its tokenizer too) instead of starting from scratch")
+    p.add_argument("--on-policy-prompts", type=int, default=0, metavar="N",
+                   help="also distil the draft on the target's greedy continuations of N training windows")
+    p.add_argument("--init-draft", type=Path, default=None, metavar="DIR",
+                   help="continue distilling this saved draft instead of starting from scratch")
     p.add_argument("--target-tokens", type=float, default=12e6, help="training tokens for the target")
     p.add_argument("--draft-tokens", type=float, default=2e6, help="distillation tokens for the draft")
     p.add_argument("--scale", type=float, default=1.0, help="multiply both token budgets (0.01 = smoke run)")
