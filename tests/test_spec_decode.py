@@ -122,6 +122,13 @@ def test_draft_runs_in_the_targets_dtype(tiny_llama_dir: str, tmp_path: Path) ->
     assert all(p.dtype == torch.float32 for p in runner.model.parameters() if p.is_floating_point())
 
 
+def test_draft_uses_the_targets_attention_backend(tiny_llama_dir: str, close_draft_dir: str) -> None:
+    llm = make_llm(tiny_llama_dir, speculative_model=close_draft_dir, num_speculative_tokens=K,
+                   attention_backend="TORCH_FLASH")
+    assert type(llm.llm_engine.spec_decoder.proposer.runner.backend) is type(llm.llm_engine.model_runner.backend)
+    assert llm.llm_engine.model_runner.backend.name == "TORCH_FLASH"
+
+
 # --- greedy: token for token ------------------------------------------------------------------------------
 
 

@@ -56,8 +56,11 @@ class DraftSeq:
 
 class DraftModelProposer:
     def __init__(self, model_config: ModelConfig, block_size: int, scheduler_config: SchedulerConfig,
-                 device: torch.device, seed: int, enable_prefix_caching: bool = True):
-        cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+                 device: torch.device, seed: int, enable_prefix_caching: bool = True,
+                 attention_backend: str | None = None):
+        # The target's attention backend too (None: the environment's or the device's default, as for it)
+        cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                                   attention_backend=attention_backend)
         self.runner = ModelRunner(model_config, cache_config, scheduler_config, device, seed=seed)
         self.kv: KVCacheManager | None = None
         self.seqs: dict[str, DraftSeq] = {}

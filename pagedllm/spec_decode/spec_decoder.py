@@ -137,7 +137,8 @@ class SpecDecoder:
             assert config.draft_model_config is not None
             self.proposer = DraftModelProposer(config.draft_model_config, target_runner.block_size,
                                                self.scheduler_config, target_runner.device, seed,
-                                               target_runner.cache_config.enable_prefix_caching)
+                                               target_runner.cache_config.enable_prefix_caching,
+                                               target_runner.cache_config.attention_backend)
         # q of the current proposals, per request (draft model, non-greedy requests only).
         self.draft_probs: dict[str, torch.Tensor] = {}
         self.adaptive = config.adaptive_num_speculative_tokens
