@@ -553,6 +553,62 @@ def init_model(init_dir: Path | None, config: LlamaConfig) -> LlamaForCausalLM:
     return model
 
 
+TRAIN_STAT_KEYS = ("train_steps", "planned_steps", "stopped_early", "train_tokens", "train_seconds", "history",
+                   "args", "command", "machine", "precision", "threads", "on_policy_prompts", "earlier")
+# Where the first bundled pair was trained (its cards predate run_conditions).
+FIRST_RUNS_MACHINE = {"machine": "2-core AMD EPYC (Zen 4, AVX512-bf16)", "precision": "bf16 autocast", "threads": 1}
+
+
+def run_conditions(a: argparse.Namespace) -> dict:
+    """The machine, precision and threads of this run, for the card."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        name = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = "unknown CPU"
+    units = "AVX512-bf16/AMX" if cpu_has_bf16() else "no bf16 matmul units"
+    return {"machine": f"{os.cpu_count()}-core {name} ({units})",
+            "precision": "bf16 autocast" if a.bf16 else "fp32", "threads": a.threads}
+
+
+def earlier_training(init_dir: Path | None, name: str) -> dict | None:
+    """What the card of a model we continue from says about its training (None for a fresh model), so
+    that the new card counts every token the weights have seen."""
+    path = init_dir / "training_results.json" if init_dir is not None else None
+    if path is None or not path.exists():
+        return None
+    results = json.loads(path.read_text())
+    earlier = {key: results[name][key] for key in TRAIN_STAT_KEYS if key in results[name]}
+    if "command" not in earlier and len(results.get("commands", [])) == 3:
+        # a card from before runs kept their own commands: target, draft, card, in that order
+        earlier["command"] = results["commands"][0 if name == "target" else 1]
+    return earlier
+
+
+def train_stats(a: argparse.Namespace, name: str, model_dir: Path) -> dict:
+    """The stage's statistics from --ckpt-dir, or, for a model not trained there (a pair whose target
+    was trained in an earlier session), those on the model's own card."""
+    path = a.ckpt_dir / f"{name}_train.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    earlier = earlier_training(model_dir, name)
+    if earlier is None:
+        sys.exit(f"no {path} and no training_results.json in {model_dir}: run the {name} stage first")
+    log(f"{name}: not trained in {a.ckpt_dir}; its training statistics come from {model_dir}")
+    return earlier
+
+
+def training_runs(stats: dict) -> list[dict]:
+    """The runs behind a model, oldest first: the earlier runs it continued from, then its own."""
+    earlier = stats.get("earlier")
+    return (training_runs(earlier) if earlier else []) + [stats]
+
+
+def total_tokens(stats: dict) -> int:
+    """Every training token the weights have seen, earlier runs they continued from included."""
+    return sum(run["train_tokens"] for run in training_runs(stats))
+
+
 def stage_target(a: argparse.Namespace) -> None:
     tok_dir, train_stream, val_stream, _ = prepare_data(a)
     torch.manual_seed(a.seed)
@@ -565,6 +621,7 @@ def stage_target(a: argparse.Namespace) -> None:
     stats = train(model, train_stream, val, args, a.seed, a.ckpt_dir / "target.pt", bf16=a.bf16,
                   stop_at=stop_time(a.stop_at), compile_step=a.compile)
     save_model(model, tok_dir, a.out / TARGET_NAME)
+    stats.update(run_conditions(a), earlier=earlier_training(a.init_target, "target"))
     (a.ckpt_dir / "target_train.json").write_text(json.dumps({**stats, "args": asdict(args), "command": a.command}))
 
 
@@ -589,6 +646,8 @@ def stage_draft(a: argparse.Namespace) -> None:
     stats = train(model, train_stream, val, args, a.seed + 1, a.ckpt_dir / "draft.pt", teacher, bf16=a.bf16,
                   stop_at=stop_time(a.draft_stop_at), compile_step=a.compile)
     save_model(model, tok_dir, a.out / DRAFT_NAME)
+    stats.update(run_conditions(a), on_policy_prompts=a.on_policy_prompts,
+                 earlier=earlier_training(a.init_draft, "draft"))
     (a.ckpt_dir / "draft_train.json").write_text(json.dumps({**stats, "args": asdict(args), "command": a.command}))
 
 
@@ -713,7 +772,7 @@ def stage_card(a: argparse.Namespace) -> None:
         slice_loss = eval_loss(model, slice_windows, bf16=False)
         # The same measure on training text: a large gap would mean the repeated epochs memorised it.
         train_loss = eval_loss(model, val_windows(train_stream, seq_len, a.val_windows), bf16=False)
-        train_stats = json.loads((work / f"{name}_train.json").read_text())
+        stats = train_stats(a, name, target_dir if name == "target" else draft_dir)
         results[name] = {
             "params": num_params(model),
             "shape": asdict(model_shape_of(model)),
@@ -721,8 +780,8 @@ def stage_card(a: argparse.Namespace) -> None:
             "val_ppl": math.exp(loss),
             "val_slice_loss": slice_loss,
             "train_text_loss": train_loss,
-            "epochs": train_stats["train_tokens"] / len(train_stream),
-            **train_stats,
+            "epochs": total_tokens(stats) / len(train_stream),
+            **stats,
         }
         log(f"{name}: val loss {loss:.4f} (ppl {math.exp(loss):.1f}), slice {slice_loss:.4f}, "
             f"training text {train_loss:.4f}")
@@ -736,8 +795,8 @@ def stage_card(a: argparse.Namespace) -> None:
         log(f"{name}: first top-level block parses for {sum(results['parses'][name])}/{len(texts)} prompts")
     results["corpus"] = corpus
     results["python"] = sys.version.split()[0]
-    results["commands"] = [results[name].pop("command", f"(the {name} stage's command was not recorded)")
-                           for name in ("target", "draft")] + [a.command]
+    results["commands"] = [run.get("command", f"(a {name} stage's command was not recorded)")
+                           for name in ("target", "draft") for run in training_runs(results[name])] + [a.command]
     (work / "results.json").write_text(json.dumps(results, indent=2))
     for name, d in ((TARGET_NAME, target_dir), (DRAFT_NAME, draft_dir)):
         (d / "README.md").write_text(render_card(name, results))
@@ -763,8 +822,10 @@ def render_card(name: str, r: dict) -> str:
 
     def row(key: str) -> str:
         m = r[key]
-        return (f"| {key} | {m['params'] / 1e6:.2f}M | {m['train_steps']} | {m['train_tokens'] / 1e6:.2f}M "
-                f"({m['epochs']:.1f} epochs) | {m['train_seconds'] / 60:.0f} min | {m['val_loss']:.3f} | "
+        runs = training_runs(m)
+        steps, seconds = sum(run["train_steps"] for run in runs), sum(run["train_seconds"] for run in runs)
+        return (f"| {key} | {m['params'] / 1e6:.2f}M | {steps} | {total_tokens(m) / 1e6:.2f}M "
+                f"({m['epochs']:.1f} epochs) | {seconds / 60:.0f} min | {m['val_loss']:.3f} | "
                 f"{m['val_ppl']:.1f} | {m['val_slice_loss']:.3f} | {m['train_text_loss']:.3f} |")
 
     def sample_block(who: str) -> str:
@@ -778,10 +839,24 @@ def render_card(name: str, r: dict) -> str:
         if is_target else
         f"the **draft** of pagedllm's bundled pair, distilled from `{TARGET_NAME}` for speculative decoding"
     )
-    history = "\n".join(
-        f"| {h['step']} | {h['tokens'] / 1e6:.2f}M | {h['val_loss']:.3f} |" for h in me["history"]
-    )
+    history_rows, done_steps, done_tokens = [], 0, 0
+    for run in training_runs(me):  # a continued run's steps and tokens count on from the earlier ones
+        history_rows += [f"| {done_steps + h['step']} | {(done_tokens + h['tokens']) / 1e6:.2f}M | "
+                         f"{h['val_loss']:.3f} |" for h in run["history"]]
+        done_steps, done_tokens = done_steps + run["train_steps"], done_tokens + run["train_tokens"]
+    history = "\n".join(history_rows)
     alpha = r["agreement"]
+    def run_row(i: int, run: dict) -> str:
+        where = {**FIRST_RUNS_MACHINE, **{k: run[k] for k in ("machine", "precision", "threads") if k in run}}
+        data = "library + test suites" if c["include_tests"] else "library"
+        if run.get("on_policy_prompts"):
+            data = (f"the target's greedy continuations of {run['on_policy_prompts']:,} training windows, "
+                    f"and as many tokens of {data}")
+        return (f"| {i} | {run['train_steps']} | {run['train_tokens'] / 1e6:.2f}M | "
+                f"{run['train_seconds'] / 60:.0f} min | {where['machine']} | {where['precision']}, "
+                f"{where['threads']} | {run['args']['lr']:g} | {data} |")
+
+    runs_table = "\n".join(run_row(i, run) for i, run in enumerate(training_runs(me), 1))
     stopped = (
         f"It was stopped by `--{'' if is_target else 'draft-'}stop-at` after {me['train_steps']} of "
         f"{me['planned_steps']} planned steps; the\n"
@@ -790,12 +865,12 @@ def render_card(name: str, r: dict) -> str:
     )
     return f"""# {name}
 
-A small Llama-architecture model of Python code, {role}. It was trained from scratch on this machine's
+A small Llama-architecture model of Python code, {role}. It was trained from scratch on the
 Python {r['python']} standard library by `tools/train_demo_models.py` (seeded). It is a demo: it writes
 Python-shaped text, not correct programs.
 
-Exact commands, one per stage (from the repository root; rerunning one resumes from the checkpoints in
-`--ckpt-dir`; without `--stage` one command runs all three):
+Exact commands, in the order they ran (from the repository root; rerunning one resumes from the
+checkpoints in `--ckpt-dir`; without `--stage` one command runs all three stages):
 
 ```text
 {chr(10).join(r['commands'])}
@@ -827,17 +902,22 @@ Both model directories carry the same tokenizer files.
 extrapolation and degrade). {me['params']:,} parameters, stored as bf16 safetensors.
 
 ## Training
-From scratch, seeded, on one CPU thread of a 2-core AMD EPYC (Zen 4, AVX512-bf16) shared with other
-work, under bf16 autocast (fp32 master weights; bf16 matmuls run about 7x faster than fp32 on this CPU),
-with `torch.compile` on the model. AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), batches of
+Seeded, with `torch.compile` on the model. AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), batches of
 {ta['batch_size']} x {ta['seq_len']} tokens, linear warmup then cosine decay to a tenth of the peak,
-gradient clipping 1.0. Target: peak lr {ta['lr']:g}, next-token loss. Draft: peak lr {da['lr']:g}, loss
+gradient clipping 1.0. Target: next-token loss. Draft: loss
 {da['distill_alpha']:g} x KL(target || draft) at temperature {da['distill_temperature']:g} +
 {1 - da['distill_alpha']:g} x next-token loss, the target's distribution computed on the same windows,
 so that its greedy choices follow the target's. {stopped}
+The runs behind these weights (each later run continues the one before with a fresh optimizer;
+bf16 autocast keeps fp32 master weights and pays only on CPUs with bf16 matmul units):
+
+| run | steps | tokens | time | machine | precision, threads | peak lr | data |
+|---|---|---|---|---|---|---|---|
+{runs_table}
+
 Checkpoints every 3 minutes (model, optimizer, step, RNG and data position) let a killed run resume.
 
-Validation loss during training (the first 8 validation windows, bf16 autocast):
+Validation loss during training (the first 8 validation windows, in the run's precision):
 
 | step | tokens | val loss |
 |---|---|---|
