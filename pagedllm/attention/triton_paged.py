@@ -37,6 +37,36 @@ def _interpreting() -> bool:
 
 
 @triton.jit
+def _load_kv_tile(kv_cache_ptr, block_tables_ptr, seq, start, kv_head, num_kv_heads, num_blocks, max_blocks,
+                  key_ok, dims, dim_ok, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr):
+    """K and V ([BLOCK_SIZE, BLOCK_D] each) of one KV head in the block that holds context position
+    `start`, found through the sequence's block table; rows past key_ok read as 0, fp32 if DOT_FP32."""
+    physical = tl.load(block_tables_ptr + seq * max_blocks + start // BLOCK_SIZE).to(tl.int64)
+    tile = BLOCK_SIZE * HEAD_DIM
+    in_tile = tl.arange(0, BLOCK_SIZE)[:, None] * HEAD_DIM + dims[None, :]
+    ok = key_ok[:, None] & dim_ok[None, :]
+    k = tl.load(kv_cache_ptr + (kv_head * num_blocks + physical) * tile + in_tile, mask=ok, other=0.0)
+    v = tl.load(kv_cache_ptr + ((num_kv_heads + kv_head) * num_blocks + physical) * tile + in_tile, mask=ok,
+                other=0.0)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(scores, v, row_max, row_sum, acc):
+    """FlashAttention's update for one tile of (masked) scores and its values: the running row maxima,
+    sums of exponentials and value accumulator, rescaled to the new maxima."""
+    new_max = tl.maximum(row_max, tl.max(scores, 1))
+    alpha = tl.exp(row_max - new_max)
+    p = tl.exp(scores - new_max[:, None])
+    row_sum = row_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return new_max, row_sum, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     query_ptr, kv_cache_ptr, block_tables_ptr, seq_lens_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
     scale, num_kv_heads, num_blocks, max_blocks, num_splits,
@@ -62,25 +92,13 @@ def _decode_split_kernel(
     k_begin = split * SPLIT
     k_end = tl.minimum(seq_len, k_begin + SPLIT)
     offs_n = tl.arange(0, BLOCK_SIZE)
-    tile = BLOCK_SIZE * HEAD_DIM
     for start in range(k_begin, k_end, BLOCK_SIZE):
-        physical = tl.load(block_tables_ptr + seq * max_blocks + start // BLOCK_SIZE).to(tl.int64)
-        k_off = (kv_head * num_blocks + physical) * tile + offs_n[:, None] * HEAD_DIM + dims[None, :]
-        v_off = ((num_kv_heads + kv_head) * num_blocks + physical) * tile + offs_n[:, None] * HEAD_DIM + dims[None, :]
         key_ok = start + offs_n < k_end
-        k = tl.load(kv_cache_ptr + k_off, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-        v = tl.load(kv_cache_ptr + v_off, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv_tile(kv_cache_ptr, block_tables_ptr, seq, start, kv_head, num_kv_heads, num_blocks,
+                             max_blocks, key_ok, dims, dim_ok, HEAD_DIM, BLOCK_SIZE, DOT_FP32)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        alpha = tl.exp(row_max - new_max)
-        p = tl.exp(scores - new_max[:, None])
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        row_max = new_max
+        row_max, row_sum, acc = _online_softmax_step(scores, v, row_max, row_sum, acc)
     # partials: [num_seqs, NUM_HEADS, num_splits] (+ [HEAD_DIM] for the accumulator)
     slot = (seq * NUM_HEADS + heads) * num_splits + split
     tl.store(partial_acc_ptr + slot[:, None] * HEAD_DIM + dims[None, :], acc,
@@ -145,28 +163,15 @@ def _varlen_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_stop = tl.minimum(seq_len, seq_len - query_len + q_first + BLOCK_M)  # past the tile's last query
     offs_n = tl.arange(0, BLOCK_SIZE)
-    tile_elems = BLOCK_SIZE * HEAD_DIM
     for start in range(0, k_stop, BLOCK_SIZE):
-        physical = tl.load(block_tables_ptr + seq * max_blocks + start // BLOCK_SIZE).to(tl.int64)
-        k_off = (kv_head * num_blocks + physical) * tile_elems + offs_n[:, None] * HEAD_DIM + dims[None, :]
-        v_off = (((num_kv_heads + kv_head) * num_blocks + physical) * tile_elems + offs_n[:, None] * HEAD_DIM
-                 + dims[None, :])
         k_pos = start + offs_n
         key_ok = k_pos < seq_len
-        k = tl.load(kv_cache_ptr + k_off, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-        v = tl.load(kv_cache_ptr + v_off, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv_tile(kv_cache_ptr, block_tables_ptr, seq, start, kv_head, num_kv_heads, num_blocks,
+                             max_blocks, key_ok, dims, dim_ok, HEAD_DIM, BLOCK_SIZE, DOT_FP32)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         visible = (k_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
         scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        alpha = tl.exp(row_max - new_max)
-        p = tl.exp(scores - new_max[:, None])
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        row_max = new_max
+        row_max, row_sum, acc = _online_softmax_step(scores, v, row_max, row_sum, acc)
     out = acc / tl.where(row_ok, row_sum, 1.0)[:, None]
     tl.store(out_ptr + ((row0 + rows[:, None]) * NUM_HEADS + head) * HEAD_DIM + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
