@@ -34,8 +34,20 @@ def _layers(dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """oneDNN reorders bf16 weights only on CPUs with AVX-512 (or AVX-NE-CONVERT); elsewhere
+    prepack_linear_weights refuses and keeps F.linear, which test_refused_prepack_keeps_plain_weights checks."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_layers_match_f_linear(dtype: torch.dtype) -> None:
+    if not _onednn_packs(dtype):
+        pytest.skip(f"oneDNN does not prepack {dtype} weights on this CPU")
     model = _layers(dtype)
     x = torch.randn(5, 48, dtype=dtype)
     plain = {"up": F.linear(x, model.up.weight, model.up.bias), "head": F.linear(x, model.head.weight).float()}
@@ -91,3 +103,16 @@ def test_quantized_projections_keep_their_kernel(tiny_llama_dir: str) -> None:
     assert model.lm_head.packed_weight is not None  # the LM head stays full precision, so it is packed
     out = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_refused_prepack_keeps_plain_weights() -> None:
+    """Where oneDNN cannot reorder a dtype's weights, every layer keeps its plain weight and F.linear."""
+    dtype = next((d for d in (torch.bfloat16, torch.float32) if not _onednn_packs(d)), None)
+    if dtype is None:
+        pytest.skip("oneDNN prepacks every dtype on this CPU")
+    model = _layers(dtype)
+    x = torch.randn(5, 48, dtype=dtype)
+    plain = F.linear(x, model.up.weight, model.up.bias)
+    assert prepack_linear_weights(model, torch.device("cpu"), dtype) == 0
+    assert not model.up.weight.is_mkldnn and model.head.packed_weight is None
+    assert torch.equal(model.up(x), plain)
