@@ -846,6 +846,7 @@ def render_card(name: str, r: dict) -> str:
         done_steps, done_tokens = done_steps + run["train_steps"], done_tokens + run["train_tokens"]
     history = "\n".join(history_rows)
     alpha = r["agreement"]
+
     def run_row(i: int, run: dict) -> str:
         where = {**FIRST_RUNS_MACHINE, **{k: run[k] for k in ("machine", "precision", "threads") if k in run}}
         data = "library + test suites" if c["include_tests"] else "library"
