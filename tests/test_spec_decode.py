@@ -59,11 +59,14 @@ def close_draft_dir(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactor
     return perturbed_copy(tiny_llama_dir, tmp_path_factory.mktemp("close_draft"), noise=0.03)
 
 
+# A smaller, unrelated random model with the same tokenizer: it is almost always rejected.
+FAR_DRAFT = dict(seed=7, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                 intermediate_size=64)
+
+
 @pytest.fixture(scope="module")
 def far_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A smaller, unrelated random model with the same tokenizer: it is almost always rejected."""
-    return build_model(tmp_path_factory.mktemp("far_draft"), "llama", seed=7, hidden_size=32, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+    return build_model(tmp_path_factory.mktemp("far_draft"), "llama", **FAR_DRAFT)
 
 
 def make_llm(model: str, **kwargs) -> LLM:
@@ -111,9 +114,7 @@ def spec_values(llm: LLM) -> dict[str, float]:
 def test_draft_runs_in_the_targets_dtype(tiny_llama_dir: str, tmp_path: Path) -> None:
     """As in vLLM, the draft takes the target's dtype: a bf16 draft checkpoint beside a target run in fp32
     (what dtype="auto" picks on a CPU without bf16 matmul units) decodes in fp32, not in slow bf16."""
-    draft_dir = build_model(tmp_path / "bf16_draft", "llama", seed=7, hidden_size=32, num_hidden_layers=1,
-                            num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
-                            dtype=torch.bfloat16)
+    draft_dir = build_model(tmp_path / "bf16_draft", "llama", **FAR_DRAFT, dtype=torch.bfloat16)
     assert json.loads((Path(draft_dir) / "config.json").read_text())["dtype"] == "bfloat16"
     llm = LLM(model=tiny_llama_dir, dtype="auto", max_model_len=512, speculative_model=draft_dir,
               num_speculative_tokens=K)  # the target's checkpoint is fp32

@@ -496,12 +496,12 @@ def prepare_data(a: argparse.Namespace) -> tuple[Path, torch.Tensor, torch.Tenso
     if same_tokenizer:
         tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
         log(f"kept the tokenizer in {tok_dir} (same library files)")
-    elif a.init_target is not None:
+    elif (init_dir := a.init_target or a.init_draft) is not None:
         # Continuing a saved model needs its own token ids: take its tokenizer, do not retrain one.
-        tok = Tokenizer.from_file(str(a.init_target / "tokenizer.json"))
+        tok = Tokenizer.from_file(str(init_dir / "tokenizer.json"))
         tok_dir.mkdir(parents=True, exist_ok=True)
         save_tokenizer(tok, tok_dir)
-        log(f"tokenizer taken from {a.init_target}")
+        log(f"tokenizer taken from {init_dir}")
     else:
         tok = train_tokenizer(train_texts, a.vocab_size)
         tok_dir.mkdir(parents=True, exist_ok=True)
@@ -546,9 +546,8 @@ def init_model(init_dir: Path | None, config: LlamaConfig) -> LlamaForCausalLM:
     if init_dir is None:
         return LlamaForCausalLM(config)
     model = LlamaForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
-    if model_shape_of(model) != ModelShape(config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
-                                           config.num_key_value_heads, config.intermediate_size):
-        sys.exit(f"{init_dir} has shape {model_shape_of(model)}; pass the matching --target-shape/--draft-shape")
+    if model_shape_of(model.config) != model_shape_of(config):
+        sys.exit(f"{init_dir} has shape {model_shape_of(model.config)}; pass the matching --target-shape/--draft-shape")
     log(f"starting from the weights in {init_dir}")
     return model
 
@@ -775,7 +774,7 @@ def stage_card(a: argparse.Namespace) -> None:
         stats = train_stats(a, name, target_dir if name == "target" else draft_dir)
         results[name] = {
             "params": num_params(model),
-            "shape": asdict(model_shape_of(model)),
+            "shape": asdict(model_shape_of(model.config)),
             "val_loss": loss,
             "val_ppl": math.exp(loss),
             "val_slice_loss": slice_loss,
@@ -1014,8 +1013,7 @@ def main() -> None:
     log(f"done in {(time.time() - t0) / 60:.1f} min")
 
 
-def model_shape_of(model: LlamaForCausalLM) -> ModelShape:
-    cfg = model.config
+def model_shape_of(cfg: LlamaConfig) -> ModelShape:
     return ModelShape(cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
                       cfg.num_key_value_heads, cfg.intermediate_size)
 
