@@ -178,7 +178,9 @@ def test_sigterm_answers_what_outlives_the_grace_period(tiny_llama_dir: str,
     try:
         assert first_chunk.wait(120.0)
         plain_thread.start()
-        wait_until(lambda: server.metrics()["pagedllm:num_requests_running"] >= 2, 60.0, "both to run")
+        # The gauge counts sequences, so the stream alone shows n; both requests show 2n.
+        wait_until(lambda: server.metrics()["pagedllm:num_requests_running"] >= 2 * body["n"], 60.0,
+                   "both to run")
         server.proc.send_signal(signal.SIGTERM)
     finally:
         thread.join(120.0)
