@@ -116,3 +116,35 @@ def test_refused_prepack_keeps_plain_weights() -> None:
     assert prepack_linear_weights(model, torch.device("cpu"), dtype) == 0
     assert not model.up.weight.is_mkldnn and model.head.packed_weight is None
     assert torch.equal(model.up(x), plain)
+
+
+def test_packed_rows_do_not_depend_on_the_batch() -> None:
+    """Why a target model stays packed in fp32: oneDNN computes a row the same way in any batch."""
+    model = _layers(torch.float32)
+    prepack_linear_weights(model, torch.device("cpu"), torch.float32)
+    x = torch.randn(33, 48)
+    full = model.up(x)
+    for rows in (1, 2, 3, 5, 16):
+        assert torch.equal(model.up(x[:rows]), full[:rows]), rows
+
+
+def test_not_batch_invariant_keeps_small_fp32_weights_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft (batch_invariant=False) keeps fp32 weights up to PLAIN_FP32_MAX_NUMEL for F.linear; larger
+    ones, and 16-bit ones, are packed as for a target."""
+    import pagedllm.layers.linear as linear_module
+
+    model = _layers(torch.float32)
+    x = torch.randn(5, 48)
+    plain = model.up(x)
+    assert prepack_linear_weights(model, torch.device("cpu"), torch.float32, batch_invariant=False) == 0
+    assert model.up.matmul is not packed_linear and not model.up.weight.is_mkldnn
+    assert model.head.packed_weight is None
+    assert torch.equal(model.up(x), plain)
+    # up (80 x 48) and head (100 x 48) above the limit, down (48 x 40) below it
+    monkeypatch.setattr(linear_module, "PLAIN_FP32_MAX_NUMEL", 48 * 40)
+    assert prepack_linear_weights(model, torch.device("cpu"), torch.float32, batch_invariant=False) == 2
+    assert model.up.weight.is_mkldnn and model.head.packed_weight is not None
+    assert not model.down.weight.is_mkldnn
+    if _onednn_packs(torch.bfloat16):
+        assert prepack_linear_weights(_layers(torch.bfloat16), torch.device("cpu"), torch.bfloat16,
+                                      batch_invariant=False) == 3

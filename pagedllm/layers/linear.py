@@ -193,8 +193,16 @@ class ParallelLMHead(VocabParallelEmbedding):
 # batch 1, 1.5x at 16, about even in compute-bound prefill; fp32 1.5-2.2x at 1, 1.8-2.6x at 16 to 2048.
 # bf16 results are bit-identical to F.linear; fp32 ones differ in summation order (about 1e-6), as
 # between any two BLAS.
+#
+# oneDNN's results are the same for a row whatever else is in the batch; F.linear's are not (the BLAS
+# takes another path for one or two rows, about 1e-5 apart), so a model whose logits reach the outputs
+# stays packed. A draft model's numerics never reach them (its proposals are verified by the target),
+# and there small fp32 weights stay plain: oneDNN's linear costs about 25-50 us a call before any
+# arithmetic on a Zen 3 core, F.linear 5-10 us, and up to 1 MiB of weights F.linear was as fast or
+# faster at every batch from 1 to 512 rows there (2-7x at one row).
 PREPACK_ENV = "PAGEDLLM_CPU_PREPACK_WEIGHTS"
 PREPACK_DTYPES = (torch.float32, torch.bfloat16)
+PLAIN_FP32_MAX_NUMEL = 1 << 18  # 1 MiB of fp32
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -212,24 +220,35 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
-def prepack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+def prepack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.dtype,
+                           batch_invariant: bool = True) -> int:
     """Reorder every full-precision Column/RowParallelLinear weight (and the LM head) into oneDNN's
     layout in place; weight-only quantized projections keep their own kernels. Returns how many
-    weights were packed (0 when prepack_enabled says no, or oneDNN refuses the first one)."""
+    weights were packed (0 when prepack_enabled says no, or oneDNN refuses the first one).
+
+    batch_invariant=False (a draft model): fp32 weights of at most PLAIN_FP32_MAX_NUMEL elements stay
+    plain for F.linear, which is faster there but not batch-invariant (see above)."""
     if not prepack_enabled(device, dtype):
         return 0
-    num_packed = extra_bytes = 0
+
+    def keep_plain(weight: torch.Tensor) -> bool:
+        return not batch_invariant and dtype == torch.float32 and weight.numel() <= PLAIN_FP32_MAX_NUMEL
+
+    num_packed = extra_bytes = num_plain = 0
     try:
         for module in model.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 weight = module.weight
                 if not isinstance(weight, torch.Tensor) or weight.dtype != dtype or weight.is_mkldnn:
                     continue  # a QuantizedWeight, or already packed (a module reached twice)
+                if keep_plain(weight):
+                    num_plain += 1
+                    continue
                 module.weight = nn.Parameter(_reorder(weight), requires_grad=False)
                 module.matmul = packed_linear
                 num_packed += 1
             elif isinstance(module, ParallelLMHead) and module.packed_weight is None \
-                    and module.weight.dtype == dtype:
+                    and module.weight.dtype == dtype and not keep_plain(module.weight):
                 # A copy: a tied embedding reads `weight` by rows, which the blocked layout cannot serve.
                 module.packed_weight = _reorder(module.weight)
                 extra_bytes += module.weight.numel() * module.weight.element_size()
@@ -239,9 +258,11 @@ def prepack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.
         _unpack(model)
         return 0
     if num_packed:
-        logger.info("Prepacked %d linear weights for oneDNN (%s)%s; %s=0 turns it off", num_packed,
+        logger.info("Prepacked %d linear weights for oneDNN (%s)%s%s; %s=0 turns it off", num_packed,
                     str(dtype).removeprefix("torch."),
-                    f", plus a {extra_bytes / 2**20:.1f} MiB LM head copy" if extra_bytes else "", PREPACK_ENV)
+                    f", plus a {extra_bytes / 2**20:.1f} MiB LM head copy" if extra_bytes else "",
+                    f"; {num_plain} small ones stay plain (not batch-invariant: a draft)" if num_plain else "",
+                    PREPACK_ENV)
     return num_packed
 
 

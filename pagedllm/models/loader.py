@@ -99,8 +99,10 @@ class QuantizedLinearLoader:
 
 
 def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.device,
-               tp_rank: int = 0, tp_size: int = 1) -> torch.nn.Module:
-    """The model with this rank's shard of every weight; only that shard is read from the files."""
+               tp_rank: int = 0, tp_size: int = 1, batch_invariant: bool = True) -> torch.nn.Module:
+    """The model with this rank's shard of every weight; only that shard is read from the files.
+    batch_invariant=False: a model whose numerics never reach the outputs (a draft) may use faster
+    matmuls whose results depend on the batch (prepack_linear_weights)."""
     model_class = get_model_class(config.architecture)
     model = model_class(config, backend, tp_rank, tp_size)
     with ExitStack() as stack:
@@ -133,5 +135,5 @@ def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.dev
                             loader.full_precision_bytes / 2**20, str(config.dtype).removeprefix("torch."),
                             loader.quantized_bytes / 2**20)
     model = model.to(device).eval()
-    prepack_linear_weights(model, device, config.dtype)
+    prepack_linear_weights(model, device, config.dtype, batch_invariant)
     return model

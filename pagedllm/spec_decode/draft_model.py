@@ -61,7 +61,10 @@ class DraftModelProposer:
         # The target's attention backend too (None: the environment's or the device's default, as for it)
         cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                                    attention_backend=attention_backend)
-        self.runner = ModelRunner(model_config, cache_config, scheduler_config, device, seed=seed)
+        # Not batch-invariant: proposals are verified by the target, so the draft's rounding never
+        # reaches an output, and its small projections may take the faster plain matmul.
+        self.runner = ModelRunner(model_config, cache_config, scheduler_config, device, seed=seed,
+                                  batch_invariant=False)
         self.kv: KVCacheManager | None = None
         self.seqs: dict[str, DraftSeq] = {}
 

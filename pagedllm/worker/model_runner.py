@@ -86,7 +86,8 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, device: torch.device, seed: int = 0,
                  tp_rank: int = 0, tp_size: int = 1, ranks_per_host: int = 1,
-                 speculative_config: SpeculativeConfig | None = None):
+                 speculative_config: SpeculativeConfig | None = None, batch_invariant: bool = True):
+        """batch_invariant=False: a draft model's runner (see load_model)."""
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
@@ -103,7 +104,7 @@ class ModelRunner:
                                         self.num_kv_heads, model_config.head_dim, model_config.dtype,
                                         self.kv_dtype, device, self.block_size,
                                         calculate_kv_scales=cache_config.calculate_kv_scales)
-        self.model = load_model(model_config, self.backend, device, tp_rank, tp_size)
+        self.model = load_model(model_config, self.backend, device, tp_rank, tp_size, batch_invariant)
         # A one-byte cache with a checkpoint's per-layer k_scale / v_scale (vLLM's fp8 KV checkpoints).
         self.checkpoint_kv_scales = None
         if is_quantized(self.kv_dtype) and not model_config.is_mla and not cache_config.calculate_kv_scales:
