@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.cpu_kernels import load_cpu_kernels
-from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.norm import RMSNorm, torch_rms_norm
 from pagedllm.layers.rotary import _apply
 from pagedllm.layers.sampler import argmax_rows
 
@@ -44,13 +44,31 @@ def test_fused_add_rms_norm_matches_the_torch_path(dtype: torch.dtype) -> None:
     norm.weight.data = torch.randn(96).to(dtype)
     x, residual = torch.randn(13, 96).to(dtype), torch.randn(13, 96).to(dtype)
     want_residual = x + residual
-    want = norm._norm(want_residual)
+    want = torch_rms_norm(want_residual, norm.weight, norm.eps)
     out, new_residual = norm(x.clone(), residual.clone())
     assert torch.equal(new_residual, want_residual)
     if dtype == torch.float32:
         torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
     else:
         assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_without_residual_matches_the_torch_path(dtype: torch.dtype) -> None:
+    torch.manual_seed(4)
+    norm = RMSNorm(96, 1e-6, dtype)
+    norm.weight.data = torch.randn(96).to(dtype)
+    wide = torch.randn(13, 160).to(dtype)
+    for x in (wide[:, :96].contiguous(), wide[:, 32:128]):    # packed rows, and strided ones
+        before = x.clone()
+        want = torch_rms_norm(x, norm.weight, norm.eps)
+        out = norm(x)
+        assert torch.equal(x, before), "the input is not touched"
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(out, want)
+        assert torch.equal(norm(x[:1]), out[:1]), "a row does not depend on the batch"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

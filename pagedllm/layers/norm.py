@@ -2,7 +2,8 @@
 
 Given the residual stream as well, it first adds the block's output to it (vLLM's fused_add_rms_norm):
 on CPU one C++ call does the add and the norm in place (pagedllm/layers/csrc/cpu_layers.cpp), where
-torch takes five ops for a 16-bit model.
+torch takes five ops for a 16-bit model. Without a residual (the first layer's input) a C++ call does
+the norm alone: torch's F.rms_norm is six ops even in fp32.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.eps = eps
-        self.shape = (hidden_size,)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -33,6 +33,14 @@ class RMSNorm(torch.nn.Module):
         return self._norm(residual), residual
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.shape, self.weight, self.eps)  # one fused op, bit-exact in fp32
-        return self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
+        if x.dim() == 2 and x.stride(1) == 1 and x.dtype == self.weight.dtype and cpu_ops_available(x):
+            return torch.ops.pagedllm_cpu_layers.rms_norm(x, self.weight, self.eps)
+        return torch_rms_norm(x, self.weight, self.eps)
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The reference rounding in torch ops (what the C++ ops match)."""
+    shape = (x.shape[-1],)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, shape, weight, eps)  # one fused op, bit-exact in fp32
+    return weight * F.rms_norm(x.float(), shape, None, eps).to(x.dtype)

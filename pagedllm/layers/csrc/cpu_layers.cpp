@@ -159,6 +159,47 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
   });
 }
 
+// out <- RMSNorm(x) * weight for rows that have no residual to add (the first layer's input norm),
+// rounded as fused_add_rms_norm's norm. torch's F.rms_norm is a composite of six ops in fp32: 30-35 us
+// for one 128-wide row on a Zen 3 core, against 2-3 us here.
+template <typename T>
+void rms_norm_impl(const T* x, T* out, const T* weight, int64_t rows, int64_t cols, int64_t x_stride, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_stride;
+      T* o = out + r * cols;
+      float sumsq = 0.f;
+#pragma omp simd reduction(+ : sumsq)
+      for (int64_t i = 0; i < cols; ++i) {
+        const float h = load(xr[i]);
+        sumsq += h * h;
+      }
+      const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(cols) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < cols; ++i) {
+        const float h = load(xr[i]);
+        if constexpr (std::is_same_v<T, float>) {
+          o[i] = h * inv * weight[i];
+        } else {
+          store(o + i, load(weight[i]) * round_to<T>(h * inv));
+        }
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() && weight.numel() == x.size(1),
+              "rms_norm: [T, H] rows with contiguous columns and an [H] weight");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: dtypes");
+  auto out = at::empty(x.sizes(), x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_impl<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), x.size(0),
+                            x.size(1), x.stride(0), static_cast<float>(eps));
+  });
+  return out;
+}
+
 // Rotate-half RoPE of q [T, Hq, D] and k [T, Hk, D] in place (rows may be strided, as the q and k views
 // of the fused qkv output are), with cos/sin [T, D] already looked up for the step's positions:
 // x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype as the torch code does.
@@ -247,6 +288,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 TORCH_LIBRARY(pagedllm_cpu_layers, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
 }
@@ -254,6 +296,7 @@ TORCH_LIBRARY(pagedllm_cpu_layers, m) {
 TORCH_LIBRARY_IMPL(pagedllm_cpu_layers, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rms_norm", &rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
 }
