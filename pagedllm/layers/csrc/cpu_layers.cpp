@@ -117,6 +117,19 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// out = h * inv * weight, rounded as norm.py does (see fused_add_rms_norm below).
+template <typename T>
+inline void scale_row(const T* h, T* out, const T* weight, int64_t cols, float inv) {
+#pragma omp simd
+  for (int64_t i = 0; i < cols; ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      out[i] = h[i] * inv * weight[i];
+    } else {
+      store(out + i, load(weight[i]) * round_to<T>(load(h[i]) * inv));
+    }
+  }
+}
+
 // residual <- x + residual; x <- RMSNorm(residual) * weight, both in place, one pass per row.
 // As norm.py: fp32 rows use F.rms_norm's fused form (x * rsqrt(mean(x^2) + eps) * w, rounded once);
 // 16-bit rows are normalised in fp32, rounded to the dtype, then multiplied by the weight in the dtype.
@@ -134,16 +147,7 @@ void add_rms_norm_impl(T* x, T* residual, const T* weight, int64_t rows, int64_t
         store(rr + i, h);
         sumsq += h * h;
       }
-      const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(cols) + eps);
-#pragma omp simd
-      for (int64_t i = 0; i < cols; ++i) {
-        const float h = load(rr[i]);
-        if constexpr (std::is_same_v<T, float>) {
-          xr[i] = h * inv * weight[i];
-        } else {
-          store(xr + i, load(weight[i]) * round_to<T>(h * inv));
-        }
-      }
+      scale_row<T>(rr, xr, weight, cols, 1.f / std::sqrt(sumsq / static_cast<float>(cols) + eps));
     }
   });
 }
@@ -174,16 +178,7 @@ void rms_norm_impl(const T* x, T* out, const T* weight, int64_t rows, int64_t co
         const float h = load(xr[i]);
         sumsq += h * h;
       }
-      const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(cols) + eps);
-#pragma omp simd
-      for (int64_t i = 0; i < cols; ++i) {
-        const float h = load(xr[i]);
-        if constexpr (std::is_same_v<T, float>) {
-          o[i] = h * inv * weight[i];
-        } else {
-          store(o + i, load(weight[i]) * round_to<T>(h * inv));
-        }
-      }
+      scale_row<T>(xr, o, weight, cols, 1.f / std::sqrt(sumsq / static_cast<float>(cols) + eps));
     }
   });
 }
