@@ -60,15 +60,17 @@ inline float round_to(float x) {
 
 // First index of the largest value of each row, as torch.argmax (a NaN counts as the largest, the
 // first NaN wins). torch's CPU argmax along a row runs one scalar comparison per element; here a
-// vectorised max pass, then a scan for its first occurrence that checks 64 elements at a time.
+// vectorised max pass, then a scan for its first occurrence that checks 256 elements at a time.
+// Chunks of 256, not 64: each chunk ends in two horizontal reductions, which at 64 cost as much as the
+// chunk's loads (on a Zen 3 core [64, 8,192] fp32 rows took 65-87 us instead of 107-124, amax 40-50).
 template <typename T>
 void argmax_rows_impl(const T* x, int64_t rows, int64_t cols, int64_t* out) {
-  constexpr int64_t kChunk = 64;
+  constexpr int64_t kChunk = 256;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> chunk_max((cols + kChunk - 1) / kChunk);
     for (int64_t r = begin; r < end; ++r) {
       const T* row = x + r * cols;
-      // Pass 1: the maximum of every 64 elements (NaNs are not seen by max: `poison` catches them).
+      // Pass 1: the maximum of every chunk (NaNs are not seen by max: `poison` catches them).
       float poison = 0.f;  // NaN iff the row holds a NaN or an infinity
       float best = -std::numeric_limits<float>::infinity();
       for (int64_t c = 0; c * kChunk < cols; ++c) {
