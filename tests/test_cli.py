@@ -169,10 +169,15 @@ def test_help_shows_each_default_once_and_claims_no_hub_ids() -> None:
 
 
 @pytest.mark.slow
-def test_bench_spec_decode_takes_num_threads() -> None:
+def test_bench_spec_decode_takes_num_threads_and_several_k(tmp_path: Path) -> None:
+    report = tmp_path / "spec.json"
     result = cli("bench", "spec-decode", "--num-threads", "1", "--num-prompts", "1", "--input-len", "32",
-                 "--output-len", "4", "--methods", "ngram", "--workloads", "code", "--dtype", "float32")
+                 "--output-len", "4", "--methods", "ngram", "--workloads", "code", "--dtype", "float32",
+                 "-k", "1", "3", "--output-json", str(report))
     assert result.returncode == 0, result.stderr
+    rows = json.loads(report.read_text())["results"]
+    assert [(r["method"], r["num_speculative_tokens"]) for r in rows] == [("plain", 0), ("ngram", 1), ("ngram", 3)]
+    assert cli("bench", "spec-decode", "-k", "0").returncode != 0
 
 
 def test_serve_logs_requests_and_periodic_stats(tiny_llama_dir: str, tmp_path: Path) -> None:

@@ -6,12 +6,13 @@ Two workloads, both Python code (functions cut from pagedllm's own source, which
 - `edit`: a code-editing stand-in: the function, then a comment announcing a copy, then the copy's first
   quarter; a model that follows its context repeats most of the prompt's text, which n-gram lookup catches.
 
-Each method (plain, draft model, n-gram) has its own engine on the same target; requests run one at a time
-(batch 1), greedy, `ignore_eos`, and the methods take turns prompt by prompt so background load hits all of
-them alike. Reported per method: acceptance (vLLM's accepted / drafted, and alpha, the per-token
-acceptance the seed's formula uses), tokens per target pass measured against (1 - alpha^(k+1)) / (1 - alpha),
-decode speed and its speed-up over plain decoding, and where a speculative step's time goes (target pass
-vs proposer), with the speed-up those costs predict: tokens_per_pass * plain_step / (target_pass + propose).
+Each method (plain, draft model, n-gram), at each k asked for (`-k 2 3 5`), has its own engine on the same
+target; requests run one at a time (batch 1), greedy, `ignore_eos`, and the engines take turns prompt by
+prompt so background load hits all of them alike, and every row is against the same plain decoding.
+Reported per engine: acceptance (vLLM's accepted / drafted, and alpha, the per-token acceptance the seed's
+formula uses), tokens per target pass measured against (1 - alpha^(k+1)) / (1 - alpha), decode speed and
+its speed-up over plain decoding, and where a speculative step's time goes (target pass vs proposer), with
+the speed-up those costs predict: tokens_per_pass * plain_step / (target_pass + propose).
 """
 
 from __future__ import annotations
@@ -80,24 +81,33 @@ def edit_prompts(tokenizer: Any, snippets: list[list[int]]) -> list[list[int]]:
     return [ids + marker + ids[: len(ids) // 4] for ids in snippets]
 
 
-def build_engines(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass
+class Engine:
+    llm: Any
+    method: str  # what the table's method column shows
+    k: int       # 0 for plain decoding
+
+
+def build_engines(args: argparse.Namespace) -> list[Engine]:
+    """Plain decoding first, then each method at each k (and its adaptive-k twin with --adaptive)."""
     from pagedllm import LLM
 
     # Batch 1 needs a small KV pool; the default (max_num_seqs full-length sequences) would take GiBs per engine.
     common = dict(dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len, enable_prefix_caching=False,
                   max_num_seqs=4, num_threads=getattr(args, "num_threads", None))
-    engines = {"plain": LLM(model=args.model, **common)}
+    engines = [Engine(LLM(model=args.model, **common), "plain", 0)]
     configs = {
         "draft_model": {"method": "draft_model", "model": args.draft_model},
         "ngram": {"method": "ngram", "prompt_lookup_min": args.prompt_lookup_min,
                   "prompt_lookup_max": args.prompt_lookup_max},
     }
     for method in args.methods:
-        config = dict(configs[method], num_speculative_tokens=args.num_speculative_tokens)
-        engines[method] = LLM(model=args.model, speculative_config=config, **common)
-        if args.adaptive:
-            engines[f"{method}+adapt"] = LLM(model=args.model, speculative_config=dict(
-                config, adaptive_num_speculative_tokens=True), **common)
+        for k in args.num_speculative_tokens:
+            config = dict(configs[method], num_speculative_tokens=k)
+            engines.append(Engine(LLM(model=args.model, speculative_config=config, **common), method, k))
+            if args.adaptive:
+                engines.append(Engine(LLM(model=args.model, speculative_config=dict(
+                    config, adaptive_num_speculative_tokens=True), **common), f"{method}+adapt", k))
     return engines
 
 
@@ -114,33 +124,29 @@ def run_one(llm: Any, prompt: list[int], output_len: int) -> tuple[int, float, f
     return len(output.outputs[0].token_ids), e2e, decode
 
 
-def run_workload(
-    engines: dict[str, Any], workload: str, prompts: list[list[int]], output_len: int, k: int
-) -> list[MethodResult]:
-    totals = {name: [0, 0.0, 0.0] for name in engines}
-    stats_before = {
-        name: copy.deepcopy(llm.llm_engine.spec_decoder.stats)
-        for name, llm in engines.items()
-        if llm.llm_engine.spec_decoder is not None
-    }
+def run_workload(engines: list[Engine], workload: str, prompts: list[list[int]], output_len: int
+                 ) -> list[MethodResult]:
+    """One row per engine; engines[0] is plain decoding, the baseline of every speed-up."""
+    totals = [[0, 0.0, 0.0] for _ in engines]
+    stats_before = [copy.deepcopy(e.llm.llm_engine.spec_decoder.stats) if e.k else None for e in engines]
     for prompt in prompts:
-        for name, llm in engines.items():  # methods take turns, so background load hits all alike
-            tokens, e2e, decode = run_one(llm, prompt, output_len)
-            totals[name][0] += tokens
-            totals[name][1] += e2e
-            totals[name][2] += decode
-    plain_tokens, _, plain_decode = totals["plain"]
+        for i, engine in enumerate(engines):  # engines take turns, so background load hits all alike
+            tokens, e2e, decode = run_one(engine.llm, prompt, output_len)
+            totals[i][0] += tokens
+            totals[i][1] += e2e
+            totals[i][2] += decode
+    plain_tokens, _, plain_decode = totals[0]
     plain_decode_steps = plain_tokens - len(prompts)  # the first token of each request comes from prefill
     plain_ms = 1000 * plain_decode / max(1, plain_decode_steps)
     plain_tps = plain_decode_steps / plain_decode if plain_decode > 0 else float("nan")
     results = []
-    for name, llm in engines.items():
-        tokens, e2e, decode = totals[name]
+    for engine, (tokens, e2e, decode), before in zip(engines, totals, stats_before):
+        k = engine.k
         tps = (tokens - len(prompts)) / decode if decode > 0 else float("nan")
         result = MethodResult(
             workload=workload,
-            method=name,
-            num_speculative_tokens=0 if name == "plain" else k,
+            method=engine.method,
+            num_speculative_tokens=k,
             num_requests=len(prompts),
             num_output_tokens=tokens,
             e2e_s=e2e,
@@ -155,8 +161,8 @@ def run_workload(
             tokens_per_pass_formula=1.0,
             predicted_speedup=1.0,
         )
-        if name in stats_before:
-            st, before = llm.llm_engine.spec_decoder.stats, stats_before[name]
+        if before is not None:
+            st = engine.llm.llm_engine.spec_decoder.stats
             # The stats of this measured run alone: the difference of the counters, read through the
             # same properties the engine's metrics use.
             d = SpecDecodeStats(k, **{f: getattr(st, f) - getattr(before, f) for f in (
@@ -194,7 +200,8 @@ def format_table(results: list[MethodResult]) -> str:
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=default_model_path(), help="target model (default: the demo target)")
     parser.add_argument("--draft-model", default=default_draft_path(), help="draft model (default: the demo draft)")
-    parser.add_argument("--num-speculative-tokens", "-k", type=int, default=5)
+    parser.add_argument("--num-speculative-tokens", "-k", type=int, nargs="+", default=[5],
+                        help="one or more k: each runs as its own engine, all against the same plain decoding")
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=5)
     parser.add_argument("--methods", nargs="+", default=["draft_model", "ngram"], choices=["draft_model", "ngram"])
@@ -224,15 +231,17 @@ def run_spec_decode_cmd(args: argparse.Namespace) -> int:
             raise SystemExit(f"{flag}: no model at {path} (train or pass one)")
     if args.num_threads is not None and args.num_threads < 1:
         raise SystemExit(f"--num-threads must be at least 1, got {args.num_threads}")
+    if any(k < 1 for k in args.num_speculative_tokens):
+        raise SystemExit(f"--num-speculative-tokens must be at least 1, got {args.num_speculative_tokens}")
     engines = build_engines(args)
-    tokenizer = engines["plain"].get_tokenizer()
+    tokenizer = engines[0].llm.get_tokenizer()
     snippets = code_snippets(tokenizer, args.num_prompts, args.input_len)
-    for llm in engines.values():  # warm-up: first calls pay one-time costs
-        run_one(llm, snippets[0][:32], 8)
+    for engine in engines:  # warm-up: first calls pay one-time costs
+        run_one(engine.llm, snippets[0][:32], 8)
     results: list[MethodResult] = []
     for workload in args.workloads:
         prompts = snippets if workload == "code" else edit_prompts(tokenizer, snippets)
-        results.extend(run_workload(engines, workload, prompts, args.output_len, args.num_speculative_tokens))
+        results.extend(run_workload(engines, workload, prompts, args.output_len))
     print(format_table(results))
     print(
         f"batch 1, greedy, {args.num_prompts} prompts of {args.input_len} tokens (edit: "
