@@ -123,6 +123,19 @@ def test_draft_runs_in_the_targets_dtype(tiny_llama_dir: str, tmp_path: Path) ->
     assert all(p.dtype == torch.float32 for p in runner.model.parameters() if p.is_floating_point())
 
 
+def test_only_the_draft_trades_batch_invariance_for_faster_small_matmuls(draft_llm: LLM) -> None:
+    """The draft's small fp32 projections stay plain for F.linear (its rounding never reaches an output);
+    the target's are packed for oneDNN, which computes a row the same way in any batch."""
+    from pagedllm.layers.linear import packed_linear, prepack_enabled
+
+    if not prepack_enabled(torch.device("cpu"), torch.float32):
+        pytest.skip("torch built without oneDNN")
+    target = draft_llm.llm_engine.model_runner.model
+    draft = draft_llm.llm_engine.spec_decoder.proposer.runner.model
+    assert all(layer.mlp.gate_up_proj.matmul is packed_linear for layer in target.layers)
+    assert not any(layer.mlp.gate_up_proj.matmul is packed_linear for layer in draft.layers)
+
+
 def test_draft_uses_the_targets_attention_backend(tiny_llama_dir: str, close_draft_dir: str) -> None:
     llm = make_llm(tiny_llama_dir, speculative_model=close_draft_dir, num_speculative_tokens=K,
                    attention_backend="TORCH_FLASH")
