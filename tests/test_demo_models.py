@@ -120,10 +120,10 @@ def test_validation_loss_matches_card(models: dict, val_slice: torch.Tensor, res
     assert losses["target"] < losses["draft"] - 0.1
     # What this pair achieves on the card's 16,384 validation tokens. The goals were 3.0 (target) and
     # 3.6 (draft); 22M training tokens (12M over the library, then 10M with the test suites added)
-    # got the target to 3.25, and the draft, distilled from it over 17M tokens (the last 12M half of
-    # them the target's own greedy continuations), to 3.75.
+    # got the target to 3.25, and the draft, distilled from it over 23M tokens (the last 18M half of
+    # them the target's own greedy continuations), to 3.62.
     assert results["target"]["val_loss"] <= 3.26
-    assert results["draft"]["val_loss"] <= 3.76
+    assert results["draft"]["val_loss"] <= 3.63
 
 
 @torch.no_grad()
@@ -131,8 +131,9 @@ def test_greedy_agreement_matches_card(models: dict, val_slice: torch.Tensor, re
     inputs = val_slice[:, :-1]
     agreement = (models["target"](inputs).logits.argmax(-1) == models["draft"](inputs).logits.argmax(-1))
     assert agreement.float().mean().item() == pytest.approx(results["slice_agreement"], abs=0.02)
-    # Achieved 0.585 after 17M distillation tokens (0.49 after the first 5M); the goal of 0.75 was not reached.
-    assert 0.58 <= results["agreement"] <= 1.0
+    # Achieved 0.614 after 23M distillation tokens (0.49 after the first 5M, 0.585 after 17M); the goal
+    # of 0.75 was not reached.
+    assert 0.61 <= results["agreement"] <= 1.0
     assert f"{results['agreement']:.3f}" in (TARGET_DIR / "README.md").read_text()
 
 
