@@ -47,16 +47,18 @@ def load_cpu_kernels() -> bool:
     try:
         from torch.utils import cpp_extension
 
-        sources = hashlib.sha256()
+        # -fopenmp turns at::parallel_for into torch's OpenMP pool (without it the header's parallel_for
+        # runs serially); the extension links libgomp.so.1, which resolves to the copy torch has loaded.
+        flags = ["-O3", "-fopenmp", "-std=c++17"]
+        if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
+            flags.append("-march=native")
+        sources = hashlib.sha256(" ".join(flags).encode())  # a change of flags is a new build too
         for path in _SOURCES + sorted(os.path.join(_INCLUDE, name) for name in os.listdir(_INCLUDE)):
             with open(path, "rb") as f:
                 sources.update(f.read())
         build_dir = _cache_dir(sources.hexdigest()[:12])
         os.makedirs(build_dir, exist_ok=True)
         start = time.perf_counter()
-        flags = ["-O3", "-fopenmp-simd", "-std=c++17"]
-        if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
-            flags.append("-march=native")
         # torch's build lock is a plain file: a process killed mid-build leaves it behind and every later
         # load would wait on it forever. An flock dies with its holder, so whoever holds ours may clear it.
         with open(build_dir + ".flock", "w") as flock_file:
@@ -65,7 +67,8 @@ def load_cpu_kernels() -> bool:
             if os.path.exists(stale):
                 os.remove(stale)
             cpp_extension.load(name="pagedllm_cpu_ops", sources=_SOURCES, extra_cflags=flags,
-                               extra_include_paths=[_INCLUDE], build_directory=build_dir,
+                               extra_include_paths=[_INCLUDE], extra_ldflags=["-fopenmp"],
+                               build_directory=build_dir,
                                is_python_module=False, verbose=False)
         elapsed = time.perf_counter() - start
         if elapsed > 1.0:
