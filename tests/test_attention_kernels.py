@@ -203,3 +203,21 @@ def test_triton_kernels_match_naive_under_the_interpreter() -> None:
     """)
     result = _run_triton(code.replace("TESTS_DIR", repr(os.path.dirname(os.path.abspath(__file__)))))
     assert "triton ok" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_result_does_not_depend_on_the_thread_count(dtype: torch.dtype) -> None:
+    # The kernels run on torch's OpenMP pool (built with -fopenmp): work items and flash-decoding splits
+    # are fixed by the step, not by the threads, so two threads give bitwise what one does.
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            outputs.append([cpu_flash.paged_attention(*random_step(seq_lens, query_lens, 16, 2, 4, 64, dtype,
+                                                                   seed=n), 0.125)
+                            for n, (seq_lens, query_lens) in enumerate(STEPS)])
+    finally:
+        torch.set_num_threads(threads)
+    for other in outputs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outputs[0], other))
