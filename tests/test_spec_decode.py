@@ -124,14 +124,19 @@ def test_draft_runs_in_the_targets_dtype(tiny_llama_dir: str, tmp_path: Path) ->
 
 
 def test_only_the_draft_trades_batch_invariance_for_faster_small_matmuls(draft_llm: LLM) -> None:
-    """The draft's small fp32 projections stay plain for F.linear (its rounding never reaches an output);
-    the target's are packed for oneDNN, which computes a row the same way in any batch."""
-    from pagedllm.layers.linear import packed_linear, prepack_enabled
+    """With oneDNN's layout, the draft's small fp32 projections stay plain for F.linear (its rounding never
+    reaches an output); the target's are packed, which computes a row the same way in any batch. The
+    blocked kernel is both fast and batch-invariant, so where it runs both models take it."""
+    from pagedllm.layers.linear import BlockedLinear, blocked_layout_available, packed_linear, prepack_enabled
 
     if not prepack_enabled(torch.device("cpu"), torch.float32):
         pytest.skip("torch built without oneDNN")
     target = draft_llm.llm_engine.model_runner.model
     draft = draft_llm.llm_engine.spec_decoder.proposer.runner.model
+    if blocked_layout_available(torch.float32):
+        for model in (target, draft):
+            assert all(isinstance(layer.mlp.gate_up_proj.matmul, BlockedLinear) for layer in model.layers)
+        return
     assert all(layer.mlp.gate_up_proj.matmul is packed_linear for layer in target.layers)
     assert not any(layer.mlp.gate_up_proj.matmul is packed_linear for layer in draft.layers)
 

@@ -1,12 +1,13 @@
-"""`pagedllm bench prepack`: prefill and decode with the linear weights prepacked for oneDNN (the default
-on CPU) against plain F.linear on the same weights, in one run.
+"""`pagedllm bench prepack`: prefill and decode with the linear weights prepacked (the default on CPU),
+in pagedllm's blocked layout and in oneDNN's, against plain F.linear on the same weights, in one run.
 
-The model is loaded twice, once with PAGEDLLM_CPU_PREPACK_WEIGHTS=0 (both engines stay loaded); for each
-batch size the two take turns in every iteration, so load from other processes on a shared machine falls
-on both alike. Per iteration: a one-token request batch (prefill, timed whole), then the same prompts
-with `--output-len` tokens; decode speed is the engine's RequestMetrics' (tokens after the first over the
-time from the last first token to the last token), as in `bench quantization`. The report also says
-whether the two engines produced the same tokens (greedy).
+The model is loaded once per variant (PAGEDLLM_CPU_PREPACK_WEIGHTS=0, =onednn, and =1 for the blocked
+layout where this CPU runs it; all engines stay loaded); for each batch size they take turns in every
+iteration, so load from other processes on a shared machine falls on all alike. Per iteration: a
+one-token request batch (prefill, timed whole), then the same prompts with `--output-len` tokens; decode
+speed is the engine's RequestMetrics' (tokens after the first over the time from the last first token to
+the last token), as in `bench quantization`. The report also says
+whether each engine produced the plain one's tokens (greedy).
 
     python -m pagedllm.entrypoints.cli bench prepack --model random-qwen2-386m --num-threads 1
 """
@@ -25,9 +26,10 @@ import torch
 from pagedllm.assets import installed_model_path
 from pagedllm.benchmarks.quantization import RANDOM_QWEN2, _decode_rates, build_random_qwen2
 from pagedllm.benchmarks.reporting import fail, int_list, set_num_threads, write_json
-from pagedllm.layers.linear import PREPACK_ENV
+from pagedllm.layers.linear import PREPACK_ENV, blocked_layout_available
 
-VARIANTS = {"plain": "0", "prepacked": "1"}  # the PAGEDLLM_CPU_PREPACK_WEIGHTS value each engine loads under
+# the PAGEDLLM_CPU_PREPACK_WEIGHTS value each engine loads under
+VARIANTS = {"plain": "0", "onednn": "onednn", "blocked": "1"}
 
 
 def _load(model: str, flag: str, **kwargs: Any) -> Any:
@@ -49,9 +51,12 @@ def run_prepack_benchmark(model: str, batch_sizes: list[int], input_len: int, ou
     from pagedllm import SamplingParams
 
     num_blocks = max(batch_sizes) * ((input_len + output_len) // 16 + 2)
+    torch_dtype = getattr(torch, dtype)
+    variants = {name: flag for name, flag in VARIANTS.items()
+                if name != "blocked" or blocked_layout_available(torch_dtype)}
     llms = {name: _load(model, flag, dtype=dtype, seed=seed, enable_prefix_caching=False,
                         max_num_seqs=max(batch_sizes), num_gpu_blocks_override=num_blocks)
-            for name, flag in VARIANTS.items()}
+            for name, flag in variants.items()}
     generator = torch.Generator().manual_seed(seed)
     vocab_size = llms["plain"].llm_engine.model_config.vocab_size
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
@@ -70,29 +75,35 @@ def run_prepack_benchmark(model: str, batch_sizes: list[int], input_len: int, ou
                 llm.generate(requests, one, use_tqdm=False)
                 prefill[name].append(time.perf_counter() - start)
                 decode[name].append(_decode_rates(llm, prompts, output_len)[0])
-        row: dict[str, Any] = {"batch_size": batch, "same_tokens": tokens["plain"] == tokens["prepacked"]}
+        row: dict[str, Any] = {"batch_size": batch}
         for name in llms:
             row[f"{name}_prefill_s"] = statistics.median(prefill[name])
             row[f"{name}_decode_tokens_per_s"] = statistics.median(decode[name])
             row[f"{name}_decode_tokens_per_s_all"] = decode[name]
-        row["prefill_speedup"] = row["plain_prefill_s"] / row["prepacked_prefill_s"]
-        row["decode_speedup"] = row["prepacked_decode_tokens_per_s"] / row["plain_decode_tokens_per_s"]
+            if name != "plain":
+                row[f"{name}_same_tokens"] = tokens[name] == tokens["plain"]
+                row[f"{name}_prefill_speedup"] = row["plain_prefill_s"] / row[f"{name}_prefill_s"]
+                row[f"{name}_decode_speedup"] = (row[f"{name}_decode_tokens_per_s"]
+                                                 / row["plain_decode_tokens_per_s"])
         rows.append(row)
     return {"model": model, "dtype": dtype, "num_threads": torch.get_num_threads(), "input_len": input_len,
-            "output_len": output_len, "num_iters": num_iters, "rows": rows}
+            "output_len": output_len, "num_iters": num_iters, "variants": list(llms), "rows": rows}
 
 
 def format_prepack(report: dict[str, Any]) -> str:
     lines = [f"{report['model']}: {report['dtype']}, {report['num_threads']} thread(s), {report['input_len']}-token "
-             f"prompts, {report['output_len']} generated tokens, median of {report['num_iters']}",
-             f"{'batch':>5} {'prefill plain':>14} {'prepacked':>10} {'speedup':>8} {'decode tok/s plain':>19} "
-             f"{'prepacked':>10} {'speedup':>8} {'same tokens':>12}"]
+             f"prompts, {report['output_len']} generated tokens, median of {report['num_iters']}; speed-ups "
+             "against plain F.linear",
+             f"{'batch':>5} {'weights':>8} {'prefill':>10} {'speedup':>8} {'decode tok/s':>13} {'speedup':>8} "
+             f"{'same tokens':>12}"]
     for r in report["rows"]:
-        lines.append(f"{r['batch_size']:>5} {r['plain_prefill_s'] * 1e3:>11.0f} ms "
-                     f"{r['prepacked_prefill_s'] * 1e3:>7.0f} ms "
-                     f"{r['prefill_speedup']:>7.2f}x {r['plain_decode_tokens_per_s']:>19.1f} "
-                     f"{r['prepacked_decode_tokens_per_s']:>10.1f} {r['decode_speedup']:>7.2f}x "
-                     f"{'yes' if r['same_tokens'] else 'NO':>12}")
+        for name in report["variants"]:
+            plain = name == "plain"
+            lines.append(f"{r['batch_size']:>5} {name:>8} {r[f'{name}_prefill_s'] * 1e3:>7.0f} ms "
+                         f"{1.0 if plain else r[f'{name}_prefill_speedup']:>7.2f}x "
+                         f"{r[f'{name}_decode_tokens_per_s']:>13.1f} "
+                         f"{1.0 if plain else r[f'{name}_decode_speedup']:>7.2f}x "
+                         f"{'-' if plain else ('yes' if r[f'{name}_same_tokens'] else 'NO'):>12}")
     return "\n".join(lines)
 
 

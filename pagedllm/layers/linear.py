@@ -15,8 +15,8 @@ collective, so a single-process engine runs exactly as before.
 Weights come from `get_slice(name)`, a safetensors slice: indexing it reads only the requested rows or
 columns from the file, so no rank ever materializes a whole sharded tensor.
 
-On CPU, `prepack_linear_weights` then puts every full-precision projection weight in oneDNN's blocked
-layout once (see there), and the layers call oneDNN's linear on it.
+On CPU, `prepack_linear_weights` then puts every full-precision projection weight once in a layout a
+fast kernel reads (pagedllm's blocked kernel, or oneDNN's; see there), and the layers call that kernel.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class ColumnParallelLinear(nn.Module):
         self.matmul: Callable[..., torch.Tensor] = linear  # packed_linear once the weight is prepacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.weight, self.bias)  # F.linear, oneDNN's, or a weight-only quantized matmul
+        return self.matmul(x, self.weight, self.bias)  # F.linear, prepacked, or weight-only quantized
 
     def load(self, get_slice: GetSlice, weight_names: list[str], bias_names: list[str] | None = None,
              load_linear: LoadLinear | None = None) -> None:
@@ -125,7 +125,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.matmul(x, self.weight, self.bias)  # F.linear, oneDNN's, or a weight-only quantized matmul
+            return self.matmul(x, self.weight, self.bias)  # F.linear, prepacked, or weight-only quantized
         out = tensor_model_parallel_all_reduce(self.matmul(x, self.weight))
         return out if self.bias is None else out + self.bias  # added once, after the sum
 
@@ -168,14 +168,15 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection with the embedding's vocabulary split (and, when tied, its very weight)."""
 
-    # The weight in oneDNN's layout (prepack_linear_weights), beside `weight`, which the tied embedding
-    # still reads as rows.
+    # The weight in a packed layout and the matmul that reads it (prepack_linear_weights), beside
+    # `weight`, which the tied embedding still reads as rows.
     packed_weight: torch.Tensor | None = None
+    packed_matmul: Callable[..., torch.Tensor] | None = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [N, vocab] on rank 0 (gathered once); None on the other ranks."""
-        if self.packed_weight is not None:
-            logits = packed_linear(hidden, self.packed_weight)
+        if self.packed_weight is not None and self.packed_matmul is not None:
+            logits = self.packed_matmul(hidden, self.packed_weight)
         else:
             logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
@@ -187,20 +188,25 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 # ---- prepacked CPU weights ----
-# oneDNN's linear wants its weight in a blocked layout; F.linear hands it the plain [out, in] tensor, and
-# (bf16) oneDNN reorders it on every call, or (fp32) the BLAS runs instead. Reordered once at load, the
-# projections of the 386M Qwen2 (hidden 896, 24 layers) ran on one Zen 4 core: bf16 1.9x faster at
-# batch 1, 1.5x at 16, about even in compute-bound prefill; fp32 1.5-2.2x at 1, 1.8-2.6x at 16 to 2048.
-# bf16 results are bit-identical to F.linear; fp32 ones differ in summation order (about 1e-6), as
-# between any two BLAS.
+# Every full-precision projection is put once, at load, in a layout a fast CPU kernel reads; F.linear on the
+# plain [out, in] tensor makes oneDNN reorder bf16 weights on every call, or (fp32) runs the BLAS. Two
+# layouts, chosen per dtype from what this CPU's build of the C++ ops supports:
 #
-# oneDNN's results are the same for a row whatever else is in the batch; F.linear's are not (the BLAS
-# takes another path for one or two rows, about 1e-5 apart), so a model whose logits reach the outputs
-# stays packed. A draft model's numerics never reach them (its proposals are verified by the target),
-# and there small fp32 weights stay plain: oneDNN's linear costs about 25-50 us a call before any
-# arithmetic on a Zen 3 core, F.linear 5-10 us, and for the six shapes measured there under 1 MiB
-# (128x128 to 256x768) F.linear was as fast or faster at every batch tried, 1 to 512 rows (2-7x at one).
-PREPACK_ENV = "PAGEDLLM_CPU_PREPACK_WEIGHTS"
+# - "blocked" (pagedllm's own kernel, layers/csrc/cpu_linear.cpp; AVX-512 for fp32, AVX512-BF16 for
+#   bf16): 64 output features at a time stored k-major, so a batch-1 decode step reads each weight as one
+#   sequential stream. On a Zen 4 core (386M Qwen2's shapes, one thread) it read weights at 24-30 GB/s in
+#   both dtypes, against oneDNN's 16 (fp32) and 13.5 (bf16) and a plain read of 29 GB/s; from 16 rows up
+#   it is within 5% of oneDNN either way, 1,024-row prefill included.
+# - "onednn" (`torch.ops.mkldnn._reorder_linear_weight`), elsewhere: bf16 bit-identical to F.linear, 1.5-2x
+#   faster than it at batch 1 on that core.
+#
+# Both compute a row the same way whatever else is in the batch; F.linear does not (the BLAS takes another
+# path for one or two rows, about 1e-5 apart), so a model whose logits reach the outputs stays packed. A
+# draft model's numerics never reach them (its proposals are verified by the target); with oneDNN, small
+# fp32 weights stay plain there: oneDNN's linear costs about 25-50 us a call before any arithmetic on a
+# Zen 3 core, F.linear 5-10 us, and for the six shapes measured there under 1 MiB (128x128 to 256x768)
+# F.linear was as fast or faster at every batch tried, 1 to 512 rows (2-7x at one).
+PREPACK_ENV = "PAGEDLLM_CPU_PREPACK_WEIGHTS"  # 0: plain F.linear; onednn: oneDNN's layout only; else the best
 PREPACK_DTYPES = (torch.float32, torch.bfloat16)
 PLAIN_FP32_MAX_NUMEL = 1 << 18  # 1 MiB of fp32
 
@@ -210,47 +216,79 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+class BlockedLinear:
+    """The matmul of a weight packed by `torch.ops.pagedllm_cpu_linear.blocked_linear_pack` (a module's
+    `matmul`); it keeps the output size, which the padded layout does not."""
+
+    def __init__(self, out_features: int):
+        self.out_features = out_features
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.pagedllm_cpu_linear.blocked_linear(x, weight, self.out_features, bias)
+
+
+def is_prepacked(matmul: Callable[..., torch.Tensor] | None) -> bool:
+    """Whether a module's matmul runs on a prepacked weight (either layout)."""
+    return matmul is packed_linear or isinstance(matmul, BlockedLinear)
+
+
 def prepack_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """CPU, fp32 or bf16, oneDNN built in, and not turned off by PAGEDLLM_CPU_PREPACK_WEIGHTS=0."""
     return (device.type == "cpu" and dtype in PREPACK_DTYPES and torch.backends.mkldnn.is_available()
             and os.environ.get(PREPACK_ENV, "1") != "0")
 
 
-def _reorder(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+def blocked_layout_available(dtype: torch.dtype) -> bool:
+    """pagedllm's blocked kernel runs this dtype on this CPU (its C++ ops built, AVX-512 / AVX512-BF16),
+    and PAGEDLLM_CPU_PREPACK_WEIGHTS does not ask for oneDNN."""
+    from pagedllm.cpu_kernels import load_cpu_kernels
+
+    return (os.environ.get(PREPACK_ENV, "1") != "onednn" and load_cpu_kernels()
+            and bool(torch.ops.pagedllm_cpu_linear.blocked_linear_supports(dtype)))
+
+
+def _pack(weight: torch.Tensor, blocked: bool) -> tuple[torch.Tensor, Callable[..., torch.Tensor]]:
+    """(the weight in the chosen layout, the matmul that reads it)."""
+    weight = weight.detach().contiguous()
+    if blocked:
+        return torch.ops.pagedllm_cpu_linear.blocked_linear_pack(weight), BlockedLinear(weight.shape[0])
+    return torch.ops.mkldnn._reorder_linear_weight(weight), packed_linear
 
 
 def prepack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.dtype,
                            batch_invariant: bool = True) -> int:
-    """Reorder every full-precision Column/RowParallelLinear weight (and the LM head) into oneDNN's
-    layout in place; weight-only quantized projections keep their own kernels. Returns how many
+    """Put every full-precision Column/RowParallelLinear weight (and the LM head) in the blocked or
+    oneDNN layout in place; weight-only quantized projections keep their own kernels. Returns how many
     weights were packed (0 when prepack_enabled says no, or oneDNN refuses the first one).
 
-    batch_invariant=False (a draft model): fp32 weights of at most PLAIN_FP32_MAX_NUMEL elements stay
-    plain for F.linear, which is faster there but not batch-invariant (see above)."""
+    batch_invariant=False (a draft model): with oneDNN, fp32 weights of at most PLAIN_FP32_MAX_NUMEL
+    elements stay plain for F.linear, which is faster there but not batch-invariant (see above); the
+    blocked kernel is both, so it takes every weight."""
     if not prepack_enabled(device, dtype):
         return 0
+    blocked = blocked_layout_available(dtype)
 
     def keep_plain(weight: torch.Tensor) -> bool:
-        return not batch_invariant and dtype == torch.float32 and weight.numel() <= PLAIN_FP32_MAX_NUMEL
+        return (not blocked and not batch_invariant and dtype == torch.float32
+                and weight.numel() <= PLAIN_FP32_MAX_NUMEL)
 
     num_packed = extra_bytes = num_plain = 0
     try:
         for module in model.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 weight = module.weight
-                if not isinstance(weight, torch.Tensor) or weight.dtype != dtype or weight.is_mkldnn:
+                if not isinstance(weight, torch.Tensor) or weight.dtype != dtype or is_prepacked(module.matmul):
                     continue  # a QuantizedWeight, or already packed (a module reached twice)
                 if keep_plain(weight):
                     num_plain += 1
                     continue
-                module.weight = nn.Parameter(_reorder(weight), requires_grad=False)
-                module.matmul = packed_linear
+                packed, module.matmul = _pack(weight, blocked)
+                module.weight = nn.Parameter(packed, requires_grad=False)
                 num_packed += 1
             elif isinstance(module, ParallelLMHead) and module.packed_weight is None \
                     and module.weight.dtype == dtype and not keep_plain(module.weight):
-                # A copy: a tied embedding reads `weight` by rows, which the blocked layout cannot serve.
-                module.packed_weight = _reorder(module.weight)
+                # A copy: a tied embedding reads `weight` by rows, which a packed layout cannot serve.
+                module.packed_weight, module.packed_matmul = _pack(module.weight, blocked)
                 extra_bytes += module.weight.numel() * module.weight.element_size()
                 num_packed += 1
     except RuntimeError as error:  # a oneDNN build without this op or dtype: the plain path is correct
@@ -258,8 +296,8 @@ def prepack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.
         _unpack(model)
         return 0
     if num_packed:
-        logger.info("Prepacked %d linear weights for oneDNN (%s)%s%s; %s=0 turns it off", num_packed,
-                    str(dtype).removeprefix("torch."),
+        logger.info("Prepacked %d linear weights (%s, %s layout)%s%s; %s=0 turns it off, =onednn picks oneDNN's",
+                    num_packed, str(dtype).removeprefix("torch."), "blocked" if blocked else "oneDNN",
                     f", plus a {extra_bytes / 2**20:.1f} MiB LM head copy" if extra_bytes else "",
                     f"; {num_plain} small ones stay plain (not batch-invariant: a draft)" if num_plain else "",
                     PREPACK_ENV)
@@ -267,10 +305,10 @@ def prepack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.
 
 
 def _unpack(model: nn.Module) -> None:
-    """Back to plain weights after a failure midway (to_dense undoes the reorder)."""
+    """Back to plain weights after a oneDNN failure midway (to_dense undoes the reorder)."""
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.matmul is packed_linear:
             module.weight = nn.Parameter(module.weight.to_dense(), requires_grad=False)
             module.matmul = linear
         elif isinstance(module, ParallelLMHead):
-            module.packed_weight = None
+            module.packed_weight = module.packed_matmul = None

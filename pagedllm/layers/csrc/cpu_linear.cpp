@@ -1,0 +1,307 @@
+// y = x W^T + b for CPU decoding: weights packed once at load in a layout a matrix-vector product reads
+// as one sequential stream, and a register-blocked kernel that computes every row the same way.
+//
+// Why not oneDNN's prepacked linear: at one row (batch-1 decode) it read fp32 weights at 16 GB/s and bf16
+// at 13.5 GB/s on a Zen 4 core whose plain read runs at 29 GB/s; this kernel reads both at 24-30 GB/s,
+// and from 16 rows up it is within 5% of oneDNN (measured on the 386M Qwen2's shapes).
+//
+// Layout: output features in blocks of 64 (the last block holds the N % 64 left over), each block's
+// weights stored k-major, so a block is one contiguous run of memory that the loop over k walks front to
+// back, and the blocks follow each other: the whole weight is one stream. One flat tensor of N x K' elements:
+//   fp32: per block [K, width]                  one k at a time, 4 zmm FMAs per k
+//   bf16: per block [K' / 2, width, 2]          pairs of k, 4 zmm VDPBF16PS per pair (AVX512-BF16)
+// where K' is K rounded up to the k step (an odd K in bf16 gets a zero column).
+//
+// Batch invariance: each output element is one accumulator summed over k in order, whether its row is
+// computed alone or in a tile of six; threads split the output blocks, never k. So a row's result does
+// not depend on what else is in the batch or on the thread count, as the engine's outputs must not.
+//
+// Built with -march=native: without AVX-512 (or AVX512-BF16 for bf16) `blocked_linear_supports` says no
+// and the caller keeps oneDNN.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlockN = 64;   // output features per block: 4 zmm of fp32
+constexpr int64_t kTileRows = 6;  // rows per register tile: 6 x 4 accumulators + 4 weights + 1 broadcast
+
+bool supports(c10::ScalarType dtype) {
+#if defined(__AVX512F__)
+  if (dtype == c10::kFloat) return true;
+#endif
+#if defined(__AVX512BF16__)
+  if (dtype == c10::kBFloat16) return true;
+#endif
+  return false;
+}
+
+int64_t k_step(c10::ScalarType dtype) { return dtype == c10::kBFloat16 ? 2 : 1; }
+
+at::Tensor pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "blocked_linear_pack: weight must be [out_features, in_features]");
+  TORCH_CHECK(supports(weight.scalar_type()), "blocked_linear_pack: ", weight.scalar_type(),
+              " is not supported on this CPU");
+  const int64_t n = weight.size(0), k = weight.size(1), step = k_step(weight.scalar_type());
+  const int64_t k_padded = (k + step - 1) / step * step, full = n / kBlockN, tail = n % kBlockN;
+  at::Tensor padded = weight;
+  if (k_padded != k) {
+    padded = at::zeros({n, k_padded}, weight.options());
+    padded.narrow(1, 0, k).copy_(weight);
+  }
+  at::Tensor packed = at::empty({n * k_padded}, weight.options());
+  if (full > 0) {  // [blocks, 64, K'/step, step] -> [blocks, K'/step, 64, step]
+    packed.narrow(0, 0, full * kBlockN * k_padded)
+        .view({full, k_padded / step, kBlockN, step})
+        .copy_(padded.narrow(0, 0, full * kBlockN).view({full, kBlockN, k_padded / step, step}).permute({0, 2, 1, 3}));
+  }
+  if (tail > 0) {  // [tail, K'/step, step] -> [K'/step, tail, step]
+    packed.narrow(0, full * kBlockN * k_padded, tail * k_padded)
+        .view({k_padded / step, tail, step})
+        .copy_(padded.narrow(0, full * kBlockN, tail).view({tail, k_padded / step, step}).permute({1, 0, 2}));
+  }
+  return packed;
+}
+
+#if defined(__AVX512F__)
+
+inline __m512 bf16x16_to_fp32(__m256i v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// Which of a block's 4 vectors of 16 outputs hold columns, as masks (all ones in a full block).
+inline __mmask16 column_mask(int64_t width, int j) {
+  const int64_t lo = 16 * j;
+  return width - lo >= 16 ? __mmask16(0xFFFF) : width <= lo ? __mmask16(0) : __mmask16((1u << (width - lo)) - 1);
+}
+
+// Weight vector j of step i of a block `width` columns wide (masked loads only in the narrow last block).
+template <bool kFull>
+inline __m512 load_fp32(const float* w, int64_t width, int j, const __mmask16 (&masks)[4]) {
+  if constexpr (kFull) return _mm512_loadu_ps(w + 16 * j);
+  return _mm512_maskz_loadu_ps(masks[j], w + 16 * j);
+}
+
+// The block's outputs for R rows, over the whole of K, into `out`. The accumulators are locals until the
+// loop ends: __m512 may alias anything, so accumulating through a reference would make the compiler store
+// them to memory at every k.
+template <int R, bool kFull>
+inline void tile_fp32(const float* x, int64_t x_stride, const float* w, int64_t width, int64_t k,
+                      __m512 (&out)[kTileRows][4]) {
+  __mmask16 masks[4];
+  for (int j = 0; j < 4; ++j) masks[j] = column_mask(width, j);
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; ++i) {
+    // 4 weight vectors, then one broadcast per row: 24 accumulators + 5 registers, no spills
+    __m512 wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = load_fp32<kFull>(w + i * width, width, j, masks);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * x_stride + i]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) out[r][j] = acc[r][j];
+}
+
+#if defined(__AVX512BF16__)
+template <bool kFull>
+inline __m512bh load_bf16_pairs(const uint16_t* w, int j, const __mmask32 (&masks)[4]) {
+  if constexpr (kFull) return (__m512bh)_mm512_loadu_si512(w + 32 * j);
+  return (__m512bh)_mm512_maskz_loadu_epi16(masks[j], w + 32 * j);
+}
+
+// bf16: pairs of k through VDPBF16PS (K is even here: the caller pads x and the weight).
+template <int R, bool kFull>
+inline void tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t width, int64_t k,
+                      __m512 (&out)[kTileRows][4]) {
+  __mmask32 masks[4];  // two bf16 (a pair of k) per output column
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t m16 = column_mask(width, j);
+    uint32_t m32 = 0;
+    for (int c = 0; c < 16; ++c) m32 |= ((m16 >> c) & 1u) * (3u << (2 * c));
+    masks[j] = m32;
+  }
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k / 2; ++i) {
+    __m512bh wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = load_bf16_pairs<kFull>(w + i * 2 * width, j, masks);
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, x + r * x_stride + 2 * i, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) out[r][j] = acc[r][j];
+}
+#endif
+
+// Adds the bias and stores the block's `width` (<= 64) outputs of each of R rows.
+template <typename T, int R>
+inline void store_tile(__m512 (&acc)[kTileRows][4], const T* bias, T* y, int64_t y_stride, int64_t width) {
+  for (int j = 0; j < 4; ++j) {
+    const __mmask16 mask = column_mask(width, j);
+    if (mask == 0) break;
+    const int64_t lo = 16 * j;
+    __m512 b = _mm512_setzero_ps();
+    if (bias != nullptr) {
+      if constexpr (std::is_same_v<T, float>) {
+        b = _mm512_maskz_loadu_ps(mask, bias + lo);
+      } else {
+        b = bf16x16_to_fp32(_mm256_maskz_loadu_epi16(mask, bias + lo));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 v = _mm512_add_ps(acc[r][j], b);
+      if constexpr (std::is_same_v<T, float>) {
+        _mm512_mask_storeu_ps(y + r * y_stride + lo, mask, v);
+      } else {
+        // round to nearest even, as torch rounds fp32 to bf16 (NaN stays NaN)
+        const __m512i bits = _mm512_castps_si512(v);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+        _mm256_mask_storeu_epi16(y + r * y_stride + lo, mask, _mm512_cvtepi32_epi16(rounded));
+      }
+    }
+  }
+}
+
+template <typename T, int R>
+inline void run_tile(const T* x, int64_t x_stride, const T* w, int64_t width, int64_t k, const T* bias, T* y,
+                     int64_t y_stride) {
+  __m512 acc[kTileRows][4];
+  if constexpr (std::is_same_v<T, float>) {
+    if (width == kBlockN) {
+      tile_fp32<R, true>(x, x_stride, w, width, k, acc);
+    } else {
+      tile_fp32<R, false>(x, x_stride, w, width, k, acc);
+    }
+  } else {
+#if defined(__AVX512BF16__)
+    const auto* xb = reinterpret_cast<const uint16_t*>(x);
+    const auto* wb = reinterpret_cast<const uint16_t*>(w);
+    if (width == kBlockN) {
+      tile_bf16<R, true>(xb, x_stride, wb, width, k, acc);
+    } else {
+      tile_bf16<R, false>(xb, x_stride, wb, width, k, acc);
+    }
+#endif
+  }
+  store_tile<T, R>(acc, bias, y, y_stride, width);
+}
+
+template <typename T>
+void run_rows(int64_t rows, const T* x, int64_t x_stride, const T* w, int64_t width, int64_t k, const T* bias,
+              T* y, int64_t y_stride) {
+  int64_t r = 0;
+  for (; r + kTileRows <= rows; r += kTileRows)
+    run_tile<T, kTileRows>(x + r * x_stride, x_stride, w, width, k, bias, y + r * y_stride, y_stride);
+  const T* xr = x + r * x_stride;
+  T* yr = y + r * y_stride;
+  switch (rows - r) {
+    case 5: run_tile<T, 5>(xr, x_stride, w, width, k, bias, yr, y_stride); break;
+    case 4: run_tile<T, 4>(xr, x_stride, w, width, k, bias, yr, y_stride); break;
+    case 3: run_tile<T, 3>(xr, x_stride, w, width, k, bias, yr, y_stride); break;
+    case 2: run_tile<T, 2>(xr, x_stride, w, width, k, bias, yr, y_stride); break;
+    case 1: run_tile<T, 1>(xr, x_stride, w, width, k, bias, yr, y_stride); break;
+    default: break;
+  }
+}
+
+template <typename T>
+void blocked_linear_impl(const T* x, int64_t m, int64_t k, const T* w, int64_t n, const T* bias, T* y) {
+  const int64_t num_blocks = (n + kBlockN - 1) / kBlockN;
+  // Rows per pass over a thread's blocks: each block's weights (K x 64) are read from memory once per pass
+  // and reused from L2 by every tile of the pass; the pass's rows of x are re-read per block from L2/L3.
+  constexpr int64_t kRowsPerPass = 256;
+  // At least ~256 KiB of weights per thread, so the small matmuls of a draft model stay on one thread.
+  const int64_t block_bytes = k * kBlockN * static_cast<int64_t>(sizeof(T));
+  const int64_t grain = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(block_bytes, 1));
+  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t row = 0; row < m; row += kRowsPerPass) {
+      const int64_t rows = std::min(kRowsPerPass, m - row);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t col = b * kBlockN, width = std::min(kBlockN, n - col);
+        run_rows<T>(rows, x + row * k, k, w + col * k, width, k, bias == nullptr ? nullptr : bias + col,
+                    y + row * n + col, n);
+      }
+    }
+  });
+}
+
+#endif  // __AVX512F__
+
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                          const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(supports(x.scalar_type()), "blocked_linear: ", x.scalar_type(), " is not supported on this CPU");
+  TORCH_CHECK(packed.scalar_type() == x.scalar_type(), "blocked_linear: x and the packed weight differ in dtype");
+  TORCH_CHECK(packed.dim() == 1 && packed.is_contiguous() && out_features > 0 && packed.numel() % out_features == 0,
+              "blocked_linear: the weight is not packed by blocked_linear_pack for ", out_features, " outputs");
+  const int64_t step = k_step(x.scalar_type()), k_padded = packed.numel() / out_features, k = x.size(-1);
+  TORCH_CHECK(k_padded % step == 0 && k <= k_padded && k_padded - k < step, "blocked_linear: x has ", k,
+              " features, the weight ", k_padded);
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = out_features;
+  at::Tensor x2 = x.reshape({-1, k});
+  if (k != k_padded) {  // an odd K in bf16: the kernel reads x in pairs
+    at::Tensor wide = at::zeros({x2.size(0), k_padded}, x.options());
+    wide.narrow(1, 0, k).copy_(x2);
+    x2 = wide;
+  }
+  x2 = x2.contiguous();
+  at::Tensor y = at::empty({x2.size(0), out_features}, x.options());
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(x.scalar_type()).contiguous();
+    TORCH_CHECK(b.numel() == out_features, "blocked_linear: bias has ", b.numel(), " elements");
+  }
+#if defined(__AVX512F__)
+  if (x.scalar_type() == c10::kFloat) {
+    blocked_linear_impl<float>(x2.data_ptr<float>(), x2.size(0), k_padded, packed.data_ptr<float>(), out_features,
+                               b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>());
+  } else {
+    using bf16 = c10::BFloat16;
+    blocked_linear_impl<bf16>(x2.data_ptr<bf16>(), x2.size(0), k_padded, packed.data_ptr<bf16>(), out_features,
+                              b.defined() ? b.data_ptr<bf16>() : nullptr, y.data_ptr<bf16>());
+  }
+#endif
+  return y.view(out_shape);
+}
+
+bool blocked_linear_supports(c10::ScalarType dtype) { return supports(dtype); }
+
+}  // namespace
+
+TORCH_LIBRARY(pagedllm_cpu_linear, m) {
+  m.def("blocked_linear_supports(ScalarType dtype) -> bool", &blocked_linear_supports);
+  m.def("blocked_linear_pack(Tensor weight) -> Tensor");
+  m.def("blocked_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu_linear, CPU, m) {
+  m.impl("blocked_linear_pack", &pack);
+  m.impl("blocked_linear", &blocked_linear);
+}
