@@ -6,6 +6,12 @@ PAGEDLLM_CPU_PREPACK_WEIGHTS=0 (plain) / =onednn as the ways back."""
 
 from __future__ import annotations
 
+import platform
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -213,3 +219,41 @@ def test_blocked_layout_packs_a_draft_whole() -> None:
     model = _layers(torch.float32)
     assert prepack_linear_weights(model, torch.device("cpu"), torch.float32, batch_invariant=False) == 3
     assert isinstance(model.down.matmul, BlockedLinear) and isinstance(model.head.packed_matmul, BlockedLinear)
+
+
+@pytest.mark.slow
+def test_blocked_kernel_avx2_build(tmp_path: Path) -> None:
+    """The AVX2 + FMA variant of the blocked kernel (16-wide blocks, fp32 only), built for x86-64-v3 in its
+    own process, so that an AVX-512 machine tests the path AVX2-only CPUs run: float64 parity, odd sizes,
+    batch and thread invariance."""
+    from pagedllm.platform import _cpu_flags
+
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= _cpu_flags():
+        pytest.skip("needs an x86-64 CPU with AVX2 and FMA")
+    source = Path(__file__).resolve().parent.parent / "pagedllm" / "layers" / "csrc" / "cpu_linear.cpp"
+    code = textwrap.dedent(f"""
+        import torch, torch.nn.functional as F
+        from torch.utils.cpp_extension import load
+        load(name="blocked_linear_avx2", sources=[{str(source)!r}], build_directory={str(tmp_path)!r},
+             extra_cflags=["-O3", "-fopenmp", "-std=c++17", "-march=x86-64-v3"], extra_ldflags=["-fopenmp"],
+             is_python_module=False)
+        ops = torch.ops.pagedllm_cpu_linear
+        assert ops.blocked_linear_supports(torch.float32) and not ops.blocked_linear_supports(torch.bfloat16)
+        torch.manual_seed(0)
+        for n, k in ((1, 1), (17, 5), (130, 33), (700, 300)):
+            w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(300, k)
+            packed = ops.blocked_linear_pack(w)
+            assert packed.numel() == n * k
+            y = ops.blocked_linear(x, packed, n, b)
+            exact = F.linear(x.double(), w.double(), b.double())
+            assert (y.double() - exact).abs().max() <= 1e-5 * exact.abs().max(), (n, k)
+            for rows in (1, 5, 6, 7, 257):
+                assert torch.equal(ops.blocked_linear(x[:rows], packed, n, b), y[:rows]), (n, k, rows)
+                assert torch.equal(ops.blocked_linear(x[rows:rows + 1], packed, n, b), y[rows:rows + 1])
+            torch.set_num_threads(2)
+            assert torch.equal(ops.blocked_linear(x, packed, n, b), y)
+            torch.set_num_threads(1)
+        print("avx2 ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert "avx2 ok" in result.stdout, result.stderr[-3000:]

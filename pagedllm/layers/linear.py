@@ -192,11 +192,11 @@ class ParallelLMHead(VocabParallelEmbedding):
 # plain [out, in] tensor makes oneDNN reorder bf16 weights on every call, or (fp32) runs the BLAS. Two
 # layouts, chosen per dtype from what this CPU's build of the C++ ops supports:
 #
-# - "blocked" (pagedllm's own kernel, layers/csrc/cpu_linear.cpp; AVX-512 for fp32, AVX512-BF16 for
-#   bf16): 64 output features at a time stored k-major, so a batch-1 decode step reads each weight as one
-#   sequential stream. On a Zen 4 core (386M Qwen2's shapes, one thread) it read weights at 24-30 GB/s in
-#   both dtypes, against oneDNN's 16 (fp32) and 13.5 (bf16) and a plain read of 29 GB/s; from 16 rows up
-#   it is within 5% of oneDNN either way, 1,024-row prefill included.
+# - "blocked" (pagedllm's own kernel, layers/csrc/cpu_linear.cpp; fp32 with AVX-512 or AVX2 + FMA, bf16
+#   with AVX512-BF16): 64 (AVX2: 16) output features at a time stored k-major, so a batch-1 decode step
+#   reads each weight as one sequential stream. On a Zen 4 core (386M Qwen2's shapes, one thread) it read
+#   weights at 24-30 GB/s in both dtypes, against oneDNN's 16 (fp32) and 13.5 (bf16) and a plain read of
+#   29 GB/s; from 16 rows up it is within 5% of oneDNN either way, 1,024-row prefill included.
 # - "onednn" (`torch.ops.mkldnn._reorder_linear_weight`), elsewhere: bf16 bit-identical to F.linear, 1.5-2x
 #   faster than it at batch 1 on that core.
 #
@@ -239,8 +239,8 @@ def prepack_enabled(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def blocked_layout_available(dtype: torch.dtype) -> bool:
-    """pagedllm's blocked kernel runs this dtype on this CPU (its C++ ops built, AVX-512 / AVX512-BF16),
-    and PAGEDLLM_CPU_PREPACK_WEIGHTS does not ask for oneDNN."""
+    """pagedllm's blocked kernel runs this dtype on this CPU (its C++ ops built; fp32 needs AVX2 + FMA or
+    AVX-512, bf16 AVX512-BF16), and PAGEDLLM_CPU_PREPACK_WEIGHTS does not ask for oneDNN."""
     from pagedllm.cpu_kernels import load_cpu_kernels
 
     return (os.environ.get(PREPACK_ENV, "1") != "onednn" and load_cpu_kernels()

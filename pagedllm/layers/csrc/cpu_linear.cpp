@@ -5,19 +5,21 @@
 // at 13.5 GB/s on a Zen 4 core whose plain read runs at 29 GB/s; this kernel reads both at 24-30 GB/s,
 // and from 16 rows up it is within 5% of oneDNN (measured on the 386M Qwen2's shapes).
 //
-// Layout: output features in blocks of 64 (the last block holds the N % 64 left over), each block's
-// weights stored k-major, so a block is one contiguous run of memory that the loop over k walks front to
-// back, and the blocks follow each other: the whole weight is one stream. One flat tensor of N x K' elements:
-//   fp32: per block [K, width]                  one k at a time, 4 zmm FMAs per k
-//   bf16: per block [K' / 2, width, 2]          pairs of k, 4 zmm VDPBF16PS per pair (AVX512-BF16)
-// where K' is K rounded up to the k step (an odd K in bf16 gets a zero column).
+// Layout: output features in blocks of 64 with AVX-512, 16 with AVX2 (the last block holds what is left
+// over), each block's weights stored k-major, so a block is one contiguous run of memory that the loop
+// over k walks front to back, and the blocks follow each other: the whole weight is one stream. One flat
+// tensor of N x K' elements:
+//   fp32: per block [K, width]                  one k at a time, 4 zmm (AVX2: 2 ymm) FMAs per k and row
+//   bf16: per block [K' / 2, width, 2]          pairs of k, 4 zmm VDPBF16PS per pair (AVX512-BF16 only)
+// where K' is K rounded up to the k step (an odd K in bf16 gets a zero column). The layout is this
+// build's: weights are packed by the same library that reads them.
 //
 // Batch invariance: each output element is one accumulator summed over k in order, whether its row is
 // computed alone or in a tile of six; threads split the output blocks, never k. So a row's result does
 // not depend on what else is in the batch or on the thread count, as the engine's outputs must not.
 //
-// Built with -march=native: without AVX-512 (or AVX512-BF16 for bf16) `blocked_linear_supports` says no
-// and the caller keeps oneDNN.
+// Built with -march=native: without AVX2 + FMA (fp32) or AVX512-BF16 (bf16) `blocked_linear_supports`
+// says no and the caller keeps oneDNN.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -32,17 +34,64 @@
 #include <optional>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#define PAGEDLLM_BLOCKED_FP32 1
 #endif
 
 namespace {
 
-constexpr int64_t kBlockN = 64;   // output features per block: 4 zmm of fp32
-constexpr int64_t kTileRows = 6;  // rows per register tile: 6 x 4 accumulators + 4 weights + 1 broadcast
+// The fp32 vector of the widest ISA the build has: AVX-512 (16 lanes, 4 per block of 64 outputs) or
+// AVX2 + FMA (8 lanes, 2 per block of 16: 6 rows x 2 accumulators + 2 weights + 1 broadcast fit in its
+// 16 registers).
+#if defined(__AVX512F__)
+struct Fp32Vec {
+  using V = __m512;
+  using Mask = __mmask16;
+  static constexpr int kLanes = 16;
+  static Mask first(int64_t n) {  // the first n lanes (n clamped to 0..16)
+    return n >= 16 ? Mask(0xFFFF) : n <= 0 ? Mask(0) : Mask((1u << n) - 1);
+  }
+  static bool any(Mask m) { return m != 0; }
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
+  static V broadcast(float v) { return _mm512_set1_ps(v); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static void store(float* p, V v, Mask m) { _mm512_mask_storeu_ps(p, m, v); }
+};
+#elif defined(PAGEDLLM_BLOCKED_FP32)
+struct Fp32Vec {
+  using V = __m256;
+  using Mask = __m256i;
+  static constexpr int kLanes = 8;
+  static Mask first(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(n, 0, 8))),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static bool any(Mask m) { return !_mm256_testz_si256(m, m); }
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const float* p, Mask m) { return _mm256_maskload_ps(p, m); }
+  static V broadcast(float v) { return _mm256_set1_ps(v); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static void store(float* p, V v, Mask m) { _mm256_maskstore_ps(p, m, v); }
+};
+#endif
+
+#if defined(PAGEDLLM_BLOCKED_FP32)
+constexpr int kVecs = Fp32Vec::kLanes == 16 ? 4 : 2;  // vectors per block
+constexpr int64_t kBlockN = kVecs * Fp32Vec::kLanes;  // output features per block: 64 or 16
+#else
+constexpr int kVecs = 1;
+constexpr int64_t kBlockN = 16;
+#endif
+constexpr int64_t kTileRows = 6;  // rows per register tile
 
 bool supports(c10::ScalarType dtype) {
-#if defined(__AVX512F__)
+#if defined(PAGEDLLM_BLOCKED_FP32)
   if (dtype == c10::kFloat) return true;
 #endif
 #if defined(__AVX512BF16__)
@@ -65,7 +114,7 @@ at::Tensor pack(const at::Tensor& weight) {
     padded.narrow(1, 0, k).copy_(weight);
   }
   at::Tensor packed = at::empty({n * k_padded}, weight.options());
-  if (full > 0) {  // [blocks, 64, K'/step, step] -> [blocks, K'/step, 64, step]
+  if (full > 0) {  // [blocks, width, K'/step, step] -> [blocks, K'/step, width, step]
     packed.narrow(0, 0, full * kBlockN * k_padded)
         .view({full, k_padded / step, kBlockN, step})
         .copy_(padded.narrow(0, 0, full * kBlockN).view({full, kBlockN, k_padded / step, step}).permute({0, 2, 1, 3}));
@@ -78,113 +127,111 @@ at::Tensor pack(const at::Tensor& weight) {
   return packed;
 }
 
-#if defined(__AVX512F__)
+#if defined(PAGEDLLM_BLOCKED_FP32)
+using Vec = Fp32Vec::V;
+using Acc = Vec[kTileRows][kVecs];
 
+// Which lanes of each of a block's vectors hold columns (all of them in a full block).
+inline void column_masks(int64_t width, Fp32Vec::Mask (&masks)[kVecs]) {
+  for (int j = 0; j < kVecs; ++j) masks[j] = Fp32Vec::first(width - Fp32Vec::kLanes * j);
+}
+
+// The block's outputs for R rows, over the whole of K, into `out`. The accumulators are locals until the
+// loop ends: vector types may alias anything, so accumulating through a reference would make the
+// compiler store them to memory at every k.
+template <int R, bool kFull>
+inline void tile_fp32(const float* x, int64_t x_stride, const float* w, int64_t width, int64_t k, Acc& out) {
+  Fp32Vec::Mask masks[kVecs];
+  column_masks(width, masks);
+  Vec acc[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kVecs; ++j) acc[r][j] = Fp32Vec::zero();
+  for (int64_t i = 0; i < k; ++i) {
+    // the block's weight vectors for this k, then one broadcast per row: no spills
+    Vec wv[kVecs];
+    for (int j = 0; j < kVecs; ++j) {
+      const float* p = w + i * width + Fp32Vec::kLanes * j;
+      if constexpr (kFull) {
+        wv[j] = Fp32Vec::load(p);
+      } else {
+        wv[j] = Fp32Vec::load(p, masks[j]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const Vec xv = Fp32Vec::broadcast(x[r * x_stride + i]);
+      for (int j = 0; j < kVecs; ++j) acc[r][j] = Fp32Vec::fma(xv, wv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kVecs; ++j) out[r][j] = acc[r][j];
+}
+
+#if defined(__AVX512BF16__)
 inline __m512 bf16x16_to_fp32(__m256i v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-// Which of a block's 4 vectors of 16 outputs hold columns, as masks (all ones in a full block).
-inline __mmask16 column_mask(int64_t width, int j) {
-  const int64_t lo = 16 * j;
-  return width - lo >= 16 ? __mmask16(0xFFFF) : width <= lo ? __mmask16(0) : __mmask16((1u << (width - lo)) - 1);
-}
-
-// Weight vector j of step i of a block `width` columns wide (masked loads only in the narrow last block).
-template <bool kFull>
-inline __m512 load_fp32(const float* w, int64_t width, int j, const __mmask16 (&masks)[4]) {
-  if constexpr (kFull) return _mm512_loadu_ps(w + 16 * j);
-  return _mm512_maskz_loadu_ps(masks[j], w + 16 * j);
-}
-
-// The block's outputs for R rows, over the whole of K, into `out`. The accumulators are locals until the
-// loop ends: __m512 may alias anything, so accumulating through a reference would make the compiler store
-// them to memory at every k.
-template <int R, bool kFull>
-inline void tile_fp32(const float* x, int64_t x_stride, const float* w, int64_t width, int64_t k,
-                      __m512 (&out)[kTileRows][4]) {
-  __mmask16 masks[4];
-  for (int j = 0; j < 4; ++j) masks[j] = column_mask(width, j);
-  __m512 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; ++i) {
-    // 4 weight vectors, then one broadcast per row: 24 accumulators + 5 registers, no spills
-    __m512 wv[4];
-    for (int j = 0; j < 4; ++j) wv[j] = load_fp32<kFull>(w + i * width, width, j, masks);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * x_stride + i]);
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) out[r][j] = acc[r][j];
-}
-
-#if defined(__AVX512BF16__)
-template <bool kFull>
-inline __m512bh load_bf16_pairs(const uint16_t* w, int j, const __mmask32 (&masks)[4]) {
-  if constexpr (kFull) return (__m512bh)_mm512_loadu_si512(w + 32 * j);
-  return (__m512bh)_mm512_maskz_loadu_epi16(masks[j], w + 32 * j);
-}
-
 // bf16: pairs of k through VDPBF16PS (K is even here: the caller pads x and the weight).
 template <int R, bool kFull>
-inline void tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t width, int64_t k,
-                      __m512 (&out)[kTileRows][4]) {
-  __mmask32 masks[4];  // two bf16 (a pair of k) per output column
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t m16 = column_mask(width, j);
+inline void tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t width, int64_t k, Acc& out) {
+  __mmask32 masks[kVecs];  // two bf16 (a pair of k) per output column
+  for (int j = 0; j < kVecs; ++j) {
+    const uint32_t m16 = Fp32Vec::first(width - 16 * j);
     uint32_t m32 = 0;
     for (int c = 0; c < 16; ++c) m32 |= ((m16 >> c) & 1u) * (3u << (2 * c));
     masks[j] = m32;
   }
-  __m512 acc[R][4];
+  __m512 acc[R][kVecs];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < kVecs; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k / 2; ++i) {
-    __m512bh wv[4];
-    for (int j = 0; j < 4; ++j) wv[j] = load_bf16_pairs<kFull>(w + i * 2 * width, j, masks);
+    __m512bh wv[kVecs];
+    for (int j = 0; j < kVecs; ++j) {
+      const uint16_t* p = w + i * 2 * width + 32 * j;
+      if constexpr (kFull) {
+        wv[j] = (__m512bh)_mm512_loadu_si512(p);
+      } else {
+        wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(masks[j], p);
+      }
+    }
     for (int r = 0; r < R; ++r) {
       uint32_t pair;
       std::memcpy(&pair, x + r * x_stride + 2 * i, sizeof(pair));
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+      for (int j = 0; j < kVecs; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) out[r][j] = acc[r][j];
+    for (int j = 0; j < kVecs; ++j) out[r][j] = acc[r][j];
+}
+
+// fp32 -> bf16, round to nearest even as torch rounds (NaN stays NaN); stores the masked lanes.
+inline void store_bf16(c10::BFloat16* y, __m512 v, __mmask16 mask) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(y, mask, _mm512_cvtepi32_epi16(rounded));
 }
 #endif
 
-// Adds the bias and stores the block's `width` (<= 64) outputs of each of R rows.
+// Adds the bias and stores the block's `width` outputs of each of R rows.
 template <typename T, int R>
-inline void store_tile(__m512 (&acc)[kTileRows][4], const T* bias, T* y, int64_t y_stride, int64_t width) {
-  for (int j = 0; j < 4; ++j) {
-    const __mmask16 mask = column_mask(width, j);
-    if (mask == 0) break;
-    const int64_t lo = 16 * j;
-    __m512 b = _mm512_setzero_ps();
-    if (bias != nullptr) {
-      if constexpr (std::is_same_v<T, float>) {
-        b = _mm512_maskz_loadu_ps(mask, bias + lo);
-      } else {
-        b = bf16x16_to_fp32(_mm256_maskz_loadu_epi16(mask, bias + lo));
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512 v = _mm512_add_ps(acc[r][j], b);
-      if constexpr (std::is_same_v<T, float>) {
-        _mm512_mask_storeu_ps(y + r * y_stride + lo, mask, v);
-      } else {
-        // round to nearest even, as torch rounds fp32 to bf16 (NaN stays NaN)
-        const __m512i bits = _mm512_castps_si512(v);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
-        _mm256_mask_storeu_epi16(y + r * y_stride + lo, mask, _mm512_cvtepi32_epi16(rounded));
-      }
+inline void store_tile(Acc& acc, const T* bias, T* y, int64_t y_stride, int64_t width) {
+  Fp32Vec::Mask masks[kVecs];
+  column_masks(width, masks);
+  for (int j = 0; j < kVecs; ++j) {
+    if (!Fp32Vec::any(masks[j])) break;
+    const int64_t lo = Fp32Vec::kLanes * j;
+    Vec b = Fp32Vec::zero();
+    if constexpr (std::is_same_v<T, float>) {
+      if (bias != nullptr) b = Fp32Vec::load(bias + lo, masks[j]);
+      for (int r = 0; r < R; ++r) Fp32Vec::store(y + r * y_stride + lo, Fp32Vec::add(acc[r][j], b), masks[j]);
+    } else {
+#if defined(__AVX512BF16__)
+      if (bias != nullptr) b = bf16x16_to_fp32(_mm256_maskz_loadu_epi16(masks[j], bias + lo));
+      for (int r = 0; r < R; ++r) store_bf16(y + r * y_stride + lo, _mm512_add_ps(acc[r][j], b), masks[j]);
+#endif
     }
   }
 }
@@ -192,7 +239,7 @@ inline void store_tile(__m512 (&acc)[kTileRows][4], const T* bias, T* y, int64_t
 template <typename T, int R>
 inline void run_tile(const T* x, int64_t x_stride, const T* w, int64_t width, int64_t k, const T* bias, T* y,
                      int64_t y_stride) {
-  __m512 acc[kTileRows][4];
+  Acc acc;
   if constexpr (std::is_same_v<T, float>) {
     if (width == kBlockN) {
       tile_fp32<R, true>(x, x_stride, w, width, k, acc);
@@ -234,8 +281,8 @@ void run_rows(int64_t rows, const T* x, int64_t x_stride, const T* w, int64_t wi
 template <typename T>
 void blocked_linear_impl(const T* x, int64_t m, int64_t k, const T* w, int64_t n, const T* bias, T* y) {
   const int64_t num_blocks = (n + kBlockN - 1) / kBlockN;
-  // Rows per pass over a thread's blocks: each block's weights (K x 64) are read from memory once per pass
-  // and reused from L2 by every tile of the pass; the pass's rows of x are re-read per block from L2/L3.
+  // Rows per pass over a thread's blocks: each block's weights (K x width) are read from memory once per
+  // pass and reused from L2 by every tile of the pass; the pass's rows of x are re-read per block from L2/L3.
   constexpr int64_t kRowsPerPass = 256;
   // At least ~256 KiB of weights per thread, so the small matmuls of a draft model stay on one thread.
   const int64_t block_bytes = k * kBlockN * static_cast<int64_t>(sizeof(T));
@@ -252,7 +299,7 @@ void blocked_linear_impl(const T* x, int64_t m, int64_t k, const T* w, int64_t n
   });
 }
 
-#endif  // __AVX512F__
+#endif  // PAGEDLLM_BLOCKED_FP32
 
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                           const std::optional<at::Tensor>& bias) {
@@ -278,7 +325,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
     b = bias->to(x.scalar_type()).contiguous();
     TORCH_CHECK(b.numel() == out_features, "blocked_linear: bias has ", b.numel(), " elements");
   }
-#if defined(__AVX512F__)
+#if defined(PAGEDLLM_BLOCKED_FP32)
   if (x.scalar_type() == c10::kFloat) {
     blocked_linear_impl<float>(x2.data_ptr<float>(), x2.size(0), k_padded, packed.data_ptr<float>(), out_features,
                                b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>());
