@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import mmap
 import os
 import platform
 
@@ -116,3 +117,29 @@ def configure_cpu_allocator() -> bool:
         logger.info("glibc malloc keeps freed memory in the heap (no per-allocation mmap); "
                     "PAGEDLLM_CPU_MALLOC_TUNING=0 restores its defaults")
     return tuned
+
+
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """An uint8 CPU tensor of `nbytes` that Linux may back with 2 MiB transparent huge pages.
+
+    For weights read front to back every decode step. With 4 KiB pages the CPU's prefetchers stop at every
+    page boundary and every page costs a TLB walk: on a Zen 4 host, reading the 386M Qwen2's 96 packed
+    projection weights (775 MB) ran at 20-23 GB/s from ordinary pages and 28-29 GB/s from huge ones, the
+    bandwidth of one large copy. The buffer is its own private anonymous mapping, aligned to 2 MiB and
+    advised MADV_HUGEPAGE before its first touch (THP is often 'madvise' only). Elsewhere, when THP is
+    off, or with PAGEDLLM_CPU_HUGE_PAGES=0, it is a plain torch.empty.
+    """
+    if (os.environ.get("PAGEDLLM_CPU_HUGE_PAGES", "1") == "0" or platform.system() != "Linux"
+            or not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE_BYTES):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    try:
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buffer = torch.frombuffer(mapping, dtype=torch.uint8)  # shares the mapping and keeps it alive
+        offset = -buffer.data_ptr() % HUGE_PAGE_BYTES
+        mapping.madvise(mmap.MADV_HUGEPAGE, offset, len(mapping) - offset)
+    except (OSError, ValueError):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    return buffer[offset:offset + nbytes]

@@ -257,3 +257,27 @@ def test_blocked_kernel_avx2_build(tmp_path: Path) -> None:
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert "avx2 ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_blocked_weights_live_in_one_buffer_in_reading_order() -> None:
+    """A decode step streams the model's packed weights front to back through one buffer."""
+    if not blocked_layout_available(torch.float32):
+        pytest.skip("the blocked kernel does not run float32 on this CPU")
+    model = _layers(torch.float32)
+    prepack_linear_weights(model, torch.device("cpu"), torch.float32)
+    weights = [model.up.weight, model.down.weight, model.head.packed_weight]
+    assert len({w.untyped_storage().data_ptr() for w in weights}) == 1
+    starts = [w.data_ptr() for w in weights]
+    assert starts == sorted(starts) and all(start % 64 == 0 for start in starts)
+
+
+def test_huge_page_buffer() -> None:
+    from pagedllm.platform import HUGE_PAGE_BYTES, huge_page_buffer
+
+    buffer = huge_page_buffer(3 * HUGE_PAGE_BYTES + 5)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == 3 * HUGE_PAGE_BYTES + 5
+    buffer.fill_(7)
+    assert int(buffer[-1]) == 7
+    if platform.system() == "Linux":
+        assert buffer.data_ptr() % HUGE_PAGE_BYTES == 0  # so that the kernel can map it with huge pages
+    assert huge_page_buffer(100).numel() == 100

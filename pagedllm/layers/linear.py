@@ -32,6 +32,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce, tensor_model_parallel_gather
 from pagedllm.layers.quantization import linear
+from pagedllm.platform import huge_page_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -247,11 +248,39 @@ def blocked_layout_available(dtype: torch.dtype) -> bool:
             and bool(torch.ops.pagedllm_cpu_linear.blocked_linear_supports(dtype)))
 
 
-def _pack(weight: torch.Tensor, blocked: bool) -> tuple[torch.Tensor, Callable[..., torch.Tensor]]:
-    """(the weight in the chosen layout, the matmul that reads it)."""
+class _PackedArena:
+    """One buffer for all of a model's blocked weights, in the order the forward pass reads them, so a
+    decode step streams through one region, in 2 MiB pages where Linux gives them (huge_page_buffer)."""
+
+    ALIGN = 64
+
+    def __init__(self, weights: list[torch.Tensor]):
+        sizes = [_blocked_numel(w) * w.element_size() for w in weights]
+        self.buffer = huge_page_buffer(sum(-(-size // self.ALIGN) * self.ALIGN for size in sizes))
+        self.offset = 0
+
+    def place(self, packed: torch.Tensor) -> torch.Tensor:
+        nbytes = packed.numel() * packed.element_size()
+        view = self.buffer[self.offset:self.offset + nbytes].view(packed.dtype)
+        view.copy_(packed)
+        self.offset += -(-nbytes // self.ALIGN) * self.ALIGN
+        return view
+
+
+def _blocked_numel(weight: torch.Tensor) -> int:
+    """Elements of blocked_linear_pack(weight): bf16 pads an odd in_features to pairs."""
+    out_features, in_features = weight.shape
+    return out_features * (in_features + in_features % 2 if weight.dtype == torch.bfloat16 else in_features)
+
+
+def _pack(weight: torch.Tensor, arena: _PackedArena | None) -> tuple[torch.Tensor, Callable[..., torch.Tensor]]:
+    """(the weight in the blocked layout, placed in `arena`, or in oneDNN's without one; the matmul that
+    reads it)."""
     weight = weight.detach().contiguous()
-    if blocked:
-        return torch.ops.pagedllm_cpu_linear.blocked_linear_pack(weight), BlockedLinear(weight.shape[0])
+    if arena is not None:
+        packed = torch.ops.pagedllm_cpu_linear.blocked_linear_pack(weight)
+        assert packed.numel() == _blocked_numel(weight)
+        return arena.place(packed), BlockedLinear(weight.shape[0])
     return torch.ops.mkldnn._reorder_linear_weight(weight), packed_linear
 
 
@@ -272,36 +301,43 @@ def prepack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.
         return (not blocked and not batch_invariant and dtype == torch.float32
                 and weight.numel() <= PLAIN_FP32_MAX_NUMEL)
 
-    num_packed = extra_bytes = num_plain = 0
+    targets: list[nn.Module] = []  # in the order the forward pass reads them
+    num_plain = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            weight = module.weight
+            if not isinstance(weight, torch.Tensor) or weight.dtype != dtype or is_prepacked(module.matmul):
+                continue  # a QuantizedWeight, or already packed (a module reached twice)
+            if keep_plain(weight):
+                num_plain += 1
+            else:
+                targets.append(module)
+        elif isinstance(module, ParallelLMHead) and module.packed_weight is None \
+                and module.weight.dtype == dtype and not keep_plain(module.weight):
+            targets.append(module)
+    if not targets:
+        return 0
+    arena = _PackedArena([module.weight for module in targets]) if blocked else None
+    extra_bytes = 0
     try:
-        for module in model.modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                weight = module.weight
-                if not isinstance(weight, torch.Tensor) or weight.dtype != dtype or is_prepacked(module.matmul):
-                    continue  # a QuantizedWeight, or already packed (a module reached twice)
-                if keep_plain(weight):
-                    num_plain += 1
-                    continue
-                packed, module.matmul = _pack(weight, blocked)
-                module.weight = nn.Parameter(packed, requires_grad=False)
-                num_packed += 1
-            elif isinstance(module, ParallelLMHead) and module.packed_weight is None \
-                    and module.weight.dtype == dtype and not keep_plain(module.weight):
+        for module in targets:
+            if isinstance(module, ParallelLMHead):
                 # A copy: a tied embedding reads `weight` by rows, which a packed layout cannot serve.
-                module.packed_weight, module.packed_matmul = _pack(module.weight, blocked)
+                module.packed_weight, module.packed_matmul = _pack(module.weight, arena)
                 extra_bytes += module.weight.numel() * module.weight.element_size()
-                num_packed += 1
+            else:
+                packed, module.matmul = _pack(module.weight, arena)
+                module.weight = nn.Parameter(packed, requires_grad=False)
     except RuntimeError as error:  # a oneDNN build without this op or dtype: the plain path is correct
         logger.warning("Prepacking linear weights for oneDNN failed (%s); using F.linear.", error)
         _unpack(model)
         return 0
-    if num_packed:
-        logger.info("Prepacked %d linear weights (%s, %s layout)%s%s; %s=0 turns it off, =onednn picks oneDNN's",
-                    num_packed, str(dtype).removeprefix("torch."), "blocked" if blocked else "oneDNN",
-                    f", plus a {extra_bytes / 2**20:.1f} MiB LM head copy" if extra_bytes else "",
-                    f"; {num_plain} small ones stay plain (not batch-invariant: a draft)" if num_plain else "",
-                    PREPACK_ENV)
-    return num_packed
+    logger.info("Prepacked %d linear weights (%s, %s layout)%s%s; %s=0 turns it off, =onednn picks oneDNN's",
+                len(targets), str(dtype).removeprefix("torch."), "blocked" if blocked else "oneDNN",
+                f", plus a {extra_bytes / 2**20:.1f} MiB LM head copy" if extra_bytes else "",
+                f"; {num_plain} small ones stay plain (not batch-invariant: a draft)" if num_plain else "",
+                PREPACK_ENV)
+    return len(targets)
 
 
 def _unpack(model: nn.Module) -> None:
