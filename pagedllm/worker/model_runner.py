@@ -23,7 +23,7 @@ from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.kv_cache.quant import KV_CACHE_DTYPES, is_quantized, resolve_kv_cache_dtype  # noqa: F401
-from pagedllm.layers.sampler import Sampler, SamplingRow
+from pagedllm.layers.sampler import Sampler, SamplingRow, argmax_rows, has_penalties
 from pagedllm.models.loader import load_model
 from pagedllm.outputs import PositionLogprobs, position_logprobs
 from pagedllm.structured_output import GrammarBitmask
@@ -440,7 +440,13 @@ class ModelRunner:
         if all_logits is None:
             return  # not rank 0: the logits were gathered there, and only rank 0 samples
         num_sample, num_verify = len(sample_rows), len(verify_rows)
-        if sample_rows:
+        if sample_rows and grammar_bitmask is None and all(_plain_greedy(s.request) for s in sampled):
+            # Every row takes the argmax of its raw logits and asks for nothing more: the sampler's
+            # result without building its rows (about 4 us a request, a third of a batch-64 step's sampling).
+            token_ids = argmax_rows(all_logits[:num_sample]).tolist()
+            for s, token in zip(sampled, token_ids):
+                output.sampled_token_ids[s.request.request_id] = [token]
+        elif sample_rows:
             rows = [self.sampling_row(s.request) for s in sampled]
             logits = all_logits[:num_sample]
             max_logprobs = max((r.params.logprobs or 0) for r in rows)
@@ -488,3 +494,11 @@ class ModelRunner:
         top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
         return [position_logprobs(target, lp, rank, ids, lps) for target, lp, rank, ids, lps in
                 zip(targets.tolist(), chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist())]
+
+
+def _plain_greedy(request: Request) -> bool:
+    """Greedy with no logprobs, penalties or min_tokens still holding back a stop token: the sampler would
+    return the argmax of the raw logits."""
+    params = request.sampling_params
+    return (params.greedy and params.logprobs is None and not has_penalties(params)
+            and len(request.output_token_ids) >= params.min_tokens)
