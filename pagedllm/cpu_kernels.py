@@ -50,8 +50,10 @@ def load_cpu_kernels() -> bool:
         from torch.utils import cpp_extension
 
         # -fopenmp turns at::parallel_for into torch's OpenMP pool (without it the header's parallel_for
-        # runs serially); the extension links libgomp.so.1, which resolves to the copy torch has loaded.
-        flags = ["-O3", "-fopenmp", "-std=c++17"]
+        # runs serially); on Linux the extension links libgomp.so.1, which resolves to the copy torch has
+        # loaded. Elsewhere (Apple's clang has no -fopenmp) the ops build as before and run on one thread.
+        openmp = platform.system() == "Linux"
+        flags = ["-O3", "-fopenmp" if openmp else "-fopenmp-simd", "-std=c++17"]
         if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
             flags.append("-march=native")
         sources = hashlib.sha256(" ".join(flags).encode())  # a change of flags is a new build too
@@ -69,7 +71,7 @@ def load_cpu_kernels() -> bool:
             if os.path.exists(stale):
                 os.remove(stale)
             cpp_extension.load(name="pagedllm_cpu_ops", sources=_SOURCES, extra_cflags=flags,
-                               extra_include_paths=[_INCLUDE], extra_ldflags=["-fopenmp"],
+                               extra_include_paths=[_INCLUDE], extra_ldflags=["-fopenmp"] if openmp else [],
                                build_directory=build_dir,
                                is_python_module=False, verbose=False)
         elapsed = time.perf_counter() - start
