@@ -119,6 +119,18 @@ def configure_cpu_allocator() -> bool:
     return tuned
 
 
+def release_free_heap_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim), e.g. after a model's plain weights
+    were replaced by packed copies that live outside the heap: with the allocator tuning above, the freed
+    weights would otherwise stay resident as free heap for the life of the process."""
+    if platform.system() != "Linux":
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 HUGE_PAGE_BYTES = 2 << 20
 
 

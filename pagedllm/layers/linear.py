@@ -32,7 +32,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce, tensor_model_parallel_gather
 from pagedllm.layers.quantization import linear
-from pagedllm.platform import huge_page_buffer
+from pagedllm.platform import huge_page_buffer, release_free_heap_memory
 
 logger = logging.getLogger(__name__)
 
@@ -318,7 +318,7 @@ def prepack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.
     if not targets:
         return 0
     arena = _PackedArena([module.weight for module in targets]) if blocked else None
-    extra_bytes = 0
+    extra_bytes = freed_bytes = 0
     try:
         for module in targets:
             if isinstance(module, ParallelLMHead):
@@ -327,11 +327,19 @@ def prepack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.
                 extra_bytes += module.weight.numel() * module.weight.element_size()
             else:
                 packed, module.matmul = _pack(module.weight, arena)
+                freed_bytes += module.weight.numel() * module.weight.element_size()
                 module.weight = nn.Parameter(packed, requires_grad=False)
+            if arena is not None and freed_bytes >= 256 << 20:
+                # The arena is outside the heap, so the plain weights it replaces are never reused there:
+                # return them as we go, so the process holds about one copy of the weights, not two.
+                release_free_heap_memory()
+                freed_bytes = 0
     except RuntimeError as error:  # a oneDNN build without this op or dtype: the plain path is correct
         logger.warning("Prepacking linear weights for oneDNN failed (%s); using F.linear.", error)
         _unpack(model)
         return 0
+    if arena is not None:
+        release_free_heap_memory()
     logger.info("Prepacked %d linear weights (%s, %s layout)%s%s; %s=0 turns it off, =onednn picks oneDNN's",
                 len(targets), str(dtype).removeprefix("torch."), "blocked" if blocked else "oneDNN",
                 f", plus a {extra_bytes / 2**20:.1f} MiB LM head copy" if extra_bytes else "",
