@@ -219,7 +219,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 class BlockedLinear:
     """The matmul of a weight packed by `torch.ops.pagedllm_cpu_linear.blocked_linear_pack` (a module's
-    `matmul`); it keeps the output size, which the padded layout does not."""
+    `matmul`); it keeps the output size, which the flat packed tensor does not carry."""
 
     def __init__(self, out_features: int):
         self.out_features = out_features
