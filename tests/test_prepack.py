@@ -284,3 +284,17 @@ def test_huge_page_buffer() -> None:
             and os.environ.get("PAGEDLLM_CPU_HUGE_PAGES", "1") != "0":
         assert buffer.data_ptr() % HUGE_PAGE_BYTES == 0  # so that the kernel can map it with huge pages
     assert huge_page_buffer(100).numel() == 100
+
+
+def test_blocked_pack_into_a_given_buffer() -> None:
+    """The model's buffer is packed in place; a buffer of the wrong size is refused, not overrun."""
+    if not blocked_layout_available(torch.bfloat16):
+        pytest.skip("the blocked kernel does not run bfloat16 on this CPU")
+    ops = torch.ops.pagedllm_cpu_linear
+    weight = torch.randn(70, 33, dtype=torch.bfloat16)  # an odd in_features: padded to pairs
+    assert ops.blocked_linear_packed_numel(weight) == 70 * 34
+    out = torch.empty(70 * 34, dtype=torch.bfloat16)
+    assert ops.blocked_linear_pack(weight, out).data_ptr() == out.data_ptr()
+    assert torch.equal(out, ops.blocked_linear_pack(weight))
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.blocked_linear_pack(weight, torch.empty(70 * 33, dtype=torch.bfloat16))

@@ -176,7 +176,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [N, vocab] on rank 0 (gathered once); None on the other ranks."""
-        if self.packed_weight is not None and self.packed_matmul is not None:
+        if self.packed_matmul is not None:
             logits = self.packed_matmul(hidden, self.packed_weight)
         else:
             logits = F.linear(hidden, self.weight)
@@ -255,32 +255,28 @@ class _PackedArena:
     ALIGN = 64
 
     def __init__(self, weights: list[torch.Tensor]):
-        sizes = [_blocked_numel(w) * w.element_size() for w in weights]
-        self.buffer = huge_page_buffer(sum(-(-size // self.ALIGN) * self.ALIGN for size in sizes))
+        sizes = [self._aligned(torch.ops.pagedllm_cpu_linear.blocked_linear_packed_numel(w) * w.element_size())
+                 for w in weights]
+        self.buffer = huge_page_buffer(sum(sizes))
         self.offset = 0
 
-    def place(self, packed: torch.Tensor) -> torch.Tensor:
-        nbytes = packed.numel() * packed.element_size()
-        view = self.buffer[self.offset:self.offset + nbytes].view(packed.dtype)
-        view.copy_(packed)
-        self.offset += -(-nbytes // self.ALIGN) * self.ALIGN
-        return view
+    @classmethod
+    def _aligned(cls, nbytes: int) -> int:
+        return -(-nbytes // cls.ALIGN) * cls.ALIGN
 
-
-def _blocked_numel(weight: torch.Tensor) -> int:
-    """Elements of blocked_linear_pack(weight): bf16 pads an odd in_features to pairs."""
-    out_features, in_features = weight.shape
-    return out_features * (in_features + in_features % 2 if weight.dtype == torch.bfloat16 else in_features)
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` packed straight into the next slice of the buffer."""
+        nbytes = torch.ops.pagedllm_cpu_linear.blocked_linear_packed_numel(weight) * weight.element_size()
+        out = self.buffer[self.offset:self.offset + nbytes].view(weight.dtype)
+        self.offset += self._aligned(nbytes)
+        return torch.ops.pagedllm_cpu_linear.blocked_linear_pack(weight, out)
 
 
 def _pack(weight: torch.Tensor, arena: _PackedArena | None) -> tuple[torch.Tensor, Callable[..., torch.Tensor]]:
-    """(the weight in the blocked layout, placed in `arena`, or in oneDNN's without one; the matmul that
-    reads it)."""
+    """(the weight in the blocked layout, in `arena`, or in oneDNN's without one; the matmul that reads it)."""
     weight = weight.detach().contiguous()
     if arena is not None:
-        packed = torch.ops.pagedllm_cpu_linear.blocked_linear_pack(weight)
-        assert packed.numel() == _blocked_numel(weight)
-        return arena.place(packed), BlockedLinear(weight.shape[0])
+        return arena.pack(weight), BlockedLinear(weight.shape[0])
     return torch.ops.mkldnn._reorder_linear_weight(weight), packed_linear
 
 

@@ -102,18 +102,34 @@ bool supports(c10::ScalarType dtype) {
 
 int64_t k_step(c10::ScalarType dtype) { return dtype == c10::kBFloat16 ? 2 : 1; }
 
-at::Tensor pack(const at::Tensor& weight) {
+// K' for a weight of `k` input features: K rounded up to the k step.
+int64_t padded_in_features(int64_t k, c10::ScalarType dtype) {
+  const int64_t step = k_step(dtype);
+  return (k + step - 1) / step * step;
+}
+
+int64_t packed_numel(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "blocked_linear_pack: weight must be [out_features, in_features]");
+  return weight.size(0) * padded_in_features(weight.size(1), weight.scalar_type());
+}
+
+// Packs `weight` into `out` (a flat tensor of packed_numel elements, e.g. a slice of a model's buffer), or
+// into a new tensor.
+at::Tensor pack(const at::Tensor& weight, const std::optional<at::Tensor>& out) {
   TORCH_CHECK(supports(weight.scalar_type()), "blocked_linear_pack: ", weight.scalar_type(),
               " is not supported on this CPU");
   const int64_t n = weight.size(0), k = weight.size(1), step = k_step(weight.scalar_type());
-  const int64_t k_padded = (k + step - 1) / step * step, full = n / kBlockN, tail = n % kBlockN;
+  const int64_t numel = packed_numel(weight), k_padded = numel / n, full = n / kBlockN, tail = n % kBlockN;
   at::Tensor padded = weight;
   if (k_padded != k) {
     padded = at::zeros({n, k_padded}, weight.options());
     padded.narrow(1, 0, k).copy_(weight);
   }
-  at::Tensor packed = at::empty({n * k_padded}, weight.options());
+  at::Tensor packed = out.has_value() ? *out : at::empty({numel}, weight.options());
+  TORCH_CHECK(packed.dim() == 1 && packed.numel() == numel && packed.is_contiguous() &&
+                  packed.scalar_type() == weight.scalar_type(),
+              "blocked_linear_pack: out must be a contiguous ", weight.scalar_type(), " tensor of ", numel,
+              " elements");
   if (full > 0) {  // [blocks, width, K'/step, step] -> [blocks, K'/step, width, step]
     packed.narrow(0, 0, full * kBlockN * k_padded)
         .view({full, k_padded / step, kBlockN, step})
@@ -307,8 +323,8 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
   TORCH_CHECK(packed.scalar_type() == x.scalar_type(), "blocked_linear: x and the packed weight differ in dtype");
   TORCH_CHECK(packed.dim() == 1 && packed.is_contiguous() && out_features > 0 && packed.numel() % out_features == 0,
               "blocked_linear: the weight is not packed by blocked_linear_pack for ", out_features, " outputs");
-  const int64_t step = k_step(x.scalar_type()), k_padded = packed.numel() / out_features, k = x.size(-1);
-  TORCH_CHECK(k_padded % step == 0 && k <= k_padded && k_padded - k < step, "blocked_linear: x has ", k,
+  const int64_t k_padded = packed.numel() / out_features, k = x.size(-1);
+  TORCH_CHECK(k_padded == padded_in_features(k, x.scalar_type()), "blocked_linear: x has ", k,
               " features, the weight ", k_padded);
   auto out_shape = x.sizes().vec();
   out_shape.back() = out_features;
@@ -344,11 +360,13 @@ bool blocked_linear_supports(c10::ScalarType dtype) { return supports(dtype); }
 
 TORCH_LIBRARY(pagedllm_cpu_linear, m) {
   m.def("blocked_linear_supports(ScalarType dtype) -> bool", &blocked_linear_supports);
-  m.def("blocked_linear_pack(Tensor weight) -> Tensor");
+  m.def("blocked_linear_packed_numel(Tensor weight) -> int");
+  m.def("blocked_linear_pack(Tensor weight, Tensor(a!)? out=None) -> Tensor");
   m.def("blocked_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu_linear, CPU, m) {
+  m.impl("blocked_linear_packed_numel", &packed_numel);
   m.impl("blocked_linear_pack", &pack);
   m.impl("blocked_linear", &blocked_linear);
 }
