@@ -94,6 +94,17 @@ _M_MMAP_MAX = -4
 
 
 @functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """glibc, for its malloc tuning calls; None off Linux or where it cannot be loaded."""
+    if platform.system() != "Linux":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+@functools.cache
 def configure_cpu_allocator() -> bool:
     """Keep freed memory in the process's heap for the next step instead of handing it back to the OS.
 
@@ -106,12 +117,12 @@ def configure_cpu_allocator() -> bool:
     that runs the model, as vLLM's CPU backend gets the same effect by preloading tcmalloc.
     PAGEDLLM_CPU_MALLOC_TUNING=0 leaves glibc's defaults; other C libraries are left alone.
     """
-    if os.environ.get("PAGEDLLM_CPU_MALLOC_TUNING", "1") == "0" or platform.system() != "Linux":
+    libc = _glibc()
+    if os.environ.get("PAGEDLLM_CPU_MALLOC_TUNING", "1") == "0" or libc is None:
         return False
     try:
-        libc = ctypes.CDLL("libc.so.6")
         tuned = bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
-    except (OSError, AttributeError):
+    except AttributeError:  # a C library without mallopt
         return False
     if tuned:
         logger.info("glibc malloc keeps freed memory in the heap (no per-allocation mmap); "
@@ -123,12 +134,9 @@ def release_free_heap_memory() -> None:
     """Hand the heap's free pages back to the OS (glibc's malloc_trim), e.g. after a model's plain weights
     were replaced by packed copies that live outside the heap: with the allocator tuning above, the freed
     weights would otherwise stay resident as free heap for the life of the process."""
-    if platform.system() != "Linux":
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    libc = _glibc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 HUGE_PAGE_BYTES = 2 << 20
