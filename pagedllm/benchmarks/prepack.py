@@ -6,8 +6,8 @@ layout where this CPU runs it; all engines stay loaded); for each batch size the
 iteration, so load from other processes on a shared machine falls on all alike. Per iteration: a
 one-token request batch (prefill, timed whole), then the same prompts with `--output-len` tokens; decode
 speed is the engine's RequestMetrics' (tokens after the first over the time from the last first token to
-the last token), as in `bench quantization`. The report also says
-whether each engine produced the plain one's tokens (greedy).
+the last token), as in `bench quantization`. The report also says whether each engine produced the
+plain one's tokens (greedy).
 
     python -m pagedllm.entrypoints.cli bench prepack --model random-qwen2-386m --num-threads 1
 """
