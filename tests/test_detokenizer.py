@@ -55,7 +55,7 @@ def _incremental_text(tokenizer, prompt: list[int], output: list[int], skip: boo
 def _reference_text(tokenizer, prompt: list[int], output: list[int], skip: bool) -> str:
     """The same algorithm through transformers' decode (the detokenizer before its fast path)."""
     detokenizer = IncrementalDetokenizer(tokenizer, prompt, skip)
-    detokenizer._backend = None
+    detokenizer._backend = detokenizer._stream = None
     for token_id in output:
         detokenizer.add_tokens([token_id])
     return detokenizer.text
@@ -87,3 +87,46 @@ def test_text_of_real_text_is_the_text(tokenizers: dict) -> None:
         ids = tokenizer.encode("x = 1 naïve 漢字 😀 end", add_special_tokens=False)
         assert _incremental_text(tokenizer, ids[:3], ids[3:], True) == tokenizer.decode(ids)[
             len(tokenizer.decode(ids[:3])):]
+
+
+class _StreamThatGivesUp:
+    """The backend's DecodeStream, raising as tokenizers does ("Invalid prefix encountered") at token
+    `fail_at`: a decoder whose new window text no longer starts with the old one."""
+
+    def __init__(self, stream, fail_at: int):
+        self.stream, self.fail_at, self.num_steps = stream, fail_at, 0
+
+    def step(self, tokenizer, token_id: int):
+        if self.num_steps == self.fail_at:
+            raise Exception("Invalid prefix encountered")
+        self.num_steps += 1
+        return self.stream.step(tokenizer, token_id)
+
+
+@pytest.mark.parametrize("name", ["byte-level BPE", "metaspace"])
+def test_python_algorithm_takes_over_where_the_backend_stream_gives_up(tokenizers: dict, name: str) -> None:
+    tokenizer = tokenizers[name]
+    ids = tokenizer.encode(TEXT[-300:], add_special_tokens=False)
+    prompt, output = ids[:4], ids[4:44]
+    expected = _reference_text(tokenizer, prompt, output, True)
+    for fail_at in (0, 1, 7, 23, 39):
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt, True)
+        detokenizer._stream = _StreamThatGivesUp(detokenizer._stream, fail_at)
+        for token_id in output:
+            detokenizer.add_tokens([token_id])
+        assert detokenizer._stream is None
+        assert detokenizer.text == expected
+
+
+@pytest.mark.parametrize("name", ["byte-level BPE", "metaspace"])
+def test_random_prompts_and_outputs_match_the_python_algorithm(tokenizers: dict, name: str) -> None:
+    """Random ids split UTF-8 sequences anywhere, the prompt's end included (there the detokenizer keeps
+    the Python algorithm, which counts the prompt's bytes as read)."""
+    tokenizer = tokenizers[name]
+    rng = random.Random(1)
+    for _ in range(100):
+        prompt = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 9))]
+        output = [rng.randrange(len(tokenizer)) for _ in range(30)]
+        for skip in (True, False):
+            assert _incremental_text(tokenizer, prompt, output, skip) == _reference_text(tokenizer, prompt, output,
+                                                                                         skip)
