@@ -106,6 +106,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="split pagedllm's step time into scheduling, input preparation, forward, sampling, "
         "detokenisation and output processing, and print the engine overhead",
     )
+    throughput.add_argument(
+        "--disable-detokenize",
+        action="store_true",
+        help="do not detokenize pagedllm's outputs, keeping that work out of the measurement (vLLM's flag)",
+    )
     throughput.add_argument("--output-json")
     throughput.add_argument("--disable-tqdm", action="store_true")
     _add_engine_args(throughput)
@@ -283,7 +288,8 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     from pagedllm.benchmarks.profile import StepProfiler
 
     profiler = StepProfiler() if args.profile else None
-    results = [run_pagedllm(llm, requests, use_tqdm=not args.disable_tqdm, profiler=profiler)]
+    results = [run_pagedllm(llm, requests, use_tqdm=not args.disable_tqdm, profiler=profiler,
+                            detokenize=not args.disable_detokenize)]
     tp_summary = tensor_parallel_summary(llm)
     dtype = model_config.dtype
     device = str(getattr(model_config, "device", None) or getattr(llm.llm_engine, "device", "cpu"))

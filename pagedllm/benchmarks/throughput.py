@@ -55,16 +55,18 @@ class ThroughputResult:
 
 
 def run_pagedllm(llm: Any, requests: list[SampleRequest], use_tqdm: bool = False,
-                 profiler: StepProfiler | None = None) -> ThroughputResult:
+                 profiler: StepProfiler | None = None, detokenize: bool = True) -> ThroughputResult:
     """Time one LLM.generate call over every request (after a short warm-up outside the timing); with a
-    profiler, split the timed run's step time into phases."""
+    profiler, split the timed run's step time into phases. Outputs are detokenized, as a user's are,
+    unless `detokenize` is False (vLLM's --disable-detokenize)."""
     from pagedllm import SamplingParams
 
     warmup = [{"prompt_token_ids": r.prompt_token_ids} for r in requests[:2]]
     llm.generate(warmup, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [
-        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, detokenize=False) for r in requests
+        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, detokenize=detokenize)
+        for r in requests
     ]
     if profiler is not None:
         profiler.attach(llm.llm_engine)
