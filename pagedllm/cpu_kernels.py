@@ -85,5 +85,9 @@ def load_cpu_kernels() -> bool:
 
 
 def cpu_ops_available(*tensors: torch.Tensor) -> bool:
-    """Whether the C++ ops can take these tensors: all on the CPU, and the ops built."""
-    return all(t.device.type == "cpu" for t in tensors) and load_cpu_kernels()
+    """Whether the C++ ops can take these tensors: all on the CPU, and the ops built. Asked several times
+    per layer, so it is kept to a loop over `is_cpu` (no device objects, no generator)."""
+    for t in tensors:
+        if not t.is_cpu:
+            return False
+    return load_cpu_kernels()
