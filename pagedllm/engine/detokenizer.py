@@ -118,25 +118,27 @@ class IncrementalDetokenizer:
         added = []
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
-            if self._stream is None:
-                added.append(self._step())
-                continue
-            try:
-                piece = self._stream.step(self._backend, token_id)
-            except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception
-                # "Invalid prefix encountered": the window's new decode does not start with its old one
-                # (a decoder that rewrites earlier text). The Python algorithm, which compares lengths
-                # only, takes over from the same offsets.
-                self._stream = None
-                added.append(self._step())
-                continue
-            if piece is not None:
-                # where the Python algorithm would stand after emitting the same piece
-                self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-                self._pieces.append(piece)
-                self.text_len += len(piece)
-                added.append(piece)
+            if self._stream is not None:
+                try:
+                    piece = self._stream.step(self._backend, token_id)
+                except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception
+                    # "Invalid prefix encountered": the window's new decode does not start with its old
+                    # one (a decoder that rewrites earlier text). The Python algorithm, which compares
+                    # lengths only, takes over from the same offsets.
+                    self._stream = None
+                else:
+                    if piece is not None:
+                        self._emit(piece)
+                        added.append(piece)
+                    continue
+            added.append(self._step())
         return "".join(added)
+
+    def _emit(self, piece: str) -> None:
+        """Append a piece of text; the window moves on past the tokens it completes (both algorithms)."""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self._pieces.append(piece)
+        self.text_len += len(piece)
 
     def _step(self) -> str:
         """One step of the Python algorithm over the tokens fed so far."""
@@ -144,10 +146,7 @@ class IncrementalDetokenizer:
         full_text = self._decode(self.token_ids[self.prefix_offset:])
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
             delta = full_text[len(prefix_text):]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.token_ids)
-            self._pieces.append(delta)
-            self.text_len += len(delta)
+            self._emit(delta)
             return delta
         return ""
 
