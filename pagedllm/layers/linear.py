@@ -255,10 +255,13 @@ class _PackedArena:
     ALIGN = 64
 
     def __init__(self, weights: list[torch.Tensor]):
-        sizes = [self._aligned(torch.ops.pagedllm_cpu_linear.blocked_linear_packed_numel(w) * w.element_size())
-                 for w in weights]
-        self.buffer = huge_page_buffer(sum(sizes))
+        self.buffer = huge_page_buffer(sum(self._aligned(self._nbytes(w)) for w in weights))
         self.offset = 0
+
+    @staticmethod
+    def _nbytes(weight: torch.Tensor) -> int:
+        """The packed weight's size, by the kernel's own rule."""
+        return torch.ops.pagedllm_cpu_linear.blocked_linear_packed_numel(weight) * weight.element_size()
 
     @classmethod
     def _aligned(cls, nbytes: int) -> int:
@@ -266,7 +269,7 @@ class _PackedArena:
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """`weight` packed straight into the next slice of the buffer."""
-        nbytes = torch.ops.pagedllm_cpu_linear.blocked_linear_packed_numel(weight) * weight.element_size()
+        nbytes = self._nbytes(weight)
         out = self.buffer[self.offset:self.offset + nbytes].view(weight.dtype)
         self.offset += self._aligned(nbytes)
         return torch.ops.pagedllm_cpu_linear.blocked_linear_pack(weight, out)
