@@ -231,6 +231,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert pool.num_blocks == self.num_blocks == len(pool.blocks)
         assert [b.block_id for b in pool.blocks] == list(range(self.num_blocks))
         holders = [0] * self.num_blocks
+        # the id tables the scheduler hands out are the block tables, kept in step
+        assert self.kv.req_to_block_ids == {request_id: [b.block_id for b in blocks]
+                                            for request_id, blocks in self.kv.req_to_blocks.items()}
         for blocks in self.kv.req_to_blocks.values():
             ids = [b.block_id for b in blocks]
             assert len(ids) == len(set(ids)), "a block appears twice in one block table"

@@ -23,7 +23,7 @@ from pagedllm.outputs import PositionLogprobs
 from pagedllm.structured_output import GrammarBitmask, StructuredOutputManager
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int      # tokens whose KV is computed this step, speculative ones included
@@ -150,12 +150,15 @@ class Scheduler:
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
 
-        decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
-        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        decoding: list[Request] = []
+        prefilling: list[Request] = []
+        for request in self.running:
+            (decoding if request.num_computed_tokens >= len(request.prompt_token_ids) else prefilling).append(request)
+        running = RequestStatus.RUNNING
         for request in decoding + prefilling:
             if budget <= 0:
                 break
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # preempted earlier in this pass
             num_new = request.target_num_tokens - request.num_computed_tokens
             if num_new <= 0:
@@ -173,7 +176,7 @@ class Scheduler:
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not running:
                 continue
             scheduled[request.request_id] = self._scheduled(request, num_new)
             budget -= num_new
@@ -281,14 +284,13 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
-        reaches_end = start + num_new >= request.num_tokens_with_spec
-        spec = request.spec_token_ids if reaches_end else []
-        if not reaches_end:
-            request.spec_token_ids = []  # a chunk that stops short drops its proposals
-        return ScheduledRequest(request=request, num_new_tokens=num_new, start_pos=start,
-                                block_ids=self.kv.get_block_ids(request.request_id),
-                                sample=reaches_end and not request.is_fork_parent,
-                                spec_token_ids=list(spec))
+        spec = request.spec_token_ids
+        reaches_end = start + num_new >= request.num_tokens + len(spec)
+        if spec and not reaches_end:
+            request.spec_token_ids = spec = []  # a chunk that stops short drops its proposals
+        # the block table is the KV manager's own list: the runner reads it during this step only
+        return ScheduledRequest(request, num_new, start, self.kv.get_block_ids(request.request_id),
+                                reaches_end and not request.is_fork_parent, list(spec) if spec else [])
 
     def _next_waiting(self) -> Request:
         if self.config.scheduling_policy == "lpm" and len(self.waiting) > 1:
@@ -323,6 +325,9 @@ class Scheduler:
         updated, finished, forked = [], [], []
         if model_output.kv_connector_output is not None and self.connector is not None:
             self._update_kv_transfers(model_output.kv_connector_output)
+        sampled_token_ids = model_output.sampled_token_ids
+        # logprobs come only for the requests that asked: most steps have none to look up
+        all_logprobs, all_sampled_logprobs = model_output.logprobs, model_output.sampled_logprobs
         for item in output.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
@@ -332,17 +337,18 @@ class Scheduler:
                 new = model_output.prompt_logprobs[request.request_id]
                 request.prompt_logprobs[first:first + len(new)] = new
             if item.sample:
-                tokens = model_output.sampled_token_ids[request.request_id]
+                tokens = sampled_token_ids[request.request_id]
                 num_rejected = len(item.spec_token_ids) + 1 - len(tokens)
                 if num_rejected > 0:  # KV of rejected speculative tokens is rolled back
                     request.num_computed_tokens -= num_rejected
                     self.kv.trim(request)
-                request.spec_token_ids = []
-                logprobs = model_output.logprobs.get(request.request_id)
-                sampled_logprobs = model_output.sampled_logprobs.get(request.request_id)
+                if request.spec_token_ids:
+                    request.spec_token_ids = []
+                logprobs = all_logprobs.get(request.request_id) if all_logprobs else None
+                sampled_logprobs = all_sampled_logprobs.get(request.request_id) if all_sampled_logprobs else None
                 for i, token in enumerate(tokens):
                     request.append_output_token(token)
-                    if request.logprobs is not None and logprobs is not None:
+                    if logprobs is not None and request.logprobs is not None:
                         request.logprobs.append(logprobs[i])
                     if sampled_logprobs is not None:
                         request.cumulative_logprob += sampled_logprobs[i]
@@ -371,15 +377,16 @@ class Scheduler:
     def _check_stop(self, request: Request, token: int) -> bool:
         params = request.sampling_params
         status = None
-        if request.num_output_tokens >= params.min_tokens:
+        num_output_tokens = len(request.output_token_ids)
+        if num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
             elif token in params.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
         if status is None and (
-                (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens)
-                or request.num_tokens >= self.config.max_model_len):
+                (params.max_tokens is not None and num_output_tokens >= params.max_tokens)
+                or len(request.all_token_ids) >= self.config.max_model_len):
             status = RequestStatus.FINISHED_LENGTH_CAPPED
         if status is None:
             return False

@@ -38,6 +38,10 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same tables as block ids, kept in step with req_to_blocks: the scheduler hands every
+        # running request's table to the runner each step, and rebuilding it from the blocks cost more
+        # than everything else the scheduler does for a decoding request.
+        self.req_to_block_ids: dict[str, list[int]] = {}
         # Per request, how many leading blocks were already offered to the prefix cache (vLLM's
         # num_cached_block): each step registers only the blocks that became full since, instead of
         # walking every full block of every running request again.
@@ -55,7 +59,9 @@ class KVCacheManager:
         return self.pool.usage()
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+        """The request's block table as ids. The manager's own list, valid until the request's next
+        allocation, trim or free: read it (or copy it), never change it."""
+        return self.req_to_block_ids.get(request_id, [])
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -97,16 +103,28 @@ class KVCacheManager:
 
         `num_cacheable_tokens`: how many of the request's tokens are final after this step (speculative
         tokens are not), so only blocks full of final tokens enter the prefix cache."""
+        bs = self.block_size
+        request_id = request.request_id
+        blocks = self.req_to_blocks.get(request_id)
+        num_computed = request.num_computed_tokens
+        if not new_computed_blocks and blocks:
+            # A running request's step (a decode, mostly): nothing to copy or allocate while its tokens
+            # fit in its blocks and the block it writes into is its own alone.
+            total_tokens = num_computed + num_new_tokens
+            if total_tokens <= len(blocks) * bs and (
+                    not num_computed % bs or num_new_tokens <= 0 or blocks[num_computed // bs].ref_cnt == 1):
+                if self.enable_caching and total_tokens // bs > self.num_cached_blocks.get(request_id, 0):
+                    self._cache_full_blocks(request, blocks, total_tokens, num_cacheable_tokens)
+                return True
         new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        blocks = blocks or []
+        num_computed += len(new_computed_blocks) * bs
         total_tokens = num_computed + num_new_tokens
-        num_new_blocks = max(0, cdiv(total_tokens, self.block_size) - len(blocks) - len(new_computed_blocks))
+        num_new_blocks = max(0, cdiv(total_tokens, bs) - len(blocks) - len(new_computed_blocks))
         # A partial last block shared with a forked sibling must be copied before we write into it.
         cow_block = None
-        if num_new_tokens > 0 and blocks and num_computed % self.block_size and num_computed < \
-                len(blocks) * self.block_size:
-            candidate = blocks[num_computed // self.block_size]
+        if num_new_tokens > 0 and blocks and num_computed % bs and num_computed < len(blocks) * bs:
+            candidate = blocks[num_computed // bs]
             if candidate.ref_cnt > 1:
                 cow_block = candidate
         num_evictable_touched = sum(1 for block in new_computed_blocks if block.ref_cnt == 0) \
@@ -114,44 +132,55 @@ class KVCacheManager:
         if num_new_blocks + (cow_block is not None) > self.pool.num_free_blocks - num_evictable_touched:
             return False
 
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        block_ids = self.req_to_block_ids.setdefault(request_id, [])
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
+            block_ids.extend(block.block_id for block in new_computed_blocks)
         if cow_block is not None:
             (copy,) = self.pool.get_new_blocks(1)
-            index = num_computed // self.block_size
+            index = num_computed // bs
             blocks[index] = copy
+            block_ids[index] = copy.block_id
             self.pending_copies.append((cow_block.block_id, copy.block_id))
             self.pool.free_blocks([cow_block])
         if num_new_blocks:
-            blocks.extend(self.pool.get_new_blocks(num_new_blocks))
-
+            new_blocks = self.pool.get_new_blocks(num_new_blocks)
+            blocks.extend(new_blocks)
+            block_ids.extend(block.block_id for block in new_blocks)
         if self.enable_caching:
-            cacheable = min(total_tokens, request.num_tokens if num_cacheable_tokens is None
-                            else num_cacheable_tokens)
-            num_full = cacheable // self.block_size
-            num_done = self.num_cached_blocks.get(request.request_id, 0)
-            if num_full > num_done:
-                self._update_hashes(request)
-                # A block whose hash another block holds stays unregistered, and is offered again next
-                # step (it takes over the hash once the other block is evicted): the count stops there.
-                first_refused = None
-                for i in range(num_done, num_full):
-                    if not self.pool.cache_block(blocks[i], request.block_hashes[i]) and first_refused is None:
-                        first_refused = i
-                self.num_cached_blocks[request.request_id] = num_full if first_refused is None else first_refused
+            self._cache_full_blocks(request, blocks, total_tokens, num_cacheable_tokens)
         return True
+
+    def _cache_full_blocks(self, request: CacheableRequest, blocks: list[KVCacheBlock], total_tokens: int,
+                           num_cacheable_tokens: int | None) -> None:
+        """Offer the prefix cache the request's blocks that are full of final tokens and not offered yet."""
+        cacheable = min(total_tokens, request.num_tokens if num_cacheable_tokens is None else num_cacheable_tokens)
+        num_full = cacheable // self.block_size
+        num_done = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= num_done:
+            return
+        self._update_hashes(request)
+        # A block whose hash another block holds stays unregistered, and is offered again next step (it
+        # takes over the hash once the other block is evicted): the count stops there.
+        first_refused = None
+        for i in range(num_done, num_full):
+            if not self.pool.cache_block(blocks[i], request.block_hashes[i]) and first_refused is None:
+                first_refused = i
+        self.num_cached_blocks[request.request_id] = num_full if first_refused is None else first_refused
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent (parallel sampling); writes copy on demand."""
         blocks = self.req_to_blocks.get(parent_id, [])
         self.pool.touch(blocks)
         self.req_to_blocks[child_id] = list(blocks)
+        self.req_to_block_ids[child_id] = [block.block_id for block in blocks]
         self.num_cached_blocks[child_id] = self.num_cached_blocks.get(parent_id, 0)
 
     def free(self, request_id: str) -> None:
         blocks = self.req_to_blocks.pop(request_id, [])
+        self.req_to_block_ids.pop(request_id, None)
         self.num_cached_blocks.pop(request_id, None)
         # Tail blocks first, so they are evicted before the prefix that others are likelier to share.
         self.pool.free_blocks(reversed(blocks))
@@ -175,6 +204,7 @@ class KVCacheManager:
         if len(blocks) > keep:
             extra = blocks[keep:]
             del blocks[keep:]
+            del self.req_to_block_ids[request.request_id][keep:]
             if self.num_cached_blocks.get(request.request_id, 0) > keep:
                 self.num_cached_blocks[request.request_id] = keep
             self.pool.free_blocks(reversed(extra))
