@@ -75,7 +75,7 @@ class StepProfiler:
             self.wrap(runner, "sample", "sampling")
         self.wrap(Sampler, "__call__", "sampling")  # called through the type, so wrapped on the class
         self.wrap(engine.output_processor, "process_outputs", "output processing")
-        self.wrap(IncrementalDetokenizer, "add_tokens", "detokenisation")
+        self.wrap(IncrementalDetokenizer, "add_token", "detokenisation")
         return self
 
     def detach(self) -> None:

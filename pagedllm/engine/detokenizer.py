@@ -115,24 +115,25 @@ class IncrementalDetokenizer:
         if self._stream is None:
             self.token_ids.extend(new_token_ids)
             return self._step()
-        added = []
-        for token_id in new_token_ids:
-            self.token_ids.append(token_id)
-            if self._stream is not None:
-                try:
-                    piece = self._stream.step(self._backend, token_id)
-                except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception
-                    # "Invalid prefix encountered": the window's new decode does not start with its old
-                    # one (a decoder that rewrites earlier text). The Python algorithm, which compares
-                    # lengths only, takes over from the same offsets.
-                    self._stream = None
-                else:
-                    if piece is not None:
-                        self._emit(piece)
-                        added.append(piece)
-                    continue
-            added.append(self._step())
-        return "".join(added)
+        return "".join([self.add_token(token_id) for token_id in new_token_ids])
+
+    def add_token(self, token_id: int) -> str:
+        """Feed one generated token; returns the text it completes (may be empty)."""
+        self.token_ids.append(token_id)
+        if self._stream is not None:
+            try:
+                piece = self._stream.step(self._backend, token_id)
+            except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception
+                # "Invalid prefix encountered": the window's new decode does not start with its old one
+                # (a decoder that rewrites earlier text). The Python algorithm, which compares lengths
+                # only, takes over from the same offsets.
+                self._stream = None
+            else:
+                if piece is None:
+                    return ""
+                self._emit(piece)
+                return piece
+        return self._step()
 
     def _emit(self, piece: str) -> None:
         """Append a piece of text; the window moves on past the tokens it completes (both algorithms)."""

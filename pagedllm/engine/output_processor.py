@@ -93,7 +93,7 @@ class OutputProcessor:
             state = self.states.get(core_output.request_id)
             if state is None:
                 continue  # aborted meanwhile
-            sample = self._sample(state, core_output.index)
+            sample = state.samples.get(core_output.index) or self._sample(state, core_output.index)
             if sample.finish_reason:
                 continue  # a stop string ended it before the core heard of it
             self._update_request(state, core_output)
@@ -103,13 +103,14 @@ class OutputProcessor:
                 self._decode_logprobs(core_output.new_logprobs, sample.detokenizer)
                 sample.logprobs.extend(core_output.new_logprobs)
             sample.cumulative_logprob = core_output.cumulative_logprob
-            if sample.detokenizer is not None:
-                old_len = sample.detokenizer.text_len
+            detokenizer = sample.detokenizer
+            if detokenizer is not None:
+                old_len = detokenizer.text_len
                 # one token at a time, as they were sampled: a batch decoded at once whose text ends
                 # inside a UTF-8 sequence would hold back all of its text, not just the last piece
                 for token_id in new_token_ids:
-                    sample.detokenizer.add_tokens([token_id])
-                if self._check_stop_strings(state.params, sample, old_len):
+                    detokenizer.add_token(token_id)
+                if state.params.stop and self._check_stop_strings(state.params, sample, old_len):
                     stopped.append(engine_request_id(state.request_id, sample.index, state.params.n))
             if not sample.finish_reason and core_output.finish_reason:
                 sample.finish_reason = core_output.finish_reason
@@ -127,7 +128,8 @@ class OutputProcessor:
 
     def _update_request(self, state: RequestState, core_output: EngineCoreOutput) -> None:
         state.num_cached_tokens = core_output.num_cached_tokens
-        state.kv_transfer_params = core_output.kv_transfer_params or state.kv_transfer_params
+        if core_output.kv_transfer_params is not None:
+            state.kv_transfer_params = core_output.kv_transfer_params
         if core_output.prompt_logprobs is not None and state.prompt_logprobs is None:
             # Prompt logprobs arrive with the first token; each position is decoded once.
             state.prompt_logprobs = core_output.prompt_logprobs

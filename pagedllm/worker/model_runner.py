@@ -309,16 +309,21 @@ class ModelRunner:
         num_blocks: list[int] = []
         block_ids: list[int] = []  # every request's used blocks, one after the other
         for s in order:
+            start, num_new = s.start_pos, s.num_new_tokens
+            end = start + num_new
             query_starts.append(len(token_ids))
-            start_pos.append(s.start_pos)
-            query_lens.append(s.num_new_tokens)
-            end = s.start_pos + s.num_new_tokens
+            start_pos.append(start)
+            query_lens.append(num_new)
             known = s.request.all_token_ids
-            token_ids.extend(known[s.start_pos:end])
-            if end > len(known):
-                token_ids.extend(s.spec_token_ids[:end - len(known)])
-            num_blocks.append(-(-end // bs))
-            block_ids.extend(s.block_ids[:num_blocks[-1]])
+            if num_new == 1 and end <= len(known):  # a decode: its last sampled token
+                token_ids.append(known[start])
+            else:
+                token_ids.extend(known[start:end])
+                if end > len(known):
+                    token_ids.extend(s.spec_token_ids[:end - len(known)])
+            n = -(-end // bs)
+            num_blocks.append(n)
+            block_ids.extend(s.block_ids[:n])
         device = self.device
         metadata = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))  # set below
         num_tokens = len(token_ids)
@@ -440,12 +445,13 @@ class ModelRunner:
         if all_logits is None:
             return  # not rank 0: the logits were gathered there, and only rank 0 samples
         num_sample, num_verify = len(sample_rows), len(verify_rows)
-        if sample_rows and grammar_bitmask is None and all(_plain_greedy(s.request) for s in sampled):
+        if sample_rows and grammar_bitmask is None and _all_plain_greedy(sampled):
             # Every row takes the argmax of its raw logits and asks for nothing more: the sampler's
             # result without building its rows (about 4 us a request, a third of a batch-64 step's sampling).
             token_ids = argmax_rows(all_logits[:num_sample]).tolist()
+            sampled_token_ids = output.sampled_token_ids
             for s, token in zip(sampled, token_ids):
-                output.sampled_token_ids[s.request.request_id] = [token]
+                sampled_token_ids[s.request.request_id] = [token]
         elif sample_rows:
             rows = [self.sampling_row(s.request) for s in sampled]
             logits = all_logits[:num_sample]
@@ -496,9 +502,13 @@ class ModelRunner:
                 zip(targets.tolist(), chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist())]
 
 
-def _plain_greedy(request: Request) -> bool:
-    """Greedy with no logprobs, penalties or min_tokens still holding back a stop token: the sampler would
-    return the argmax of the raw logits."""
-    params = request.sampling_params
-    return (params.greedy and params.logprobs is None and not has_penalties(params)
-            and len(request.output_token_ids) >= params.min_tokens)
+def _all_plain_greedy(sampled: list[ScheduledRequest]) -> bool:
+    """Every request greedy with no logprobs, penalties or min_tokens still holding back a stop token: the
+    sampler would return the argmax of the raw logits."""
+    for s in sampled:
+        request = s.request
+        params = request.sampling_params
+        if (not params.greedy or params.logprobs is not None or has_penalties(params)
+                or (params.min_tokens and len(request.output_token_ids) < params.min_tokens)):
+            return False
+    return True
