@@ -88,21 +88,27 @@ class OutputProcessor:
         """The RequestOutputs this step makes (per output_kind), and the scheduler ids of samples a
         stop string ended (the core must stop them)."""
         stopped: list[str] = []
-        changed: dict[str, RequestState] = {}
+        outputs: list[RequestOutput] = []
+        changed: dict[str, RequestState] = {}  # requests with parallel samples: one output for all of them
+        states = self.states
         for core_output in core_outputs:
-            state = self.states.get(core_output.request_id)
+            state = states.get(core_output.request_id)
             if state is None:
                 continue  # aborted meanwhile
             sample = state.samples.get(core_output.index) or self._sample(state, core_output.index)
             if sample.finish_reason:
                 continue  # a stop string ended it before the core heard of it
-            self._update_request(state, core_output)
+            state.num_cached_tokens = core_output.num_cached_tokens
+            if (core_output.metrics is not None or core_output.prompt_logprobs is not None
+                    or core_output.kv_transfer_params is not None):  # a sample's first and last outputs
+                self._update_request(state, core_output)
             new_token_ids = core_output.new_token_ids
             sample.token_ids.extend(new_token_ids)
             if sample.logprobs is not None and core_output.new_logprobs is not None:
                 self._decode_logprobs(core_output.new_logprobs, sample.detokenizer)
                 sample.logprobs.extend(core_output.new_logprobs)
             sample.cumulative_logprob = core_output.cumulative_logprob
+            params = state.params
             detokenizer = sample.detokenizer
             if detokenizer is not None:
                 old_len = detokenizer.text_len
@@ -110,24 +116,34 @@ class OutputProcessor:
                 # inside a UTF-8 sequence would hold back all of its text, not just the last piece
                 for token_id in new_token_ids:
                     detokenizer.add_token(token_id)
-                if state.params.stop and self._check_stop_strings(state.params, sample, old_len):
-                    stopped.append(engine_request_id(state.request_id, sample.index, state.params.n))
+                if params.stop and self._check_stop_strings(params, sample, old_len):
+                    stopped.append(engine_request_id(state.request_id, sample.index, params.n))
             if not sample.finish_reason and core_output.finish_reason:
                 sample.finish_reason = core_output.finish_reason
                 sample.stop_reason = core_output.stop_reason
-            changed[state.request_id] = state
-        outputs = []
+            if params.n > 1:
+                changed[state.request_id] = state
+                continue
+            # one sample: its output now (none before the end under FINAL_ONLY, the offline default)
+            finished = sample.finish_reason is not None
+            if finished or params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                output = self._make_output(state, finished)
+                if output is not None:
+                    outputs.append(output)
+            if finished:
+                del states[state.request_id]
         for state in changed.values():
             finished = state.finished
             output = self._make_output(state, finished)
             if output is not None:
                 outputs.append(output)
             if finished:
-                del self.states[state.request_id]
+                del states[state.request_id]
         return outputs, stopped
 
     def _update_request(self, state: RequestState, core_output: EngineCoreOutput) -> None:
-        state.num_cached_tokens = core_output.num_cached_tokens
+        """What a sample's first and last outputs bring: prompt logprobs, the core's timings, KV transfer
+        parameters."""
         if core_output.kv_transfer_params is not None:
             state.kv_transfer_params = core_output.kv_transfer_params
         if core_output.prompt_logprobs is not None and state.prompt_logprobs is None:
