@@ -78,7 +78,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     def _snapshot(self) -> tuple:
         pool = self.kv.pool
         return ([(b.ref_cnt, b.block_hash) for b in pool.blocks], list(pool.free_queue),
-                dict(pool.cached_blocks), {r: [b.block_id for b in bs] for r, bs in self.kv.req_to_blocks.items()},
+                {h: dict(holders) for h, holders in pool.cached_blocks.items()},
+                {r: [b.block_id for b in bs] for r, bs in self.kv.req_to_blocks.items()},
                 list(self.kv.pending_copies))
 
     def _pick(self, index: int) -> FakeRequest:
@@ -103,7 +104,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert sorted(taken) == sorted(expected_order[:len(taken)]), "allocation must evict LRU first"
         for block_id in taken:  # a reused block lost its old hash
             block = self.kv.pool.blocks[block_id]
-            assert block.block_hash is None or self.kv.pool.cached_blocks.get(block.block_hash) is block
+            assert block.block_hash is None or self.kv.pool.cached_blocks[block.block_hash].get(block_id) is block
         copies = self.kv.take_pending_copies()
         for src, dst in copies:
             assert dst in {b.block_id for b in table}, "a copy lands in the writer's own table"
@@ -244,11 +245,14 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert len(pool.free_queue) == len(set(pool.free_queue))
         assert set(pool.free_queue) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
         assert all(pool.free_queue[i] is pool.blocks[i] for i in pool.free_queue)
-        for block_hash, block in pool.cached_blocks.items():
-            assert block.block_hash == block_hash
-        for block in pool.blocks:
-            if block.block_hash is not None:
-                assert pool.cached_blocks[block.block_hash] is block, "a hash maps to at most one block"
+        for block_hash, holders in pool.cached_blocks.items():
+            assert holders, "a hash with no block left is dropped"
+            for block_id, block in holders.items():
+                assert block.block_hash == block_hash and pool.blocks[block_id] is block
+        hashed = [block for block in pool.blocks if block.block_hash is not None]
+        for block in hashed:
+            assert pool.cached_blocks[block.block_hash][block.block_id] is block, "every hashed block is found"
+        assert pool.num_cached_blocks == len(hashed)
         if not self.kv.enable_caching:
             assert not pool.cached_blocks
 
@@ -265,10 +269,11 @@ class KVCacheMachine(RuleBasedStateMachine):
             for pos in range(request.num_computed_tokens):
                 got = self.slots[table[pos // bs].block_id][pos % bs]
                 assert got == tuple(request.tokens[:pos + 1]), f"{request.request_id} position {pos}"
-        for block_hash, block in self.kv.pool.cached_blocks.items():
+        for block_hash, holders in self.kv.pool.cached_blocks.items():
             prefix = self.hash_prefix[block_hash]
             start = len(prefix) - bs
-            assert self.slots[block.block_id] == [prefix[:start + j + 1] for j in range(bs)]
+            for block in holders.values():
+                assert self.slots[block.block_id] == [prefix[:start + j + 1] for j in range(bs)]
 
 
 KVCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
@@ -276,26 +281,32 @@ KVCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_coun
 TestKVCacheManager = KVCacheMachine.TestCase
 
 
-def test_blocks_are_registered_once_and_a_refused_one_is_offered_again() -> None:
-    """Each step registers only the blocks that became full since the last one; a block refused because
-    another block holds its hash takes the hash over once that block is evicted."""
+def test_blocks_are_registered_once_and_a_content_computed_twice_is_cached_twice() -> None:
+    """Each step registers only the blocks that became full since the last one. A block whose content
+    another block already holds is registered beside it (nothing is refused, so nothing has to be
+    offered again every step); hits prefer the copy in use, and evicting one copy leaves the other."""
     bs = 2
     kv = KVCacheManager(num_blocks=4, block_size=bs, enable_caching=True)
     first = FakeRequest("a", [1, 2, 3])
     assert kv.allocate_slots(first, 3)
     first.num_computed_tokens = 3
     kv.free("a")  # its block [1, 2] stays cached while it waits in the free queue
-    held = kv.pool.cached_blocks[first.block_hashes[0]]
+    (held,) = kv.pool.cached_blocks[first.block_hashes[0]].values()
     second = FakeRequest("b", [1, 2, 3])  # computes its own copy of [1, 2] (a capped or logprobs prompt)
     assert kv.allocate_slots(second, 3)
     second.num_computed_tokens = 3
     own = kv.req_to_blocks["b"][0]
-    assert own is not held and own.block_hash is None and kv.num_cached_blocks["b"] == 0
-    # Taking every free block evicts the holder; the next step hands the hash to the running request.
+    assert own is not held and own.block_hash == held.block_hash and kv.num_cached_blocks["b"] == 1
+    assert kv.pool.cached_blocks[first.block_hashes[0]] == {held.block_id: held, own.block_id: own}
+    assert kv.pool.get_cached_block(first.block_hashes[0]) is own  # the copy in use, not the idle one
+    # Taking every free block evicts the idle copy; the running request's copy still serves hits.
     kv.pool.get_new_blocks(kv.num_free_blocks)
-    assert first.block_hashes[0] not in kv.pool.cached_blocks
+    assert kv.pool.cached_blocks[first.block_hashes[0]] == {own.block_id: own}
     second.tokens.append(4)
+    offered = []
+    cache_block = kv.pool.cache_block
+    kv.pool.cache_block = lambda block, block_hash: offered.append(block.block_id) or cache_block(block, block_hash)
     assert kv.allocate_slots(second, 1) is True
-    assert kv.pool.cached_blocks[second.block_hashes[0]] is own
-    assert kv.pool.cached_blocks[second.block_hashes[1]] is kv.req_to_blocks["b"][1]
+    assert offered == [kv.req_to_blocks["b"][1].block_id]  # only the block that just filled
+    assert kv.pool.get_cached_block(second.block_hashes[1]) is kv.req_to_blocks["b"][1]
     assert kv.num_cached_blocks["b"] == 2

@@ -2,7 +2,8 @@
 
 Free blocks sit in LRU order (an OrderedDict as a doubly linked list): allocation takes from the head,
 freeing appends at the tail. A freed block keeps its hash, so a later request can still hit it, until
-allocation reuses it and evicts the hash.
+allocation reuses it and evicts the hash. Every full block a request computes is registered, also when
+another block already holds the same content (vLLM's layout: a hash maps to all its blocks).
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        # hash -> every block holding that content, by id (vLLM's layout). Two requests that compute the
+        # same block (a prompt whose last block is always recomputed, a greedy output seen before) both
+        # register it: a second holder is never refused, so no step has to offer it again later.
+        self.cached_blocks: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+        self._num_hashed_blocks = 0
         self.num_evictions = 0
 
     @property
@@ -37,7 +42,8 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self.cached_blocks)
+        """Blocks holding a prefix-cache hash (a content computed twice counts twice)."""
+        return self._num_hashed_blocks
 
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
@@ -47,21 +53,32 @@ class BlockPool:
         blocks = []
         for _ in range(num_blocks):
             _, block = self.free_queue.popitem(last=False)
-            self._evict(block)
+            if block.block_hash is not None:  # reused: its cached content is gone
+                self._drop_hash(block)
+                self.num_evictions += 1
             assert block.ref_cnt == 0
             block.ref_cnt = 1
             blocks.append(block)
         return blocks
 
-    def _evict(self, block: KVCacheBlock) -> None:
-        if block.block_hash is not None:
-            if self.cached_blocks.get(block.block_hash) is block:
-                del self.cached_blocks[block.block_hash]
-                self.num_evictions += 1
-            block.block_hash = None
+    def _drop_hash(self, block: KVCacheBlock) -> None:
+        holders = self.cached_blocks[block.block_hash]
+        del holders[block.block_id]
+        if not holders:
+            del self.cached_blocks[block.block_hash]
+        block.block_hash = None
+        self._num_hashed_blocks -= 1
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached_blocks.get(block_hash) if self.enable_caching else None
+        """A block holding this content: one in use if there is one (sharing it keeps an idle copy free
+        for eviction), else the idle one."""
+        holders = self.cached_blocks.get(block_hash) if self.enable_caching else None
+        if not holders:
+            return None
+        for block in holders.values():
+            if block.ref_cnt > 0:
+                return block
+        return next(iter(holders.values()))
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on blocks found in the prefix cache (out of the free queue if idle)."""
@@ -80,23 +97,17 @@ class BlockPool:
                     block.block_hash = None
                 self.free_queue[block.block_id] = block
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
-        """Register a full block under its hash; if another block already holds that hash, keep that one
-        and return False (True when the block holds a hash now)."""
-        if not self.enable_caching:
-            return False
-        if block.block_hash is not None:
-            return True
-        if block_hash in self.cached_blocks:
-            return False
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Register a full block under its hash (beside any other block holding the same content)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
         block.block_hash = block_hash
-        self.cached_blocks[block_hash] = block
-        return True
+        self.cached_blocks.setdefault(block_hash, {})[block.block_id] = block
+        self._num_hashed_blocks += 1
 
     def uncache_block(self, block: KVCacheBlock) -> None:
-        if block.block_hash is not None and self.cached_blocks.get(block.block_hash) is block:
-            del self.cached_blocks[block.block_hash]
-        block.block_hash = None
+        if block.block_hash is not None:
+            self._drop_hash(block)
 
     def reset_prefix_cache(self) -> bool:
         if self.num_free_blocks != self.num_blocks:
@@ -104,4 +115,5 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_blocks.clear()
+        self._num_hashed_blocks = 0
         return True

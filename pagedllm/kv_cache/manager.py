@@ -162,13 +162,9 @@ class KVCacheManager:
         if num_full <= num_done:
             return
         self._update_hashes(request)
-        # A block whose hash another block holds stays unregistered, and is offered again next step (it
-        # takes over the hash once the other block is evicted): the count stops there.
-        first_refused = None
         for i in range(num_done, num_full):
-            if not self.pool.cache_block(blocks[i], request.block_hashes[i]) and first_refused is None:
-                first_refused = i
-        self.num_cached_blocks[request.request_id] = num_full if first_refused is None else first_refused
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = num_full
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent (parallel sampling); writes copy on demand."""
