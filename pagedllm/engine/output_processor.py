@@ -4,8 +4,10 @@ OutputProcessor): incremental detokenization, stop strings, parallel samples, an
 The core sends each sample's new token ids and logprobs only (core.py). Here they are appended to the
 sample's lists, decoded, and shaped by the request's output_kind: CUMULATIVE copies everything so far
 into each output, DELTA hands out only what is new (a stream's work per token stays flat however long
-the output grows), FINAL_ONLY makes one output at the end. A stop string is found here, so the samples it
-ends are returned to the caller, which tells the core to stop them.
+the output grows), FINAL_ONLY makes one output at the end (and, without stop strings, decodes the text
+only then: the same incremental decode, token by token, in one loop rather than a call every step). A
+stop string is found here, so the samples it ends are returned to the caller, which tells the core to
+stop them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class _SampleState:
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
     sent_finish: bool = False
+    num_detokenized: int = 0  # tokens fed to the detokenizer so far
 
 
 @dataclass
@@ -109,13 +112,12 @@ class OutputProcessor:
                 sample.logprobs.extend(core_output.new_logprobs)
             sample.cumulative_logprob = core_output.cumulative_logprob
             params = state.params
-            detokenizer = sample.detokenizer
-            if detokenizer is not None:
-                old_len = detokenizer.text_len
-                # one token at a time, as they were sampled: a batch decoded at once whose text ends
-                # inside a UTF-8 sequence would hold back all of its text, not just the last piece
-                for token_id in new_token_ids:
-                    detokenizer.add_token(token_id)
+            # The text is needed now only to look for a stop string or to show it before the end; else
+            # it is decoded once the sample ends (the same incremental decode, in one warm loop).
+            if sample.detokenizer is not None and (
+                    params.stop or params.output_kind is not RequestOutputKind.FINAL_ONLY):
+                old_len = sample.detokenizer.text_len
+                self._detokenize(sample)
                 if params.stop and self._check_stop_strings(params, sample, old_len):
                     stopped.append(engine_request_id(state.request_id, sample.index, params.n))
             if not sample.finish_reason and core_output.finish_reason:
@@ -164,6 +166,18 @@ class OutputProcessor:
             metrics.num_preemptions = max(metrics.num_preemptions, core_metrics.num_preemptions)
 
     @staticmethod
+    def _detokenize(sample: _SampleState) -> None:
+        """Feed the detokenizer the sample's tokens it has not seen. One token at a time, as they were
+        sampled: a batch decoded at once whose text ends inside a UTF-8 sequence would hold back all of
+        its text, not just the last piece."""
+        detokenizer, token_ids = sample.detokenizer, sample.token_ids
+        if detokenizer is None:
+            return
+        for i in range(sample.num_detokenized, len(token_ids)):
+            detokenizer.add_token(token_ids[i])
+        sample.num_detokenized = len(token_ids)
+
+    @staticmethod
     def _decode_logprobs(positions: list[PositionLogprobs], detokenizer: IncrementalDetokenizer | None) -> None:
         if detokenizer is None:
             return
@@ -207,6 +221,7 @@ class OutputProcessor:
         completions = []
         for index in sorted(state.samples):
             sample = state.samples[index]
+            self._detokenize(sample)
             visible_len = self._visible_len(state.params, sample)
             if delta:
                 completion = self._delta_completion(sample, visible_len)
