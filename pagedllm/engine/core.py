@@ -221,10 +221,6 @@ class EngineCore:
         in `failed_requests` (read it after each step) and the other requests carry on."""
         self.failed_requests.clear()
         scheduler_output = self.scheduler.schedule()
-        now = time.time()
-        for item in scheduler_output.scheduled:
-            if item.request.metrics.first_scheduled_time is None:
-                item.request.metrics.first_scheduled_time = now
         try:
             model_output = self.model_executor.execute_model(scheduler_output)
         except ExecutorDeadError:

@@ -10,6 +10,7 @@ It never touches a tensor.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -222,6 +223,8 @@ class Scheduler:
             if num_new > 0:
                 scheduled[request.request_id] = self._scheduled(request, num_new)
                 budget -= num_new
+                if request.metrics.first_scheduled_time is None:  # every request is first run from here
+                    request.metrics.first_scheduled_time = time.time()
 
         som = self.structured_output_manager
         connector_meta = self.connector.build_connector_meta(list(scheduled.values())) if self.connector else None

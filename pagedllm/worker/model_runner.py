@@ -324,7 +324,7 @@ class ModelRunner:
                     token_ids.extend(s.spec_token_ids[:end - len(known)])
             n = -(-end // bs)
             num_blocks.append(n)
-            block_ids.extend(s.block_ids[:n])
+            block_ids.extend(s.block_ids if n == len(s.block_ids) else s.block_ids[:n])
         device = self.device
         metadata = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))  # set below
         num_tokens = len(token_ids)
