@@ -52,8 +52,8 @@ def test_concurrent_streams_with_disconnects(server: RemoteServer, tiny_llama_di
     assert sum(is_cut) == NUM_CUT
 
     def request_args(i: int) -> dict[str, Any]:
-        if is_cut[i]:  # long enough to be cut while still generating
-            return {"max_tokens": 200, "temperature": 0.8, "seed": i, "extra_body": {"ignore_eos": True}}
+        if is_cut[i]:  # long enough to be cut while still generating, however slow the client is
+            return {"max_tokens": 960, "temperature": 0.8, "seed": i, "extra_body": {"ignore_eos": True}}
         return {"max_tokens": 12 + i % 9, "temperature": 0.8, "seed": i}
 
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None, int]:
