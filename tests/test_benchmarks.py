@@ -135,6 +135,9 @@ def test_bench_throughput_against_transformers(
     assert set(report["ratios_output_tokens_per_s"]) == {hf["backend"], hf_same["backend"]}
     profile = report["profile"]
     assert profile["steps"] > 0 and profile["seconds"]["forward"] > 0 and 0 < profile["overhead_fraction"] < 1
+    # the decode steps apart: fewer than all steps (the first one prefills), each with a forward
+    assert 0 < profile["decode_steps"] < profile["steps"] and profile["decode_seconds"]["forward"] > 0
+    assert 0 < profile["decode_overhead_fraction"] < 1 and "decode-only steps" in table
     assert profile["total_s"] <= ours["elapsed_s"]
     requested = round(report["config"]["mean_output_len"] * 6)
     # ignore_eos: every request yields exactly its requested output length, on both sides

@@ -3,7 +3,9 @@
 Wraps the engine's own methods for the duration of a run and charges each call's exclusive time (its own
 time minus that of wrapped calls inside it) to one phase: scheduling, input preparation, forward (the
 model and its LM head), sampling, detokenisation, output processing, and "other" (the rest of
-LLMEngine.step). Engine overhead is every phase but forward. Wall-clock timers, no tracing of every
+LLMEngine.step). Engine overhead is every phase but forward; it is also given over the decode steps
+alone (no prompt token computed), where the forward is shortest and the overhead goal is hardest,
+apart from the steps that prefill. Wall-clock timers, no tracing of every
 Python call, so the profile barely slows the run; on CUDA the forward is asynchronous and its time lands
 on whichever phase first waits for the device, so read the split there with care.
 """
@@ -26,6 +28,11 @@ class StepProfiler:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.steps = 0
+        # the same over the decode steps only (every scheduled request past its prompt)
+        self.decode_seconds: dict[str, float] = defaultdict(float)
+        self.decode_steps = 0
+        self._step_seconds: dict[str, float] = defaultdict(float)  # the current step's phases
+        self._plan: Any = None  # the current step's SchedulerOutput
         self._children: list[float] = []  # per active wrapped call: time spent in wrapped calls inside it
         self._patches: list[tuple[Any, str, Any]] = []
 
@@ -45,7 +52,9 @@ class StepProfiler:
                 return fn(*args, **kwargs)
             finally:
                 elapsed = time.perf_counter() - start
-                profiler.seconds[phase] += elapsed - profiler._children.pop()
+                exclusive = elapsed - profiler._children.pop()
+                profiler.seconds[phase] += exclusive
+                profiler._step_seconds[phase] += exclusive
                 if profiler._children:
                     profiler._children[-1] += elapsed
 
@@ -53,18 +62,36 @@ class StepProfiler:
         setattr(owner, name, timed)
 
     def attach(self, engine: Any) -> StepProfiler:
-        step = engine.step
+        self.wrap(engine, "step", "other")  # its patch restores the engine's own step at detach
+        timed_step = engine.step
 
         def counted_step(*args: Any, **kwargs: Any) -> Any:
             self.steps += 1
-            return step(*args, **kwargs)
+            self._step_seconds.clear()
+            self._plan = None
+            try:
+                return timed_step(*args, **kwargs)
+            finally:  # outside the timed step: what this costs is no phase's
+                plan = self._plan
+                if plan is not None and plan.scheduled and all(
+                        s.start_pos >= s.request.num_prompt_tokens for s in plan.scheduled):
+                    self.decode_steps += 1
+                    for phase, seconds in self._step_seconds.items():
+                        self.decode_seconds[phase] += seconds
 
-        self._patches.append((engine, "step", vars(engine).get("step", _MISSING)))
         engine.step = counted_step
-        self.wrap(engine, "step", "other")
         scheduler = engine.scheduler
         for name in ("schedule", "update", "finish_requests"):
             self.wrap(scheduler, name, "scheduling")
+        timed_schedule = scheduler.schedule
+
+        def noted_schedule(*args: Any, **kwargs: Any) -> Any:
+            plan = timed_schedule(*args, **kwargs)
+            if self._plan is None:  # the step's plan, not the empty one a step that goes idle makes last
+                self._plan = plan
+            return plan
+
+        scheduler.schedule = noted_schedule  # restored with the timed layer (same attribute)
         # None where the runners live in worker processes (distributed_executor_backend='mp'): the
         # workers' time then shows as "other", the engine waiting on them
         runner = getattr(engine, "model_runner", None)
@@ -101,9 +128,17 @@ class StepProfiler:
         total = self.total_s
         return (total - self.seconds["forward"]) / total if total else 0.0
 
+    @property
+    def decode_overhead_fraction(self) -> float:
+        total = sum(self.decode_seconds.values())
+        return (total - self.decode_seconds["forward"]) / total if total else 0.0
+
     def to_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "seconds": {p: self.seconds[p] for p in PHASES},
-                "total_s": self.total_s, "overhead_fraction": self.overhead_fraction}
+                "total_s": self.total_s, "overhead_fraction": self.overhead_fraction,
+                "decode_steps": self.decode_steps,
+                "decode_seconds": {p: self.decode_seconds[p] for p in PHASES},
+                "decode_overhead_fraction": self.decode_overhead_fraction}
 
     def format(self) -> str:
         total = self.total_s or float("nan")
@@ -113,4 +148,9 @@ class StepProfiler:
             lines.append(f"{phase:<20} {s:>9.3f} {s / total:>8.1%} {1e3 * s / max(self.steps, 1):>8.2f}")
         lines.append(f"{self.steps} steps; engine overhead (all but forward): "
                      f"{self.overhead_fraction:.1%} of step time")
+        if self.decode_steps:
+            decode_total = sum(self.decode_seconds.values())
+            overhead_ms = 1e3 * (decode_total - self.decode_seconds["forward"]) / self.decode_steps
+            lines.append(f"{self.decode_steps} decode-only steps: engine overhead {self.decode_overhead_fraction:.1%} "
+                         f"({overhead_ms:.2f} ms of {1e3 * decode_total / self.decode_steps:.2f} ms a step)")
         return "\n".join(lines)
