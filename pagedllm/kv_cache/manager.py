@@ -104,21 +104,29 @@ class KVCacheManager:
         `num_cacheable_tokens`: how many of the request's tokens are final after this step (speculative
         tokens are not), so only blocks full of final tokens enter the prefix cache."""
         bs = self.block_size
-        request_id = request.request_id
-        blocks = self.req_to_blocks.get(request_id)
+        blocks = self.req_to_blocks.get(request.request_id)
         num_computed = request.num_computed_tokens
-        if not new_computed_blocks and blocks:
-            # A running request's step (a decode, mostly): nothing to copy or allocate while its tokens
-            # fit in its blocks and the block it writes into is its own alone.
-            total_tokens = num_computed + num_new_tokens
-            if total_tokens <= len(blocks) * bs and (
-                    not num_computed % bs or num_new_tokens <= 0 or blocks[num_computed // bs].ref_cnt == 1):
-                if self.enable_caching and total_tokens // bs > self.num_cached_blocks.get(request_id, 0):
-                    self._cache_full_blocks(request, blocks, total_tokens, num_cacheable_tokens)
-                return True
-        new_computed_blocks = new_computed_blocks or []
-        blocks = blocks or []
-        num_computed += len(new_computed_blocks) * bs
+        # A running request's step (a decode, mostly) whose tokens fit in its blocks, writing into a block
+        # it alone holds, allocates and copies nothing.
+        fits = (blocks and not new_computed_blocks and num_computed + num_new_tokens <= len(blocks) * bs
+                and (not num_computed % bs or num_new_tokens <= 0 or blocks[num_computed // bs].ref_cnt == 1))
+        if not fits:
+            blocks = self._allocate(request, num_new_tokens, new_computed_blocks or [])
+            if blocks is None:
+                return False
+        total_tokens = num_computed + len(new_computed_blocks or ()) * bs + num_new_tokens
+        if self.enable_caching and total_tokens // bs > self.num_cached_blocks.get(request.request_id, 0):
+            self._cache_full_blocks(request, blocks, total_tokens, num_cacheable_tokens)
+        return True
+
+    def _allocate(self, request: CacheableRequest, num_new_tokens: int,
+                  new_computed_blocks: list[KVCacheBlock]) -> list[KVCacheBlock] | None:
+        """allocate_slots' blocks: the cached prefix taken, a shared partial block copied, new blocks at
+        the end. Returns the request's table, or None (and changes nothing) when the pool is short."""
+        bs = self.block_size
+        request_id = request.request_id
+        blocks = self.req_to_blocks.get(request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * bs
         total_tokens = num_computed + num_new_tokens
         num_new_blocks = max(0, cdiv(total_tokens, bs) - len(blocks) - len(new_computed_blocks))
         # A partial last block shared with a forked sibling must be copied before we write into it.
@@ -130,7 +138,7 @@ class KVCacheManager:
         num_evictable_touched = sum(1 for block in new_computed_blocks if block.ref_cnt == 0) \
             if new_computed_blocks else 0
         if num_new_blocks + (cow_block is not None) > self.pool.num_free_blocks - num_evictable_touched:
-            return False
+            return None
 
         blocks = self.req_to_blocks.setdefault(request_id, [])
         block_ids = self.req_to_block_ids.setdefault(request_id, [])
@@ -149,9 +157,7 @@ class KVCacheManager:
             new_blocks = self.pool.get_new_blocks(num_new_blocks)
             blocks.extend(new_blocks)
             block_ids.extend(block.block_id for block in new_blocks)
-        if self.enable_caching:
-            self._cache_full_blocks(request, blocks, total_tokens, num_cacheable_tokens)
-        return True
+        return blocks
 
     def _cache_full_blocks(self, request: CacheableRequest, blocks: list[KVCacheBlock], total_tokens: int,
                            num_cacheable_tokens: int | None) -> None:
