@@ -129,8 +129,12 @@ class StepProfiler:
         return (total - self.seconds["forward"]) / total if total else 0.0
 
     @property
+    def decode_total_s(self) -> float:
+        return sum(self.decode_seconds.values())
+
+    @property
     def decode_overhead_fraction(self) -> float:
-        total = sum(self.decode_seconds.values())
+        total = self.decode_total_s
         return (total - self.decode_seconds["forward"]) / total if total else 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -149,7 +153,7 @@ class StepProfiler:
         lines.append(f"{self.steps} steps; engine overhead (all but forward): "
                      f"{self.overhead_fraction:.1%} of step time")
         if self.decode_steps:
-            decode_total = sum(self.decode_seconds.values())
+            decode_total = self.decode_total_s
             overhead_ms = 1e3 * (decode_total - self.decode_seconds["forward"]) / self.decode_steps
             lines.append(f"{self.decode_steps} decode-only steps: engine overhead {self.decode_overhead_fraction:.1%} "
                          f"({overhead_ms:.2f} ms of {1e3 * decode_total / self.decode_steps:.2f} ms a step)")

@@ -93,9 +93,8 @@ class OutputProcessor:
         stopped: list[str] = []
         outputs: list[RequestOutput] = []
         changed: dict[str, RequestState] = {}  # requests with parallel samples: one output for all of them
-        states = self.states
         for core_output in core_outputs:
-            state = states.get(core_output.request_id)
+            state = self.states.get(core_output.request_id)
             if state is None:
                 continue  # aborted meanwhile
             sample = state.samples.get(core_output.index) or self._sample(state, core_output.index)
@@ -125,23 +124,19 @@ class OutputProcessor:
                 sample.stop_reason = core_output.stop_reason
             if params.n > 1:
                 changed[state.request_id] = state
-                continue
-            # one sample: its output now (none before the end under FINAL_ONLY, the offline default)
-            finished = sample.finish_reason is not None
-            if finished or params.output_kind is not RequestOutputKind.FINAL_ONLY:
-                output = self._make_output(state, finished)
-                if output is not None:
-                    outputs.append(output)
-            if finished:
-                del states[state.request_id]
+            else:  # one sample: its output now
+                self._output(state, sample.finish_reason is not None, outputs)
         for state in changed.values():
-            finished = state.finished
-            output = self._make_output(state, finished)
-            if output is not None:
-                outputs.append(output)
-            if finished:
-                del states[state.request_id]
+            self._output(state, state.finished, outputs)
         return outputs, stopped
+
+    def _output(self, state: RequestState, finished: bool, outputs: list[RequestOutput]) -> None:
+        """Add the request's output for this step, if its output_kind makes one; forget it once finished."""
+        output = self._make_output(state, finished)
+        if output is not None:
+            outputs.append(output)
+        if finished:
+            del self.states[state.request_id]
 
     def _update_request(self, state: RequestState, core_output: EngineCoreOutput) -> None:
         """What a sample's first and last outputs bring: prompt logprobs, the core's timings, KV transfer

@@ -104,8 +104,8 @@ class Request:
         """How many tokens should have KV once this request has caught up. A fork parent stops one short
         of its prompt: each sample computes the last prompt token itself and samples from it."""
         if self.is_fork_parent:
-            return len(self.prompt_token_ids) - 1
-        return len(self._all_token_ids) + len(self.spec_token_ids)
+            return self.num_prompt_tokens - 1
+        return self.num_tokens_with_spec
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

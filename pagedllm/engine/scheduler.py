@@ -154,7 +154,7 @@ class Scheduler:
         decoding: list[Request] = []
         prefilling: list[Request] = []
         for request in self.running:
-            (decoding if request.num_computed_tokens >= len(request.prompt_token_ids) else prefilling).append(request)
+            (decoding if request.num_computed_tokens >= request.num_prompt_tokens else prefilling).append(request)
         running = RequestStatus.RUNNING
         for request in decoding + prefilling:
             if budget <= 0:
@@ -288,7 +288,7 @@ class Scheduler:
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         spec = request.spec_token_ids
-        reaches_end = start + num_new >= request.num_tokens + len(spec)
+        reaches_end = start + num_new >= request.num_tokens_with_spec
         if spec and not reaches_end:
             request.spec_token_ids = spec = []  # a chunk that stops short drops its proposals
         # the block table is the KV manager's own list: the runner reads it during this step only
@@ -389,7 +389,7 @@ class Scheduler:
                 request.stop_reason = token
         if status is None and (
                 (params.max_tokens is not None and num_output_tokens >= params.max_tokens)
-                or len(request.all_token_ids) >= self.config.max_model_len):
+                or request.num_tokens >= self.config.max_model_len):
             status = RequestStatus.FINISHED_LENGTH_CAPPED
         if status is None:
             return False
