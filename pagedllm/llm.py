@@ -182,10 +182,10 @@ class _Progress:
         if now - self.last_refresh < 0.2 and num_finished < self.num_prompts:
             return
         self.last_refresh = now
-        # outputs come at the end only (FINAL_ONLY): read the progress of the others where it is kept
-        states = self.engine.output_processor.states
-        self.partial = {request_id: min(sum(len(s.token_ids) for s in state.samples.values()) / budget, 0.99)
-                        for request_id, budget in self.budgets.items() if (state := states.get(request_id))}
+        # outputs come at the end only (FINAL_ONLY): read the progress of the others in the core
+        generated = self.engine.num_output_tokens()
+        self.partial = {request_id: min(generated[request_id] / budget, 0.99)
+                        for request_id, budget in self.budgets.items() if request_id in generated}
         elapsed = max(now - self.start, 1e-9)
         input_rate = (self.engine.num_prompt_tokens - self.start_prompt) / elapsed
         output_rate = (self.engine.num_generation_tokens - self.start_generation) / elapsed

@@ -122,3 +122,34 @@ def test_unread_delta_outputs_are_folded_into_one() -> None:
 def test_output_kind_must_be_a_request_output_kind() -> None:
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="delta")  # type: ignore[arg-type]
+
+
+def test_final_only_core_output_comes_once(llm: LLM) -> None:
+    """In-process, a FINAL_ONLY request without stop strings gets one core output, when it ends, with
+    every token and logprob and the time of its first token; one with stop strings still gets a delta
+    every step (the stop strings are looked for in the API process as the text grows)."""
+    engine = llm.llm_engine
+    base = dict(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1, output_kind=RequestOutputKind.FINAL_ONLY)
+    core_outputs: list[list[Any]] = []
+    step = engine.engine_core.step
+
+    def recording_step() -> list[Any]:
+        outputs = step()
+        core_outputs.append(outputs)
+        return outputs
+
+    engine.engine_core.step = recording_step  # type: ignore[method-assign]
+    try:
+        [final] = run(llm, "deferred", SamplingParams(**base))
+        per_step = [len(outputs) for outputs in core_outputs]
+        core_outputs.clear()
+        run(llm, "with-stop", SamplingParams(**base, stop=["never seen \x00"]))
+        per_step_with_stop = [len(outputs) for outputs in core_outputs]
+    finally:
+        del engine.engine_core.step
+    assert per_step == [0] * (len(per_step) - 1) + [1]
+    assert per_step_with_stop == [1] * len(per_step_with_stop)
+    completion = final.outputs[0]
+    assert len(completion.token_ids) == 12 and len(completion.logprobs) == 12
+    metrics = final.metrics
+    assert metrics.first_token_time is not None and metrics.first_token_time < metrics.finished_time

@@ -26,7 +26,7 @@ from pagedllm.kv_cache.snapshot import KVCacheSnapshot
 from pagedllm.metrics.reader import Counter, Gauge, Histogram, Metric
 from pagedllm.outputs import PositionLogprobs, RequestMetrics
 from pagedllm.platform import configure_threads
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -170,6 +170,11 @@ class EngineCore:
         self.failed_requests: dict[str, Exception] = {}
         # user request id -> n, for requests with parallel samples (their scheduler ids differ)
         self._num_samples: dict[str, int] = {}
+        # Set by an in-process LLMEngine: a FINAL_ONLY request without stop strings then gets one output,
+        # when it ends, rather than a delta every step that only waits in the output processor (for 64
+        # decoding requests a step's outputs cost about as much as its scheduling). The server leaves it
+        # off: its metrics observe every step's tokens (per-token latencies), whatever the output_kind.
+        self.defer_final_outputs = False
 
     def shutdown(self) -> None:
         if self.kv_connector is not None and self.parallel_config.distributed_executor_backend == "uni":
@@ -182,7 +187,9 @@ class EngineCore:
         if request.request_id in self.scheduler.requests or request.request_id in self._num_samples:
             raise ValueError(f"request_id {request.request_id!r} is already in use.")
         core_request = Request(request.request_id, request.prompt_token_ids, params,
-                               arrival_time=request.arrival_time)
+                               arrival_time=request.arrival_time,
+                               defer_outputs=(self.defer_final_outputs and not params.stop
+                                              and params.output_kind is RequestOutputKind.FINAL_ONLY))
         if params.n > 1:
             self._num_samples[request.request_id] = params.n
         self.scheduler.add_request(core_request)
@@ -280,7 +287,14 @@ class EngineCore:
         self.scheduler.update_draft_token_ids(model_output.spec_token_ids)
         self.num_generation_tokens += sum(len(t) for t in model_output.sampled_token_ids.values())
         now = time.time()
-        outputs = [self._make_output(request, now) for request in updated]
+        outputs = []
+        running = RequestStatus.RUNNING
+        for request in updated:
+            if request.defer_outputs and request.status is running:
+                if request.metrics.first_token_time is None:
+                    request.metrics.first_token_time = now
+                continue
+            outputs.append(self._make_output(request, now))
         self._flush_finished_if_idle()
         return outputs
 

@@ -135,6 +135,7 @@ class LLMEngine:
         tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
         self.engine_core = EngineCore(args, tokenizer)
         core = self.engine_core
+        core.defer_final_outputs = True  # nothing here reads a FINAL_ONLY request's tokens before it ends
         self.num_threads = core.num_threads
         self.device = core.device
         self.model_config = core.model_config
@@ -247,6 +248,15 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
+
+    def num_output_tokens(self) -> dict[str, int]:
+        """Tokens generated so far by each unfinished request (its samples together), as the core counts
+        them: the output processor sees a FINAL_ONLY request's tokens only when it ends."""
+        counts: dict[str, int] = {}
+        for request in self.engine_core.scheduler.requests.values():
+            request_id = request.parent_id or request.request_id
+            counts[request_id] = counts.get(request_id, 0) + request.num_output_tokens
+        return counts
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)

@@ -50,6 +50,9 @@ class Request:
     index: int = 0
     # Set by the model runner on first use when the request is seeded.
     generator: torch.Generator | None = None
+    # Nobody reads its tokens before it ends (see EngineCore.defer_final_outputs): the core sends its
+    # output once, when it finishes, instead of a delta every step.
+    defer_outputs: bool = False
 
     def __post_init__(self) -> None:
         # An attribute, not a property: the scheduler reads it for every running request every step.
@@ -124,7 +127,7 @@ def make_child(parent: Request, index: int) -> Request:
         params.seed = (params.seed + index + 2**63) % 2**64 - 2**63  # stays a valid torch seed
     child = Request(request_id=f"{index}_{parent.request_id}", prompt_token_ids=parent.prompt_token_ids,
                     sampling_params=params, arrival_time=parent.arrival_time, prompt=parent.prompt,
-                    parent_id=parent.request_id, index=index)
+                    parent_id=parent.request_id, index=index, defer_outputs=parent.defer_outputs)
     child.block_hashes = list(parent.block_hashes)
     child.metrics = parent.metrics
     child.prompt_logprobs = parent.prompt_logprobs
