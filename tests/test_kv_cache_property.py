@@ -65,6 +65,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_id = 0
         # hash -> the token prefix (through the end of its block) any block cached under it must hold
         self.hash_prefix: dict[BlockHash, tuple[int, ...]] = {}
+        # the runner's copy of the block tables, kept from take_table_changes() alone (rows are never
+        # dropped here: a preempted request keeps its row in the runner)
+        self.runner_tables: dict[str, list[int]] = {}
 
     @initialize(num_blocks=st.integers(2, 16), block_size=st.sampled_from([1, 2, 3, 4]),
                 enable_caching=st.booleans())
@@ -255,6 +258,18 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert pool.num_cached_blocks == len(hashed)
         if not self.kv.enable_caching:
             assert not pool.cached_blocks
+
+    @invariant()
+    def runner_tables_follow_the_changes(self) -> None:
+        """Applying each take_table_changes() to a copy keeps every live table's entries exact."""
+        if not hasattr(self, "kv"):
+            return
+        for request_id, (first, block_ids) in self.kv.take_table_changes().items():
+            row = self.runner_tables.setdefault(request_id, [])
+            row.extend([-1] * max(0, first + len(block_ids) - len(row)))
+            row[first:first + len(block_ids)] = block_ids
+        for request_id, block_ids in self.kv.req_to_block_ids.items():
+            assert self.runner_tables.get(request_id, [])[:len(block_ids)] == block_ids
 
     @invariant()
     def contents(self) -> None:

@@ -46,6 +46,9 @@ class SchedulerOutput:
     grammar_bitmask: GrammarBitmask | None = None
     # The KV connector's loads and saves for this step (None without a connector).
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # Block tables written since the last plan (KVCacheManager.take_table_changes): the runner's copy
+    # of the tables is kept from these, not from each ScheduledRequest's block_ids.
+    block_table_changes: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -233,6 +236,7 @@ class Scheduler:
             scheduled=list(scheduled.values()),
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             blocks_to_copy=self.kv.take_pending_copies(),
+            block_table_changes=self.kv.take_table_changes(),
             preempted_ids=preempted,
             finished_req_ids=self._take_finished_req_ids(),
             grammar_bitmask=som.grammar_bitmask(list(scheduled.values())) if som is not None else None,

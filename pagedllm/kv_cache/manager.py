@@ -42,6 +42,10 @@ class KVCacheManager:
         # running request's table to the runner each step, and rebuilding it from the blocks cost more
         # than everything else the scheduler does for a decoding request.
         self.req_to_block_ids: dict[str, list[int]] = {}
+        # What the runner's copy of the tables (worker/block_table.py) has not seen yet: request id -> the
+        # first index of its table written since the last take_table_changes(). Tables change only here,
+        # so the runner updates a few rows a step instead of rebuilding every table from lists.
+        self.table_changes: dict[str, int] = {}
         # Per request, how many leading blocks were already offered to the prefix cache (vLLM's
         # num_cached_block): each step registers only the blocks that became full since, instead of
         # walking every full block of every running request again.
@@ -142,6 +146,7 @@ class KVCacheManager:
 
         blocks = self.req_to_blocks.setdefault(request_id, [])
         block_ids = self.req_to_block_ids.setdefault(request_id, [])
+        first_changed = len(block_ids)
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
@@ -151,12 +156,15 @@ class KVCacheManager:
             index = num_computed // bs
             blocks[index] = copy
             block_ids[index] = copy.block_id
+            first_changed = min(first_changed, index)
             self.pending_copies.append((cow_block.block_id, copy.block_id))
             self.pool.free_blocks([cow_block])
         if num_new_blocks:
             new_blocks = self.pool.get_new_blocks(num_new_blocks)
             blocks.extend(new_blocks)
             block_ids.extend(block.block_id for block in new_blocks)
+        if first_changed < len(block_ids):
+            self.table_changes[request_id] = min(first_changed, self.table_changes.get(request_id, first_changed))
         return blocks
 
     def _cache_full_blocks(self, request: CacheableRequest, blocks: list[KVCacheBlock], total_tokens: int,
@@ -178,11 +186,13 @@ class KVCacheManager:
         self.pool.touch(blocks)
         self.req_to_blocks[child_id] = list(blocks)
         self.req_to_block_ids[child_id] = [block.block_id for block in blocks]
+        self.table_changes[child_id] = 0
         self.num_cached_blocks[child_id] = self.num_cached_blocks.get(parent_id, 0)
 
     def free(self, request_id: str) -> None:
         blocks = self.req_to_blocks.pop(request_id, [])
         self.req_to_block_ids.pop(request_id, None)
+        self.table_changes.pop(request_id, None)
         self.num_cached_blocks.pop(request_id, None)
         # Tail blocks first, so they are evicted before the prefix that others are likelier to share.
         self.pool.free_blocks(reversed(blocks))
@@ -210,6 +220,15 @@ class KVCacheManager:
             if self.num_cached_blocks.get(request.request_id, 0) > keep:
                 self.num_cached_blocks[request.request_id] = keep
             self.pool.free_blocks(reversed(extra))
+
+    def take_table_changes(self) -> dict[str, tuple[int, list[int]]]:
+        """Request id -> (first index, the block ids from there on) for every table written since the last
+        call; applied in order, they keep a copy of every live table exact. A trim only shortens a
+        table: whatever is written past its new end later is reported then."""
+        changes = {request_id: (first, self.req_to_block_ids[request_id][first:])
+                   for request_id, first in self.table_changes.items()}
+        self.table_changes.clear()
+        return changes
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

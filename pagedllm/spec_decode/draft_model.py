@@ -82,6 +82,7 @@ class DraftModelProposer:
         for request_id in request_ids:
             if self.seqs.pop(request_id, None) is not None:
                 self.kv.free(request_id)
+        self.runner.block_tables.drop(request_ids)
 
     def _sync(self, request: DraftRequest) -> DraftSeq:
         """Roll the draft's KV back to the longest prefix it shares with the request's tokens."""
@@ -159,6 +160,7 @@ class DraftModelProposer:
                 break
             # a shared partial block is copied before it is written (re-feeding a request's last token)
             self.runner.copy_blocks(self.kv.take_pending_copies())
+            self.runner.block_tables.apply(self.kv.take_table_changes())
             batch = self.runner.prepare(scheduled)
             hidden = self.runner.forward(batch)
             for s in scheduled:

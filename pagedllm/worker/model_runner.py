@@ -28,6 +28,7 @@ from pagedllm.models.loader import load_model
 from pagedllm.outputs import PositionLogprobs, position_logprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import GrammarBitmask
+from pagedllm.worker.block_table import BlockTables
 
 if TYPE_CHECKING:
     from pagedllm.spec_decode import SpeculativeConfig
@@ -117,6 +118,9 @@ class ModelRunner:
         generator.manual_seed(seed)
         self.sampler = Sampler(generator)
         self.kv_caches: list[torch.Tensor] = []
+        # every live request's block table, kept from the KV cache manager's changes (the plan carries them)
+        self.block_tables = BlockTables(scheduler_config.max_num_seqs,
+                                        -(-scheduler_config.max_model_len // self.block_size) + 1)
         # Disaggregated prefill: saves finished prompts' blocks (producer), loads remote ones (consumer).
         self.kv_connector = None
         kv_transfer_config = cache_config.kv_transfer_config
@@ -272,6 +276,8 @@ class ModelRunner:
         start = time.perf_counter()
         if self.spec_decoder is not None:
             self.spec_decoder.free_requests(scheduler_output.finished_req_ids | set(scheduler_output.preempted_ids))
+        self.block_tables.drop(scheduler_output.finished_req_ids)
+        self.block_tables.apply(scheduler_output.block_table_changes)
         self.copy_blocks(scheduler_output.blocks_to_copy)
         output = ModelRunnerOutput()
         connector_meta = scheduler_output.kv_connector_metadata
@@ -307,33 +313,35 @@ class ModelRunner:
         query_starts: list[int] = []
         start_pos: list[int] = []
         query_lens: list[int] = []
-        num_blocks: list[int] = []
-        block_ids: list[int] = []  # every request's used blocks, one after the other
+        request_ids: list[str] = []
         for s in order:
             start, num_new = s.start_pos, s.num_new_tokens
             end = start + num_new
             query_starts.append(len(token_ids))
             start_pos.append(start)
             query_lens.append(num_new)
-            known = s.request.all_token_ids
+            request = s.request
+            request_ids.append(request.request_id)
+            known = request.all_token_ids
             token_ids.extend(known[start:end])
             if end > len(known):
                 token_ids.extend(s.spec_token_ids[:end - len(known)])
-            n = -(-end // bs)
-            num_blocks.append(n)
-            block_ids.extend(s.block_ids[:n])
         device = self.device
         metadata = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))  # set below
         num_tokens = len(token_ids)
-        tables = self._prepare_varlen(query_starts + [num_tokens], start_pos, query_lens, num_blocks, block_ids,
-                                      metadata)
-        # Every token's position and KV slot in one vectorized pass over the step's block tables.
         start_pos_np = np.array(start_pos, dtype=np.int64)
+        query_lens_np = np.array(query_lens, dtype=np.int64)
+        seq_lens = start_pos_np + query_lens_np
+        num_blocks = -(-seq_lens // bs)
+        # The step's tables: one gather of the requests' rows, zeroed past each table's used blocks
+        tables = self.block_tables.table[self.block_tables.rows(request_ids), :int(num_blocks.max())]
+        tables[np.arange(tables.shape[1]) >= num_blocks[:, None]] = 0
+        self._prepare_varlen(query_starts + [num_tokens], seq_lens, int(query_lens_np.max()), tables, metadata)
+        # Every token's position and KV slot in one vectorized pass over the step's block tables.
         if num_tokens == len(order):  # one token per request (plain decode): no per-token expansion
             positions = start_pos_np
             seq_index = np.arange(num_tokens)
         else:
-            query_lens_np = np.array(query_lens, dtype=np.int64)
             seq_index = np.repeat(np.arange(len(order)), query_lens_np)
             positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(
                 start_pos_np - np.array(query_starts, dtype=np.int64), query_lens_np)
@@ -341,12 +349,12 @@ class ModelRunner:
         slots = tables[seq_index, block_index] * bs + offset
         metadata.slot_mapping = torch.from_numpy(slots).to(device)
         if short and self.backend.needs_dense_masks:
-            self._prepare_decodes(short, metadata)
-        for s, start in zip(long, query_starts[len(short):]):
-            seq_len = s.start_pos + s.num_new_tokens
+            n = len(short)
+            self._prepare_decodes(query_lens_np[:n], seq_lens[:n], tables[:n, :int(num_blocks[:n].max())], metadata)
+        for i, (s, start) in enumerate(zip(long, query_starts[len(short):]), start=len(short)):
+            seq_len = int(seq_lens[i])
             prefill = PrefillSeq(query_start=start, query_len=s.num_new_tokens, seq_len=seq_len,
-                                 block_table=torch.tensor(s.block_ids[:-(-seq_len // bs)], dtype=torch.long,
-                                                          device=device))
+                                 block_table=torch.from_numpy(tables[i, :num_blocks[i]]).to(device))
             if self.backend.needs_dense_masks and s.start_pos > 0:
                 # Bottom-right causal: query i sits at position start_pos + i. Built here once per step,
                 # not in each layer.
@@ -360,39 +368,30 @@ class ModelRunner:
             positions=torch.from_numpy(positions).to(device),
             metadata=metadata, order=order, query_starts=query_starts)
 
-    def _prepare_varlen(self, query_start_loc: list[int], start_pos: list[int], query_lens: list[int],
-                        num_blocks: list[int], block_ids: list[int], metadata: AttentionMetadata) -> np.ndarray:
+    def _prepare_varlen(self, query_start_loc: list[int], seq_lens: np.ndarray, max_query_len: int,
+                        tables: np.ndarray, metadata: AttentionMetadata) -> None:
         """The whole step as varlen sequences (query_start_loc, seq_lens, block_tables), for kernels that
-        read K/V in place. Takes per request its start position, query length and number of blocks, and
-        all their block ids in one list; returns the block tables as a numpy array."""
-        seq_lens = [start + query_len for start, query_len in zip(start_pos, query_lens)]
-        # One flat write of every request's used blocks into the zero-padded table.
-        tables = np.zeros((len(num_blocks), max(num_blocks)), dtype=np.int64)
-        tables[np.arange(tables.shape[1]) < np.array(num_blocks)[:, None]] = block_ids
+        read K/V in place."""
         device = self.device
         metadata.query_start_loc = torch.from_numpy(np.array(query_start_loc, dtype=np.int64)).to(device)
-        metadata.seq_lens = torch.from_numpy(np.array(seq_lens, dtype=np.int64)).to(device)
+        metadata.seq_lens = torch.from_numpy(seq_lens).to(device)
         metadata.block_tables = torch.from_numpy(tables).to(device)
-        metadata.max_query_len = max(query_lens)
-        metadata.max_seq_len = max(seq_lens)
-        return tables
+        metadata.max_query_len = max_query_len
+        metadata.max_seq_len = int(seq_lens.max())
 
-    def _prepare_decodes(self, short: list[ScheduledRequest], metadata: AttentionMetadata) -> None:
+    def _prepare_decodes(self, query_lens: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray,
+                         metadata: AttentionMetadata) -> None:
+        """The padded decode batch and masks the reference (dense-mask) backend reads; takes the short
+        requests' query lengths, sequence lengths and zero-padded block tables."""
         bs = self.block_size
-        query_lens = np.array([s.num_new_tokens for s in short])
-        seq_lens = np.array([s.start_pos + s.num_new_tokens for s in short])
-        num_blocks = -(-seq_lens // bs)
-        max_blocks = int(num_blocks.max())
-        tables = np.zeros((len(short), max_blocks), dtype=np.int64)
-        for i, s in enumerate(short):
-            tables[i, :num_blocks[i]] = s.block_ids[:num_blocks[i]]
+        max_blocks = tables.shape[1]
         max_q = int(query_lens.max())
         device = self.device
-        metadata.num_decodes = len(short)
+        metadata.num_decodes = len(query_lens)
         metadata.num_decode_tokens = int(query_lens.sum())
         metadata.decode_max_query_len = max_q
-        metadata.decode_block_tables = torch.from_numpy(tables).to(device)
-        if len(short) == 1 and max_q == 1:
+        metadata.decode_block_tables = torch.from_numpy(np.ascontiguousarray(tables)).to(device)
+        if len(query_lens) == 1 and max_q == 1:
             metadata.decode_seq_len = int(seq_lens[0])
         else:
             key_pos = np.arange(max_blocks * bs)

@@ -4,9 +4,10 @@ The scheduler's plan refers to the engine's Request objects. A worker process ke
 live request (CachedRequestState: token ids, sampling params, its seeded generator) and each step receives
 only what changed, as vLLM V1 does (NewRequestData / CachedRequestData): a request seen for the first
 time comes whole, later steps bring just the tokens appended since (sampled tokens, by rank 0 a step
-ago), the block table and the counts. A step's message is therefore a few hundred bytes per request no
-matter how long the request is. Rebuilt on the worker, the plan has the very shape ModelRunner reads, so
-the runner code is the same in one process and in many.
+ago) and the counts, and the plan the block-table entries the KV cache manager wrote since the last
+one. A step's message is therefore a few dozen bytes per request no matter how long the request is.
+Rebuilt on the worker, the plan has the very shape ModelRunner reads, so the runner code is the same in
+one process and in many.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ class ScheduledRequestData:
     new_token_ids: list[int]          # tokens appended to the request since the worker last saw it
     num_new_tokens: int
     start_pos: int
-    block_ids: list[int]
     sample: bool
     spec_token_ids: list[int]
     num_prompt_logprobs_computed: int
@@ -49,6 +49,7 @@ class WorkerSchedulerOutput:
     preempted_ids: list[str]
     grammar_bitmask: GrammarBitmask | None
     kv_connector_metadata: KVConnectorMetadata | None = None
+    block_table_changes: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -90,11 +91,12 @@ class SchedulerOutputEncoder:
                 sent = request.num_prompt_tokens
             self.num_sent_tokens[request.request_id] = request.num_tokens
             scheduled.append(ScheduledRequestData(
-                request.request_id, request.all_token_ids[sent:], s.num_new_tokens, s.start_pos, s.block_ids,
+                request.request_id, request.all_token_ids[sent:], s.num_new_tokens, s.start_pos,
                 s.sample, s.spec_token_ids, request.num_prompt_logprobs_computed))
         return WorkerSchedulerOutput(new_requests, scheduled, scheduler_output.blocks_to_copy,
                                      scheduler_output.finished_req_ids, scheduler_output.preempted_ids,
-                                     scheduler_output.grammar_bitmask, scheduler_output.kv_connector_metadata)
+                                     scheduler_output.grammar_bitmask, scheduler_output.kv_connector_metadata,
+                                     scheduler_output.block_table_changes)
 
 
 class RequestStates:
@@ -116,8 +118,9 @@ class RequestStates:
             state.num_prompt_logprobs_computed = data.num_prompt_logprobs_computed
             scheduled.append(ScheduledRequest(
                 request=state, num_new_tokens=data.num_new_tokens, start_pos=data.start_pos,  # type: ignore[arg-type]
-                block_ids=data.block_ids, sample=data.sample, spec_token_ids=data.spec_token_ids))
+                block_ids=[], sample=data.sample, spec_token_ids=data.spec_token_ids))
         return SchedulerOutput(scheduled=scheduled, num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
                                blocks_to_copy=message.blocks_to_copy, preempted_ids=message.preempted_ids,
                                finished_req_ids=message.finished_req_ids, grammar_bitmask=message.grammar_bitmask,
-                               kv_connector_metadata=message.kv_connector_metadata)
+                               kv_connector_metadata=message.kv_connector_metadata,
+                               block_table_changes=message.block_table_changes)
