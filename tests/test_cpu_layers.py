@@ -32,6 +32,8 @@ def test_argmax_rows_matches_torch_with_ties_nan_and_inf(dtype: torch.dtype) -> 
     x[5, 4] = float("nan")
     got = argmax_rows(x)
     assert torch.equal(got, x.argmax(dim=-1))
+    # the runner takes a plain-greedy step's argmax on the logits as the matmul made them (bf16)
+    assert torch.equal(got, argmax_rows(x.float()))
     assert argmax_rows(x[:0]).shape == (0,)
     odd = torch.randn(3, 77).to(dtype)                      # a width that is no multiple of the chunk
     assert torch.equal(argmax_rows(odd), odd.argmax(dim=-1))

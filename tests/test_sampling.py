@@ -412,3 +412,13 @@ def test_min_tokens_masks_eos_even_with_ignore_eos(tiny_llama_dir: str, tmp_path
     assert extra_eos not in ignored[:min_tokens] and EOS_ID not in ignored[:min_tokens]
     assert ignored[:len(want)] == want, "ignore_eos changes only whether EOS ends the request"
     assert len(ignored) == max_tokens
+
+
+def test_bf16_greedy_takes_the_argmax_of_the_float32_logits(tiny_llama_dir: str) -> None:
+    """A plain-greedy step argmaxes the LM head's bf16 logits without their float32 copy; asking for
+    logprobs sends the same rows through the sampler on float32 logits: the tokens must agree."""
+    llm = LLM(model=tiny_llama_dir, dtype="bfloat16", max_model_len=256, seed=0)
+    prompts = random_prompts(6, 200, seed=3)
+    plain = llm.generate(prompts, greedy(24), use_tqdm=False)
+    sampled = llm.generate(prompts, greedy(24, logprobs=0), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in sampled]

@@ -174,8 +174,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed_weight: torch.Tensor | None = None
     packed_matmul: Callable[..., torch.Tensor] | None = None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """float32 logits [N, vocab] on rank 0 (gathered once); None on the other ranks."""
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor | None:
+        """float32 logits [N, vocab] on rank 0 (gathered once); None on the other ranks. upcast=False
+        leaves them in the dtype the matmul made, for a caller that only takes each row's argmax (the
+        same index: the cast to float32 is exact and keeps the order)."""
         if self.packed_matmul is not None:
             logits = self.packed_matmul(hidden, self.packed_weight)
         else:
@@ -185,7 +187,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             if logits is None:
                 return None
             logits = logits[:, :self.vocab_size]
-        return logits.float()
+        return logits.float() if upcast else logits
 
 
 # ---- prepacked CPU weights ----

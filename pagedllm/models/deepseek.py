@@ -194,8 +194,10 @@ class DeepseekV2ForCausalLM(nn.Module):
             hidden = layer(cos_sin, hidden, kv_cache, metadata)
         return self.norm(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """float32 logits (upcast=False: the matmul's dtype, for an argmax)."""
+        logits = F.linear(hidden, self.lm_head)
+        return logits.float() if upcast else logits
 
     def load_weights(self, get_slice: Callable, names: set[str], load_linear: Callable | None = None) -> None:
         # Weights past num_hidden_layers (V3's multi-token-prediction layer) are not read. Unsharded: every

@@ -122,9 +122,10 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """float32 logits on rank 0; None on the other ranks of a tensor-parallel group."""
-        return self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor | None:
+        """float32 logits on rank 0 (upcast=False: the matmul's dtype, for an argmax); None on the other
+        ranks of a tensor-parallel group."""
+        return self.lm_head.compute_logits(hidden, upcast)
 
     # ---- weight loading: Hugging Face names -> our fused, sharded parameters ----
     # The projections weight-only quantization replaces; embeddings and the LM head stay in the model dtype.

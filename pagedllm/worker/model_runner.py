@@ -445,7 +445,10 @@ class ModelRunner:
             return
         # A plain decode step samples from every row in order: no gather (a copy of the hidden states).
         all_rows = len(logits_rows) == hidden.shape[0] and logits_rows == list(range(len(logits_rows)))
-        all_logits = self.model.compute_logits(hidden if all_rows else hidden[logits_rows])
+        # Nothing but argmaxes to take: the logits stay in the matmul's dtype. In bf16 the float32 copy
+        # (a fresh batch x vocab tensor every step) cost more than the argmax itself.
+        argmax_only = plain_greedy and not verify_rows and not prompt_rows
+        all_logits = self.model.compute_logits(hidden if all_rows else hidden[logits_rows], upcast=not argmax_only)
         if all_logits is None:
             return  # not rank 0: the logits were gathered there, and only rank 0 samples
         num_sample, num_verify = len(sample_rows), len(verify_rows)
