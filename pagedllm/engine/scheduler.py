@@ -29,6 +29,8 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int      # tokens whose KV is computed this step, speculative ones included
     start_pos: int           # num_computed_tokens before this step
+    # The request's block table, for the KV connector's saves (empty where nothing reads it): the runner
+    # keeps its own copy from SchedulerOutput.block_table_changes.
     block_ids: list[int]
     sample: bool             # this step reaches the last known token, so it yields new tokens
     spec_token_ids: list[int] = field(default_factory=list)
@@ -295,7 +297,7 @@ class Scheduler:
         reaches_end = start + num_new >= request.num_tokens_with_spec
         if spec and not reaches_end:
             request.spec_token_ids = spec = []  # a chunk that stops short drops its proposals
-        # the block table is the KV manager's own list: the runner reads it during this step only
+        # the block table is the KV manager's own list: the KV connector reads it during this step only
         return ScheduledRequest(request, num_new, start, self.kv.get_block_ids(request.request_id),
                                 reaches_end and not request.is_fork_parent, list(spec) if spec else [])
 

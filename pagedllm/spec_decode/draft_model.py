@@ -152,7 +152,7 @@ class DraftModelProposer:
                 reaches_end = seq.num_computed_tokens + num_new == seq.num_tokens
                 scheduled.append(ScheduledRequest(
                     request=seq, num_new_tokens=num_new, start_pos=seq.num_computed_tokens,  # type: ignore[arg-type]
-                    block_ids=self.kv.get_block_ids(seq.request_id), sample=reaches_end))
+                    block_ids=[], sample=reaches_end))  # the runner's tables come from take_table_changes
                 if reaches_end and num_spec_tokens[i] > 0:
                     stepping.append(i)
             allowance = None  # the k-1 passes after the catch-up feed one token per proposing request
