@@ -475,7 +475,8 @@ def prepare_data(a: argparse.Namespace) -> tuple[Path, torch.Tensor, torch.Tenso
     work = a.ckpt_dir
     tok_dir = work / "tokenizer"
     cache = work / "streams.pt"
-    settings = {"seed": a.seed, "vocab_size": a.vocab_size, "include_tests": a.include_tests,
+    # "seed" is the split's seed (--split-seed; the key is older than the flag, and cached streams keep it)
+    settings = {"seed": a.split_seed, "vocab_size": a.vocab_size, "include_tests": a.include_tests,
                 "python": sys.version.split()[0]}
     same_tokenizer = False
     if cache.exists() and (tok_dir / "tokenizer.json").exists():
@@ -489,7 +490,7 @@ def prepare_data(a: argparse.Namespace) -> tuple[Path, torch.Tensor, torch.Tenso
         if not same_tokenizer and (work / "target.pt").exists():
             sys.exit(f"{work} holds a run with other data settings ({data.get('settings')}); use another --ckpt-dir")
     t0 = time.time()
-    train_texts, val_texts, test_texts, dropped = load_corpus(a.seed, a.include_tests)
+    train_texts, val_texts, test_texts, dropped = load_corpus(a.split_seed, a.include_tests)
     log(f"corpus: {len(train_texts)} train files (+{len(test_texts)} test-suite files), {len(val_texts)} "
         f"validation files, {sum(map(len, train_texts)) / 1e6:.1f}M (+{sum(map(len, test_texts)) / 1e6:.1f}M) / "
         f"{sum(map(len, val_texts)) / 1e6:.2f}M characters; left out {dropped}")
@@ -518,6 +519,7 @@ def prepare_data(a: argparse.Namespace) -> tuple[Path, torch.Tensor, torch.Tenso
         "chars_val": sum(map(len, val_texts)),
         "files_left_out": dropped,
         "include_tests": a.include_tests,
+        "split_seed": a.split_seed,
         "tokens_train": len(train_stream),
         "tokens_val": len(val_stream),
     }
@@ -621,7 +623,7 @@ def stage_target(a: argparse.Namespace) -> None:
                   stop_at=stop_time(a.stop_at), compile_step=a.compile)
     save_model(model, tok_dir, a.out / TARGET_NAME)
     stats.update(run_conditions(a), earlier=earlier_training(a.init_target, "target"))
-    (a.ckpt_dir / "target_train.json").write_text(json.dumps({**stats, "args": asdict(args), "command": a.command}))
+    save_stats(a, "target", {**stats, "args": asdict(args), "command": a.command})
 
 
 def stage_draft(a: argparse.Namespace) -> None:
@@ -647,7 +649,16 @@ def stage_draft(a: argparse.Namespace) -> None:
     save_model(model, tok_dir, a.out / DRAFT_NAME)
     stats.update(run_conditions(a), on_policy_prompts=a.on_policy_prompts,
                  earlier=earlier_training(a.init_draft, "draft"))
-    (a.ckpt_dir / "draft_train.json").write_text(json.dumps({**stats, "args": asdict(args), "command": a.command}))
+    save_stats(a, "draft", {**stats, "args": asdict(args), "command": a.command})
+
+
+def save_stats(a: argparse.Namespace, name: str, stats: dict) -> None:
+    """The stage's statistics, in --ckpt-dir for the card stage and beside the saved weights in the shape of
+    a card's training_results.json, so that a run continuing those weights (--init-target / --init-draft)
+    counts this one's tokens before any card is written. The card stage replaces the latter."""
+    (a.ckpt_dir / f"{name}_train.json").write_text(json.dumps(stats))
+    model_dir = a.out / (TARGET_NAME if name == "target" else DRAFT_NAME)
+    (model_dir / "training_results.json").write_text(json.dumps({name: stats}, indent=2))
 
 
 def on_policy_stream(a: argparse.Namespace, train_stream: torch.Tensor) -> torch.Tensor:
@@ -882,7 +893,7 @@ Also left out, judged by content: {left_out['data_like']} data-like files, those
 non-blank lines hold only literals (the charmap codecs in `encodings/`, `html/entities.py`, `locale.py`'s
 alias tables, pydoc's topic strings); {left_out['duplicate']} exact duplicates (by SHA-256 of the text) and
 {left_out['unreadable_or_empty']} empty or non-UTF-8 files. Split by file with a seeded hash of the path
-(SHA-256 of `"<seed>:<path>"`, first 4 bytes mod 100 < 5 is validation): {c['files_train']} training
+(SHA-256 of `"{c.get('split_seed', 0)}:<path>"`, first 4 bytes mod 100 < 5 is validation): {c['files_train']} training
 files ({c['chars_train'] / 1e6:.1f}M characters, {c['tokens_train'] / 1e6:.2f}M tokens) and {c['files_val']}
 validation files ({c['chars_val'] / 1e6:.2f}M characters, {c['tokens_val'] / 1e3:.0f}k tokens). Each file is
 one document: `<|bos|>` text `<|eos|>`, concatenated; training samples random {ta['seq_len']}-token windows.
@@ -967,7 +978,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="parent dir of the two model dirs")
     p.add_argument("--ckpt-dir", type=Path, default=Path.home() / ".cache" / "pagedllm" / "train_demo_models",
                    help="checkpoints, tokenizer and token streams (outside the git tree); reruns resume from it")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds initialisation, the training windows and sampling")
+    p.add_argument("--split-seed", type=int, default=0,
+                   help="seeds the held-out split by file (and so the tokenizer); kept apart from --seed so that "
+                        "a run continuing saved weights with other windows (--seed) never trains on held-out files")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--include-tests", action="store_true", help="also train on the stdlib's test suites")
     p.add_argument("--target-shape", type=model_shape, default=TARGET_SHAPE, metavar="H,L,HEADS,KV,FFN",
