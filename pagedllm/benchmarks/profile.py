@@ -35,6 +35,10 @@ class StepProfiler:
         self._plan: Any = None  # the current step's SchedulerOutput
         self._children: list[float] = []  # per active wrapped call: time spent in wrapped calls inside it
         self._patches: list[tuple[Any, str, Any]] = []
+        # Set where the model runs in worker processes: "forward" is then the engine waiting on the workers
+        # (their input preparation, forward and sampling, and the messages), and the overhead is the
+        # engine process's own.
+        self.workers_in_forward = False
 
     def wrap(self, owner: Any, name: str, phase: str) -> None:
         """Time owner.name (an instance's method, or a class's function) as `phase`; absent names are
@@ -92,14 +96,19 @@ class StepProfiler:
             return plan
 
         scheduler.schedule = noted_schedule  # restored with the timed layer (same attribute)
-        # None where the runners live in worker processes (distributed_executor_backend='mp'): the
-        # workers' time then shows as "other", the engine waiting on them
+        # None where the runners live in worker processes (distributed_executor_backend='mp'): the engine's
+        # wait on them is then charged to "forward" (see workers_in_forward)
         runner = getattr(engine, "model_runner", None)
         if runner is not None:
             self.wrap(runner, "prepare", "input preparation")
             self.wrap(runner, "forward", "forward")
             self.wrap(runner.model, "compute_logits", "forward")
             self.wrap(runner, "sample", "sampling")
+        else:
+            executor = getattr(getattr(engine, "engine_core", None), "model_executor", None)
+            if executor is not None:
+                self.wrap(executor, "execute_model", "forward")
+                self.workers_in_forward = True
         self.wrap(Sampler, "__call__", "sampling")  # called through the type, so wrapped on the class
         self.wrap(engine.output_processor, "process_outputs", "output processing")
         self.wrap(IncrementalDetokenizer, "add_token", "detokenisation")
@@ -142,7 +151,8 @@ class StepProfiler:
                 "total_s": self.total_s, "overhead_fraction": self.overhead_fraction,
                 "decode_steps": self.decode_steps,
                 "decode_seconds": {p: self.decode_seconds[p] for p in PHASES},
-                "decode_overhead_fraction": self.decode_overhead_fraction}
+                "decode_overhead_fraction": self.decode_overhead_fraction,
+                "workers_in_forward": self.workers_in_forward}
 
     def format(self) -> str:
         total = self.total_s or float("nan")
@@ -152,6 +162,9 @@ class StepProfiler:
             lines.append(f"{phase:<20} {s:>9.3f} {s / total:>8.1%} {1e3 * s / max(self.steps, 1):>8.2f}")
         lines.append(f"{self.steps} steps; engine overhead (all but forward): "
                      f"{self.overhead_fraction:.1%} of step time")
+        if self.workers_in_forward:
+            lines.append("(model in worker processes: 'forward' is the engine waiting on them, their input "
+                         "preparation and sampling and the messages included; the overhead is the engine process's)")
         if self.decode_steps:
             decode_total = self.decode_total_s
             overhead_ms = 1e3 * (decode_total - self.decode_seconds["forward"]) / self.decode_steps
