@@ -105,7 +105,7 @@ class StepProfiler:
             self.wrap(runner.model, "compute_logits", "forward")
             self.wrap(runner, "sample", "sampling")
         else:
-            executor = getattr(getattr(engine, "engine_core", None), "model_executor", None)
+            executor = getattr(engine, "model_executor", None)
             if executor is not None:
                 self.wrap(executor, "execute_model", "forward")
                 self.workers_in_forward = True
