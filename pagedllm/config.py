@@ -345,3 +345,6 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # or "lpm": longest cached prefix first
     num_speculative_tokens: int = 0
+    # Step N+1 is planned while step N runs (see EngineCore): requests advance num_computed_tokens when
+    # scheduled, and the worker appends the tokens it samples to its own copy of each request.
+    async_scheduling: bool = False

@@ -379,17 +379,22 @@ def test_other_benchmarks_are_wired_into_pagedllm_bench(name: str, module: str) 
     assert callable(args.func) and args.func.__module__ == module
 
 
-def test_profile_charges_worker_processes_to_forward(tiny_llama_dir: str) -> None:
-    """With the model in a worker process (distributed_executor_backend='mp'), the engine's wait on it is
-    the step's "forward", not engine overhead, and the table says so."""
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_profile_charges_worker_processes_to_forward(tiny_llama_dir: str, async_scheduling: bool) -> None:
+    """With the model in a worker process (distributed_executor_backend='mp', and async scheduling), the
+    forward pass is the worker's own, as each step's output reports it; the engine's wait on the worker is
+    not overhead in itself, and the table says so."""
     from pagedllm import LLM, SamplingParams
     from pagedllm.benchmarks.profile import StepProfiler
 
-    llm = LLM(model=tiny_llama_dir, distributed_executor_backend="mp", dtype="float32", max_model_len=256)
+    llm = LLM(model=tiny_llama_dir, distributed_executor_backend="mp", dtype="float32", max_model_len=256,
+              async_scheduling=async_scheduling)
     try:
         with StepProfiler().attach(llm.llm_engine) as profiler:
             llm.generate(["def f(x):", "class A:"], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
         assert profiler.workers_in_forward and profiler.steps > 0 and profiler.seconds["forward"] > 0
+        assert 0 < profiler.worker_forward_s < profiler.total_s
+        assert 0 < profiler.decode_worker_forward_s < profiler.worker_forward_s
         assert 0 < profiler.overhead_fraction < 1 and 0 < profiler.decode_overhead_fraction < 1
         assert profiler.to_dict()["workers_in_forward"] and "worker processes" in profiler.format()
     finally:

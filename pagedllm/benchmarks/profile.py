@@ -5,7 +5,14 @@ time minus that of wrapped calls inside it) to one phase: scheduling, input prep
 model and its LM head), sampling, detokenisation, output processing, and "other" (the rest of
 LLMEngine.step). Engine overhead is every phase but forward; it is also given over the decode steps
 alone (no prompt token computed), where the forward is shortest and the overhead goal is hardest,
-apart from the steps that prefill. Wall-clock timers, no tracing of every
+apart from the steps that prefill.
+
+Where the model runs in a worker process (distributed_executor_backend='mp', and async scheduling, which
+overlaps the engine's work with the worker's forward pass), the engine process only sees itself wait, so
+the overhead is measured on the step's critical path instead: the step's wall time less the worker's own
+forward pass and LM head (each step's output reports them). What is left is every moment the worker was
+not running the model: its input preparation and sampling, the messages, and whatever engine work was not
+hidden behind the forward pass. Wall-clock timers, no tracing of every
 Python call, so the profile barely slows the run; on CUDA the forward is asynchronous and its time lands
 on whichever phase first waits for the device, so read the split there with care.
 """
@@ -39,6 +46,11 @@ class StepProfiler:
         # (their input preparation, forward and sampling, and the messages), and the overhead is the
         # engine process's own.
         self.workers_in_forward = False
+        # the workers' model forward + LM head (ModelRunnerOutput.forward_s), over all and decode steps
+        self.worker_forward_s = 0.0
+        self.decode_worker_forward_s = 0.0
+        self._step_worker_forward_s = 0.0
+        self._finished_plan: Any = None  # the plan whose results the current step applied
 
     def wrap(self, owner: Any, name: str, phase: str) -> None:
         """Time owner.name (an instance's method, or a class's function) as `phase`; absent names are
@@ -72,14 +84,18 @@ class StepProfiler:
         def counted_step(*args: Any, **kwargs: Any) -> Any:
             self.steps += 1
             self._step_seconds.clear()
-            self._plan = None
+            self._plan = self._finished_plan = None
+            self._step_worker_forward_s = 0.0
             try:
                 return timed_step(*args, **kwargs)
             finally:  # outside the timed step: what this costs is no phase's
-                plan = self._plan
+                # with async scheduling the step applies the results of a plan made in the step before
+                plan = self._finished_plan if self._finished_plan is not None else self._plan
+                self.worker_forward_s += self._step_worker_forward_s
                 if plan is not None and plan.scheduled and all(
                         s.start_pos >= s.request.num_prompt_tokens for s in plan.scheduled):
                     self.decode_steps += 1
+                    self.decode_worker_forward_s += self._step_worker_forward_s
                     for phase, seconds in self._step_seconds.items():
                         self.decode_seconds[phase] += seconds
 
@@ -108,7 +124,20 @@ class StepProfiler:
             executor = getattr(engine, "model_executor", None)
             if executor is not None:
                 self.wrap(executor, "execute_model", "forward")
+                self.wrap(executor, "get_model_output", "forward")  # async scheduling's wait
                 self.workers_in_forward = True
+        core = getattr(engine, "engine_core", None)
+        if core is not None:
+            finish_step = core._finish_step
+
+            def noted_finish_step(scheduler_output: Any, model_output: Any) -> Any:
+                if self._finished_plan is None:
+                    self._finished_plan = scheduler_output
+                self._step_worker_forward_s += model_output.forward_s
+                return finish_step(scheduler_output, model_output)
+
+            self._patches.append((core, "_finish_step", vars(core).get("_finish_step", _MISSING)))
+            core._finish_step = noted_finish_step
         self.wrap(Sampler, "__call__", "sampling")  # called through the type, so wrapped on the class
         self.wrap(engine.output_processor, "process_outputs", "output processing")
         self.wrap(IncrementalDetokenizer, "add_token", "detokenisation")
@@ -134,6 +163,16 @@ class StepProfiler:
 
     @property
     def overhead_fraction(self) -> float:
+        """Engine overhead's share of step time: all but the forward pass (with workers in other
+        processes, all but their own forward pass: see the module docstring)."""
+        total = self.total_s
+        forward = self.worker_forward_s if self.workers_in_forward else self.seconds["forward"]
+        return (total - forward) / total if total else 0.0
+
+    @property
+    def engine_process_fraction(self) -> float:
+        """With workers in other processes: the engine process's own phases' share of step time (less
+        than the overhead on the critical path; with async scheduling mostly hidden behind the forward)."""
         total = self.total_s
         return (total - self.seconds["forward"]) / total if total else 0.0
 
@@ -144,7 +183,8 @@ class StepProfiler:
     @property
     def decode_overhead_fraction(self) -> float:
         total = self.decode_total_s
-        return (total - self.decode_seconds["forward"]) / total if total else 0.0
+        forward = self.decode_worker_forward_s if self.workers_in_forward else self.decode_seconds["forward"]
+        return (total - forward) / total if total else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "seconds": {p: self.seconds[p] for p in PHASES},
@@ -152,22 +192,29 @@ class StepProfiler:
                 "decode_steps": self.decode_steps,
                 "decode_seconds": {p: self.decode_seconds[p] for p in PHASES},
                 "decode_overhead_fraction": self.decode_overhead_fraction,
-                "workers_in_forward": self.workers_in_forward}
+                "workers_in_forward": self.workers_in_forward,
+                "worker_forward_s": self.worker_forward_s, "decode_worker_forward_s": self.decode_worker_forward_s,
+                "engine_process_fraction": self.engine_process_fraction}
 
     def format(self) -> str:
         total = self.total_s or float("nan")
         lines = [f"{'phase':<20} {'seconds':>9} {'of step':>8} {'ms/step':>8}"]
         for phase in PHASES:
             s = self.seconds[phase]
-            lines.append(f"{phase:<20} {s:>9.3f} {s / total:>8.1%} {1e3 * s / max(self.steps, 1):>8.2f}")
+            name = "waiting on workers" if phase == "forward" and self.workers_in_forward else phase
+            lines.append(f"{name:<20} {s:>9.3f} {s / total:>8.1%} {1e3 * s / max(self.steps, 1):>8.2f}")
+        if self.workers_in_forward:
+            lines.append(f"model in worker processes: the phases above are the engine process's view "
+                         f"({self.engine_process_fraction:.1%} not waiting); the workers' own forward pass and "
+                         f"LM head took {1e3 * self.worker_forward_s / max(self.steps, 1):.2f} ms a step, and "
+                         "the overhead below is the rest of each step (the worker's input preparation and "
+                         "sampling, the messages, and engine work not hidden behind the forward pass)")
         lines.append(f"{self.steps} steps; engine overhead (all but forward): "
                      f"{self.overhead_fraction:.1%} of step time")
-        if self.workers_in_forward:
-            lines.append("(model in worker processes: 'forward' is the engine waiting on them, their input "
-                         "preparation and sampling and the messages included; the overhead is the engine process's)")
         if self.decode_steps:
             decode_total = self.decode_total_s
-            overhead_ms = 1e3 * (decode_total - self.decode_seconds["forward"]) / self.decode_steps
+            decode_forward = self.decode_worker_forward_s if self.workers_in_forward else self.decode_seconds["forward"]
+            overhead_ms = 1e3 * (decode_total - decode_forward) / self.decode_steps
             lines.append(f"{self.decode_steps} decode-only steps: engine overhead {self.decode_overhead_fraction:.1%} "
                          f"({overhead_ms:.2f} ms of {1e3 * decode_total / self.decode_steps:.2f} ms a step)")
         return "\n".join(lines)

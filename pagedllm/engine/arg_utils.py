@@ -40,6 +40,9 @@ class EngineArgs:
     nnodes: int = 1                    # hosts the tensor-parallel ranks are spread over
     node_rank: int = 0                 # this host's index; only node 0 schedules and serves
     dist_init_addr: str | None = None  # "HOST:PORT" of node 0, where all ranks meet (TCP rendezvous)
+    # Plan step N+1 while the worker process runs step N (vLLM's --async-scheduling): the engine's own
+    # work leaves the critical path. Runs the model in a worker process (distributed_executor_backend='mp').
+    async_scheduling: bool = False
     enforce_eager: bool = True
     trust_remote_code: bool = False
     # Per-request bounds on the lists a client may send: every step checks each running request's
@@ -92,6 +95,18 @@ class EngineArgs:
             host, _, port = (self.dist_init_addr or "").rpartition(":")
             check(bool(host) and port.isdigit(),
                   f"dist_init_addr must be HOST:PORT of node 0 when nnodes > 1, got {self.dist_init_addr!r}.")
+        if self.async_scheduling:
+            # The overlap needs the model in another process: in this one, the worker's Python and the
+            # engine's would take turns on one interpreter lock.
+            check(self.distributed_executor_backend in (None, "mp"),
+                  "async_scheduling=True runs the model in a worker process while the engine plans the next "
+                  "step; it needs distributed_executor_backend='mp' (the default with it), got "
+                  f"{self.distributed_executor_backend!r}.")
+            check(self.nnodes == 1, f"async_scheduling=True needs nnodes=1, got nnodes={self.nnodes}.")
+            check(self.kv_transfer_config is None,
+                  "async_scheduling=True cannot be combined with kv_transfer_config: KV loads and saves run "
+                  "step by step.")
+            self.distributed_executor_backend = "mp"
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
         check(self.distributed_executor_backend in ("uni", "mp"),
@@ -169,6 +184,9 @@ class EngineArgs:
         add("--tensor-parallel-size", "-tp", type=int, default=1)
         add("--distributed-executor-backend", default=None, choices=["uni", "mp"],
             help="uni: one process; mp: one worker process per tensor-parallel rank (default: uni at TP 1)")
+        add("--async-scheduling", action=bool_flag, default=False,
+            help="plan the next step while a worker process runs this one (implies "
+                 "--distributed-executor-backend mp; not with speculative decoding or KV transfer)")
         add("--nnodes", type=int, default=1, help="hosts the tensor-parallel ranks are spread over")
         add("--node-rank", type=int, default=0, help="this host's index (node 0 schedules and serves)")
         add("--dist-init-addr", default=None, help="HOST:PORT of node 0, where all ranks meet (nnodes > 1)")

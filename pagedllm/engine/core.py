@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter as TallyCounter
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -175,6 +176,10 @@ class EngineCore:
         # decoding requests a step's outputs cost about as much as its scheduling). The server leaves it
         # off: its metrics observe every step's tokens (per-token latencies), whatever the output_kind.
         self.defer_final_outputs = False
+        # Async scheduling: the plans sent to the worker whose tokens have not come back, oldest first
+        # (at most two: the step running and the one planned behind it).
+        self.async_scheduling = self.scheduler_config.async_scheduling
+        self._in_flight: deque[SchedulerOutput] = deque()
 
     def shutdown(self) -> None:
         if self.kv_connector is not None and self.parallel_config.distributed_executor_backend == "uni":
@@ -227,6 +232,8 @@ class EngineCore:
         """One scheduling step. A request that makes the model run fail is ended alone: its id lands
         in `failed_requests` (read it after each step) and the other requests carry on."""
         self.failed_requests.clear()
+        if self.async_scheduling:
+            return self._step_async()
         scheduler_output = self.scheduler.schedule()
         try:
             model_output = self.model_executor.execute_model(scheduler_output)
@@ -239,6 +246,40 @@ class EngineCore:
                 return []
             return self._isolate_failure(scheduler_output, exc)
         return self._finish_step(scheduler_output, model_output)
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        """One step of async scheduling (vLLM's): returns step N's outputs, having sent step N+1's plan to
+        the worker before waiting for N. The worker starts N+1 the moment N is done (it appends the tokens
+        it samples to its own copies of the requests, so N+1 can compute them), while this process
+        updates the requests, makes the outputs and, in the API process, detokenizes: that work leaves
+        the critical path. A plan is made ahead only when it cannot depend on the tokens in flight (no
+        grammar to advance, no parallel-sampling parent to fork, blocks to spare: see
+        Scheduler.schedule); otherwise this step waits, and the next plan is made after it. A request
+        that stops while its next step runs has that step's token dropped; its blocks are freed at once,
+        which is safe because the worker runs steps in order, so the step still writing them finishes
+        before any later plan's step reuses them. Worker failures end the engine (ExecutorDeadError),
+        as they do for any step in worker processes."""
+        if not self._in_flight:
+            self._start(self.scheduler.schedule())
+        if len(self._in_flight) == 1 and self.scheduler.can_schedule_ahead():
+            self._start(self.scheduler.schedule(ahead=True))
+        if not self._in_flight:
+            return []
+        scheduler_output = self._in_flight.popleft()
+        return self._finish_step(scheduler_output, self.model_executor.get_model_output())
+
+    def _start(self, scheduler_output: SchedulerOutput) -> None:
+        if (scheduler_output.scheduled or scheduler_output.blocks_to_copy or scheduler_output.finished_req_ids
+                or scheduler_output.block_table_changes):
+            self.model_executor.execute_model_async(scheduler_output)
+            self._in_flight.append(scheduler_output)
+
+    def _drain(self) -> None:
+        """Async scheduling, going idle: take the answers of the steps in flight. Every request in them
+        has ended (nothing is unfinished), so they bring no output."""
+        while self._in_flight:
+            scheduler_output = self._in_flight.popleft()
+            self.scheduler.update(scheduler_output, self.model_executor.get_model_output())
 
     def _isolate_failure(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
         """Run the failed step's requests one at a time: the ones that fail alone are the culprits.
@@ -336,6 +377,7 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests() and self.scheduler.finished_req_ids:
             # Going idle: tell the workers now which requests are gone, so what they hold for them (a
             # draft's KV blocks, their copies of the requests) is freed without waiting for more work.
+            self._drain()
             self.model_executor.execute_model(self.scheduler.schedule())
 
     # ---- state read by metrics, the KV-cache page and the stats log ----

@@ -89,7 +89,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-        scheduling_policy=args.scheduling_policy)
+        scheduling_policy=args.scheduling_policy, async_scheduling=args.async_scheduling)
     cache_config = CacheConfig(
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_gpu_blocks_override=args.num_gpu_blocks_override,
@@ -104,6 +104,9 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet: the quantized "
                          "projections are not sharded; use tensor_parallel_size=1.")
     speculative_config = SpeculativeConfig.from_engine_args(args, model_config)
+    if speculative_config is not None and args.async_scheduling:
+        raise ValueError("async_scheduling=True cannot be combined with speculative decoding yet: each step's "
+                         "proposals depend on the tokens the previous step accepted.")
     if speculative_config is not None:
         scheduler_config.num_speculative_tokens = speculative_config.num_speculative_tokens
     return EngineConfig(device, model_config, scheduler_config, cache_config, parallel_config, speculative_config)

@@ -65,6 +65,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.block_hashes: list[BlockHash] = []
         self.spec_token_ids: list[int] = []
+        # Async scheduling: tokens sampled by steps still running, not known here yet. The worker has
+        # them (it appends what it samples), so the next step can already compute them.
+        self.num_output_placeholders = 0
         self.logprobs: list[PositionLogprobs] | None = [] if self.sampling_params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
@@ -100,7 +103,7 @@ class Request:
 
     @property
     def num_tokens_with_spec(self) -> int:
-        return len(self._all_token_ids) + len(self.spec_token_ids)
+        return len(self._all_token_ids) + len(self.spec_token_ids) + self.num_output_placeholders
 
     @property
     def target_num_tokens(self) -> int:

@@ -69,6 +69,9 @@ class ModelRunnerOutput:
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals for the next step
     kv_connector_output: KVConnectorOutput | None = None
+    # Seconds the model's forward pass and LM head took on the sampling rank: what a profile of the engine
+    # needs when the model runs in another process (the rest of a step is overhead).
+    forward_s: float = 0.0
 
 
 class Scheduler:
@@ -90,6 +93,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.finished_req_ids: set[str] = set()
+        # Async scheduling: a plan made ahead ran short of blocks, so the next one waits for the steps in
+        # flight and may preempt (preempting a request whose step is still running is never needed).
+        self.needs_sync = False
 
     # ---- bookkeeping ----
     def add_request(self, request: Request) -> None:
@@ -151,7 +157,22 @@ class Scheduler:
         return snapshot
 
     # ---- the plan for one step ----
-    def schedule(self) -> SchedulerOutput:
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step can be planned before the tokens of the one in flight are known (async
+        scheduling). Not when a grammar must see the last token to mask the next, nor when a parallel-
+        sampling parent is about to fork, nor after a plan made ahead ran out of blocks."""
+        if self.needs_sync:
+            return False
+        for request in self.running:
+            if request.is_fork_parent or request.sampling_params.guided_decoding is not None:
+                return False
+        return True
+
+    def schedule(self, ahead: bool = False) -> SchedulerOutput:
+        """The next step's plan. `ahead`: a step is still running (async scheduling), so requests may hold
+        output placeholders; this plan never preempts (a request short of blocks sits this step out and
+        the next plan waits for the steps in flight), and admits no request that would stop it."""
+        self.needs_sync = False
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
@@ -166,6 +187,8 @@ class Scheduler:
                 break
             if request.status is not running:
                 continue  # preempted earlier in this pass
+            if request.num_output_placeholders and self._length_reached(request):
+                continue  # it ends by length when its token in flight arrives
             num_new = request.target_num_tokens - request.num_computed_tokens
             if num_new <= 0:
                 continue
@@ -176,6 +199,10 @@ class Scheduler:
                 # A cut inside the proposals drops them all: compute only the known tokens this step.
                 request.spec_token_ids = []
                 num_new = min(num_new, request.num_tokens - request.num_computed_tokens)
+            if ahead:
+                if not self.kv.allocate_slots(request, num_new, num_cacheable_tokens=request.num_tokens):
+                    self.needs_sync = True
+                    continue
             while not self.kv.allocate_slots(request, num_new, num_cacheable_tokens=request.num_tokens):
                 victim = self._pick_victim(scheduled, request)
                 self._preempt(victim)
@@ -188,8 +215,10 @@ class Scheduler:
             budget -= num_new
 
         # Admit waiting requests, unless this step had to preempt (memory is short).
-        while self.waiting and budget > 0 and not preempted:
+        while self.waiting and budget > 0 and not preempted and not self.needs_sync:
             request = self._next_waiting()
+            if ahead and (request.is_fork_parent or request.sampling_params.guided_decoding is not None):
+                break  # admitted by a plan made after the step in flight (see can_schedule_ahead)
             n = request.sampling_params.n if request.is_fork_parent else 1
             # A parallel-sampling parent needs room for all its samples, unless it would run alone
             # (n above max_num_seqs must still make progress).
@@ -231,6 +260,13 @@ class Scheduler:
                 if request.metrics.first_scheduled_time is None:  # every request is first run from here
                     request.metrics.first_scheduled_time = time.time()
 
+        if self.config.async_scheduling:
+            # The next plan may be made before this step's results: it must see this step's tokens as
+            # computed, and the tokens it samples as known (placeholders until they arrive).
+            for item in scheduled.values():
+                item.request.num_computed_tokens += item.num_new_tokens
+                if item.sample:
+                    item.request.num_output_placeholders += 1
         som = self.structured_output_manager
         connector_meta = self.connector.build_connector_meta(list(scheduled.values())) if self.connector else None
         return SchedulerOutput(
@@ -337,9 +373,16 @@ class Scheduler:
         sampled_token_ids = model_output.sampled_token_ids
         # logprobs come only for the requests that asked: most steps have none to look up
         all_logprobs, all_sampled_logprobs = model_output.logprobs, model_output.sampled_logprobs
+        async_scheduling = self.config.async_scheduling
         for item in output.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_new_tokens
+            if async_scheduling:  # its tokens were counted as computed when it was scheduled
+                if item.sample:
+                    request.num_output_placeholders -= 1
+                if request.is_finished:
+                    continue  # ended (stop token, stop string, abort) while this step ran: its token is dropped
+            else:
+                request.num_computed_tokens += item.num_new_tokens
             if request.prompt_logprobs is not None and request.request_id in model_output.prompt_logprobs:
                 # Entry i belongs to prompt token i: a recompute after preemption rewrites, never appends.
                 first = item.start_pos + 1
@@ -382,6 +425,13 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None and request.status == RequestStatus.RUNNING:
                 request.spec_token_ids = tokens
+
+    def _length_reached(self, request: Request) -> bool:
+        """Whether the request's tokens in flight take it to max_tokens or max_model_len."""
+        max_tokens = request.sampling_params.max_tokens
+        placeholders = request.num_output_placeholders
+        return ((max_tokens is not None and request.num_output_tokens + placeholders >= max_tokens)
+                or request.num_tokens + placeholders >= self.config.max_model_len)
 
     def _check_stop(self, request: Request, token: int) -> bool:
         params = request.sampling_params

@@ -55,6 +55,15 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one planned step on every rank; rank 0's sampled tokens."""
 
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> None:
+        """Start a step and return at once (async scheduling); get_model_output() takes its tokens, in
+        the order the steps were started. Executors whose workers run in other processes only."""
+        raise NotImplementedError(f"{type(self).__name__} runs steps in the engine's process, one at a time")
+
+    def get_model_output(self) -> ModelRunnerOutput:
+        """The tokens of the oldest step started with execute_model_async (waits for it)."""
+        raise NotImplementedError(f"{type(self).__name__} runs steps in the engine's process, one at a time")
+
     def determine_num_blocks(self) -> int:
         """KV blocks that fit on every rank: the minimum over ranks (all ranks share one block table)."""
         per_rank = self.collective_rpc("determine_num_blocks")

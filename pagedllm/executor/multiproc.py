@@ -96,6 +96,7 @@ class MultiprocExecutor(Executor):
         self.encoder = SchedulerOutputEncoder()
         self.workers: list[WorkerHandle] = []
         self.dead: str | None = None
+        self.num_steps_in_flight = 0  # sent with execute_model_async, answers not yet taken
         # Several nodes: calls go to rank 0, which relays them (see the module docstring).
         self.relay = pc.nnodes > 1
         init_method = f"tcp://{pc.dist_init_addr}" if self.relay else f"tcp://127.0.0.1:{get_open_port()}"
@@ -132,22 +133,45 @@ class MultiprocExecutor(Executor):
     # ---- calls ----
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
                        timeout_s: float = EXECUTE_TIMEOUT_S) -> list[Any]:
+        if self.num_steps_in_flight:
+            raise RuntimeError(f"collective_rpc({method!r}) while {self.num_steps_in_flight} step(s) are in "
+                               "flight: their answers come first; take them with get_model_output()")
+        self._send(method, args, kwargs or {})
+        return self._receive(method, timeout_s)
+
+    def _send(self, method: str, args: tuple, kwargs: dict[str, Any]) -> None:
         self.check_health()
         if self.parallel_config.node_rank != 0:
             raise RuntimeError("only node 0 calls the workers")
-        targets = self.workers[:1] if self.relay else self.workers
-        for worker in targets:
+        for worker in self._targets:
             try:
-                send(worker.conn, (method, args, kwargs or {}))
+                send(worker.conn, (method, args, kwargs))
             except OSError:
                 self._fail(f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) "
                            f"{worker.describe_exit()}")
-        results = self._collect(targets, timeout_s, method)
+
+    def _receive(self, what: str, timeout_s: float) -> list[Any]:
+        results = self._collect(self._targets, timeout_s, what)
         return results[0] if self.relay else results  # rank 0 relayed: it answers with every rank's result
 
+    @property
+    def _targets(self) -> list[WorkerHandle]:
+        return self.workers[:1] if self.relay else self.workers
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        message = self.encoder.encode(scheduler_output)
-        output = self.collective_rpc("execute_model_remote", (message,))[0]
+        self.execute_model_async(scheduler_output)
+        return self.get_model_output()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> None:
+        # Each worker reads its pipe in order and answers every call, so the steps' answers come back in
+        # the order the steps were sent.
+        self._send("execute_model_remote", (self.encoder.encode(scheduler_output),), {})
+        self.num_steps_in_flight += 1
+
+    def get_model_output(self) -> ModelRunnerOutput:
+        assert self.num_steps_in_flight > 0, "no step in flight"
+        self.num_steps_in_flight -= 1
+        output = self._receive("execute_model_remote", EXECUTE_TIMEOUT_S)[0]
         assert output is not None
         return output
 

@@ -285,7 +285,9 @@ class ModelRunner:
             self.kv_connector.start_load_kv(connector_meta)
         if scheduler_output.scheduled:
             batch = self.prepare(scheduler_output.scheduled)
+            forward_start = time.perf_counter()
             hidden = self.forward(batch)
+            output.forward_s = time.perf_counter() - forward_start
             self.sample(batch, hidden, output, scheduler_output.grammar_bitmask)
         if self.kv_connector is not None:
             if connector_meta is not None and connector_meta.reqs_to_save:
@@ -448,7 +450,9 @@ class ModelRunner:
         # Nothing but argmaxes to take: the logits stay in the matmul's dtype. In bf16 the float32 copy
         # (a fresh batch x vocab tensor every step) cost more than the argmax itself.
         argmax_only = plain_greedy and not verify_rows and not prompt_rows
+        logits_start = time.perf_counter()
         all_logits = self.model.compute_logits(hidden if all_rows else hidden[logits_rows], upcast=not argmax_only)
+        output.forward_s += time.perf_counter() - logits_start
         if all_logits is None:
             return  # not rank 0: the logits were gathered there, and only rank 0 samples
         num_sample, num_verify = len(sample_rows), len(verify_rows)

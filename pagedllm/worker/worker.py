@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from pagedllm.distributed.parallel_state import collective_bytes, init_distributed_environment
+from pagedllm.distributed.parallel_state import broadcast_object, collective_bytes, init_distributed_environment
 from pagedllm.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from pagedllm.metrics.reader import Metric
 from pagedllm.platform import configure_cpu_allocator
@@ -31,6 +31,7 @@ class Worker:
                  speculative_config: SpeculativeConfig | None = None, distributed_init_method: str | None = None):
         self.rank = rank
         self.parallel_config = parallel_config
+        self.async_scheduling = scheduler_config.async_scheduling
         tp_size = parallel_config.tensor_parallel_size
         if device.type == "cuda" and tp_size > 1:
             device = torch.device("cuda", rank % parallel_config.ranks_per_node)
@@ -62,8 +63,19 @@ class Worker:
 
     def execute_model_remote(self, message: WorkerSchedulerOutput) -> ModelRunnerOutput | None:
         """A step planned in the engine's process: rank 0 returns the sampled tokens, the others None."""
-        output = self.execute_model(self.request_states.apply(message))
+        plan = self.request_states.apply(message)
+        output = self.execute_model(plan)
+        if self.async_scheduling and plan.scheduled:
+            # The next plan is already on its way and computes these tokens: every rank needs them now.
+            sampled = output.sampled_token_ids
+            if self.parallel_config.tensor_parallel_size > 1:
+                sampled = broadcast_object(sampled if self.rank == 0 else None)
+            self.request_states.append_sampled(sampled)
         return output if self.rank == 0 else None
+
+    def live_request_ids(self) -> list[str]:
+        """The requests this worker process keeps a copy of (what the engine has not yet said are gone)."""
+        return sorted(self.request_states.requests)
 
     def kv_staging_stats(self) -> tuple[int, int]:
         """(requests, bytes) a KV producer holds now for consumers to pull."""
