@@ -87,16 +87,18 @@ def assert_nothing_held(llm: LLM) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama_dir: str) -> list:
+def reference(tiny_llama_dir: str) -> tuple[list, float]:
+    """The synchronous in-process engine's outputs, and the generated tokens its metrics count."""
     llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16)
     try:
-        return summary(llm)
+        return summary(llm), metric_values(llm)["pagedllm:generation_tokens"]
     finally:
         llm.shutdown()
 
 
 @pytest.mark.parametrize("num_blocks", [None, 12])
-def test_async_scheduling_changes_no_output(tiny_llama_dir: str, reference: list, num_blocks: int | None) -> None:
+def test_async_scheduling_changes_no_output(tiny_llama_dir: str, reference: tuple[list, float],
+                                            num_blocks: int | None) -> None:
     llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
               async_scheduling=True, num_gpu_blocks_override=num_blocks)
     try:
@@ -113,9 +115,12 @@ def test_async_scheduling_changes_no_output(tiny_llama_dir: str, reference: list
         assert plans["ahead"] > plans["after"], plans  # most steps were planned while another ran
         if num_blocks is not None:
             assert scheduler.num_preemptions > 0
-        assert [g[0] for g in got] == [r[0] for r in reference]
-        for g, want in zip(got, reference):
-            assert_same_logprobs(g[1], want[1])
+        want, num_generated = reference
+        assert [g[0] for g in got] == [r[0] for r in want]
+        for g, w in zip(got, want):
+            assert_same_logprobs(g[1], w[1])
+        # the tokens of requests that ended while their next step ran were dropped, and are not counted
+        assert metric_values(llm)["pagedllm:generation_tokens"] == num_generated
         assert_nothing_held(llm)
     finally:
         llm.shutdown()
@@ -162,13 +167,13 @@ def test_async_scheduling_refuses_what_it_cannot_overlap(tiny_llama_dir: str) ->
 
 
 @pytest.mark.slow
-def test_async_scheduling_with_two_ranks(tiny_llama_dir: str, reference: list) -> None:
+def test_async_scheduling_with_two_ranks(tiny_llama_dir: str, reference: tuple[list, float]) -> None:
     """Every rank appends rank 0's sampled tokens (broadcast), so tensor parallelism overlaps too."""
     llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
               async_scheduling=True, tensor_parallel_size=2)
     try:
         got = summary(llm)
-        assert [g[0] for g in got] == [r[0] for r in reference]
+        assert [g[0] for g in got] == [r[0] for r in reference[0]]
         assert_nothing_held(llm)
     finally:
         llm.shutdown()

@@ -328,7 +328,9 @@ class EngineCore:
                      model_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         updated, _, _ = self.scheduler.update(scheduler_output, model_output)
         self.scheduler.update_draft_token_ids(model_output.spec_token_ids)
-        self.num_generation_tokens += sum(len(t) for t in model_output.sampled_token_ids.values())
+        # the requests that took tokens (async scheduling drops those of requests that ended meanwhile)
+        sampled = model_output.sampled_token_ids
+        self.num_generation_tokens += sum(len(sampled[request.request_id]) for request in updated)
         now = time.time()
         outputs = []
         running = RequestStatus.RUNNING
