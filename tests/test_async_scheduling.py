@@ -11,8 +11,11 @@ alone; afterwards no block is held, in the engine or in the worker's copies of t
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from test_server import RemoteServer
+from test_server_load import wait_until
 from tiny_models import metric_values, random_prompts
 
 from pagedllm import LLM, SamplingParams
@@ -177,3 +180,40 @@ def test_async_scheduling_with_two_ranks(tiny_llama_dir: str, reference: tuple[l
         assert_nothing_held(llm)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_server_with_async_scheduling(tiny_llama_dir: str, tmp_path) -> None:
+    """`pagedllm serve --async-scheduling` through the openai client: concurrent completions and a stream
+    equal the offline engine's, and every block is free afterwards."""
+    prompts = ["def fibonacci(n):", "Hello, world! How are", "import heapq\n", "class Counter:"] * 3
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, seed=0)
+    try:
+        want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20),
+                                                          use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    server = RemoteServer(tiny_llama_dir, tmp_path, extra_args=["--async-scheduling"])
+    try:
+        client = server.client()
+
+        def complete(prompt: str) -> str:
+            response = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0.0)
+            return response.choices[0].text
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(complete, prompts)) == want
+        stream = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=20, temperature=0.0,
+                                           stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream) == want[0]
+
+        def all_free() -> bool:
+            metrics = server.metrics()
+            return (metrics["pagedllm:kv_cache_free_blocks"] == metrics["pagedllm:kv_cache_total_blocks"]
+                    and metrics["pagedllm:num_requests_running"] == 0)
+
+        wait_until(all_free, 60, "every KV block free")
+        assert server.terminate() == 0, server.log()
+    finally:
+        if server.proc.poll() is None:
+            server.terminate()
