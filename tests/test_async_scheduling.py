@@ -161,6 +161,32 @@ def test_abort_while_steps_are_in_flight(tiny_llama_dir: str) -> None:
         llm.shutdown()
 
 
+def test_a_parallel_sampling_request_is_admitted_while_others_run(tiny_llama_dir: str) -> None:
+    """Plans made ahead do not admit a parallel-sampling parent (or a grammar request); the next plan is
+    then made after the step in flight, so it is admitted at once, not when the running requests end."""
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, async_scheduling=True)
+    try:
+        engine = llm.llm_engine
+        long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+        for i, p in enumerate(random_prompts(2, VOCAB, seed=31)):
+            engine.add_request(f"long{i}", {"prompt_token_ids": p}, long)
+        for _ in range(3):
+            engine.step()
+        engine.add_request("pair", {"prompt_token_ids": random_prompts(1, VOCAB, seed=32)[0]},
+                           SamplingParams(temperature=1.0, n=2, max_tokens=4, seed=0))
+        scheduler = engine.engine_core.scheduler
+        finished = set()
+        for _ in range(12):
+            finished |= {out.request_id for out in engine.step() if out.finished}
+        assert "pair" in finished and not finished & {"long0", "long1"}
+        assert not any(r.request_id == "pair" for r in scheduler.waiting)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert_nothing_held(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_async_scheduling_refuses_what_it_cannot_overlap(tiny_llama_dir: str) -> None:
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(model=tiny_llama_dir, async_scheduling=True, distributed_executor_backend="uni")

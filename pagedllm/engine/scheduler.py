@@ -93,8 +93,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.finished_req_ids: set[str] = set()
-        # Async scheduling: a plan made ahead ran short of blocks, so the next one waits for the steps in
-        # flight and may preempt (preempting a request whose step is still running is never needed).
+        # Async scheduling: a plan made ahead ran short of blocks, or met a request only a plan made after
+        # the step in flight may admit, so the next plan waits for that step (and may then preempt:
+        # preempting a request whose step is still running is never needed).
         self.needs_sync = False
 
     # ---- bookkeeping ----
@@ -218,7 +219,10 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and not self.needs_sync:
             request = self._next_waiting()
             if ahead and (request.is_fork_parent or request.sampling_params.guided_decoding is not None):
-                break  # admitted by a plan made after the step in flight (see can_schedule_ahead)
+                # Admitted by a plan made after the step in flight (see can_schedule_ahead): ask for one,
+                # or it (and everyone queued behind it) would wait until the running requests all end.
+                self.needs_sync = True
+                break
             n = request.sampling_params.n if request.is_fork_parent else 1
             # A parallel-sampling parent needs room for all its samples, unless it would run alone
             # (n above max_num_seqs must still make progress).
