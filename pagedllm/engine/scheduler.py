@@ -204,14 +204,15 @@ class Scheduler:
                 if not self.kv.allocate_slots(request, num_new, num_cacheable_tokens=request.num_tokens):
                     self.needs_sync = True
                     continue
-            while not self.kv.allocate_slots(request, num_new, num_cacheable_tokens=request.num_tokens):
-                victim = self._pick_victim(scheduled, request)
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    break
-            if request.status is not running:
-                continue
+            else:
+                while not self.kv.allocate_slots(request, num_new, num_cacheable_tokens=request.num_tokens):
+                    victim = self._pick_victim(scheduled, request)
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is request:
+                        break
+                if request.status is not running:
+                    continue
             scheduled[request.request_id] = self._scheduled(request, num_new)
             budget -= num_new
 
