@@ -74,8 +74,12 @@ class StepProfiler:
                 if profiler._children:
                     profiler._children[-1] += elapsed
 
+        self._replace(owner, name, timed)
+
+    def _replace(self, owner: Any, name: str, fn: Any) -> None:
+        """Set owner.name to fn until detach()."""
         self._patches.append((owner, name, vars(owner).get(name, _MISSING)))
-        setattr(owner, name, timed)
+        setattr(owner, name, fn)
 
     def attach(self, engine: Any) -> StepProfiler:
         self.wrap(engine, "step", "other")  # its patch restores the engine's own step at detach
@@ -136,8 +140,7 @@ class StepProfiler:
                 self._step_worker_forward_s += model_output.forward_s
                 return finish_step(scheduler_output, model_output)
 
-            self._patches.append((core, "_finish_step", vars(core).get("_finish_step", _MISSING)))
-            core._finish_step = noted_finish_step
+            self._replace(core, "_finish_step", noted_finish_step)
         self.wrap(Sampler, "__call__", "sampling")  # called through the type, so wrapped on the class
         self.wrap(engine.output_processor, "process_outputs", "output processing")
         self.wrap(IncrementalDetokenizer, "add_token", "detokenisation")
@@ -166,8 +169,17 @@ class StepProfiler:
         """Engine overhead's share of step time: all but the forward pass (with workers in other
         processes, all but their own forward pass: see the module docstring)."""
         total = self.total_s
-        forward = self.worker_forward_s if self.workers_in_forward else self.seconds["forward"]
-        return (total - forward) / total if total else 0.0
+        return (total - self.forward_s) / total if total else 0.0
+
+    @property
+    def forward_s(self) -> float:
+        """The forward pass's seconds: the workers' own where they run in other processes."""
+        return self.worker_forward_s if self.workers_in_forward else self.seconds["forward"]
+
+    @property
+    def decode_forward_s(self) -> float:
+        """The same over the decode steps."""
+        return self.decode_worker_forward_s if self.workers_in_forward else self.decode_seconds["forward"]
 
     @property
     def engine_process_fraction(self) -> float:
@@ -183,8 +195,7 @@ class StepProfiler:
     @property
     def decode_overhead_fraction(self) -> float:
         total = self.decode_total_s
-        forward = self.decode_worker_forward_s if self.workers_in_forward else self.decode_seconds["forward"]
-        return (total - forward) / total if total else 0.0
+        return (total - self.decode_forward_s) / total if total else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "seconds": {p: self.seconds[p] for p in PHASES},
@@ -213,8 +224,7 @@ class StepProfiler:
                      f"{self.overhead_fraction:.1%} of step time")
         if self.decode_steps:
             decode_total = self.decode_total_s
-            decode_forward = self.decode_worker_forward_s if self.workers_in_forward else self.decode_seconds["forward"]
-            overhead_ms = 1e3 * (decode_total - decode_forward) / self.decode_steps
+            overhead_ms = 1e3 * (decode_total - self.decode_forward_s) / self.decode_steps
             lines.append(f"{self.decode_steps} decode-only steps: engine overhead {self.decode_overhead_fraction:.1%} "
                          f"({overhead_ms:.2f} ms of {1e3 * decode_total / self.decode_steps:.2f} ms a step)")
         return "\n".join(lines)

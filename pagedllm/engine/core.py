@@ -269,7 +269,8 @@ class EngineCore:
         return self._finish_step(scheduler_output, self.model_executor.get_model_output())
 
     def _start(self, scheduler_output: SchedulerOutput) -> None:
-        if (scheduler_output.scheduled or scheduler_output.blocks_to_copy or scheduler_output.finished_req_ids
+        # a plan with nothing to run still tells the worker which requests ended and which tables changed
+        if (not scheduler_output.is_empty or scheduler_output.finished_req_ids
                 or scheduler_output.block_table_changes):
             self.model_executor.execute_model_async(scheduler_output)
             self._in_flight.append(scheduler_output)
