@@ -37,6 +37,15 @@ def test_argmax_rows_matches_torch_with_ties_nan_and_inf(dtype: torch.dtype) -> 
     assert argmax_rows(x[:0]).shape == (0,)
     odd = torch.randn(3, 77).to(dtype)                      # a width that is no multiple of the chunk
     assert torch.equal(argmax_rows(odd), odd.argmax(dim=-1))
+    # widths around the SIMD vector and the 256-wide chunk, maxima and NaNs in the scalar tails
+    for width in (1, 15, 16, 17, 31, 32, 33, 255, 256, 257, 8192 + 5):
+        rows = torch.randn(6, width).round().to(dtype)       # rounded: many ties
+        rows[1, -1] = 50.0
+        rows[2, -1] = float("nan")
+        rows[3, width // 2] = float("nan")
+        rows[3, -1] = float("inf")
+        rows[4, 0] = rows[4, -1] = 60.0
+        assert torch.equal(argmax_rows(rows), rows.argmax(dim=-1)), width
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
