@@ -49,7 +49,8 @@ class AttentionMetadata:
     # The varlen description of the whole step, in the flat order above (int64).
     query_start_loc: torch.Tensor | None = None   # [num_seqs + 1]
     seq_lens: torch.Tensor | None = None          # [num_seqs]
-    block_tables: torch.Tensor | None = None      # [num_seqs, max_blocks], zero-padded
+    # [num_seqs, max_blocks]; entries past a sequence's own blocks are stale ids (zero where needs_dense_masks)
+    block_tables: torch.Tensor | None = None
     max_query_len: int = 0
     max_seq_len: int = 0
     # What a backend derives from the above once per step (`AttentionBackend.prepare_metadata`).

@@ -57,6 +57,7 @@ class Request:
     def __post_init__(self) -> None:
         # An attribute, not a property: the scheduler reads it for every running request every step.
         self.is_fork_parent = self.sampling_params.n > 1 and self.parent_id is None
+        self.always_argmax = self.sampling_params.always_argmax  # the runner's fast path reads it every step
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0

@@ -68,6 +68,9 @@ class CachedRequestState:
     generator: torch.Generator | None = None   # created by the runner on first use when seeded
     num_prompt_logprobs_computed: int = 0
 
+    def __post_init__(self) -> None:
+        self.always_argmax = self.sampling_params.always_argmax  # as Request's
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
