@@ -41,9 +41,9 @@ class BlockTables:
             if row is not None:
                 self._free_rows.append(row)
 
-    def rows(self, request_ids: Iterable[str]) -> np.ndarray:
+    def rows(self, request_ids: Iterable[str]) -> list[int]:
         row_of = self.row_of
-        return np.array([row_of[request_id] for request_id in request_ids], dtype=np.int64)
+        return [row_of[request_id] for request_id in request_ids]
 
     def _new_row(self, request_id: str) -> int:
         if not self._free_rows:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 import time
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from pagedllm.outputs import PositionLogprobs, position_logprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import GrammarBitmask
 from pagedllm.worker.block_table import BlockTables
+from pagedllm.worker.step_inputs import step_inputs
 
 if TYPE_CHECKING:
     from pagedllm.spec_decode import SpeculativeConfig
@@ -329,58 +331,34 @@ class ModelRunner:
             if end > len(known):
                 token_ids.extend(s.spec_token_ids[:end - len(known)])
         device = self.device
-        num_tokens = len(token_ids)
-        start_pos_np, query_lens_np = np.array((start_pos, query_lens), dtype=np.int64)
-        seq_lens = start_pos_np + query_lens_np
-        num_blocks = (seq_lens + (bs - 1)) // bs
-        # The step's tables: one gather of the requests' rows. Entries past a table's used blocks are
-        # stale but valid block ids, which the kernels never read; the dense-mask reference backend reads
-        # every entry (masked), so for it they are zeroed.
-        tables = self.block_tables.table[self.block_tables.rows(request_ids), :int(num_blocks.max())]
-        if self.backend.needs_dense_masks:
-            tables[np.arange(tables.shape[1]) >= num_blocks[:, None]] = 0
-        # Every token's position and KV slot in one vectorized pass over the step's block tables.
-        if num_tokens == len(order):  # one token per request (plain decode): no per-token expansion
-            positions = start_pos_np
-            seq_index = np.arange(num_tokens)
-        else:
-            seq_index = np.repeat(np.arange(len(order)), query_lens_np)
-            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(
-                start_pos_np - np.array(query_starts, dtype=np.int64), query_lens_np)
-        block_index, offset = np.divmod(positions, bs)
-        slots = tables[seq_index, block_index] * bs + offset
-        metadata = AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(device))
-        self._prepare_varlen(query_starts + [num_tokens], seq_lens, int(query_lens_np.max()), tables, metadata)
-        if short and self.backend.needs_dense_masks:
+        dense = self.backend.needs_dense_masks
+        inputs = step_inputs(token_ids, start_pos, query_lens, self.block_tables.rows(request_ids),
+                             self.block_tables.table, bs, zero_pad=dense)
+        on_device = (lambda t: t) if device.type == "cpu" else (lambda t: t.to(device))
+        metadata = AttentionMetadata(
+            slot_mapping=on_device(inputs.slot_mapping), query_start_loc=on_device(inputs.query_start_loc),
+            seq_lens=on_device(inputs.seq_lens), block_tables=on_device(inputs.block_tables),
+            max_query_len=max(query_lens), max_seq_len=max(map(operator.add, start_pos, query_lens)))
+        if long or dense:  # per-request views of the same arrays
+            seq_lens, tables = inputs.seq_lens.numpy(), inputs.block_tables.numpy()
+            num_blocks = (seq_lens + (bs - 1)) // bs
+        if short and dense:
             n = len(short)
-            self._prepare_decodes(query_lens_np[:n], seq_lens[:n], tables[:n, :int(num_blocks[:n].max())], metadata)
+            self._prepare_decodes(np.array(query_lens[:n], dtype=np.int64), seq_lens[:n],
+                                  tables[:n, :int(num_blocks[:n].max())], metadata)
         for i, (s, start) in enumerate(zip(long, query_starts[len(short):]), start=len(short)):
             seq_len = int(seq_lens[i])
             prefill = PrefillSeq(query_start=start, query_len=s.num_new_tokens, seq_len=seq_len,
-                                 block_table=torch.from_numpy(tables[i, :num_blocks[i]]).to(device))
-            if self.backend.needs_dense_masks and s.start_pos > 0:
+                                 block_table=on_device(torch.from_numpy(tables[i, :num_blocks[i]])))
+            if dense and s.start_pos > 0:
                 # Bottom-right causal: query i sits at position start_pos + i. Built here once per step,
                 # not in each layer.
                 key_pos = torch.arange(seq_len, device=device)
                 prefill.attn_mask = key_pos[None, :] <= key_pos[s.start_pos:, None]
             metadata.prefills.append(prefill)
         self.backend.prepare_metadata(metadata)
-        return Batch(
-            # through numpy: torch.tensor of a Python list costs 4x as much (measured at 64 ints)
-            input_ids=torch.from_numpy(np.array(token_ids, dtype=np.int64)).to(device),
-            positions=torch.from_numpy(positions).to(device),
-            metadata=metadata, order=order, query_starts=query_starts)
-
-    def _prepare_varlen(self, query_start_loc: list[int], seq_lens: np.ndarray, max_query_len: int,
-                        tables: np.ndarray, metadata: AttentionMetadata) -> None:
-        """The whole step as varlen sequences (query_start_loc, seq_lens, block_tables), for kernels that
-        read K/V in place."""
-        device = self.device
-        metadata.query_start_loc = torch.from_numpy(np.array(query_start_loc, dtype=np.int64)).to(device)
-        metadata.seq_lens = torch.from_numpy(seq_lens).to(device)
-        metadata.block_tables = torch.from_numpy(tables).to(device)
-        metadata.max_query_len = max_query_len
-        metadata.max_seq_len = int(seq_lens.max())
+        return Batch(input_ids=on_device(inputs.input_ids), positions=on_device(inputs.positions),
+                     metadata=metadata, order=order, query_starts=query_starts)
 
     def _prepare_decodes(self, query_lens: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray,
                          metadata: AttentionMetadata) -> None:

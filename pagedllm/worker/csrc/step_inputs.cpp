@@ -1,0 +1,87 @@
+// A step's input tensors in one call (torch.ops.pagedllm_cpu_step.step_inputs), for ModelRunner.prepare.
+//
+// Preparing a decode step at batch 64 ran some twenty numpy and torch calls on 64-element arrays. They
+// run right after the forward pass has streamed the weights and the KV cache through the caches, where
+// each call's first touch of its code and data costs several times its warm price (a numpy call on a
+// 64-element list: 4 us warm, 12 us after a 32 MB sweep): the calls, not the arithmetic, were the cost.
+// Here the same arithmetic is one call over the requests' Python lists. The numpy path in
+// model_runner.py stays for machines without the C++ ops; a test holds both to the same tensors.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+namespace {
+
+// For each request b: tokens [query_start_loc[b], query_start_loc[b + 1]) sit at positions
+// start_pos[b] .. start_pos[b] + query_lens[b] - 1, and its block table is row rows[b] of `table`.
+// Returns (input_ids [T], positions [T], slot_mapping [T], query_start_loc [B + 1], seq_lens [B],
+// block_tables [B, max blocks]), all int64. Table entries past a request's own blocks are zeroed when
+// zero_pad (the dense-mask backend reads them), else copied as they are (stale ids no kernel reads).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> step_inputs(
+    at::IntArrayRef token_ids, at::IntArrayRef start_pos, at::IntArrayRef query_lens, at::IntArrayRef rows,
+    const at::Tensor& table, int64_t block_size, bool zero_pad) {
+  const int64_t num_reqs = static_cast<int64_t>(start_pos.size());
+  TORCH_CHECK(static_cast<int64_t>(query_lens.size()) == num_reqs && static_cast<int64_t>(rows.size()) == num_reqs,
+              "step_inputs: start_pos, query_lens and rows must have one entry per request");
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kLong && table.is_contiguous(),
+              "step_inputs: table must be a contiguous 2-D int64 tensor");
+  TORCH_CHECK(block_size > 0, "step_inputs: block_size must be positive");
+  const int64_t table_rows = table.size(0), table_cols = table.size(1);
+  int64_t num_tokens = 0, max_blocks = 0;
+  for (int64_t b = 0; b < num_reqs; ++b) {
+    TORCH_CHECK(query_lens[b] > 0 && start_pos[b] >= 0, "step_inputs: a request computes no token");
+    TORCH_CHECK(rows[b] >= 0 && rows[b] < table_rows, "step_inputs: row out of range");
+    num_tokens += query_lens[b];
+    max_blocks = std::max(max_blocks, (start_pos[b] + query_lens[b] + block_size - 1) / block_size);
+  }
+  TORCH_CHECK(static_cast<int64_t>(token_ids.size()) == num_tokens, "step_inputs: one token id per token");
+  TORCH_CHECK(max_blocks <= table_cols, "step_inputs: a sequence has more blocks than the table holds");
+  const auto options = table.options();
+  at::Tensor input_ids = at::empty({num_tokens}, options);
+  at::Tensor positions = at::empty({num_tokens}, options);
+  at::Tensor slots = at::empty({num_tokens}, options);
+  at::Tensor query_start_loc = at::empty({num_reqs + 1}, options);
+  at::Tensor seq_lens = at::empty({num_reqs}, options);
+  at::Tensor tables = at::empty({num_reqs, max_blocks}, options);
+  std::memcpy(input_ids.data_ptr<int64_t>(), token_ids.data(), num_tokens * sizeof(int64_t));
+  const int64_t* src = table.data_ptr<int64_t>();
+  int64_t* pos = positions.data_ptr<int64_t>();
+  int64_t* slot = slots.data_ptr<int64_t>();
+  int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  int64_t* lens = seq_lens.data_ptr<int64_t>();
+  int64_t* dst = tables.data_ptr<int64_t>();
+  int64_t t = 0;
+  for (int64_t b = 0; b < num_reqs; ++b) {
+    const int64_t seq_len = start_pos[b] + query_lens[b];
+    const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+    const int64_t* row = src + rows[b] * table_cols;
+    int64_t* out = dst + b * max_blocks;
+    std::memcpy(out, row, (zero_pad ? num_blocks : max_blocks) * sizeof(int64_t));
+    if (zero_pad) std::fill(out + num_blocks, out + max_blocks, int64_t{0});
+    qsl[b] = t;
+    lens[b] = seq_len;
+    for (int64_t p = start_pos[b]; p < seq_len; ++p, ++t) {
+      pos[t] = p;
+      slot[t] = out[p / block_size] * block_size + p % block_size;
+    }
+  }
+  qsl[num_reqs] = t;
+  return {input_ids, positions, slots, query_start_loc, seq_lens, tables};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedllm_cpu_step, m) {
+  m.def("step_inputs(int[] token_ids, int[] start_pos, int[] query_lens, int[] rows, Tensor table, "
+        "int block_size, bool zero_pad) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu_step, CPU, m) {
+  m.impl("step_inputs", &step_inputs);
+}

@@ -1,0 +1,69 @@
+"""A step's flat input tensors from the scheduled requests' Python lists (ModelRunner.prepare's core).
+
+For request b, tokens [query_start_loc[b], query_start_loc[b + 1]) of the flat batch sit at positions
+start_pos[b] .. start_pos[b] + query_lens[b] - 1; its block table is row rows[b] of the runner's
+BlockTables. From these: every token's id, position and KV slot, the varlen description (query_start_loc,
+seq_lens) and the step's block tables ([num_reqs, max blocks]; entries past a request's own blocks are
+zeroed with zero_pad, which the dense-mask reference backend needs, and otherwise left as the stale but
+valid ids no kernel reads).
+
+Built in one C++ call where the CPU ops are available (worker/csrc/step_inputs.cpp): this runs right
+after the forward pass has swept the caches, where each of the twenty-odd small numpy and torch calls of
+the array path below cost several times its warm price. The array path is the same arithmetic for
+machines without the C++ ops; tests hold the two to the same tensors.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from pagedllm.cpu_kernels import load_cpu_kernels
+
+
+class StepInputs(NamedTuple):
+    """int64 CPU tensors."""
+
+    input_ids: torch.Tensor        # [num_tokens]
+    positions: torch.Tensor        # [num_tokens]
+    slot_mapping: torch.Tensor     # [num_tokens]
+    query_start_loc: torch.Tensor  # [num_reqs + 1]
+    seq_lens: torch.Tensor         # [num_reqs]
+    block_tables: torch.Tensor     # [num_reqs, max blocks]
+
+
+def step_inputs(token_ids: list[int], start_pos: list[int], query_lens: list[int], rows: list[int],
+                table: np.ndarray, block_size: int, zero_pad: bool, use_kernel: bool = True) -> StepInputs:
+    if use_kernel and load_cpu_kernels():
+        return StepInputs(*torch.ops.pagedllm_cpu_step.step_inputs(
+            token_ids, start_pos, query_lens, rows, torch.from_numpy(table), block_size, zero_pad))
+    return step_inputs_numpy(token_ids, start_pos, query_lens, rows, table, block_size, zero_pad)
+
+
+def step_inputs_numpy(token_ids: list[int], start_pos: list[int], query_lens: list[int], rows: list[int],
+                      table: np.ndarray, block_size: int, zero_pad: bool) -> StepInputs:
+    """The same as the C++ op, in whole-array numpy calls."""
+    bs = block_size
+    num_reqs, num_tokens = len(start_pos), len(token_ids)
+    start_pos_np, query_lens_np = np.array((start_pos, query_lens), dtype=np.int64).reshape(2, num_reqs)
+    seq_lens = start_pos_np + query_lens_np
+    num_blocks = (seq_lens + (bs - 1)) // bs
+    tables = table[np.array(rows, dtype=np.int64), :int(num_blocks.max(initial=0))]
+    if zero_pad:
+        tables[np.arange(tables.shape[1]) >= num_blocks[:, None]] = 0
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(query_lens_np, out=query_start_loc[1:])
+    if num_tokens == num_reqs:  # one token per request (plain decode): no per-token expansion
+        positions = start_pos_np
+        seq_index = np.arange(num_tokens)
+    else:
+        seq_index = np.repeat(np.arange(num_reqs), query_lens_np)
+        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(start_pos_np - query_start_loc[:-1],
+                                                                      query_lens_np)
+    block_index, offset = np.divmod(positions, bs)
+    slots = tables[seq_index, block_index] * bs + offset
+    return StepInputs(torch.from_numpy(np.array(token_ids, dtype=np.int64)), torch.from_numpy(positions),
+                      torch.from_numpy(slots), torch.from_numpy(query_start_loc), torch.from_numpy(seq_lens),
+                      torch.from_numpy(tables))
