@@ -6,6 +6,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from pagedllm.engine.arg_utils import EngineArgs
@@ -107,7 +108,7 @@ class LLM:
         budgets = {request_id: (state.params.max_tokens or 1) * state.params.n
                    for request_id in ids if (state := engine.output_processor.states.get(request_id))}
         progress = _Progress(budgets, engine, disable=not use_tqdm)
-        with progress:
+        with progress, torch.inference_mode():  # entered once, not per step (see ModelRunner.execute)
             while len(finals) < len(ids) and engine.has_unfinished_requests():
                 outputs = engine.step()
                 for output in outputs:

@@ -38,6 +38,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
+
 from pagedllm.engine.core import EngineCore, EngineCoreOutputs
 from pagedllm.executor.abstract import ExecutorDeadError
 from pagedllm.metrics.stat_logger import LoggingStatLogger
@@ -75,6 +77,10 @@ class EngineCoreLoop:
 
     def run(self) -> None:
         """Until a ("shutdown",) message; raises when the core cannot go on."""
+        with torch.inference_mode():  # entered once, not per step (see ModelRunner.execute)
+            self._run()
+
+    def _run(self) -> None:
         core = self.core
         while True:
             can_step = core.has_unfinished_requests() and self.num_unacked < MAX_UNACKED_OUTPUTS

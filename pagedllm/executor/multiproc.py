@@ -283,13 +283,15 @@ def worker_main(fd: int, rank: int) -> int:
             send(conn, ("error", (rank, traceback.format_exc())))
             return 1
         send(conn, ("ok", None))
-        if worker.parallel_config.nnodes > 1:
-            if rank == 0:
-                _serve_relaying(worker, conn)
+        # every call in inference mode, entered once (see ModelRunner.execute)
+        with torch.inference_mode():
+            if worker.parallel_config.nnodes > 1:
+                if rank == 0:
+                    _serve_relaying(worker, conn)
+                else:
+                    _serve_relayed(worker)
             else:
-                _serve_relayed(worker)
-        else:
-            _serve(worker, conn)
+                _serve(worker, conn)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass
     return 0

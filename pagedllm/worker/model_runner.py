@@ -207,6 +207,12 @@ class ModelRunner:
         return int(num_blocks), source
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        # Ordinary tensors even when called in inference mode (a worker process serves every call in it):
+        # a KV connector's thread writes into the cache outside it.
+        with torch.inference_mode(False):
+            self._allocate_kv_cache(num_blocks)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config
         # One tensor for all layers; each layer gets a [2, kv_heads, num_blocks, block_size, head_dim] view
         # (MLA: [1, 1, num_blocks, block_size, latent + rope key], see ModelConfig.kv_cache_layer_shape).
@@ -273,8 +279,16 @@ class ModelRunner:
                 cache[:, :, dst] = cache[:, :, src]
 
     # ---- one step ----
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, in inference mode. The engine's own loops (LLM.generate's, the engine-core and worker
+        processes') run in it for their whole life: entering it costs 50-80 us of cold Python code after a
+        forward pass, so a step enters it only when its caller has not."""
+        if torch.is_inference_mode_enabled():
+            return self._execute(scheduler_output)
+        with torch.inference_mode():
+            return self._execute(scheduler_output)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
         if self.spec_decoder is not None:
             self.spec_decoder.free_requests(scheduler_output.finished_req_ids | set(scheduler_output.preempted_ids))
