@@ -243,3 +243,55 @@ def test_server_with_async_scheduling(tiny_llama_dir: str, tmp_path) -> None:
     finally:
         if server.proc.poll() is None:
             server.terminate()
+
+
+def test_plan_and_answer_travel_compact_and_arrive_whole() -> None:
+    """What crosses the pipe to a worker: a plan's columns that say nothing travel as None, and its request
+    ids as None when they are the previous plan's; a one-token-per-request answer travels as bare tokens.
+    The worker rebuilds the same plan, and the engine the same output, either way."""
+    from pagedllm.engine.request import Request
+    from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+    from pagedllm.outputs import Logprob
+    from pagedllm.worker.request_state import RequestStates, SchedulerOutputEncoder, pack_output, unpack_output
+
+    requests = [Request(f"r{i}", [5, 6, 7 + i], SamplingParams(max_tokens=8)) for i in range(3)]
+
+    def plan(items: list[tuple[Request, int, int, bool, list[int]]]) -> SchedulerOutput:
+        return SchedulerOutput([ScheduledRequest(r, n, start, [], sample, spec) for r, n, start, sample, spec in items],
+                               sum(n for _, n, _, _, _ in items), [], [])
+
+    encoder, states = SchedulerOutputEncoder(), RequestStates()
+    steps = [plan([(r, 3, 0, True, []) for r in requests])]                       # prompts: new requests
+    for r in requests:
+        r.append_output_token(100)
+    steps.append(plan([(r, 1, 3, True, []) for r in requests]))                   # decode: same ids
+    requests[0].append_output_token(101)
+    steps.append(plan([(requests[0], 1, 4, True, [])]))                            # fewer requests
+    requests[0].append_output_token(102)
+    steps.append(plan([(requests[0], 3, 5, True, [7, 8])]))                        # speculative tokens
+    sent = []
+    for step in steps:
+        message = encoder.encode(step)
+        sent.append(message.scheduled)
+        rebuilt = states.apply(message)
+        assert [(s.request.request_id, s.num_new_tokens, s.start_pos, s.sample, s.spec_token_ids)
+                for s in rebuilt.scheduled] == \
+               [(s.request.request_id, s.num_new_tokens, s.start_pos, s.sample, s.spec_token_ids)
+                for s in step.scheduled]
+        for s in rebuilt.scheduled:
+            assert s.request.all_token_ids == s.request.prompt_token_ids + \
+                next(r for r in requests if r.request_id == s.request.request_id).output_token_ids
+    assert sent[0].request_ids is not None and sent[1].request_ids is None and sent[2].request_ids == ["r0"]
+    assert sent[1].spec_token_ids is None and sent[1].sample is None and sent[3].spec_token_ids == [[7, 8]]
+
+    ids = ["r0", "r1"]
+    plain = ModelRunnerOutput(sampled_token_ids={"r0": [4], "r1": [9]}, forward_s=0.25)
+    packed = pack_output(plain, ids)
+    assert packed == ([4, 9], 0.25)
+    assert unpack_output(packed, ids) == plain
+    for whole in (ModelRunnerOutput(sampled_token_ids={"r1": [9], "r0": [4]}),         # not the plan's order
+                  ModelRunnerOutput(sampled_token_ids={"r0": [4, 5], "r1": [9]}),      # a verified draft
+                  ModelRunnerOutput(sampled_token_ids={"r0": [4], "r1": [9]},
+                                    sampled_logprobs={"r0": [-0.1], "r1": [-0.2]},
+                                    logprobs={"r0": [{4: Logprob(-0.1)}], "r1": [{9: Logprob(-0.2)}]})):
+        assert pack_output(whole, ids) is whole and unpack_output(whole, ids) is whole

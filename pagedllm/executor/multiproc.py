@@ -38,6 +38,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -45,7 +46,7 @@ import torch
 
 from pagedllm.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor, ExecutorDeadError
-from pagedllm.worker.request_state import SchedulerOutputEncoder
+from pagedllm.worker.request_state import SchedulerOutputEncoder, unpack_output
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,8 @@ class MultiprocExecutor(Executor):
         self.encoder = SchedulerOutputEncoder()
         self.workers: list[WorkerHandle] = []
         self.dead: str | None = None
-        self.num_steps_in_flight = 0  # sent with execute_model_async, answers not yet taken
+        # per step sent with execute_model_async whose answer is not yet taken: its plan's request ids
+        self._in_flight_ids: deque[list[str]] = deque()
         # Several nodes: calls go to rank 0, which relays them (see the module docstring).
         self.relay = pc.nnodes > 1
         init_method = f"tcp://{pc.dist_init_addr}" if self.relay else f"tcp://127.0.0.1:{get_open_port()}"
@@ -166,14 +168,18 @@ class MultiprocExecutor(Executor):
         # Each worker reads its pipe in order and answers every call, so the steps' answers come back in
         # the order the steps were sent.
         self._send("execute_model_remote", (self.encoder.encode(scheduler_output),), {})
-        self.num_steps_in_flight += 1
+        self._in_flight_ids.append(self.encoder.request_ids)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._in_flight_ids)
 
     def get_model_output(self) -> ModelRunnerOutput:
-        assert self.num_steps_in_flight > 0, "no step in flight"
-        self.num_steps_in_flight -= 1
-        output = self._receive("execute_model_remote", EXECUTE_TIMEOUT_S)[0]
-        assert output is not None
-        return output
+        assert self._in_flight_ids, "no step in flight"
+        request_ids = self._in_flight_ids.popleft()
+        answer = self._receive("execute_model_remote", EXECUTE_TIMEOUT_S)[0]
+        assert answer is not None
+        return unpack_output(answer, request_ids)
 
     def wait_for_workers(self) -> None:
         """A node other than 0: wait while this node's ranks serve rank 0's calls, until they exit."""

@@ -14,11 +14,12 @@ one process and in many.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import torch
 
 from pagedllm.distributed.kv_transfer.base import KVConnectorMetadata
-from pagedllm.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import GrammarBitmask
 
@@ -34,15 +35,29 @@ class NewRequestData:
 class ScheduledRequestsData:
     """The step's scheduled requests as columns, entry i for request i: one object to pickle instead of
     one per request (unpickling 64 per-request objects cost the worker ~0.2 ms a step, on its critical
-    path under async scheduling)."""
+    path under async scheduling). A column that says nothing (every entry empty, zero or True) travels as
+    None, and request_ids as None when they are the previous plan's, in its order: a steady decode step's
+    plan is then two lists of ints (SchedulerOutputEncoder.encode, RequestStates.apply)."""
 
-    request_ids: list[str] = field(default_factory=list)
-    new_token_ids: list[list[int]] = field(default_factory=list)  # appended since the worker last saw it
+    request_ids: list[str] | None = field(default_factory=list)
+    new_token_ids: list[list[int]] | None = field(default_factory=list)  # appended since the worker last saw it
     num_new_tokens: list[int] = field(default_factory=list)
     start_pos: list[int] = field(default_factory=list)
-    sample: list[bool] = field(default_factory=list)
-    spec_token_ids: list[list[int]] = field(default_factory=list)
-    num_prompt_logprobs_computed: list[int] = field(default_factory=list)
+    sample: list[bool] | None = field(default_factory=list)
+    spec_token_ids: list[list[int]] | None = field(default_factory=list)
+    num_prompt_logprobs_computed: list[int] | None = field(default_factory=list)
+
+    def compact(self, previous_request_ids: list[str] | None) -> None:
+        if self.request_ids == previous_request_ids:
+            self.request_ids = None
+        if not any(self.new_token_ids):  # type: ignore[arg-type]
+            self.new_token_ids = None
+        if all(self.sample):  # type: ignore[arg-type]
+            self.sample = None
+        if not any(self.spec_token_ids):  # type: ignore[arg-type]
+            self.spec_token_ids = None
+        if not any(self.num_prompt_logprobs_computed):  # type: ignore[arg-type]
+            self.num_prompt_logprobs_computed = None
 
 
 @dataclass
@@ -81,10 +96,12 @@ class CachedRequestState:
 
 
 class SchedulerOutputEncoder:
-    """Engine side: remembers how many tokens of each request the workers have."""
+    """Engine side: remembers how many tokens of each request the workers have, and the last plan's
+    request ids (in its order: the order of a packed answer's tokens, see pack_output)."""
 
     def __init__(self) -> None:
         self.num_sent_tokens: dict[str, int] = {}
+        self.request_ids: list[str] | None = None
 
     def encode(self, scheduler_output: SchedulerOutput) -> WorkerSchedulerOutput:
         for request_id in scheduler_output.finished_req_ids:
@@ -109,6 +126,9 @@ class SchedulerOutputEncoder:
             scheduled.sample.append(s.sample)
             scheduled.spec_token_ids.append(s.spec_token_ids)
             scheduled.num_prompt_logprobs_computed.append(request.num_prompt_logprobs_computed)
+        request_ids = scheduled.request_ids
+        scheduled.compact(self.request_ids)
+        self.request_ids = request_ids
         return WorkerSchedulerOutput(new_requests, scheduled, scheduler_output.blocks_to_copy,
                                      scheduler_output.finished_req_ids, scheduler_output.preempted_ids,
                                      scheduler_output.grammar_bitmask, scheduler_output.kv_connector_metadata,
@@ -120,6 +140,7 @@ class RequestStates:
 
     def __init__(self) -> None:
         self.requests: dict[str, CachedRequestState] = {}
+        self.request_ids: list[str] = []  # the last plan's, in its order
 
     def apply(self, message: WorkerSchedulerOutput) -> SchedulerOutput:
         for request_id in message.finished_req_ids:
@@ -130,14 +151,18 @@ class RequestStates:
         scheduled = []
         columns = message.scheduled
         requests = self.requests
+        if columns.request_ids is not None:
+            self.request_ids = columns.request_ids
         for request_id, new_token_ids, num_new, start, sample, spec, num_prompt_lp in zip(
-                columns.request_ids, columns.new_token_ids, columns.num_new_tokens, columns.start_pos,
-                columns.sample, columns.spec_token_ids, columns.num_prompt_logprobs_computed):
+                self.request_ids, columns.new_token_ids or repeat(None), columns.num_new_tokens,
+                columns.start_pos, columns.sample or repeat(True), columns.spec_token_ids or repeat(None),
+                columns.num_prompt_logprobs_computed or repeat(0)):
             state = requests[request_id]
             if new_token_ids:
                 state.all_token_ids.extend(new_token_ids)
             state.num_prompt_logprobs_computed = num_prompt_lp
-            scheduled.append(ScheduledRequest(state, num_new, start, [], sample, spec))  # type: ignore[arg-type]
+            scheduled.append(ScheduledRequest(state, num_new, start, [], sample,  # type: ignore[arg-type]
+                                              spec if spec is not None else []))
         return SchedulerOutput(scheduled=scheduled, num_batched_tokens=sum(columns.num_new_tokens),
                                blocks_to_copy=message.blocks_to_copy, preempted_ids=message.preempted_ids,
                                finished_req_ids=message.finished_req_ids, grammar_bitmask=message.grammar_bitmask,
@@ -149,3 +174,25 @@ class RequestStates:
         plan (made before the engine saw them) already computes them."""
         for request_id, token_ids in sampled_token_ids.items():
             self.requests[request_id].all_token_ids.extend(token_ids)
+
+
+def pack_output(output: ModelRunnerOutput, request_ids: list[str]) -> ModelRunnerOutput | tuple[list[int], float]:
+    """A step's answer on its way back. When every request of the plan took exactly one token and nothing
+    else came out (the common decode step), the tokens alone, in the plan's order, and the forward's
+    seconds: 64 ints to pickle on the worker's critical path instead of 64 ids and 64 lists."""
+    sampled = output.sampled_token_ids
+    if (len(sampled) == len(request_ids) and output.kv_connector_output is None
+            and not (output.logprobs or output.sampled_logprobs or output.prompt_logprobs or output.spec_token_ids
+                     or output.num_draft_tokens or output.num_accepted_tokens)
+            and list(sampled) == request_ids and all(len(tokens) == 1 for tokens in sampled.values())):
+        return [token for (token,) in sampled.values()], output.forward_s
+    return output
+
+
+def unpack_output(answer: ModelRunnerOutput | tuple[list[int], float], request_ids: list[str]) -> ModelRunnerOutput:
+    """pack_output's inverse, on the engine's side (which knows the plan's request ids)."""
+    if isinstance(answer, ModelRunnerOutput):
+        return answer
+    token_ids, forward_s = answer
+    sampled = {request_id: [token] for request_id, token in zip(request_ids, token_ids)}
+    return ModelRunnerOutput(sampled_token_ids=sampled, forward_s=forward_s)

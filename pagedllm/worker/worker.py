@@ -20,7 +20,7 @@ from pagedllm.metrics.reader import Metric
 from pagedllm.platform import configure_cpu_allocator
 from pagedllm.spec_decode import SpeculativeConfig
 from pagedllm.worker.model_runner import ModelRunner
-from pagedllm.worker.request_state import RequestStates, WorkerSchedulerOutput
+from pagedllm.worker.request_state import RequestStates, WorkerSchedulerOutput, pack_output
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +61,10 @@ class Worker:
         self.num_computed_tokens += scheduler_output.num_batched_tokens
         return self.model_runner.execute(scheduler_output)
 
-    def execute_model_remote(self, message: WorkerSchedulerOutput) -> ModelRunnerOutput | None:
-        """A step planned in the engine's process: rank 0 returns the sampled tokens, the others None."""
+    def execute_model_remote(self, message: WorkerSchedulerOutput
+                             ) -> ModelRunnerOutput | tuple[list[int], float] | None:
+        """A step planned in the engine's process: rank 0 returns the sampled tokens (packed, see
+        pack_output), the others None."""
         plan = self.request_states.apply(message)
         output = self.execute_model(plan)
         if self.async_scheduling and plan.scheduled:
@@ -71,7 +73,7 @@ class Worker:
             if self.parallel_config.tensor_parallel_size > 1:
                 sampled = broadcast_object(sampled if self.rank == 0 else None)
             self.request_states.append_sampled(sampled)
-        return output if self.rank == 0 else None
+        return pack_output(output, self.request_states.request_ids) if self.rank == 0 else None
 
     def live_request_ids(self) -> list[str]:
         """The requests this worker process keeps a copy of (what the engine has not yet said are gone)."""
