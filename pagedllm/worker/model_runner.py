@@ -49,6 +49,9 @@ class Batch:
     metadata: AttentionMetadata
     order: list[ScheduledRequest]
     query_starts: list[int]
+    request_ids: list[str]    # of `order`
+    # every request computes one token, samples it, and takes the argmax of its raw logits (see sample)
+    argmax_decode: bool = False
 
 
 # vLLM's CPU backend reserves VLLM_CPU_KVCACHE_SPACE GiB (default 4) for the KV cache; ours is the same
@@ -332,6 +335,7 @@ class ModelRunner:
         start_pos: list[int] = []
         query_lens: list[int] = []
         request_ids: list[str] = []
+        argmax_decode = True
         for s in order:
             start, num_new = s.start_pos, s.num_new_tokens
             end = start + num_new
@@ -344,6 +348,8 @@ class ModelRunner:
             token_ids.extend(known[start:end])
             if end > len(known):
                 token_ids.extend(s.spec_token_ids[:end - len(known)])
+            argmax_decode = argmax_decode and s.sample and request.always_argmax
+        argmax_decode = argmax_decode and len(token_ids) == len(order)
         device = self.device
         dense = self.backend.needs_dense_masks
         inputs = step_inputs(token_ids, start_pos, query_lens, self.block_tables.rows(request_ids),
@@ -372,7 +378,8 @@ class ModelRunner:
             metadata.prefills.append(prefill)
         self.backend.prepare_metadata(metadata)
         return Batch(input_ids=on_device(inputs.input_ids), positions=on_device(inputs.positions),
-                     metadata=metadata, order=order, query_starts=query_starts)
+                     metadata=metadata, order=order, query_starts=query_starts, request_ids=request_ids,
+                     argmax_decode=argmax_decode)
 
     def _prepare_decodes(self, query_lens: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray,
                          metadata: AttentionMetadata) -> None:
@@ -408,9 +415,7 @@ class ModelRunner:
         """Sample the next token of every request that reached its last known token. Requests carrying
         speculative tokens are handed, with the logits of their k+1 positions, to `self.spec_decoder`.
         Every row that needs logits goes through the LM head in one call (one gather under TP)."""
-        order = batch.order
-        if (grammar_bitmask is None and len(order) == batch.input_ids.shape[0]
-                and all(s.sample and s.request.always_argmax for s in order)):
+        if batch.argmax_decode and grammar_bitmask is None:
             # The common decode step: one token per request, each taking the argmax of its raw logits and
             # asking for nothing more. At batch 64 the general pass below cost ~0.25 ms of Python a step.
             logits_start = time.perf_counter()
@@ -418,7 +423,7 @@ class ModelRunner:
             output.forward_s += time.perf_counter() - logits_start
             if logits is not None:  # rank 0
                 output.sampled_token_ids.update(
-                    zip([s.request.request_id for s in order], [[token] for token in argmax_rows(logits).tolist()]))
+                    zip(batch.request_ids, [[token] for token in argmax_rows(logits).tolist()]))
             return
         sample_rows: list[int] = []
         sampled: list[ScheduledRequest] = []  # the requests of sample_rows, in order
