@@ -86,64 +86,69 @@ inline float chunk_max_scalar(const T* x, int64_t n, bool& has_nan) {
   return m;
 }
 
+// The vector ops of the max pass, for the widest ISA the build has. max(a, m): a NaN in a yields m, so
+// NaNs are skipped; nan(acc, a) notes whether a holds one.
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-template <typename T>
-inline float chunk_max(const T* x, int64_t n, bool& has_nan) {
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-    const int64_t body = n - n % 32;
-    __m512 m0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0;
-    __mmask16 nan = 0;
-    for (int64_t i = 0; i < body; i += 32) {
-      const __m512 a = load16(x + i), b = load16(x + i + 16);
-      nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
-      m0 = _mm512_max_ps(a, m0);  // a NaN in the first operand yields the second: NaNs are skipped
-      m1 = _mm512_max_ps(b, m1);
-    }
-    if (nan) has_nan = true;
-    return std::max(_mm512_reduce_max_ps(_mm512_max_ps(m0, m1)), chunk_max_scalar(x + body, n - body, has_nan));
-  } else {
-    return chunk_max_scalar(x, n, has_nan);
+struct MaxVec {
+  using V = __m512;
+  using NanAcc = __mmask16;
+  static constexpr int kLanes = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
-}
+  static V fill(float v) { return _mm512_set1_ps(v); }
+  static V max(V a, V m) { return _mm512_max_ps(a, m); }
+  static NanAcc no_nan() { return 0; }
+  static NanAcc nan(NanAcc acc, V a) { return acc | _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+  static bool any(NanAcc acc) { return acc != 0; }
+  static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
+};
 #elif defined(__AVX2__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-template <typename T>
-inline float chunk_max(const T* x, int64_t n, bool& has_nan) {
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-    const int64_t body = n - n % 16;
-    __m256 m0 = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0;
-    __m256 nan = _mm256_setzero_ps();
-    for (int64_t i = 0; i < body; i += 16) {
-      const __m256 a = load8(x + i), b = load8(x + i + 8);
-      nan = _mm256_or_ps(nan, _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(b, b, _CMP_UNORD_Q)));
-      m0 = _mm256_max_ps(a, m0);  // a NaN in the first operand yields the second: NaNs are skipped
-      m1 = _mm256_max_ps(b, m1);
-    }
-    if (_mm256_movemask_ps(nan)) has_nan = true;
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, _mm256_max_ps(m0, m1));
-    float m = chunk_max_scalar(x + body, n - body, has_nan);
-    for (float v : lanes) m = std::max(m, v);
-    return m;
-  } else {
-    return chunk_max_scalar(x, n, has_nan);
+struct MaxVec {
+  using V = __m256;
+  using NanAcc = __m256;
+  static constexpr int kLanes = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const c10::BFloat16* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
-}
-#else
+  static V fill(float v) { return _mm256_set1_ps(v); }
+  static V max(V a, V m) { return _mm256_max_ps(a, m); }
+  static NanAcc no_nan() { return _mm256_setzero_ps(); }
+  static NanAcc nan(NanAcc acc, V a) { return _mm256_or_ps(acc, _mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
+  static bool any(NanAcc acc) { return _mm256_movemask_ps(acc) != 0; }
+  static float reduce_max(V v) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, v);
+    return *std::max_element(lanes, lanes + 8);
+  }
+};
+#endif
+
 template <typename T>
 inline float chunk_max(const T* x, int64_t n, bool& has_nan) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    using M = MaxVec;
+    constexpr int64_t kStep = 2 * M::kLanes;  // two accumulators
+    const int64_t body = n - n % kStep;
+    typename M::V m0 = M::fill(-std::numeric_limits<float>::infinity()), m1 = m0;
+    typename M::NanAcc nan = M::no_nan();
+    for (int64_t i = 0; i < body; i += kStep) {
+      const typename M::V a = M::load(x + i), b = M::load(x + i + M::kLanes);
+      nan = M::nan(M::nan(nan, a), b);
+      m0 = M::max(a, m0);
+      m1 = M::max(b, m1);
+    }
+    if (M::any(nan)) has_nan = true;
+    return std::max(M::reduce_max(M::max(m0, m1)), chunk_max_scalar(x + body, n - body, has_nan));
+  }
+#endif
   return chunk_max_scalar(x, n, has_nan);
 }
-#endif
 
 template <typename T>
 void argmax_rows_impl(const T* x, int64_t rows, int64_t cols, int64_t* out) {
