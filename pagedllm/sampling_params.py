@@ -215,12 +215,15 @@ class SamplingParams:
         return self.temperature < _SAMPLING_EPS
 
     @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def always_argmax(self) -> bool:
         """Greedy and asking for nothing else (no logprobs of either kind, penalties, min_tokens or
         grammar): every token the sampler gives the request is the argmax of its raw logits."""
-        return (self.greedy and self.logprobs is None and self.prompt_logprobs is None
-                and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
-                and self.frequency_penalty == 0.0 and not self.min_tokens and self.guided_decoding is None)
+        return (self.greedy and self.logprobs is None and self.prompt_logprobs is None and not self.has_penalties
+                and not self.min_tokens and self.guided_decoding is None)
 
     def clone(self) -> SamplingParams:
         copy = SamplingParams.__new__(SamplingParams)

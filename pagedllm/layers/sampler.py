@@ -79,12 +79,8 @@ def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
     logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
 
 
-def has_penalties(params: SamplingParams) -> bool:
-    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-
-
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    penalized = [i for i, r in enumerate(rows) if has_penalties(r.params)]
+    penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
     if not penalized:
         return logits
     vocab = logits.shape[-1]
@@ -213,7 +209,7 @@ def adjusted_logits(logits: torch.Tensor, rows: list[SamplingRow],
     [64, 32000] copy per step is not free), so callers must not modify the result in place."""
     suppress = [i for i, row in enumerate(rows)
                 if row.stop_token_ids and len(row.output_token_ids) < row.params.min_tokens]
-    if token_bitmask is None and not suppress and not any(has_penalties(r.params) for r in rows):
+    if token_bitmask is None and not suppress and not any(r.params.has_penalties for r in rows):
         return logits
     logits = logits.clone()
     if token_bitmask is not None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pagedllm.layers.sampler import SamplingRow, adjusted_logits, has_penalties, processed_probs
+from pagedllm.layers.sampler import SamplingRow, adjusted_logits, processed_probs
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -105,7 +105,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: list[int], dra
 
 
 def needs_history(params: SamplingParams) -> bool:
-    return has_penalties(params) or params.min_tokens > 0
+    return params.has_penalties or params.min_tokens > 0
 
 
 def row_with_drafts(base: SamplingRow, draft_token_ids: list[int]) -> SamplingRow:

@@ -24,7 +24,7 @@ from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.kv_cache.quant import KV_CACHE_DTYPES, is_quantized, resolve_kv_cache_dtype  # noqa: F401
-from pagedllm.layers.sampler import Sampler, SamplingRow, argmax_rows, has_penalties
+from pagedllm.layers.sampler import Sampler, SamplingRow, argmax_rows
 from pagedllm.models.loader import load_model
 from pagedllm.outputs import PositionLogprobs, position_logprobs
 from pagedllm.sampling_params import SamplingParams
@@ -524,5 +524,5 @@ class ModelRunner:
 def _takes_argmax(params: SamplingParams, request: Request) -> bool:
     """Greedy with no logprobs, penalties or min_tokens still holding back a stop token: the sampler would
     return the argmax of the raw logits."""
-    return (params.greedy and params.logprobs is None and not has_penalties(params)
+    return (params.greedy and params.logprobs is None and not params.has_penalties
             and (not params.min_tokens or len(request.output_token_ids) >= params.min_tokens))
