@@ -35,8 +35,8 @@ class StepInputs(NamedTuple):
 
 
 def step_inputs(token_ids: list[int], start_pos: list[int], query_lens: list[int], rows: list[int],
-                table: np.ndarray, block_size: int, zero_pad: bool, use_kernel: bool = True) -> StepInputs:
-    if use_kernel and load_cpu_kernels():
+                table: np.ndarray, block_size: int, zero_pad: bool) -> StepInputs:
+    if load_cpu_kernels():
         return StepInputs(*torch.ops.pagedllm_cpu_step.step_inputs(
             token_ids, start_pos, query_lens, rows, torch.from_numpy(table), block_size, zero_pad))
     return step_inputs_numpy(token_ids, start_pos, query_lens, rows, table, block_size, zero_pad)
@@ -47,7 +47,7 @@ def step_inputs_numpy(token_ids: list[int], start_pos: list[int], query_lens: li
     """The same as the C++ op, in whole-array numpy calls."""
     bs = block_size
     num_reqs, num_tokens = len(start_pos), len(token_ids)
-    start_pos_np, query_lens_np = np.array((start_pos, query_lens), dtype=np.int64).reshape(2, num_reqs)
+    start_pos_np, query_lens_np = np.array((start_pos, query_lens), dtype=np.int64)
     seq_lens = start_pos_np + query_lens_np
     num_blocks = (seq_lens + (bs - 1)) // bs
     tables = table[np.array(rows, dtype=np.int64), :int(num_blocks.max(initial=0))]
