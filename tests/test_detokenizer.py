@@ -130,3 +130,43 @@ def test_random_prompts_and_outputs_match_the_python_algorithm(tokenizers: dict,
         for skip in (True, False):
             assert _incremental_text(tokenizer, prompt, output, skip) == _reference_text(tokenizer, prompt, output,
                                                                                          skip)
+
+
+@pytest.mark.parametrize("name", ["byte-level BPE", "metaspace"])
+def test_tokens_fed_together_give_the_text_of_tokens_fed_one_by_one(tokenizers: dict, name: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A final-only output is decoded in one call once its request ends (byte-level decoders), a
+    streamed one token by token: the texts must be the same, with UTF-8 sequences split anywhere (the
+    run's end included, where the one-by-one decode holds back only the last, incomplete character)."""
+    tokenizer = tokenizers[name]
+    ids = tokenizer.encode(TEXT[-600:], add_special_tokens=False)
+    rng = random.Random(2)
+    runs: list[bool] = []  # per run of tokens: decoded in one call (True), or one by one
+    add_run = IncrementalDetokenizer._add_run
+
+    def counted_add_run(self: IncrementalDetokenizer, new_token_ids: list[int]) -> str | None:
+        piece = add_run(self, new_token_ids)
+        runs.append(piece is not None)
+        return piece
+
+    monkeypatch.setattr(IncrementalDetokenizer, "_add_run", counted_add_run)
+    for trial in range(150):
+        if trial % 3 == 0:
+            start = rng.randrange(len(ids) - 40)
+            prompt, output = ids[start:start + 4], ids[start + 4:start + 40]
+        else:
+            prompt = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 9))]
+            output = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(2, 40))]
+        for skip in (True, False):
+            expected = _incremental_text(tokenizer, prompt, output, skip)
+            detokenizer = IncrementalDetokenizer(tokenizer, prompt, skip)
+            position, pieces = 0, []
+            while position < len(output):
+                size = rng.choice([1, 2, 5, len(output)])
+                pieces.append(detokenizer.add_tokens(output[position:position + size]))
+                position += size
+            assert detokenizer.text == "".join(pieces) == expected
+    if name == "byte-level BPE":  # both ways were taken: in one call, and one by one (a split character)
+        assert sum(runs) > 100 and not all(runs)
+    else:
+        assert not runs  # a decoder that strips a leading space: always one by one

@@ -6,13 +6,25 @@ few prompt tokens so tokenizers that drop a leading space at the start of a deco
 produce the same text as decoding everything at once. Where the tokenizer's Rust backend decodes for it,
 the same algorithm runs inside `tokenizers` (DecodeStream): one call per token instead of two decodes and
 the bookkeeping in Python (measured: 1.5 vs 3.3 us a token).
+
+Tokens that arrive together (a final-only output decoded once its request ends, a verified draft) give
+exactly the text that feeding them one by one would. Where the decoder is byte-level (GPT-2's, Llama 3's,
+Qwen's: the tokens' bytes joined, then one lossy UTF-8 decode) the text of a window that ends on a whole
+character is a prefix of the text of any longer window, so the pieces of one-by-one steps join into the
+difference that one decode of the whole window gives: one Rust call for the lot instead of one per token
+(about ten times faster on a 32-token output). Where the window would end inside a UTF-8 sequence, or
+another decoder (SentencePiece's strips a leading space, WordPiece's joins "##" pieces) might not keep
+that property, the tokens go one by one.
 """
 
 from __future__ import annotations
 
-from tokenizers.decoders import DecodeStream
+import weakref
+
+from tokenizers.decoders import ByteLevel, DecodeStream
 
 INITIAL_CONTEXT_TOKENS = 5
+_RESTART = object()  # IncrementalDetokenizer._stream after a run decoded without it
 
 
 def backend_decoder(tokenizer):
@@ -35,6 +47,23 @@ def backend_decoder(tokenizer):
     return None if cleans_up else backend
 
 
+_BACKENDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _cached_backend_decoder(tokenizer):
+    """backend_decoder, worked out once per tokenizer: a detokenizer is made for every sample (about 3 us
+    each time, in a step that ends a batch of requests at once)."""
+    try:
+        return _BACKENDS[tokenizer]
+    except (KeyError, TypeError):  # TypeError: an object without weak references (a test double)
+        backend = backend_decoder(tokenizer)
+    try:
+        _BACKENDS[tokenizer] = backend
+    except TypeError:
+        pass
+    return backend
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool,
                  spaces_between_special_tokens: bool = True):
@@ -45,7 +74,7 @@ class IncrementalDetokenizer:
         # text around them with a space when spaces_between_special_tokens (its default), else directly.
         # A fast tokenizer's decode never spaces them, and vLLM leaves it at that: so do we.
         self.added_vocab: dict[str, int] = {}
-        self._backend = backend_decoder(tokenizer)
+        self._backend = _cached_backend_decoder(tokenizer)
         if not getattr(tokenizer, "is_fast", True):
             self.added_vocab = tokenizer.get_added_vocab()
             self.special_tokens = set(tokenizer.all_special_tokens)
@@ -60,6 +89,8 @@ class IncrementalDetokenizer:
         self._stream = None
         if self._backend is not None and not self._decode(context).endswith("\ufffd"):
             self._stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
+        # Whether a run of tokens may be decoded in one step (see the module's docstring).
+        self._byte_level = self._backend is not None and isinstance(self._backend.decoder, ByteLevel)
         # The text as the pieces each step added: appending is O(piece), where `text += piece` on an
         # attribute copies the whole text every step (O(n^2) over a long output).
         self._pieces: list[str] = []
@@ -111,15 +142,40 @@ class IncrementalDetokenizer:
         return (" " if self.spaces_between_special_tokens else "").join(pieces)
 
     def add_tokens(self, new_token_ids: list[int]) -> str:
-        """Feed newly generated tokens; returns the text they complete (may be empty)."""
-        if self._stream is None:
-            self.token_ids.extend(new_token_ids)
-            return self._step()
+        """Feed newly generated tokens; returns the text they complete (may be empty): the same text as
+        feeding them one at a time."""
+        if len(new_token_ids) > 1 and self._byte_level:
+            piece = self._add_run(new_token_ids)
+            if piece is not None:
+                return piece
         return "".join([self.add_token(token_id) for token_id in new_token_ids])
+
+    def _add_run(self, new_token_ids: list[int]) -> str | None:
+        """A byte-level decoder's text of a run of tokens, from one decode of the window (see the module's
+        docstring). None, and nothing fed, where the window's text, or the text already read, ends inside a
+        UTF-8 sequence: only one by one gives the text of the tokens fed so far there."""
+        window = self.token_ids[self.prefix_offset:]
+        read_text = self._decode(window[:self.read_offset - self.prefix_offset])
+        window.extend(new_token_ids)
+        text = self._decode(window)
+        if text.endswith("\ufffd") or read_text.endswith("\ufffd"):
+            return None
+        self.token_ids.extend(new_token_ids)
+        if self._stream is not None:  # it has not seen these tokens: started again at the next one
+            self._stream = _RESTART
+        if len(text) <= len(read_text):  # skipped special tokens only: they count as read
+            self.read_offset = len(self.token_ids)
+            return ""
+        piece = text[len(read_text):]
+        self._emit(piece)
+        return piece
 
     def add_token(self, token_id: int) -> str:
         """Feed one generated token; returns the text it completes (may be empty)."""
         self.token_ids.append(token_id)
+        if self._stream is _RESTART:  # a run was decoded without it: on the window, all of it read
+            self._stream = DecodeStream(ids=self.token_ids[self.prefix_offset:-1],
+                                        skip_special_tokens=self.skip_special_tokens)
         if self._stream is not None:
             try:
                 piece = self._stream.step(self._backend, token_id)

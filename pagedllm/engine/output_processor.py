@@ -5,7 +5,7 @@ The core sends each sample's new token ids and logprobs only (core.py). Here the
 sample's lists, decoded, and shaped by the request's output_kind: CUMULATIVE copies everything so far
 into each output, DELTA hands out only what is new (a stream's work per token stays flat however long
 the output grows), FINAL_ONLY makes one output at the end (and, without stop strings, decodes the text
-only then: the same incremental decode, token by token, in one loop rather than a call every step). A
+only then: the text the incremental decode gives, in one call rather than one every step). A
 stop string is found here, so the samples it ends are returned to the caller, which tells the core to
 stop them.
 """
@@ -162,14 +162,16 @@ class OutputProcessor:
 
     @staticmethod
     def _detokenize(sample: _SampleState) -> None:
-        """Feed the detokenizer the sample's tokens it has not seen. One token at a time, as they were
-        sampled: a batch decoded at once whose text ends inside a UTF-8 sequence would hold back all of
-        its text, not just the last piece."""
+        """Feed the detokenizer the sample's tokens it has not seen (the text is the same as if each had
+        been fed as it was sampled)."""
         detokenizer, token_ids = sample.detokenizer, sample.token_ids
         if detokenizer is None:
             return
-        for i in range(sample.num_detokenized, len(token_ids)):
-            detokenizer.add_token(token_ids[i])
+        start = sample.num_detokenized
+        if len(token_ids) == start + 1:
+            detokenizer.add_token(token_ids[start])
+        elif len(token_ids) > start:
+            detokenizer.add_tokens(token_ids[start:])
         sample.num_detokenized = len(token_ids)
 
     @staticmethod
