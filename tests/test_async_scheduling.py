@@ -129,6 +129,36 @@ def test_async_scheduling_changes_no_output(tiny_llama_dir: str, reference: tupl
         llm.shutdown()
 
 
+@pytest.mark.parametrize("num_blocks", [None, 6])
+def test_steady_greedy_decodes_continue_the_last_step(tiny_llama_dir: str, num_blocks: int | None) -> None:
+    """A plain-greedy decode step is built in the worker from the last step's arrays (its sampled tokens
+    and block-table rows: ModelRunner.execute_continued_decode) and must give the in-process engine's
+    tokens, with requests ending at different steps (by length and by stop token), crossing into new
+    blocks, arriving later, and, with few blocks, sitting steps out or being preempted."""
+    prompts = random_prompts(10, VOCAB, [3, 17, 30, 1, 9, 16, 40, 5, 12, 25], seed=31)
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + (9 * i) % 37, ignore_eos=i % 3 != 0,
+                             stop_token_ids=[] if i % 3 else list(range(200, 230))) for i in range(len(prompts))]
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    kwargs = dict(model=tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+                  num_gpu_blocks_override=num_blocks)
+    reference = LLM(**kwargs)
+    try:
+        want = [list(out.outputs[0].token_ids) for out in reference.generate(inputs, params, use_tqdm=False)]
+    finally:
+        reference.shutdown()
+    llm = LLM(**kwargs, async_scheduling=True)
+    try:
+        got = [list(out.outputs[0].token_ids) for out in llm.generate(inputs, params, use_tqdm=False)]
+        assert got == want
+        (counts,) = llm.llm_engine.model_executor.collective_rpc("step_counts")
+        assert counts["num_continued_decodes"] > 20, counts
+        if num_blocks is not None:
+            assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+        assert_nothing_held(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_abort_while_steps_are_in_flight(tiny_llama_dir: str) -> None:
     prompts = random_prompts(4, VOCAB, seed=21)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

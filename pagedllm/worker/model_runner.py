@@ -47,11 +47,26 @@ class Batch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
-    order: list[ScheduledRequest]
+    # the scheduled requests in batch order; None for a continued decode (execute_continued_decode), which
+    # is built from the last step's arrays and never reaches sample()
+    order: list[ScheduledRequest] | None
     query_starts: list[int]
-    request_ids: list[str]    # of `order`
+    request_ids: list[str]    # in batch order
+    start_pos: list[int]      # each request's first position this step
+    rows: list[int]           # each request's row of the runner's BlockTables
     # every request computes one token, samples it, and takes the argmax of its raw logits (see sample)
     argmax_decode: bool = False
+
+
+@dataclass
+class _DecodeRun:
+    """The last step, when it was a plain-greedy decode of every request it ran (Batch.argmax_decode): what
+    the next step needs to continue it without the requests' lists (execute_continued_decode)."""
+
+    request_ids: list[str]
+    rows: list[int]
+    next_start_pos: list[int]  # each request's position after the step's: where a continuing step starts
+    token_ids: list[int]       # sampled: the next step's input ids
 
 
 # vLLM's CPU backend reserves VLLM_CPU_KVCACHE_SPACE GiB (default 4) for the KV cache; ours is the same
@@ -126,6 +141,10 @@ class ModelRunner:
         # every live request's block table, kept from the KV cache manager's changes (the plan carries them)
         self.block_tables = BlockTables(scheduler_config.max_num_seqs,
                                         -(-scheduler_config.max_model_len // self.block_size) + 1)
+        # Async scheduling in a worker process (one rank): the last step, if a plain-greedy decode, kept so
+        # that the next can continue it (execute_continued_decode)
+        self._keeps_decode_runs = scheduler_config.async_scheduling and tp_size == 1
+        self._last_decode: _DecodeRun | None = None
         # Disaggregated prefill: saves finished prompts' blocks (producer), loads remote ones (consumer).
         self.kv_connector = None
         kv_transfer_config = cache_config.kv_transfer_config
@@ -293,6 +312,7 @@ class ModelRunner:
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
+        self._last_decode = None
         if self.spec_decoder is not None:
             self.spec_decoder.free_requests(scheduler_output.finished_req_ids | set(scheduler_output.preempted_ids))
         self.block_tables.drop(scheduler_output.finished_req_ids)
@@ -308,6 +328,9 @@ class ModelRunner:
             hidden = self.forward(batch)
             output.forward_s = time.perf_counter() - forward_start
             self.sample(batch, hidden, output, scheduler_output.grammar_bitmask)
+            if self._keeps_decode_runs and batch.argmax_decode and scheduler_output.grammar_bitmask is None:
+                self._last_decode = _DecodeRun(batch.request_ids, batch.rows, [p + 1 for p in batch.start_pos],
+                                               [token for (token,) in output.sampled_token_ids.values()])
         if self.kv_connector is not None:
             if connector_meta is not None and connector_meta.reqs_to_save:
                 for layer in range(len(self.kv_caches)):
@@ -319,6 +342,34 @@ class ModelRunner:
             self.spec_decoder.propose(batch.order, output)
         return output
 
+    def execute_continued_decode(self, start_pos: list[int], num_new_tokens: list[int],
+                                 block_table_changes: dict[str, tuple[int, list[int]]]
+                                 ) -> tuple[list[int], float] | None:
+        """A steady decode step under async scheduling, from the last step's arrays (a persistent batch, as
+        vLLM's InputBatch): the worker calls it for a plan that runs the last plan's requests, in its order,
+        with nothing else to do (WorkerSchedulerOutput.continues_decode). When the last step was a
+        plain-greedy decode of those requests and each now computes one token, one position further on,
+        that token is the one the last step sampled: the step's inputs come from the last step's sampled
+        tokens and block-table rows, without the per-request objects (apply and prepare cost ~0.15-0.2 ms
+        of Python at batch 64, on the critical path). Returns the sampled tokens in the plan's order and
+        the forward pass's seconds (with the LM head); None, having changed nothing, where the plan does
+        not continue such a step (the caller takes the general path)."""
+        last = self._last_decode
+        n = len(start_pos)
+        # list comparisons, not numpy's: a numpy call costs ~10x its warm price right after a forward pass
+        if last is None or start_pos != last.next_start_pos or num_new_tokens.count(1) != n:
+            return None
+        self.block_tables.apply(block_table_changes)
+        batch = self._batch(None, n, last.token_ids, start_pos, num_new_tokens, list(range(n)), last.request_ids,
+                            last.rows, argmax_decode=True)
+        forward_start = time.perf_counter()
+        hidden = self.forward(batch)
+        logits = self.model.compute_logits(hidden, upcast=False)
+        forward_s = time.perf_counter() - forward_start
+        token_ids = argmax_rows(logits).tolist()
+        last.next_start_pos, last.token_ids = [p + 1 for p in start_pos], token_ids
+        return token_ids, forward_s
+
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
 
@@ -326,7 +377,6 @@ class ModelRunner:
         short = [s for s in scheduled if s.num_new_tokens <= MAX_BATCHED_QUERY_LEN]
         long = [s for s in scheduled if s.num_new_tokens > MAX_BATCHED_QUERY_LEN]
         order = short + long
-        bs = self.block_size
         # One Python pass over the requests; everything else is whole-batch array work. This runs right
         # after the forward pass has flushed the CPU caches, where each small call costs several times
         # its warm price, so the step's inputs are built with as few calls as possible.
@@ -350,10 +400,19 @@ class ModelRunner:
                 token_ids.extend(s.spec_token_ids[:end - len(known)])
             argmax_decode = argmax_decode and s.sample and request.always_argmax
         argmax_decode = argmax_decode and len(token_ids) == len(order)
+        return self._batch(order, len(short), token_ids, start_pos, query_lens, query_starts, request_ids,
+                           self.block_tables.rows(request_ids), argmax_decode)
+
+    def _batch(self, order: list[ScheduledRequest] | None, num_short: int, token_ids: list[int],
+               start_pos: list[int], query_lens: list[int], query_starts: list[int], request_ids: list[str],
+               rows: list[int], argmax_decode: bool) -> Batch:
+        """The step's tensors and attention metadata from its flat lists; `order` (None: all short) gives
+        the long prefill chunks, which follow the `num_short` short ones."""
+        bs = self.block_size
         device = self.device
         dense = self.backend.needs_dense_masks
-        inputs = step_inputs(token_ids, start_pos, query_lens, self.block_tables.rows(request_ids),
-                             self.block_tables.table, bs, zero_pad=dense)
+        long = order[num_short:] if order is not None else []
+        inputs = step_inputs(token_ids, start_pos, query_lens, rows, self.block_tables.table, bs, zero_pad=dense)
         on_device = (lambda t: t) if device.type == "cpu" else (lambda t: t.to(device))
         metadata = AttentionMetadata(
             slot_mapping=on_device(inputs.slot_mapping), query_start_loc=on_device(inputs.query_start_loc),
@@ -362,11 +421,11 @@ class ModelRunner:
         if long or dense:  # per-request views of the same arrays
             seq_lens, tables = inputs.seq_lens.numpy(), inputs.block_tables.numpy()
             num_blocks = (seq_lens + (bs - 1)) // bs
-        if short and dense:
-            n = len(short)
+        if num_short and dense:
+            n = num_short
             self._prepare_decodes(np.array(query_lens[:n], dtype=np.int64), seq_lens[:n],
                                   tables[:n, :int(num_blocks[:n].max())], metadata)
-        for i, (s, start) in enumerate(zip(long, query_starts[len(short):]), start=len(short)):
+        for i, (s, start) in enumerate(zip(long, query_starts[num_short:]), start=num_short):
             seq_len = int(seq_lens[i])
             prefill = PrefillSeq(query_start=start, query_len=s.num_new_tokens, seq_len=seq_len,
                                  block_table=on_device(torch.from_numpy(tables[i, :num_blocks[i]])))
@@ -379,7 +438,7 @@ class ModelRunner:
         self.backend.prepare_metadata(metadata)
         return Batch(input_ids=on_device(inputs.input_ids), positions=on_device(inputs.positions),
                      metadata=metadata, order=order, query_starts=query_starts, request_ids=request_ids,
-                     argmax_decode=argmax_decode)
+                     start_pos=start_pos, rows=rows, argmax_decode=argmax_decode)
 
     def _prepare_decodes(self, query_lens: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray,
                          metadata: AttentionMetadata) -> None:

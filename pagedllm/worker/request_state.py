@@ -71,6 +71,17 @@ class WorkerSchedulerOutput:
     kv_connector_metadata: KVConnectorMetadata | None = None
     block_table_changes: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
 
+    def continues_decode(self) -> bool:
+        """Whether the plan runs the last plan's requests, in its order, given nothing new (no tokens from
+        the engine, proposals, prompt logprobs, grammar, KV transfers, block copies, requests that came or
+        went): a steady decode step under async scheduling (ModelRunner.execute_continued_decode checks
+        the rest)."""
+        columns = self.scheduled
+        return (columns.request_ids is None and columns.new_token_ids is None and columns.sample is None
+                and columns.spec_token_ids is None and columns.num_prompt_logprobs_computed is None
+                and not self.new_requests and not self.finished_req_ids and not self.preempted_ids
+                and not self.blocks_to_copy and self.grammar_bitmask is None and self.kv_connector_metadata is None)
+
 
 @dataclass(eq=False)
 class CachedRequestState:
@@ -141,6 +152,7 @@ class RequestStates:
     def __init__(self) -> None:
         self.requests: dict[str, CachedRequestState] = {}
         self.request_ids: list[str] = []  # the last plan's, in its order
+        self.scheduled_states: list[CachedRequestState] = []  # the same requests' states
 
     def apply(self, message: WorkerSchedulerOutput) -> SchedulerOutput:
         for request_id in message.finished_req_ids:
@@ -153,16 +165,19 @@ class RequestStates:
         requests = self.requests
         if columns.request_ids is not None:
             self.request_ids = columns.request_ids
+        states = []
         for request_id, new_token_ids, num_new, start, sample, spec, num_prompt_lp in zip(
                 self.request_ids, columns.new_token_ids or repeat(None), columns.num_new_tokens,
                 columns.start_pos, columns.sample or repeat(True), columns.spec_token_ids or repeat(None),
                 columns.num_prompt_logprobs_computed or repeat(0)):
             state = requests[request_id]
+            states.append(state)
             if new_token_ids:
                 state.all_token_ids.extend(new_token_ids)
             state.num_prompt_logprobs_computed = num_prompt_lp
             scheduled.append(ScheduledRequest(state, num_new, start, [], sample,  # type: ignore[arg-type]
                                               spec if spec is not None else []))
+        self.scheduled_states = states
         return SchedulerOutput(scheduled=scheduled, num_batched_tokens=sum(columns.num_new_tokens),
                                blocks_to_copy=message.blocks_to_copy, preempted_ids=message.preempted_ids,
                                finished_req_ids=message.finished_req_ids, grammar_bitmask=message.grammar_bitmask,
@@ -174,6 +189,12 @@ class RequestStates:
         plan (made before the engine saw them) already computes them."""
         for request_id, token_ids in sampled_token_ids.items():
             self.requests[request_id].all_token_ids.extend(token_ids)
+
+    def append_decoded(self, token_ids: list[int]) -> None:
+        """append_sampled for a step that sampled one token for each request of the last plan, in its order
+        (a continued decode)."""
+        for state, token_id in zip(self.scheduled_states, token_ids):
+            state.all_token_ids.append(token_id)
 
 
 def pack_output(output: ModelRunnerOutput, request_ids: list[str]) -> ModelRunnerOutput | tuple[list[int], float]:

@@ -49,6 +49,7 @@ class Worker:
                                         speculative_config=speculative_config)
         self.request_states = RequestStates()
         self.num_computed_tokens = 0  # tokens run through the model, for per-token communication figures
+        self.num_continued_decodes = 0  # steps built from the last one's arrays (execute_model_remote)
 
     def determine_num_blocks(self) -> int:
         return self.model_runner.determine_num_blocks()
@@ -65,6 +66,15 @@ class Worker:
                              ) -> ModelRunnerOutput | tuple[list[int], float] | None:
         """A step planned in the engine's process: rank 0 returns the sampled tokens (packed, see
         pack_output), the others None."""
+        if self.async_scheduling and message.continues_decode():
+            columns = message.scheduled
+            answer = self.model_runner.execute_continued_decode(columns.start_pos, columns.num_new_tokens,
+                                                                message.block_table_changes)
+            if answer is not None:  # already packed
+                self.request_states.append_decoded(answer[0])
+                self.num_computed_tokens += len(answer[0])
+                self.num_continued_decodes += 1
+                return answer
         plan = self.request_states.apply(message)
         output = self.execute_model(plan)
         if self.async_scheduling and plan.scheduled:
@@ -74,6 +84,10 @@ class Worker:
                 sampled = broadcast_object(sampled if self.rank == 0 else None)
             self.request_states.append_sampled(sampled)
         return pack_output(output, self.request_states.request_ids) if self.rank == 0 else None
+
+    def step_counts(self) -> dict[str, int]:
+        """Tokens computed, and the steps that continued the last one's decode (see execute_model_remote)."""
+        return {"num_computed_tokens": self.num_computed_tokens, "num_continued_decodes": self.num_continued_decodes}
 
     def live_request_ids(self) -> list[str]:
         """The requests this worker process keeps a copy of (what the engine has not yet said are gone)."""
