@@ -8,6 +8,7 @@ import random
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerFast
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, backend_decoder
@@ -111,7 +112,8 @@ def test_python_algorithm_takes_over_where_the_backend_stream_gives_up(tokenizer
     expected = _reference_text(tokenizer, prompt, output, True)
     for fail_at in (0, 1, 7, 23, 39):
         detokenizer = IncrementalDetokenizer(tokenizer, prompt, True)
-        detokenizer._stream = _StreamThatGivesUp(detokenizer._stream, fail_at)
+        stream = DecodeStream(ids=list(detokenizer.token_ids), skip_special_tokens=True)  # as add_token starts it
+        detokenizer._stream = _StreamThatGivesUp(stream, fail_at)
         for token_id in output:
             detokenizer.add_tokens([token_id])
         assert detokenizer._stream is None

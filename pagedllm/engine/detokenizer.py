@@ -24,7 +24,7 @@ import weakref
 from tokenizers.decoders import ByteLevel, DecodeStream
 
 INITIAL_CONTEXT_TOKENS = 5
-_RESTART = object()  # IncrementalDetokenizer._stream after a run decoded without it
+_RESTART = object()  # IncrementalDetokenizer._stream until it is started, and after a run decoded without it
 
 
 def backend_decoder(tokenizer):
@@ -51,17 +51,19 @@ _BACKENDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _cached_backend_decoder(tokenizer):
-    """backend_decoder, worked out once per tokenizer: a detokenizer is made for every sample (about 3 us
-    each time, in a step that ends a batch of requests at once)."""
+    """(backend_decoder, whether its decoder is byte-level), worked out once per tokenizer: a detokenizer
+    is made for every sample (the two took 3-4 us each time, in a step that ends a batch of requests at
+    once)."""
     try:
         return _BACKENDS[tokenizer]
     except (KeyError, TypeError):  # TypeError: an object without weak references (a test double)
         backend = backend_decoder(tokenizer)
+    found = backend, backend is not None and isinstance(backend.decoder, ByteLevel)
     try:
-        _BACKENDS[tokenizer] = backend
+        _BACKENDS[tokenizer] = found
     except TypeError:
         pass
-    return backend
+    return found
 
 
 class IncrementalDetokenizer:
@@ -74,7 +76,7 @@ class IncrementalDetokenizer:
         # text around them with a space when spaces_between_special_tokens (its default), else directly.
         # A fast tokenizer's decode never spaces them, and vLLM leaves it at that: so do we.
         self.added_vocab: dict[str, int] = {}
-        self._backend = _cached_backend_decoder(tokenizer)
+        self._backend, byte_level = _cached_backend_decoder(tokenizer)
         if not getattr(tokenizer, "is_fast", True):
             self.added_vocab = tokenizer.get_added_vocab()
             self.special_tokens = set(tokenizer.all_special_tokens)
@@ -82,15 +84,16 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = list(context)
         self.prefix_offset = 0
         self.read_offset = len(context)
-        # The backend's own incremental decoder, started on the same context; None: the Python algorithm.
-        # A context that ends inside a UTF-8 sequence is not emitted when the stream is started on it, so
-        # the stream's first piece would carry the prompt's last characters: there the Python algorithm,
-        # which counts the context as read, runs instead.
+        # The backend's own incremental decoder, started on the same context (when the first token comes
+        # alone: a final-only output's tokens come together, and never need it); None: the Python
+        # algorithm. A context that ends inside a UTF-8 sequence is not emitted when the stream is started
+        # on it, so the stream's first piece would carry the prompt's last characters: there the Python
+        # algorithm, which counts the context as read, runs instead.
         self._stream = None
         if self._backend is not None and not self._decode(context).endswith("\ufffd"):
-            self._stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
-        # Whether a run of tokens may be decoded in one step (see the module's docstring).
-        self._byte_level = self._backend is not None and isinstance(self._backend.decoder, ByteLevel)
+            self._stream = _RESTART
+        # Whether a run of tokens may be decoded in one call (see the module's docstring).
+        self._byte_level = byte_level
         # The text as the pieces each step added: appending is O(piece), where `text += piece` on an
         # attribute copies the whole text every step (O(n^2) over a long output).
         self._pieces: list[str] = []
@@ -173,7 +176,7 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str:
         """Feed one generated token; returns the text it completes (may be empty)."""
         self.token_ids.append(token_id)
-        if self._stream is _RESTART:  # a run was decoded without it: on the window, all of it read
+        if self._stream is _RESTART:  # not started yet, or a run was decoded without it: on the window, all read
             self._stream = DecodeStream(ids=self.token_ids[self.prefix_offset:-1],
                                         skip_special_tokens=self.skip_special_tokens)
         if self._stream is not None:
