@@ -381,7 +381,7 @@ class EngineCore:
             # Going idle: tell the workers now which requests are gone, so what they hold for them (a
             # draft's KV blocks, their copies of the requests) is freed without waiting for more work.
             self._drain()
-            self.model_executor.execute_model(self.scheduler.schedule())
+            self.model_executor.execute_model_unanswered(self.scheduler.schedule())
 
     # ---- state read by metrics, the KV-cache page and the stats log ----
     @property

@@ -90,7 +90,9 @@ class IncrementalDetokenizer:
         # on it, so the stream's first piece would carry the prompt's last characters: there the Python
         # algorithm, which counts the context as read, runs instead.
         self._stream = None
-        if self._backend is not None and not self._decode(context).endswith("\ufffd"):
+        # Whether the text read so far ends on a whole character (every emitted piece does)
+        self._read_whole = self._backend is not None and not self._decode(context).endswith("\ufffd")
+        if self._read_whole:
             self._stream = _RESTART
         # Whether a run of tokens may be decoded in one call (see the module's docstring).
         self._byte_level = byte_level
@@ -147,11 +149,22 @@ class IncrementalDetokenizer:
     def add_tokens(self, new_token_ids: list[int]) -> str:
         """Feed newly generated tokens; returns the text they complete (may be empty): the same text as
         feeding them one at a time."""
-        if len(new_token_ids) > 1 and self._byte_level:
-            piece = self._add_run(new_token_ids)
+        if len(new_token_ids) < 2 or not self._byte_level:
+            return "".join([self.add_token(token_id) for token_id in new_token_ids])
+        pieces = []
+        start = 0
+        # A context that ends inside a character (a prompt of arbitrary ids): one by one until a piece is
+        # emitted, after which the text read ends on a whole character.
+        while start < len(new_token_ids) and not self._read_whole:
+            pieces.append(self.add_token(new_token_ids[start]))
+            start += 1
+        if len(new_token_ids) - start > 1:
+            piece = self._add_run(new_token_ids[start:])
             if piece is not None:
-                return piece
-        return "".join([self.add_token(token_id) for token_id in new_token_ids])
+                pieces.append(piece)
+                return "".join(pieces)
+        pieces.extend([self.add_token(token_id) for token_id in new_token_ids[start:]])
+        return "".join(pieces)
 
     def _add_run(self, new_token_ids: list[int]) -> str | None:
         """A byte-level decoder's text of a run of tokens, from one decode of the window (see the module's
@@ -197,6 +210,7 @@ class IncrementalDetokenizer:
     def _emit(self, piece: str) -> None:
         """Append a piece of text; the window moves on past the tokens it completes (both algorithms)."""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self._read_whole = True  # a piece is emitted only where the window's text does not end inside one
         self._pieces.append(piece)
         self.text_len += len(piece)
 

@@ -55,6 +55,12 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one planned step on every rank; rank 0's sampled tokens."""
 
+    def execute_model_unanswered(self, scheduler_output: SchedulerOutput) -> None:
+        """Run a step whose output nobody reads (the empty plan that tells idle workers which requests
+        ended). Workers in other processes are not waited for: their answer is dropped before the next
+        call's is read."""
+        self.execute_model(scheduler_output)
+
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> None:
         """Start a step and return at once (async scheduling); get_model_output() takes its tokens, in
         the order the steps were started. Executors whose workers run in other processes only."""
