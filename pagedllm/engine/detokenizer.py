@@ -24,7 +24,7 @@ import weakref
 from tokenizers.decoders import ByteLevel, DecodeStream
 
 INITIAL_CONTEXT_TOKENS = 5
-_RESTART = object()  # IncrementalDetokenizer._stream until it is started, and after a run decoded without it
+_UNSTARTED = object()  # IncrementalDetokenizer._stream to be started at the next lone token (on its window)
 
 
 def backend_decoder(tokenizer):
@@ -93,7 +93,7 @@ class IncrementalDetokenizer:
         # Whether the text read so far ends on a whole character (every emitted piece does)
         self._read_whole = self._backend is not None and not self._decode(context).endswith("\ufffd")
         if self._read_whole:
-            self._stream = _RESTART
+            self._stream = _UNSTARTED
         # Whether a run of tokens may be decoded in one call (see the module's docstring).
         self._byte_level = byte_level
         # The text as the pieces each step added: appending is O(piece), where `text += piece` on an
@@ -178,7 +178,7 @@ class IncrementalDetokenizer:
             return None
         self.token_ids.extend(new_token_ids)
         if self._stream is not None:  # it has not seen these tokens: started again at the next one
-            self._stream = _RESTART
+            self._stream = _UNSTARTED
         if len(text) <= len(read_text):  # skipped special tokens only: they count as read
             self.read_offset = len(self.token_ids)
             return ""
@@ -189,7 +189,7 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str:
         """Feed one generated token; returns the text it completes (may be empty)."""
         self.token_ids.append(token_id)
-        if self._stream is _RESTART:  # not started yet, or a run was decoded without it: on the window, all read
+        if self._stream is _UNSTARTED:  # not started yet, or a run was decoded without it: on the window, all read
             self._stream = DecodeStream(ids=self.token_ids[self.prefix_offset:-1],
                                         skip_special_tokens=self.skip_special_tokens)
         if self._stream is not None:
