@@ -328,9 +328,6 @@ class ModelRunner:
             hidden = self.forward(batch)
             output.forward_s = time.perf_counter() - forward_start
             self.sample(batch, hidden, output, scheduler_output.grammar_bitmask)
-            if self._keeps_decode_runs and batch.argmax_decode and scheduler_output.grammar_bitmask is None:
-                self._last_decode = _DecodeRun(batch.request_ids, batch.rows, [p + 1 for p in batch.start_pos],
-                                               [token for (token,) in output.sampled_token_ids.values()])
         if self.kv_connector is not None:
             if connector_meta is not None and connector_meta.reqs_to_save:
                 for layer in range(len(self.kv_caches)):
@@ -364,11 +361,19 @@ class ModelRunner:
                             last.rows, argmax_decode=True)
         forward_start = time.perf_counter()
         hidden = self.forward(batch)
-        logits = self.model.compute_logits(hidden, upcast=False)
         forward_s = time.perf_counter() - forward_start
-        token_ids = argmax_rows(logits).tolist()
+        token_ids, lm_head_s = self._argmax_tokens(hidden)
+        assert token_ids is not None  # one rank
         last.next_start_pos, last.token_ids = [p + 1 for p in start_pos], token_ids
-        return token_ids, forward_s
+        return token_ids, forward_s + lm_head_s
+
+    def _argmax_tokens(self, hidden: torch.Tensor) -> tuple[list[int] | None, float]:
+        """The LM head in the matmul's dtype and each row's argmax (None off rank 0), and the LM head's
+        seconds."""
+        logits_start = time.perf_counter()
+        logits = self.model.compute_logits(hidden, upcast=False)
+        lm_head_s = time.perf_counter() - logits_start
+        return (argmax_rows(logits).tolist() if logits is not None else None), lm_head_s
 
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
@@ -477,12 +482,13 @@ class ModelRunner:
         if batch.argmax_decode and grammar_bitmask is None:
             # The common decode step: one token per request, each taking the argmax of its raw logits and
             # asking for nothing more. At batch 64 the general pass below cost ~0.25 ms of Python a step.
-            logits_start = time.perf_counter()
-            logits = self.model.compute_logits(hidden, upcast=False)
-            output.forward_s += time.perf_counter() - logits_start
-            if logits is not None:  # rank 0
-                output.sampled_token_ids.update(
-                    zip(batch.request_ids, [[token] for token in argmax_rows(logits).tolist()]))
+            token_ids, lm_head_s = self._argmax_tokens(hidden)
+            output.forward_s += lm_head_s
+            if token_ids is not None:  # rank 0
+                output.sampled_token_ids.update(zip(batch.request_ids, [[token] for token in token_ids]))
+                if self._keeps_decode_runs:  # the next step may continue this one (execute_continued_decode)
+                    self._last_decode = _DecodeRun(batch.request_ids, batch.rows,
+                                                   [p + 1 for p in batch.start_pos], token_ids)
             return
         sample_rows: list[int] = []
         sampled: list[ScheduledRequest] = []  # the requests of sample_rows, in order
