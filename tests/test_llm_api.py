@@ -7,7 +7,9 @@ model's chat template; outputs carry vLLM's fields; metrics count what was done.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -272,3 +274,31 @@ def test_spaces_between_special_tokens_as_vllm() -> None:
     assert text(False, True) == " hello-world </s> </s>"  # spaced from the prompt's <s> too
     assert text(False, False) == "hello-world</s></s>"
     assert text(True, True) == text(True, False) == "hello-world"
+
+
+def test_start_up_heap_frozen_and_what_runs_freed_without_a_collection(tiny_llama_dir: str) -> None:
+    """The engine hides what start-up loaded from the garbage collector (whose full collections would
+    otherwise rescan torch's and the model's objects in the middle of the loop), and nothing it makes
+    depends on a collection to go away: finished requests, and a dropped engine with its model runner,
+    are freed by reference counting alone."""
+    engine_llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256)
+    assert gc.get_freeze_count() > 0
+    requests: list[weakref.ref] = []
+    scheduler = engine_llm.llm_engine.scheduler
+    add_request = scheduler.add_request
+
+    def noted(request):  # type: ignore[no-untyped-def]
+        requests.append(weakref.ref(request))
+        add_request(request)
+
+    scheduler.add_request = noted
+    runner = weakref.ref(engine_llm.llm_engine.model_runner)
+    gc.disable()
+    try:
+        outs = engine_llm.generate(TEXTS, SamplingParams(max_tokens=4, n=2), use_tqdm=False)
+        assert len(outs) == 3 and len(requests) == 3
+        assert all(ref() is None for ref in requests)
+        del engine_llm, scheduler, add_request, noted
+        assert runner() is None
+    finally:
+        gc.enable()

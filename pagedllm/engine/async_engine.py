@@ -31,6 +31,7 @@ from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.llm_engine import load_tokenizer
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
+from pagedllm.platform import freeze_gc_heap
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -167,6 +168,7 @@ class AsyncLLMEngine:
         # run on the event loop when the core dies (the server shuts itself down)
         self.dead_callbacks: list[Callable[[], None]] = []
         self._engine_num_waiting = 0
+        freeze_gc_heap()  # this process detokenizes every step: no long collections in its loop
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, observers: Iterable[StepObserver] = (),

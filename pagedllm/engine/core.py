@@ -26,7 +26,7 @@ from pagedllm.kv_cache.manager import KVCacheManager
 from pagedllm.kv_cache.snapshot import KVCacheSnapshot
 from pagedllm.metrics.reader import Counter, Gauge, Histogram, Metric
 from pagedllm.outputs import PositionLogprobs, RequestMetrics
-from pagedllm.platform import configure_threads
+from pagedllm.platform import configure_threads, freeze_gc_heap
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.structured_output import StructuredOutputManager
 
@@ -180,6 +180,7 @@ class EngineCore:
         # (at most two: the step running and the one planned behind it).
         self.async_scheduling = self.scheduler_config.async_scheduling
         self._in_flight: deque[SchedulerOutput] = deque()
+        freeze_gc_heap()  # what start-up loaded is never scanned by a collection in the loop
 
     def shutdown(self) -> None:
         if self.kv_connector is not None and self.parallel_config.distributed_executor_backend == "uni":

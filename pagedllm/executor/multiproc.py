@@ -46,6 +46,7 @@ import torch
 
 from pagedllm.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor, ExecutorDeadError
+from pagedllm.platform import freeze_gc_heap
 from pagedllm.worker.request_state import SchedulerOutputEncoder, unpack_output
 
 logger = logging.getLogger(__name__)
@@ -299,6 +300,7 @@ def worker_main(fd: int, rank: int) -> int:
         except Exception:
             send(conn, ("error", (rank, traceback.format_exc())))
             return 1
+        freeze_gc_heap()
         send(conn, ("ok", None))
         # every call in inference mode, entered once (see ModelRunner.execute)
         with torch.inference_mode():
