@@ -165,7 +165,6 @@ class EngineCore:
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.model_config.eos_token_ids,
                                    self.structured_output_manager, connector=self.kv_connector)
         self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
         self.finished_reasons: TallyCounter[str] = TallyCounter()
         # user request id -> the exception that ended it in the last step (see step())
         self.failed_requests: dict[str, Exception] = {}
@@ -227,6 +226,12 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_generation_tokens(self) -> int:
+        """Tokens the model produced for requests that took them (async scheduling drops those of requests
+        that ended while their step ran)."""
+        return self.scheduler.num_sampled_tokens
 
     # ---- the loop ----
     def step(self) -> list[EngineCoreOutput]:
@@ -330,9 +335,6 @@ class EngineCore:
                      model_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         updated, _, _ = self.scheduler.update(scheduler_output, model_output)
         self.scheduler.update_draft_token_ids(model_output.spec_token_ids)
-        # the requests that took tokens (async scheduling drops those of requests that ended meanwhile)
-        sampled = model_output.sampled_token_ids
-        self.num_generation_tokens += sum(len(sampled[request.request_id]) for request in updated)
         now = time.time()
         outputs = []
         running = RequestStatus.RUNNING

@@ -93,6 +93,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.finished_req_ids: set[str] = set()
+        # Output tokens the model produced for running requests, those past a stop included (a metric).
+        self.num_sampled_tokens = 0
+        # Parallel-sampling parents admitted with their whole shared prompt cached: they fork at the next
+        # update without a forward pass.
+        self._parents_to_fork: list[Request] = []
         # Async scheduling: a plan made ahead ran short of blocks, or met a request only a plan made after
         # the step in flight may admit, so the next plan waits for that step (and may then preempt:
         # preempting a request whose step is still running is never needed).
@@ -100,8 +105,23 @@ class Scheduler:
 
     # ---- bookkeeping ----
     def add_request(self, request: Request) -> None:
+        self._watch_stops(request)
         self.waiting.append(request)
         self.requests[request.request_id] = request
+
+    def _watch_stops(self, request: Request) -> None:
+        """Note on the request which tokens may end it (its stop ids, and the EOS ids unless it ignores
+        them) and at which token count its length does: update() runs the whole stop test (_check_stop)
+        only for a token that is one or reaches the other."""
+        params = request.sampling_params
+        candidates = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            candidates |= self.eos_token_ids
+        request.stop_candidates = frozenset(candidates)
+        cap = self.config.max_model_len
+        if params.max_tokens is not None:
+            cap = min(cap, request.num_prompt_tokens + params.max_tokens)
+        request.length_cap = cap
 
     @property
     def num_running(self) -> int:
@@ -178,12 +198,14 @@ class Scheduler:
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
 
-        decoding: list[Request] = []
-        prefilling: list[Request] = []
-        for request in self.running:
-            (decoding if request.num_computed_tokens >= request.num_prompt_tokens else prefilling).append(request)
+        # decodes first, so a long prompt never stalls them
+        order = [request for request in self.running if request.num_computed_tokens >= request.num_prompt_tokens]
+        if len(order) < len(self.running):
+            order += [request for request in self.running if request.num_computed_tokens < request.num_prompt_tokens]
         running = RequestStatus.RUNNING
-        for request in decoding + prefilling:
+        chunked_prefill = self.config.enable_chunked_prefill
+        allocate_slots = self.kv.allocate_slots
+        for request in order:
             if budget <= 0:
                 break
             if request.status is not running:
@@ -193,19 +215,21 @@ class Scheduler:
             num_new = request.target_num_tokens - request.num_computed_tokens
             if num_new <= 0:
                 continue
-            if not self.config.enable_chunked_prefill and num_new > budget:
-                continue
-            num_new = min(num_new, budget)
+            if num_new > budget:
+                if not chunked_prefill:
+                    continue
+                num_new = budget
             if request.spec_token_ids and request.num_computed_tokens + num_new < request.num_tokens_with_spec:
                 # A cut inside the proposals drops them all: compute only the known tokens this step.
                 request.spec_token_ids = []
                 num_new = min(num_new, request.num_tokens - request.num_computed_tokens)
+            # (every token known before this step is final: the default num_cacheable_tokens)
             if ahead:
-                if not self.kv.allocate_slots(request, num_new, num_cacheable_tokens=request.num_tokens):
+                if not allocate_slots(request, num_new):
                     self.needs_sync = True
                     continue
             else:
-                while not self.kv.allocate_slots(request, num_new, num_cacheable_tokens=request.num_tokens):
+                while not allocate_slots(request, num_new):
                     victim = self._pick_victim(scheduled, request)
                     self._preempt(victim)
                     preempted.append(victim.request_id)
@@ -248,8 +272,7 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request, num_new, cached_blocks,
-                                          num_cacheable_tokens=request.num_tokens):
+            if not self.kv.allocate_slots(request, num_new, cached_blocks):
                 break
             if not loaded:
                 self.kv.record_prefix_query(request.num_tokens, num_cached)
@@ -264,6 +287,8 @@ class Scheduler:
                 budget -= num_new
                 if request.metrics.first_scheduled_time is None:  # every request is first run from here
                     request.metrics.first_scheduled_time = time.time()
+            elif request.is_fork_parent:
+                self._parents_to_fork.append(request)
 
         if self.config.async_scheduling:
             # The next plan may be made before this step's results: it must see this step's tokens as
@@ -379,6 +404,7 @@ class Scheduler:
         # logprobs come only for the requests that asked: most steps have none to look up
         all_logprobs, all_sampled_logprobs = model_output.logprobs, model_output.sampled_logprobs
         async_scheduling = self.config.async_scheduling
+        num_sampled = 0
         for item in output.scheduled:
             request = item.request
             if async_scheduling:  # its tokens were counted as computed when it was scheduled
@@ -403,25 +429,29 @@ class Scheduler:
                     request.spec_token_ids = []
                 logprobs = all_logprobs.get(request.request_id) if all_logprobs else None
                 sampled_logprobs = all_sampled_logprobs.get(request.request_id) if all_sampled_logprobs else None
+                num_sampled += len(tokens)
+                stop_candidates, length_cap = request.stop_candidates, request.length_cap
                 for i, token in enumerate(tokens):
                     request.append_output_token(token)
                     if logprobs is not None and request.logprobs is not None:
                         request.logprobs.append(logprobs[i])
                     if sampled_logprobs is not None:
                         request.cumulative_logprob += sampled_logprobs[i]
-                    if self._check_stop(request, token):
+                    if ((token in stop_candidates or request.num_tokens >= length_cap)
+                            and self._check_stop(request, token)):
+                        finished.append(request)
                         break
                 # Tokens past a stop were verified but are not part of the output; their KV stays
                 # unreachable until the request is freed.
                 updated.append(request)
-                if request.is_finished:
-                    finished.append(request)
             elif request.is_fork_parent and request.num_computed_tokens >= request.target_num_tokens:
                 forked.extend(self._fork(request))
-        for request in list(self.running):
-            # A parent admitted with its whole shared prompt cached forks without a forward pass.
-            if request.is_fork_parent and request.num_computed_tokens >= request.target_num_tokens:
-                forked.extend(self._fork(request))
+        self.num_sampled_tokens += num_sampled
+        if self._parents_to_fork:
+            parents, self._parents_to_fork = self._parents_to_fork, []
+            for request in parents:
+                if request.status is RequestStatus.RUNNING and request.num_computed_tokens >= request.target_num_tokens:
+                    forked.extend(self._fork(request))
         return updated, finished, forked
 
     def update_draft_token_ids(self, spec_token_ids: dict[str, list[int]]) -> None:
@@ -462,6 +492,7 @@ class Scheduler:
         position = self.running.index(parent)
         for index in range(parent.sampling_params.n):
             child = make_child(parent, index)
+            self._watch_stops(child)
             self.kv.fork(parent.request_id, child.request_id)
             child.status = RequestStatus.RUNNING
             child.num_computed_tokens = parent.num_computed_tokens
