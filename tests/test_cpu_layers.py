@@ -48,6 +48,14 @@ def test_argmax_rows_matches_torch_with_ties_nan_and_inf(dtype: torch.dtype) -> 
         rows[3, -1] = float("inf")
         rows[4, 0] = rows[4, -1] = 60.0
         assert torch.equal(argmax_rows(rows), rows.argmax(dim=-1)), width
+    # +0 and -0 are equal maxima (bf16 and fp16 rows are compared as integer keys, where they differ)
+    zeros = -torch.rand(6, 3000).round()
+    zeros[:, ::3] = -0.0
+    zeros[1, 2000] = 0.0
+    zeros[2, 1500:] = 0.0
+    zeros[3] = -0.0
+    zeros = zeros.to(dtype)
+    assert torch.equal(argmax_rows(zeros), zeros.argmax(dim=-1))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
