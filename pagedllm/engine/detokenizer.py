@@ -90,8 +90,12 @@ class IncrementalDetokenizer:
         # on it, so the stream's first piece would carry the prompt's last characters: there the Python
         # algorithm, which counts the context as read, runs instead.
         self._stream = None
+        # The context's text, kept for the first run's decode of the text already read (_add_run): a
+        # final-only output's one run then costs two decodes, not three.
+        self._context_text = self._decode(context) if self._backend is not None else None
+        self._context_len = len(context)
         # Whether the text read so far ends on a whole character (every emitted piece does)
-        self._read_whole = self._backend is not None and not self._decode(context).endswith("\ufffd")
+        self._read_whole = self._context_text is not None and not self._context_text.endswith("\ufffd")
         if self._read_whole:
             self._stream = _UNSTARTED
         # Whether a run of tokens may be decoded in one call (see the module's docstring).
@@ -171,7 +175,10 @@ class IncrementalDetokenizer:
         docstring). None, and nothing fed, where the window's text, or the text already read, ends inside a
         UTF-8 sequence: only one by one gives the text of the tokens fed so far there."""
         window = self.token_ids[self.prefix_offset:]
-        read_text = self._decode(window[:self.read_offset - self.prefix_offset])
+        if self.prefix_offset == 0 and self.read_offset == self._context_len:  # nothing read past the context
+            read_text = self._context_text
+        else:
+            read_text = self._decode(window[:self.read_offset - self.prefix_offset])
         window.extend(new_token_ids)
         text = self._decode(window)
         if text.endswith("\ufffd") or read_text.endswith("\ufffd"):
