@@ -276,6 +276,24 @@ def test_spaces_between_special_tokens_as_vllm() -> None:
     assert text(True, True) == text(True, False) == "hello-world"
 
 
+def _generate_noting_requests(engine_llm: LLM) -> list[weakref.ref]:
+    """Generate from TEXTS (two samples each), noting every request the scheduler takes by a weak reference."""
+    requests: list[weakref.ref] = []
+    scheduler = engine_llm.llm_engine.scheduler
+
+    def noted(request):  # type: ignore[no-untyped-def]
+        requests.append(weakref.ref(request))
+        type(scheduler).add_request(scheduler, request)
+
+    scheduler.add_request = noted
+    try:
+        outs = engine_llm.generate(TEXTS, SamplingParams(max_tokens=4, n=2), use_tqdm=False)
+    finally:
+        del scheduler.add_request  # the class's method again
+    assert len(outs) == 3 and len(requests) == 3
+    return requests
+
+
 def test_start_up_heap_frozen_and_what_runs_freed_without_a_collection(tiny_llama_dir: str) -> None:
     """The engine hides what start-up loaded from the garbage collector (whose full collections would
     otherwise rescan torch's and the model's objects in the middle of the loop), and nothing it makes
@@ -283,22 +301,12 @@ def test_start_up_heap_frozen_and_what_runs_freed_without_a_collection(tiny_llam
     are freed by reference counting alone."""
     engine_llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256)
     assert gc.get_freeze_count() > 0
-    requests: list[weakref.ref] = []
-    scheduler = engine_llm.llm_engine.scheduler
-    add_request = scheduler.add_request
-
-    def noted(request):  # type: ignore[no-untyped-def]
-        requests.append(weakref.ref(request))
-        add_request(request)
-
-    scheduler.add_request = noted
     runner = weakref.ref(engine_llm.llm_engine.model_runner)
     gc.disable()
     try:
-        outs = engine_llm.generate(TEXTS, SamplingParams(max_tokens=4, n=2), use_tqdm=False)
-        assert len(outs) == 3 and len(requests) == 3
+        requests = _generate_noting_requests(engine_llm)
         assert all(ref() is None for ref in requests)
-        del engine_llm, scheduler, add_request, noted
+        del engine_llm
         assert runner() is None
     finally:
         gc.enable()
