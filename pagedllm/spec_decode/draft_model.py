@@ -124,6 +124,12 @@ class DraftModelProposer:
         requests = requests + prefill
         num_spec_tokens = num_spec_tokens + [0] * len(prefill)
         seqs = [self._sync(request) for request in requests]
+        # Greedy with nothing to adjust (no penalties, min_tokens met: drafts only lengthen the output), so
+        # a draft token is the argmax of the raw logits, taken in the matmul's dtype (the same index: the
+        # cast to float32 is exact), without building each pass's rows or the adjusted logits.
+        plain = [row.params.greedy and not row.params.has_penalties
+                 and (not row.stop_token_ids or len(row.output_token_ids) >= row.params.min_tokens)
+                 for row in base_rows] + [False] * len(prefill)
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = [i for i, k in enumerate(num_spec_tokens) if k > 0]
@@ -172,14 +178,21 @@ class DraftModelProposer:
                 break
             last_row = {id(s.request): start + s.num_new_tokens - 1
                         for s, start in zip(batch.order, batch.query_starts)}
-            logits = self.runner.model.compute_logits(hidden[[last_row[id(seqs[i])] for i in stepping]])
-            rows = [row_with_drafts(base_rows[i], drafts[i]) for i in stepping]
-            if all(row.params.greedy for row in rows):  # the common case: skip the distribution entirely
-                q = None
-                token_ids = argmax_rows(adjusted_logits(logits, rows)).tolist()
+            sample_rows = [last_row[id(seqs[i])] for i in stepping]
+            # the single-token passes sample every row, in order: no gather
+            last_hidden = hidden if sample_rows == list(range(hidden.shape[0])) else hidden[sample_rows]
+            rows: list[SamplingRow] = []
+            q = None
+            if all(plain[i] for i in stepping):
+                token_ids = argmax_rows(self.runner.model.compute_logits(last_hidden, upcast=False)).tolist()
             else:
-                q = request_probs(logits, rows)
-                token_ids = self._sample(q, rows)
+                logits = self.runner.model.compute_logits(last_hidden)
+                rows = [row_with_drafts(base_rows[i], drafts[i]) for i in stepping]
+                if all(row.params.greedy for row in rows):  # skip the distribution entirely
+                    token_ids = argmax_rows(adjusted_logits(logits, rows)).tolist()
+                else:
+                    q = request_probs(logits, rows)
+                    token_ids = self._sample(q, rows)
             for j, i in enumerate(stepping):
                 request, seq = requests[i], seqs[i]
                 drafts[i].append(token_ids[j])
