@@ -298,3 +298,53 @@ def test_blocked_pack_into_a_given_buffer() -> None:
     assert torch.equal(out, ops.blocked_linear_pack(weight))
     with pytest.raises(RuntimeError, match="out must be"):
         ops.blocked_linear_pack(weight, torch.empty(70 * 33, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not blocked_layout_available(torch.bfloat16), reason="no blocked bf16 kernel on this CPU")
+def test_lm_head_argmax_in_one_pass(tiny_qwen2_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain-greedy step's LM head and argmax in one pass over the blocked bf16 weight (the logits never
+    stored): the index argmax_rows gives on the logits blocked_linear stores, ties to the first column,
+    +0 and -0 equal, the first NaN winning, at any width, batch and thread count; and an engine's greedy
+    tokens are those of the stored logits."""
+    from pagedllm.layers.sampler import argmax_rows
+
+    ops = torch.ops.pagedllm_cpu_linear
+    torch.manual_seed(0)
+    for rows, k, n, case in [(1, 256, 8192, "random"), (7, 256, 1000, "ties"), (64, 256, 8192, "ties"),
+                             (300, 64, 65, "ties"), (6, 33, 63, "random"), (5, 64, 17, "zeros"),
+                             (9, 64, 700, "nan"), (4, 64, 129, "inf"), (2, 32, 1, "random")]:
+        weight = (torch.randn(n, k) * 0.5).bfloat16()
+        x = torch.randn(rows, k).bfloat16()
+        if case == "ties":  # rounded inputs and repeated weight rows: many equal logits
+            weight[n // 2] = weight[n - 1] = weight[min(3, n - 1)]
+            weight[:n // 4] = weight[:n // 4].round()
+            x = x.round()
+        elif case == "zeros":  # rows of -0.0 and +0.0 logits, one negative
+            weight[:] = 0.0
+            weight[5::7] = -0.0
+            weight[n // 3, 0] = -1.0
+            x = x.abs() + 0.5
+        elif case == "nan":
+            weight[n // 5, 1] = float("nan")
+            weight[n // 2, 2] = float("inf")
+        elif case == "inf":
+            weight[:, 0] = float("-inf")
+            x[:, 0] = 1.0
+        packed = ops.blocked_linear_pack(weight)
+        logits = ops.blocked_linear(x, packed, n, None)
+        want = argmax_rows(logits)
+        assert torch.equal(want, logits.float().argmax(dim=-1))
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert torch.equal(ops.blocked_linear_argmax(x, packed, n), want), (rows, k, n, case, threads)
+        torch.set_num_threads(1)
+
+    llm = LLM(model=tiny_qwen2_dir, dtype="bfloat16", seed=0, max_model_len=256)
+    model = llm.llm_engine.model_runner.model
+    assert isinstance(model.lm_head.packed_matmul, BlockedLinear)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 400 + 5 for j in range(4 + 3 * i)]} for i in range(6)]
+    fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(model, "argmax_logits", None, raising=False)  # the runner stores the logits
+    stored = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert fused == stored

@@ -122,6 +122,7 @@ class StepProfiler:
             self.wrap(runner, "prepare", "input preparation")
             self.wrap(runner, "forward", "forward")
             self.wrap(runner.model, "compute_logits", "forward")
+            self.wrap(runner.model, "argmax_logits", "forward")  # the LM head with a plain-greedy step's argmax
             self.wrap(runner, "sample", "sampling")
         else:
             executor = getattr(engine, "model_executor", None)

@@ -32,6 +32,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce, tensor_model_parallel_gather
 from pagedllm.layers.quantization import linear
+from pagedllm.layers.sampler import argmax_rows
 from pagedllm.platform import huge_page_buffer, release_free_heap_memory
 
 logger = logging.getLogger(__name__)
@@ -188,6 +189,16 @@ class ParallelLMHead(VocabParallelEmbedding):
                 return None
             logits = logits[:, :self.vocab_size]
         return logits.float() if upcast else logits
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of compute_logits(hidden, upcast=False): a plain-greedy step's tokens (None off
+        rank 0). With the weight in the blocked bf16 layout, in one pass that never stores the logits
+        (blocked_linear_argmax: the same index, from the same rounded values)."""
+        if self.tp_size == 1 and isinstance(self.packed_matmul, BlockedLinear) and hidden.dtype == torch.bfloat16:
+            return torch.ops.pagedllm_cpu_linear.blocked_linear_argmax(hidden, self.packed_weight,
+                                                                       self.packed_matmul.out_features)
+        logits = self.compute_logits(hidden, upcast=False)
+        return argmax_rows(logits) if logits is not None else None
 
 
 # ---- prepacked CPU weights ----

@@ -127,6 +127,11 @@ class LlamaForCausalLM(nn.Module):
         ranks of a tensor-parallel group."""
         return self.lm_head.compute_logits(hidden, upcast)
 
+    def argmax_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of compute_logits(hidden, upcast=False) (None off rank 0), without storing the
+        logits where the LM head's kernel can (ParallelLMHead.argmax)."""
+        return self.lm_head.argmax(hidden)
+
     # ---- weight loading: Hugging Face names -> our fused, sharded parameters ----
     # The projections weight-only quantization replaces; embeddings and the LM head stay in the model dtype.
     quantizable_weights = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")

@@ -369,11 +369,18 @@ class ModelRunner:
 
     def _argmax_tokens(self, hidden: torch.Tensor) -> tuple[list[int] | None, float]:
         """The LM head in the matmul's dtype and each row's argmax (None off rank 0), and the LM head's
-        seconds."""
+        seconds. A model whose LM head folds the argmax in (argmax_logits: the logits are never stored)
+        has it timed with the LM head."""
         logits_start = time.perf_counter()
-        logits = self.model.compute_logits(hidden, upcast=False)
-        lm_head_s = time.perf_counter() - logits_start
-        return (argmax_rows(logits).tolist() if logits is not None else None), lm_head_s
+        fused = getattr(self.model, "argmax_logits", None)
+        if fused is not None:
+            token_ids = fused(hidden)
+            lm_head_s = time.perf_counter() - logits_start
+        else:
+            logits = self.model.compute_logits(hidden, upcast=False)
+            lm_head_s = time.perf_counter() - logits_start
+            token_ids = argmax_rows(logits) if logits is not None else None
+        return (token_ids.tolist() if token_ids is not None else None), lm_head_s
 
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)

@@ -31,8 +31,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <mutex>
 #include <optional>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -317,24 +320,30 @@ void blocked_linear_impl(const T* x, int64_t m, int64_t k, const T* w, int64_t n
 
 #endif  // PAGEDLLM_BLOCKED_FP32
 
-at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                          const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(supports(x.scalar_type()), "blocked_linear: ", x.scalar_type(), " is not supported on this CPU");
-  TORCH_CHECK(packed.scalar_type() == x.scalar_type(), "blocked_linear: x and the packed weight differ in dtype");
+// x as the kernel reads it: [rows, K'] contiguous (an odd K in bf16 padded with a zero column, as the weight).
+at::Tensor kernel_input(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const char* op) {
+  TORCH_CHECK(supports(x.scalar_type()), op, ": ", x.scalar_type(), " is not supported on this CPU");
+  TORCH_CHECK(packed.scalar_type() == x.scalar_type(), op, ": x and the packed weight differ in dtype");
   TORCH_CHECK(packed.dim() == 1 && packed.is_contiguous() && out_features > 0 && packed.numel() % out_features == 0,
-              "blocked_linear: the weight is not packed by blocked_linear_pack for ", out_features, " outputs");
+              op, ": the weight is not packed by blocked_linear_pack for ", out_features, " outputs");
   const int64_t k_padded = packed.numel() / out_features, k = x.size(-1);
-  TORCH_CHECK(k_padded == padded_in_features(k, x.scalar_type()), "blocked_linear: x has ", k,
-              " features, the weight ", k_padded);
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = out_features;
+  TORCH_CHECK(k_padded == padded_in_features(k, x.scalar_type()), op, ": x has ", k, " features, the weight ",
+              k_padded);
   at::Tensor x2 = x.reshape({-1, k});
   if (k != k_padded) {  // an odd K in bf16: the kernel reads x in pairs
     at::Tensor wide = at::zeros({x2.size(0), k_padded}, x.options());
     wide.narrow(1, 0, k).copy_(x2);
     x2 = wide;
   }
-  x2 = x2.contiguous();
+  return x2.contiguous();
+}
+
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                          const std::optional<at::Tensor>& bias) {
+  at::Tensor x2 = kernel_input(x, packed, out_features, "blocked_linear");
+  const int64_t k_padded = x2.size(1);
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = out_features;
   at::Tensor y = at::empty({x2.size(0), out_features}, x.options());
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -356,6 +365,139 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
 
 bool blocked_linear_supports(c10::ScalarType dtype) { return supports(dtype); }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// The argmax of each row of blocked_linear(x) in bf16 (a plain-greedy decode step's LM head), without
+// storing the logits: each block's bf16 outputs, rounded exactly as blocked_linear stores them, land in a
+// small buffer that stays in L1 and are folded into per-row running maxima. The [rows, vocab] logits are
+// never written and read back (at batch 64 and a vocabulary of 8,192, 1 MiB each way every step).
+// Values compare as 16-bit keys: a bf16's magnitude bits, negated for negative values (two's complement of
+// sign-magnitude), which order as the values do with +0 and -0 equal; NaNs lie beyond the infinities'
+// keys. Each of a row's 64 lanes keeps its largest key and the first block that reached it, so the first
+// column holding the maximum is the smallest block * 64 + lane among the lanes that hold it: torch.argmax's
+// index. A row with a NaN (rare) is recomputed alone and its first NaN returned, as torch.argmax does.
+inline __m512i order_keys(__m512i v) {
+  const __m512i sign = _mm512_srai_epi16(v, 15);
+  return _mm512_sub_epi16(_mm512_xor_si512(_mm512_and_si512(v, _mm512_set1_epi16(0x7FFF)), sign), sign);
+}
+
+constexpr int16_t kInfKey = 0x7F80;  // bf16 infinity's magnitude bits
+
+struct RowLanes {  // one row's running state over a thread's blocks: 64 lanes, two vectors of 32
+  __m512i max[2], min[2], block[2];
+};
+
+struct ChunkArgmax {  // a thread's result for its blocks, per row
+  int64_t begin;
+  std::vector<int16_t> key;
+  std::vector<int64_t> index;
+  std::vector<uint8_t> nan;
+};
+
+at::Tensor blocked_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  using bf16 = c10::BFloat16;
+  TORCH_CHECK(x.scalar_type() == c10::kBFloat16, "blocked_linear_argmax: bf16 only, got ", x.scalar_type());
+  at::Tensor x2 = kernel_input(x, packed, out_features, "blocked_linear_argmax");
+  const int64_t m = x2.size(0), k = x2.size(1), n = out_features;
+  const int64_t num_blocks = (n + kBlockN - 1) / kBlockN;
+  TORCH_CHECK(num_blocks <= std::numeric_limits<int16_t>::max(), "blocked_linear_argmax: too many outputs (", n, ")");
+  const bf16* xp = x2.data_ptr<bf16>();
+  const bf16* wp = packed.data_ptr<bf16>();
+  constexpr int64_t kRowsPerPass = 256;
+  const int64_t block_bytes = k * kBlockN * static_cast<int64_t>(sizeof(bf16));
+  const int64_t grain = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(block_bytes, 1));
+  std::mutex mutex;
+  std::vector<ChunkArgmax> chunks;
+  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
+    ChunkArgmax chunk{begin, std::vector<int16_t>(m), std::vector<int64_t>(m), std::vector<uint8_t>(m)};
+    std::vector<bf16> buffer(kRowsPerPass * kBlockN);
+    std::vector<RowLanes> lanes(kRowsPerPass);
+    alignas(64) int16_t max_keys[kBlockN], min_keys[kBlockN], blocks[kBlockN];
+    for (int64_t row = 0; row < m; row += kRowsPerPass) {
+      const int64_t rows = std::min(kRowsPerPass, m - row);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int j = 0; j < 2; ++j) {
+          lanes[r].max[j] = _mm512_set1_epi16(std::numeric_limits<int16_t>::min());
+          lanes[r].min[j] = _mm512_set1_epi16(std::numeric_limits<int16_t>::max());
+          lanes[r].block[j] = _mm512_setzero_si512();
+        }
+      }
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t col = b * kBlockN, width = std::min(kBlockN, n - col);
+        run_rows<bf16>(rows, xp + row * k, k, wp + col * k, width, k, nullptr, buffer.data(), kBlockN);
+        const __mmask32 valid[2] = {width >= 32 ? ~__mmask32(0) : __mmask32((1ull << width) - 1),
+                                    width >= 64 ? ~__mmask32(0)
+                                                : width > 32 ? __mmask32((1ull << (width - 32)) - 1) : __mmask32(0)};
+        const __m512i block = _mm512_set1_epi16(static_cast<int16_t>(b));
+        for (int64_t r = 0; r < rows; ++r) {
+          RowLanes& lane = lanes[r];
+          for (int j = 0; j < 2; ++j) {
+            const __m512i keys = order_keys(_mm512_loadu_si512(buffer.data() + r * kBlockN + 32 * j));
+            const __mmask32 above = _mm512_mask_cmpgt_epi16_mask(valid[j], keys, lane.max[j]);
+            lane.max[j] = _mm512_mask_mov_epi16(lane.max[j], above, keys);
+            lane.block[j] = _mm512_mask_mov_epi16(lane.block[j], above, block);
+            lane.min[j] = _mm512_mask_min_epi16(lane.min[j], valid[j], lane.min[j], keys);
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int j = 0; j < 2; ++j) {
+          _mm512_store_si512(max_keys + 32 * j, lanes[r].max[j]);
+          _mm512_store_si512(min_keys + 32 * j, lanes[r].min[j]);
+          _mm512_store_si512(blocks + 32 * j, lanes[r].block[j]);
+        }
+        const int16_t best = *std::max_element(max_keys, max_keys + kBlockN);
+        const int16_t lowest = *std::min_element(min_keys, min_keys + kBlockN);
+        int64_t index = std::numeric_limits<int64_t>::max();
+        for (int64_t l = 0; l < kBlockN; ++l) {
+          if (max_keys[l] == best) index = std::min(index, static_cast<int64_t>(blocks[l]) * kBlockN + l);
+        }
+        chunk.key[row + r] = best;
+        chunk.index[row + r] = index;
+        chunk.nan[row + r] = best > kInfKey || lowest < -kInfKey;
+      }
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    chunks.push_back(std::move(chunk));
+  });
+  std::sort(chunks.begin(), chunks.end(), [](const ChunkArgmax& a, const ChunkArgmax& b) { return a.begin < b.begin; });
+  at::Tensor out = at::empty({m}, x.options().dtype(at::kLong));
+  int64_t* result = out.data_ptr<int64_t>();
+  std::vector<bf16> row_logits;
+  for (int64_t r = 0; r < m; ++r) {
+    int16_t best = std::numeric_limits<int16_t>::min();
+    int64_t index = 0;
+    bool nan = false;
+    for (const ChunkArgmax& chunk : chunks) {  // in column order: a later chunk wins only if strictly above
+      nan = nan || chunk.nan[r];
+      if (chunk.key[r] > best) {
+        best = chunk.key[r];
+        index = chunk.index[r];
+      }
+    }
+    if (nan) {  // the row's logits, computed alone (the same values: rows never mix), and their first NaN
+      row_logits.resize(n);
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const int64_t col = b * kBlockN, width = std::min(kBlockN, n - col);
+        run_rows<bf16>(1, xp + r * k, k, wp + col * k, width, k, nullptr, row_logits.data() + col, n);
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        if ((row_logits[i].x & 0x7FFF) > kInfKey) {
+          index = i;
+          break;
+        }
+      }
+    }
+    result[r] = index;
+  }
+  return out;
+}
+#else
+at::Tensor blocked_linear_argmax(const at::Tensor& x, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "blocked_linear_argmax: this build has no AVX512-BF16 (", x.scalar_type(), ")");
+  return at::Tensor();
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY(pagedllm_cpu_linear, m) {
@@ -363,10 +505,12 @@ TORCH_LIBRARY(pagedllm_cpu_linear, m) {
   m.def("blocked_linear_packed_numel(Tensor weight) -> int");
   m.def("blocked_linear_pack(Tensor weight, Tensor(a!)? out=None) -> Tensor");
   m.def("blocked_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("blocked_linear_argmax(Tensor x, Tensor packed, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu_linear, CPU, m) {
   m.impl("blocked_linear_packed_numel", &packed_numel);
   m.impl("blocked_linear_pack", &pack);
   m.impl("blocked_linear", &blocked_linear);
+  m.impl("blocked_linear_argmax", &blocked_linear_argmax);
 }
