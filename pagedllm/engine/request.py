@@ -59,7 +59,7 @@ class Request:
         self.is_fork_parent = self.sampling_params.n > 1 and self.parent_id is None
         self.always_argmax = self.sampling_params.always_argmax  # the runner's fast path reads it every step
         self.num_prompt_tokens = len(self.prompt_token_ids)  # read for every running request every step
-        # Set by the scheduler when it takes the request (Scheduler.watch_stops): the token ids that may end
+        # Set by the scheduler when it takes the request (Scheduler._watch_stops): the token ids that may end
         # it and the token count that does, so that a step's other tokens skip the whole stop test.
         self.stop_candidates: frozenset[int] = frozenset()
         self.length_cap = 0
@@ -113,8 +113,7 @@ class Request:
         of its prompt: each sample computes the last prompt token itself and samples from it."""
         if self.is_fork_parent:
             return self.num_prompt_tokens - 1
-        # num_tokens_with_spec, spelled out: read for every running request every step
-        return len(self._all_token_ids) + len(self.spec_token_ids) + self.num_output_placeholders
+        return self.num_tokens_with_spec
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

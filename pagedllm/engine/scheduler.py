@@ -95,9 +95,6 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         # Output tokens the model produced for running requests, those past a stop included (a metric).
         self.num_sampled_tokens = 0
-        # Parallel-sampling parents admitted with their whole shared prompt cached: they fork at the next
-        # update without a forward pass.
-        self._parents_to_fork: list[Request] = []
         # Async scheduling: a plan made ahead ran short of blocks, or met a request only a plan made after
         # the step in flight may admit, so the next plan waits for that step (and may then preempt:
         # preempting a request whose step is still running is never needed).
@@ -287,8 +284,6 @@ class Scheduler:
                 budget -= num_new
                 if request.metrics.first_scheduled_time is None:  # every request is first run from here
                     request.metrics.first_scheduled_time = time.time()
-            elif request.is_fork_parent:
-                self._parents_to_fork.append(request)
 
         if self.config.async_scheduling:
             # The next plan may be made before this step's results: it must see this step's tokens as
@@ -447,11 +442,10 @@ class Scheduler:
             elif request.is_fork_parent and request.num_computed_tokens >= request.target_num_tokens:
                 forked.extend(self._fork(request))
         self.num_sampled_tokens += num_sampled
-        if self._parents_to_fork:
-            parents, self._parents_to_fork = self._parents_to_fork, []
-            for request in parents:
-                if request.status is RequestStatus.RUNNING and request.num_computed_tokens >= request.target_num_tokens:
-                    forked.extend(self._fork(request))
+        for request in list(self.running):
+            # A parent admitted with its whole shared prompt cached forks without a forward pass.
+            if request.is_fork_parent and request.num_computed_tokens >= request.target_num_tokens:
+                forked.extend(self._fork(request))
         return updated, finished, forked
 
     def update_draft_token_ids(self, spec_token_ids: dict[str, list[int]]) -> None:
