@@ -202,13 +202,17 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     return logits
 
 
+def holds_back_stops(row: SamplingRow) -> bool:
+    """min_tokens not reached yet: adjusted_logits masks the row's stop tokens."""
+    return bool(row.stop_token_ids) and len(row.output_token_ids) < row.params.min_tokens
+
+
 def adjusted_logits(logits: torch.Tensor, rows: list[SamplingRow],
                     token_bitmask: TokenBitmask | None = None) -> torch.Tensor:
     """Logits after the grammar mask, penalties and min_tokens suppression: what both the sampler and
     speculative verification start from. A new tensor when anything changes, else the input itself (a
     [64, 32000] copy per step is not free), so callers must not modify the result in place."""
-    suppress = [i for i, row in enumerate(rows)
-                if row.stop_token_ids and len(row.output_token_ids) < row.params.min_tokens]
+    suppress = [i for i, row in enumerate(rows) if holds_back_stops(row)]
     if token_bitmask is None and not suppress and not any(r.params.has_penalties for r in rows):
         return logits
     logits = logits.clone()

@@ -27,7 +27,7 @@ from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedllm.engine.scheduler import ScheduledRequest
 from pagedllm.kv_cache.hashing import BlockHash
 from pagedllm.kv_cache.manager import KVCacheManager
-from pagedllm.layers.sampler import SamplingRow, adjusted_logits, argmax_rows, exponential_noise
+from pagedllm.layers.sampler import SamplingRow, adjusted_logits, argmax_rows, exponential_noise, holds_back_stops
 from pagedllm.spec_decode.rejection_sampler import request_probs, row_with_drafts
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -127,8 +127,7 @@ class DraftModelProposer:
         # Greedy with nothing to adjust (no penalties, min_tokens met: drafts only lengthen the output), so
         # a draft token is the argmax of the raw logits, taken in the matmul's dtype (the same index: the
         # cast to float32 is exact), without building each pass's rows or the adjusted logits.
-        plain = [row.params.greedy and not row.params.has_penalties
-                 and (not row.stop_token_ids or len(row.output_token_ids) >= row.params.min_tokens)
+        plain = [row.params.greedy and not row.params.has_penalties and not holds_back_stops(row)
                  for row in base_rows] + [False] * len(prefill)
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
