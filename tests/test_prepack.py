@@ -345,6 +345,7 @@ def test_lm_head_argmax_in_one_pass(tiny_qwen2_dir: str, monkeypatch: pytest.Mon
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 400 + 5 for j in range(4 + 3 * i)]} for i in range(6)]
     fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    monkeypatch.setattr(model, "argmax_logits", None, raising=False)  # the runner stores the logits
+    lm_head = model.lm_head
+    monkeypatch.setattr(lm_head, "argmax", lambda hidden: argmax_rows(lm_head.compute_logits(hidden, upcast=False)))
     stored = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert fused == stored

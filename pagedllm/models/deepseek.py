@@ -25,6 +25,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.layers.activation import get_act_and_mul
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, yarn_mscale
+from pagedllm.layers.sampler import argmax_rows
 from pagedllm.models.moe import FusedMoE, MoEConfig
 
 
@@ -198,6 +199,10 @@ class DeepseekV2ForCausalLM(nn.Module):
         """float32 logits (upcast=False: the matmul's dtype, for an argmax)."""
         logits = F.linear(hidden, self.lm_head)
         return logits.float() if upcast else logits
+
+    def argmax_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax of compute_logits(hidden, upcast=False)."""
+        return argmax_rows(self.compute_logits(hidden, upcast=False))
 
     def load_weights(self, get_slice: Callable, names: set[str], load_linear: Callable | None = None) -> None:
         # Weights past num_hidden_layers (V3's multi-token-prediction layer) are not read. Unsharded: every

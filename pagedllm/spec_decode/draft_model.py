@@ -183,7 +183,7 @@ class DraftModelProposer:
             rows: list[SamplingRow] = []
             q = None
             if all(plain[i] for i in stepping):
-                token_ids = argmax_rows(self.runner.model.compute_logits(last_hidden, upcast=False)).tolist()
+                token_ids = self.runner.model.argmax_logits(last_hidden).tolist()
             else:
                 logits = self.runner.model.compute_logits(last_hidden)
                 rows = [row_with_drafts(base_rows[i], drafts[i]) for i in stepping]

@@ -368,18 +368,11 @@ class ModelRunner:
         return token_ids, forward_s + lm_head_s
 
     def _argmax_tokens(self, hidden: torch.Tensor) -> tuple[list[int] | None, float]:
-        """The LM head in the matmul's dtype and each row's argmax (None off rank 0), and the LM head's
-        seconds. A model whose LM head folds the argmax in (argmax_logits: the logits are never stored)
-        has it timed with the LM head."""
+        """Each row's argmax of the LM head's logits in the matmul's dtype (None off rank 0), and the
+        seconds of the two (the model's argmax_logits: where its kernel can, the logits are never stored)."""
         logits_start = time.perf_counter()
-        fused = getattr(self.model, "argmax_logits", None)
-        if fused is not None:
-            token_ids = fused(hidden)
-            lm_head_s = time.perf_counter() - logits_start
-        else:
-            logits = self.model.compute_logits(hidden, upcast=False)
-            lm_head_s = time.perf_counter() - logits_start
-            token_ids = argmax_rows(logits) if logits is not None else None
+        token_ids = self.model.argmax_logits(hidden)
+        lm_head_s = time.perf_counter() - logits_start
         return (token_ids.tolist() if token_ids is not None else None), lm_head_s
 
     def forward(self, batch: Batch) -> torch.Tensor:
