@@ -232,11 +232,13 @@ def test_blocked_kernel_avx2_build(tmp_path: Path) -> None:
 
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= _cpu_flags():
         pytest.skip("needs an x86-64 CPU with AVX2 and FMA")
-    source = Path(__file__).resolve().parent.parent / "pagedllm" / "layers" / "csrc" / "cpu_linear.cpp"
+    package = Path(__file__).resolve().parent.parent / "pagedllm"
+    source, headers = package / "layers" / "csrc" / "cpu_linear.cpp", package / "csrc"
     code = textwrap.dedent(f"""
         import torch, torch.nn.functional as F
         from torch.utils.cpp_extension import load
         load(name="blocked_linear_avx2", sources=[{str(source)!r}], build_directory={str(tmp_path)!r},
+             extra_include_paths=[{str(headers)!r}],
              extra_cflags=["-O3", "-fopenmp", "-std=c++17", "-march=x86-64-v3"], extra_ldflags=["-fopenmp"],
              is_python_module=False)
         ops = torch.ops.pagedllm_cpu_linear

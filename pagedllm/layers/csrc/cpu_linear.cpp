@@ -28,6 +28,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "half_keys.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -370,16 +372,10 @@ bool blocked_linear_supports(c10::ScalarType dtype) { return supports(dtype); }
 // storing the logits: each block's bf16 outputs, rounded exactly as blocked_linear stores them, land in a
 // small buffer that stays in L1 and are folded into per-row running maxima. The [rows, vocab] logits are
 // never written and read back (at batch 64 and a vocabulary of 8,192, 1 MiB each way every step).
-// Values compare as 16-bit keys: a bf16's magnitude bits, negated for negative values (two's complement of
-// sign-magnitude), which order as the values do with +0 and -0 equal; NaNs lie beyond the infinities'
-// keys. Each of a row's 64 lanes keeps its largest key and the first block that reached it, so the first
+// Values compare as 16-bit keys (half_keys.h: they order as the values do, +0 and -0 equal, NaNs beyond
+// the infinities' keys). Each of a row's 64 lanes keeps its largest key and the first block that reached it, so the first
 // column holding the maximum is the smallest block * 64 + lane among the lanes that hold it: torch.argmax's
 // index. A row with a NaN (rare) is recomputed alone and its first NaN returned, as torch.argmax does.
-inline __m512i order_keys(__m512i v) {
-  const __m512i sign = _mm512_srai_epi16(v, 15);
-  return _mm512_sub_epi16(_mm512_xor_si512(_mm512_and_si512(v, _mm512_set1_epi16(0x7FFF)), sign), sign);
-}
-
 constexpr int16_t kInfKey = 0x7F80;  // bf16 infinity's magnitude bits
 
 struct RowLanes {  // one row's running state over a thread's blocks: 64 lanes, two vectors of 32
@@ -431,7 +427,7 @@ at::Tensor blocked_linear_argmax(const at::Tensor& x, const at::Tensor& packed, 
         for (int64_t r = 0; r < rows; ++r) {
           RowLanes& lane = lanes[r];
           for (int j = 0; j < 2; ++j) {
-            const __m512i keys = order_keys(_mm512_loadu_si512(buffer.data() + r * kBlockN + 32 * j));
+            const __m512i keys = half_order_keys(_mm512_loadu_si512(buffer.data() + r * kBlockN + 32 * j));
             const __mmask32 above = _mm512_mask_cmpgt_epi16_mask(valid[j], keys, lane.max[j]);
             lane.max[j] = _mm512_mask_mov_epi16(lane.max[j], above, keys);
             lane.block[j] = _mm512_mask_mov_epi16(lane.block[j], above, block);
