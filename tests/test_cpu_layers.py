@@ -48,7 +48,7 @@ def test_argmax_rows_matches_torch_with_ties_nan_and_inf(dtype: torch.dtype) -> 
         rows[3, -1] = float("inf")
         rows[4, 0] = rows[4, -1] = 60.0
         assert torch.equal(argmax_rows(rows), rows.argmax(dim=-1)), width
-    # +0 and -0 are equal maxima (bf16 and fp16 rows are compared as integer keys, where they differ)
+    # +0 and -0 are equal maxima (bf16 and fp16 rows are compared as integer keys, which must keep them equal)
     zeros = -torch.rand(6, 3000).round()
     zeros[:, ::3] = -0.0
     zeros[1, 2000] = 0.0
