@@ -299,16 +299,22 @@ void run_rows(int64_t rows, const T* x, int64_t x_stride, const T* w, int64_t wi
   }
 }
 
+// Rows per pass over a thread's blocks: each block's weights (K x width) are read from memory once per
+// pass and reused from L2 by every tile of the pass; the pass's rows of x are re-read per block from L2/L3.
+constexpr int64_t kRowsPerPass = 256;
+
+// Output blocks per thread: at least ~256 KiB of weights each, so the small matmuls of a draft model stay
+// on one thread.
+template <typename T>
+int64_t block_grain(int64_t k) {
+  const int64_t block_bytes = k * kBlockN * static_cast<int64_t>(sizeof(T));
+  return std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(block_bytes, 1));
+}
+
 template <typename T>
 void blocked_linear_impl(const T* x, int64_t m, int64_t k, const T* w, int64_t n, const T* bias, T* y) {
   const int64_t num_blocks = (n + kBlockN - 1) / kBlockN;
-  // Rows per pass over a thread's blocks: each block's weights (K x width) are read from memory once per
-  // pass and reused from L2 by every tile of the pass; the pass's rows of x are re-read per block from L2/L3.
-  constexpr int64_t kRowsPerPass = 256;
-  // At least ~256 KiB of weights per thread, so the small matmuls of a draft model stay on one thread.
-  const int64_t block_bytes = k * kBlockN * static_cast<int64_t>(sizeof(T));
-  const int64_t grain = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(block_bytes, 1));
-  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_blocks, block_grain<T>(k), [&](int64_t begin, int64_t end) {
     for (int64_t row = 0; row < m; row += kRowsPerPass) {
       const int64_t rows = std::min(kRowsPerPass, m - row);
       for (int64_t b = begin; b < end; ++b) {
@@ -398,12 +404,9 @@ at::Tensor blocked_linear_argmax(const at::Tensor& x, const at::Tensor& packed, 
   TORCH_CHECK(num_blocks <= std::numeric_limits<int16_t>::max(), "blocked_linear_argmax: too many outputs (", n, ")");
   const bf16* xp = x2.data_ptr<bf16>();
   const bf16* wp = packed.data_ptr<bf16>();
-  constexpr int64_t kRowsPerPass = 256;
-  const int64_t block_bytes = k * kBlockN * static_cast<int64_t>(sizeof(bf16));
-  const int64_t grain = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(block_bytes, 1));
   std::mutex mutex;
   std::vector<ChunkArgmax> chunks;
-  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_blocks, block_grain<bf16>(k), [&](int64_t begin, int64_t end) {
     ChunkArgmax chunk{begin, std::vector<int16_t>(m), std::vector<int64_t>(m), std::vector<uint8_t>(m)};
     std::vector<bf16> buffer(kRowsPerPass * kBlockN);
     std::vector<RowLanes> lanes(kRowsPerPass);
