@@ -38,7 +38,7 @@ _FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHE
 _FINISHED_STATUSES = tuple(_FINISH_REASONS)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True, weakref_slot=True)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -53,6 +53,31 @@ class Request:
     # Nobody reads its tokens before it ends (see EngineCore.defer_final_outputs): the core sends its
     # output once, when it finishes, instead of a delta every step.
     defer_outputs: bool = False
+    # Set in __post_init__ (declared for the slots: a slotted object keeps its attributes in itself, which
+    # the per-step loops over every running request reach with fewer cache misses than an attribute dict)
+    is_fork_parent: bool = field(init=False)
+    always_argmax: bool = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    num_computed_tokens: int = field(init=False)
+    num_output_placeholders: int = field(init=False)
+    status: RequestStatus = field(init=False)
+    _all_token_ids: list[int] = field(init=False)
+    output_token_ids: list[int] = field(init=False)
+    spec_token_ids: list[int] = field(init=False)
+    stop_candidates: frozenset[int] = field(init=False)
+    length_cap: int = field(init=False)
+    logprobs: list[PositionLogprobs] | None = field(init=False)
+    prompt_logprobs: list[PositionLogprobs | None] | None = field(init=False)
+    num_sent_tokens: int = field(init=False)
+    metrics: RequestMetrics = field(init=False)
+    num_cached_tokens: int = field(init=False)
+    stop_reason: int | str | None = field(init=False)
+    block_hashes: list[BlockHash] = field(init=False)
+    cumulative_logprob: float = field(init=False)
+    num_preemptions: int = field(init=False)
+    kv_transfer_params: dict | None = field(init=False)
+    kv_transfer_params_out: dict | None = field(init=False)
+    num_external_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
         # An attribute, not a property: the scheduler reads it for every running request every step.
@@ -61,30 +86,30 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)  # read for every running request every step
         # Set by the scheduler when it takes the request (Scheduler._watch_stops): the token ids that may end
         # it and the token count that does, so that a step's other tokens skip the whole stop test.
-        self.stop_candidates: frozenset[int] = frozenset()
+        self.stop_candidates = frozenset()
         self.length_cap = 0
-        self.output_token_ids: list[int] = []
-        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids = []
+        self._all_token_ids = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
         self.status = RequestStatus.WAITING
-        self.stop_reason: int | str | None = None
-        self.block_hashes: list[BlockHash] = []
-        self.spec_token_ids: list[int] = []
+        self.stop_reason = None
+        self.block_hashes = []
+        self.spec_token_ids = []
         # Async scheduling: tokens sampled by steps still running, not known here yet. The worker has
         # them (it appends what it samples), so the next step can already compute them.
         self.num_output_placeholders = 0
-        self.logprobs: list[PositionLogprobs] | None = [] if self.sampling_params.logprobs is not None else None
+        self.logprobs = [] if self.sampling_params.logprobs is not None else None
         self.cumulative_logprob = 0.0
-        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
+        self.prompt_logprobs = (
             [None] if self.sampling_params.prompt_logprobs is not None else None)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.num_preemptions = 0
         self.num_sent_tokens = 0  # output tokens already sent to the API process (EngineCore)
         # Disaggregated prefill: what the client sent for a KV connector, and what the response carries.
         extra = self.sampling_params.extra_args or {}
-        self.kv_transfer_params: dict | None = extra.get("kv_transfer_params")
-        self.kv_transfer_params_out: dict | None = None
+        self.kv_transfer_params = extra.get("kv_transfer_params")
+        self.kv_transfer_params_out = None
         self.num_external_tokens = 0  # prompt tokens a KV connector loads for it
 
     @property
