@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
@@ -29,9 +29,9 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int      # tokens whose KV is computed this step, speculative ones included
     start_pos: int           # num_computed_tokens before this step
-    # The request's block table, for the KV connector's saves (empty where nothing reads it): the runner
-    # keeps its own copy from SchedulerOutput.block_table_changes.
-    block_ids: list[int]
+    # The request's block table, for the KV connector's saves (empty without one: nothing else reads it;
+    # the runner keeps its own copy from SchedulerOutput.block_table_changes).
+    block_ids: Sequence[int]
     sample: bool             # this step reaches the last known token, so it yields new tokens
     spec_token_ids: list[int] = field(default_factory=list)
 
@@ -93,6 +93,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.finished_req_ids: set[str] = set()
+        # Unfinished requests that came with a grammar: while there are none, a plan asks the structured
+        # output manager for nothing (its scan of the step's requests costs ~10 us at batch 64).
+        self.guided_ids: set[str] = set()
+        # Unfinished parallel-sampling parents: while there are none, update() skips its scan of the running
+        # requests for parents to fork.
+        self.fork_parent_ids: set[str] = set()
         # Output tokens the model produced for running requests, those past a stop included (a metric).
         self.num_sampled_tokens = 0
         # Async scheduling: a plan made ahead ran short of blocks, or met a request only a plan made after
@@ -105,6 +111,10 @@ class Scheduler:
         self._watch_stops(request)
         self.waiting.append(request)
         self.requests[request.request_id] = request
+        if request.sampling_params.guided_decoding is not None:
+            self.guided_ids.add(request.request_id)
+        if request.is_fork_parent:
+            self.fork_parent_ids.add(request.request_id)
 
     def _watch_stops(self, request: Request) -> None:
         """Note on the request which tokens may end it (its stop ids, and the EOS ids unless it ignores
@@ -157,6 +167,8 @@ class Scheduler:
             self.kv.free(request.request_id)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+        self.guided_ids.discard(request.request_id)
+        self.fork_parent_ids.discard(request.request_id)
         if self.structured_output_manager is not None:
             self.structured_output_manager.free(request.request_id)
 
@@ -292,17 +304,17 @@ class Scheduler:
                 item.request.num_computed_tokens += item.num_new_tokens
                 if item.sample:
                     item.request.num_output_placeholders += 1
+        plan = list(scheduled.values())
         som = self.structured_output_manager
-        connector_meta = self.connector.build_connector_meta(list(scheduled.values())) if self.connector else None
         return SchedulerOutput(
-            kv_connector_metadata=connector_meta,
-            scheduled=list(scheduled.values()),
+            kv_connector_metadata=self.connector.build_connector_meta(plan) if self.connector else None,
+            scheduled=plan,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             blocks_to_copy=self.kv.take_pending_copies(),
             block_table_changes=self.kv.take_table_changes(),
             preempted_ids=preempted,
             finished_req_ids=self._take_finished_req_ids(),
-            grammar_bitmask=som.grammar_bitmask(list(scheduled.values())) if som is not None else None,
+            grammar_bitmask=som.grammar_bitmask(plan) if som is not None and self.guided_ids else None,
         )
 
     def _start_kv_load(self, request: Request, cached_blocks: list, num_cached: int, num_external: int) -> bool:
@@ -359,8 +371,9 @@ class Scheduler:
         if spec and not reaches_end:
             request.spec_token_ids = spec = []  # a chunk that stops short drops its proposals
         # the block table is the KV manager's own list: the KV connector reads it during this step only
-        return ScheduledRequest(request, num_new, start, self.kv.get_block_ids(request.request_id),
-                                reaches_end and not request.is_fork_parent, list(spec) if spec else [])
+        block_ids = self.kv.get_block_ids(request.request_id) if self.connector is not None else ()
+        return ScheduledRequest(request, num_new, start, block_ids, reaches_end and not request.is_fork_parent,
+                                list(spec) if spec else [])
 
     def _next_waiting(self) -> Request:
         if self.config.scheduling_policy == "lpm" and len(self.waiting) > 1:
@@ -442,7 +455,7 @@ class Scheduler:
             elif request.is_fork_parent and request.num_computed_tokens >= request.target_num_tokens:
                 forked.extend(self._fork(request))
         self.num_sampled_tokens += num_sampled
-        for request in list(self.running):
+        for request in list(self.running) if self.fork_parent_ids else ():
             # A parent admitted with its whole shared prompt cached forks without a forward pass.
             if request.is_fork_parent and request.num_computed_tokens >= request.target_num_tokens:
                 forked.extend(self._fork(request))
@@ -492,10 +505,14 @@ class Scheduler:
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             self.requests[child.request_id] = child
+            if parent.request_id in self.guided_ids:
+                self.guided_ids.add(child.request_id)
             children.append(child)
         self.running[position:position + 1] = children
         self.kv.free(parent.request_id)
         del self.requests[parent.request_id]
         self.finished_req_ids.add(parent.request_id)
+        self.guided_ids.discard(parent.request_id)
+        self.fork_parent_ids.discard(parent.request_id)
         parent.status = RequestStatus.FINISHED_STOPPED
         return children
