@@ -138,7 +138,7 @@ def test_step_inputs_op_matches_the_array_path() -> None:
         start_pos = [rng.randrange(0, 40 * bs - q + 1) for q in query_lens]
         token_ids = [rng.randrange(50_000) for _ in range(sum(query_lens))]
         for zero_pad in (False, True):
-            got = step_inputs(token_ids, start_pos, query_lens, rows, table.copy(), bs, zero_pad)
+            got = step_inputs(token_ids, start_pos, query_lens, rows, torch.from_numpy(table.copy()), bs, zero_pad)
             want = step_inputs_numpy(token_ids, start_pos, query_lens, rows, table.copy(), bs, zero_pad)
             for name, a, b in zip(want._fields, got, want):
                 assert a.dtype == b.dtype == torch.int64 and torch.equal(a, b), name

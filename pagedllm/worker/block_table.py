@@ -15,11 +15,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
+import torch
 
 
 class BlockTables:
     def __init__(self, max_num_reqs: int, max_blocks_per_req: int):
         self.table = np.zeros((max(1, max_num_reqs), max(1, max_blocks_per_req)), dtype=np.int64)
+        self.tensor = torch.from_numpy(self.table)  # the same memory, for the step-input op
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(self.table.shape[0] - 1, -1, -1))
 
@@ -59,3 +61,4 @@ class BlockTables:
         old_rows, old_cols = self.table.shape
         table[:old_rows, :old_cols] = self.table
         self.table = table
+        self.tensor = torch.from_numpy(table)

@@ -315,9 +315,13 @@ class ModelRunner:
         self._last_decode = None
         if self.spec_decoder is not None:
             self.spec_decoder.free_requests(scheduler_output.finished_req_ids | set(scheduler_output.preempted_ids))
-        self.block_tables.drop(scheduler_output.finished_req_ids)
-        self.block_tables.apply(scheduler_output.block_table_changes)
-        self.copy_blocks(scheduler_output.blocks_to_copy)
+        # (each guarded: most decode steps have none of these, and a call costs microseconds here)
+        if scheduler_output.finished_req_ids:
+            self.block_tables.drop(scheduler_output.finished_req_ids)
+        if scheduler_output.block_table_changes:
+            self.block_tables.apply(scheduler_output.block_table_changes)
+        if scheduler_output.blocks_to_copy:
+            self.copy_blocks(scheduler_output.blocks_to_copy)
         output = ModelRunnerOutput()
         connector_meta = scheduler_output.kv_connector_metadata
         if self.kv_connector is not None and connector_meta is not None:
@@ -379,9 +383,8 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> Batch:
-        short = [s for s in scheduled if s.num_new_tokens <= MAX_BATCHED_QUERY_LEN]
         long = [s for s in scheduled if s.num_new_tokens > MAX_BATCHED_QUERY_LEN]
-        order = short + long
+        order = [s for s in scheduled if s.num_new_tokens <= MAX_BATCHED_QUERY_LEN] + long if long else scheduled
         # One Python pass over the requests; everything else is whole-batch array work. This runs right
         # after the forward pass has flushed the CPU caches, where each small call costs several times
         # its warm price, so the step's inputs are built with as few calls as possible.
@@ -405,7 +408,7 @@ class ModelRunner:
                 token_ids.extend(s.spec_token_ids[:end - len(known)])
             argmax_decode = argmax_decode and s.sample and request.always_argmax
         argmax_decode = argmax_decode and len(token_ids) == len(order)
-        return self._batch(order, len(short), token_ids, start_pos, query_lens, query_starts, request_ids,
+        return self._batch(order, len(order) - len(long), token_ids, start_pos, query_lens, query_starts, request_ids,
                            self.block_tables.rows(request_ids), argmax_decode)
 
     def _batch(self, order: list[ScheduledRequest] | None, num_short: int, token_ids: list[int],
@@ -417,7 +420,7 @@ class ModelRunner:
         device = self.device
         dense = self.backend.needs_dense_masks
         long = order[num_short:] if order is not None else []
-        inputs = step_inputs(token_ids, start_pos, query_lens, rows, self.block_tables.table, bs, zero_pad=dense)
+        inputs = step_inputs(token_ids, start_pos, query_lens, rows, self.block_tables.tensor, bs, zero_pad=dense)
         on_device = (lambda t: t) if device.type == "cpu" else (lambda t: t.to(device))
         metadata = AttentionMetadata(
             slot_mapping=on_device(inputs.slot_mapping), query_start_loc=on_device(inputs.query_start_loc),
