@@ -69,8 +69,14 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float) -> None:
-        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params,
-                                               RequestMetrics(arrival_time=arrival_time))
+        state = self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params,
+                                                       RequestMetrics(arrival_time=arrival_time))
+        if params.n == 1:
+            # Its one sample, detokenizer and all, now (as vLLM builds a request's detokenizer when it is
+            # added) rather than with its first output: a final-only output's first output is its last,
+            # so a batch ending together decoded every prompt's context in its last step. With n > 1 a
+            # sample appears with its first output (a cumulative output lists the samples begun).
+            self._sample(state, 0)
 
     def abort(self, request_id: str) -> RequestState | None:
         return self.states.pop(request_id, None)
