@@ -53,64 +53,49 @@ class Request:
     # Nobody reads its tokens before it ends (see EngineCore.defer_final_outputs): the core sends its
     # output once, when it finishes, instead of a delta every step.
     defer_outputs: bool = False
-    # Set in __post_init__ (declared for the slots: a slotted object keeps its attributes in itself, which
-    # the per-step loops over every running request reach with fewer cache misses than an attribute dict)
+    # The rest is the request's state, declared here for the slots (a slotted object keeps its attributes in
+    # itself, which the per-step loops over every running request reach with fewer cache misses than an
+    # attribute dict); those derived from the fields above are set in __post_init__.
+    # Attributes, not properties: read for every running request every step.
     is_fork_parent: bool = field(init=False)
-    always_argmax: bool = field(init=False)
+    always_argmax: bool = field(init=False)  # the runner's fast path
     num_prompt_tokens: int = field(init=False)
-    num_computed_tokens: int = field(init=False)
-    num_output_placeholders: int = field(init=False)
-    status: RequestStatus = field(init=False)
+    # Set by the scheduler when it takes the request (Scheduler._watch_stops): the token ids that may end
+    # it and the token count that does, so that a step's other tokens skip the whole stop test.
+    stop_candidates: frozenset[int] = field(init=False, default=frozenset())
+    length_cap: int = field(init=False, default=0)
+    output_token_ids: list[int] = field(init=False, default_factory=list)
     _all_token_ids: list[int] = field(init=False)
-    output_token_ids: list[int] = field(init=False)
-    spec_token_ids: list[int] = field(init=False)
-    stop_candidates: frozenset[int] = field(init=False)
-    length_cap: int = field(init=False)
+    num_computed_tokens: int = field(init=False, default=0)
+    num_cached_tokens: int = field(init=False, default=-1)  # prefix-cache hit at first admission; -1 until then
+    status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
+    stop_reason: int | str | None = field(init=False, default=None)
+    block_hashes: list[BlockHash] = field(init=False, default_factory=list)
+    spec_token_ids: list[int] = field(init=False, default_factory=list)
+    # Async scheduling: tokens sampled by steps still running, not known here yet. The worker has
+    # them (it appends what it samples), so the next step can already compute them.
+    num_output_placeholders: int = field(init=False, default=0)
     logprobs: list[PositionLogprobs] | None = field(init=False)
+    cumulative_logprob: float = field(init=False, default=0.0)
     prompt_logprobs: list[PositionLogprobs | None] | None = field(init=False)
-    num_sent_tokens: int = field(init=False)
     metrics: RequestMetrics = field(init=False)
-    num_cached_tokens: int = field(init=False)
-    stop_reason: int | str | None = field(init=False)
-    block_hashes: list[BlockHash] = field(init=False)
-    cumulative_logprob: float = field(init=False)
-    num_preemptions: int = field(init=False)
+    num_preemptions: int = field(init=False, default=0)
+    num_sent_tokens: int = field(init=False, default=0)  # output tokens already sent to the API process
+    # Disaggregated prefill: what the client sent for a KV connector, and what the response carries.
     kv_transfer_params: dict | None = field(init=False)
-    kv_transfer_params_out: dict | None = field(init=False)
-    num_external_tokens: int = field(init=False)
+    kv_transfer_params_out: dict | None = field(init=False, default=None)
+    num_external_tokens: int = field(init=False, default=0)  # prompt tokens a KV connector loads for it
 
     def __post_init__(self) -> None:
-        # An attribute, not a property: the scheduler reads it for every running request every step.
-        self.is_fork_parent = self.sampling_params.n > 1 and self.parent_id is None
-        self.always_argmax = self.sampling_params.always_argmax  # the runner's fast path reads it every step
-        self.num_prompt_tokens = len(self.prompt_token_ids)  # read for every running request every step
-        # Set by the scheduler when it takes the request (Scheduler._watch_stops): the token ids that may end
-        # it and the token count that does, so that a step's other tokens skip the whole stop test.
-        self.stop_candidates = frozenset()
-        self.length_cap = 0
-        self.output_token_ids = []
+        params = self.sampling_params
+        self.is_fork_parent = params.n > 1 and self.parent_id is None
+        self.always_argmax = params.always_argmax
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         self._all_token_ids = list(self.prompt_token_ids)
-        self.num_computed_tokens = 0
-        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
-        self.status = RequestStatus.WAITING
-        self.stop_reason = None
-        self.block_hashes = []
-        self.spec_token_ids = []
-        # Async scheduling: tokens sampled by steps still running, not known here yet. The worker has
-        # them (it appends what it samples), so the next step can already compute them.
-        self.num_output_placeholders = 0
-        self.logprobs = [] if self.sampling_params.logprobs is not None else None
-        self.cumulative_logprob = 0.0
-        self.prompt_logprobs = (
-            [None] if self.sampling_params.prompt_logprobs is not None else None)
+        self.logprobs = [] if params.logprobs is not None else None
+        self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
-        self.num_preemptions = 0
-        self.num_sent_tokens = 0  # output tokens already sent to the API process (EngineCore)
-        # Disaggregated prefill: what the client sent for a KV connector, and what the response carries.
-        extra = self.sampling_params.extra_args or {}
-        self.kv_transfer_params = extra.get("kv_transfer_params")
-        self.kv_transfer_params_out = None
-        self.num_external_tokens = 0  # prompt tokens a KV connector loads for it
+        self.kv_transfer_params = (params.extra_args or {}).get("kv_transfer_params")
 
     @property
     def num_output_tokens(self) -> int:
