@@ -165,12 +165,16 @@ class Scheduler:
             self.aborted_loads.add(request.request_id)  # the worker may still be writing its blocks
         else:
             self.kv.free(request.request_id)
-        del self.requests[request.request_id]
-        self.finished_req_ids.add(request.request_id)
-        self.guided_ids.discard(request.request_id)
-        self.fork_parent_ids.discard(request.request_id)
+        self._forget(request.request_id)
         if self.structured_output_manager is not None:
             self.structured_output_manager.free(request.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        """A request leaves the engine (finished, or a parent replaced by its samples): workers are told."""
+        del self.requests[request_id]
+        self.finished_req_ids.add(request_id)
+        self.guided_ids.discard(request_id)
+        self.fork_parent_ids.discard(request_id)
 
     def kv_cache_snapshot(self) -> KVCacheSnapshot:
         """The KV cache manager's snapshot plus every unfinished request's place in it. Call it between
@@ -510,9 +514,6 @@ class Scheduler:
             children.append(child)
         self.running[position:position + 1] = children
         self.kv.free(parent.request_id)
-        del self.requests[parent.request_id]
-        self.finished_req_ids.add(parent.request_id)
-        self.guided_ids.discard(parent.request_id)
-        self.fork_parent_ids.discard(parent.request_id)
+        self._forget(parent.request_id)
         parent.status = RequestStatus.FINISHED_STOPPED
         return children
