@@ -294,12 +294,17 @@ def _generate_noting_requests(engine_llm: LLM) -> list[weakref.ref]:
     return requests
 
 
-def test_start_up_heap_frozen_and_what_runs_freed_without_a_collection(tiny_llama_dir: str) -> None:
+@pytest.mark.parametrize("spec", [None, "ngram", "draft"])
+def test_start_up_heap_frozen_and_what_runs_freed_without_a_collection(tiny_llama_dir: str, spec: str | None
+                                                                       ) -> None:
     """The engine hides what start-up loaded from the garbage collector (whose full collections would
     otherwise rescan torch's and the model's objects in the middle of the loop), and nothing it makes
     depends on a collection to go away: finished requests, and a dropped engine with its model runner,
-    are freed by reference counting alone."""
-    engine_llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256)
+    are freed by reference counting alone (a cycle among frozen objects is never freed: the engine and
+    its memory would stay for the life of the process)."""
+    speculative = {"ngram": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+                   "draft": dict(speculative_model=tiny_llama_dir, num_speculative_tokens=2)}.get(spec, {})
+    engine_llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, **speculative)
     assert gc.get_freeze_count() > 0
     runner = weakref.ref(engine_llm.llm_engine.model_runner)
     gc.disable()

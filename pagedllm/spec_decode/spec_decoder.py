@@ -20,6 +20,7 @@ positions they are sent, and only rank 0, which gathers the logits, verifies.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -128,7 +129,10 @@ class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, target_runner: ModelRunner, seed: int = 0):
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.target_runner = target_runner
+        # The runner owns this decoder: a strong reference back would be a cycle, and the engine's objects
+        # are frozen out of the garbage collector (platform.freeze_gc_heap), so a dropped engine would
+        # never be freed, KV cache and all.
+        self.target_runner = weakref.proxy(target_runner)
         self.scheduler_config = target_runner.scheduler_config
         self.proposer: NgramProposer | DraftModelProposer
         if config.method == "ngram":
