@@ -7,6 +7,7 @@ inputs; the logits are gathered on rank 0, which alone samples.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import operator
@@ -200,10 +201,15 @@ class ModelRunner:
         if cfg.kv_cache_memory_bytes is not None:
             budget, source = cfg.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         elif self.device.type == "cuda":
+            # What this process freed (an engine dropped before this one) stays reserved by torch's caching
+            # allocator and would read as used: give it back before measuring, as vLLM does.
+            gc.collect()
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             budget = int(total * cfg.gpu_memory_utilization) - used - self.activation_bytes_estimate()
-            source = f"gpu_memory_utilization={cfg.gpu_memory_utilization}"
+            source = (f"gpu_memory_utilization={cfg.gpu_memory_utilization} of {total / 2**30:.1f} GiB, "
+                      f"{used / 2**30:.1f} GiB in use")
         elif (space := cpu_kv_cache_space_bytes()) is not None:
             budget, source = space, f"{CPU_KVCACHE_SPACE_ENV}={os.environ[CPU_KVCACHE_SPACE_ENV]} GiB"
         else:
@@ -224,8 +230,8 @@ class ModelRunner:
         if max_blocks is not None and num_blocks > max_blocks:
             num_blocks, source = max_blocks, "max_num_seqs x max_model_len"
         if num_blocks <= 0:
-            raise ValueError(f"No memory left for the KV cache (budget {budget} bytes, {per_block} bytes per "
-                             "block); raise gpu_memory_utilization or kv_cache_memory_bytes.")
+            raise ValueError(f"No memory left for the KV cache (budget {budget} bytes from {source}, {per_block} "
+                             "bytes per block); raise gpu_memory_utilization or kv_cache_memory_bytes.")
         return int(num_blocks), source
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
