@@ -200,6 +200,9 @@ def test_decode_bound_is_bandwidth_over_bytes(llama70b: rl.ModelSpec) -> None:
     )
     big = rl.decode_bound(llama70b, 16, 4096, 2, 2, hw.peak_flops, hw.memory_bandwidth)
     assert big.limited_by == "compute"
+    # peak FLOP/s unknown (bench latency on a GPU measures only bandwidth): the memory bound alone
+    unknown = rl.decode_bound(llama70b, 1000, 1, 2, 2, float("inf"), hw.memory_bandwidth)
+    assert unknown.limited_by == "memory" and unknown.tokens_per_s == bound.tokens_per_s
 
 
 def test_long_context_gqa_decode_never_turns_compute_bound(llama70b: rl.ModelSpec) -> None:

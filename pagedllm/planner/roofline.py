@@ -402,7 +402,8 @@ def decode_bound(
     tp: int = 1,
 ) -> DecodeBound:
     """Upper bound on decode throughput (tokens/s summed over the batch). TP divides bytes and FLOPs
-    over tp devices and ignores the all-reduces."""
+    over tp devices and ignores the all-reduces. An infinite peak_flops (unknown: the latency benchmark on
+    a GPU) leaves the memory bound alone."""
     nbytes = decode_bytes_per_step(spec, context_len, batch, weight_dtype_bytes, kv_dtype_bytes)
     flops = decode_flops_per_step(spec, context_len, batch)
     t_mem = nbytes / (memory_bandwidth * tp)
@@ -411,7 +412,7 @@ def decode_bound(
     return DecodeBound(
         tokens_per_s=batch / step,
         memory_bound_tokens_per_s=batch / t_mem,
-        compute_bound_tokens_per_s=batch / t_compute,
+        compute_bound_tokens_per_s=batch / t_compute if t_compute else math.inf,
         step_time_s=step,
         bytes_per_step=nbytes,
         flops_per_step=flops,
