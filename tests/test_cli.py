@@ -213,3 +213,17 @@ def test_python_dash_m_pagedllm_is_the_pagedllm_command() -> None:
     bad = subprocess.run([sys.executable, "-m", "pagedllm", "no-such-command"], capture_output=True, text=True,
                          timeout=300, cwd=ROOT, env=env)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_a_sub_command_missing_a_package_leaves_the_others_working(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A partial install (the server's packages missing, say) still benches and plans; the command that
+    needs the package says which one, in one line."""
+    from pagedllm.entrypoints import cli
+
+    (tmp_path / "needs_missing_package.py").write_text("import no_such_package_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli.SUBCOMMANDS, "fancy", "needs_missing_package")
+    assert cli.main(["fancy", "--port", "8000"]) == 2
+    assert "pagedllm fancy needs the package 'no_such_package_xyz'" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", "qwen2.5-0.5b", "--hardware", "cpu", "--context", "64"]) == 0

@@ -54,18 +54,32 @@ def _use_formatter(parser: argparse.ArgumentParser) -> None:
                 _use_formatter(sub)
 
 
+def _add_unavailable(subparsers: argparse._SubParsersAction, name: str, package: str) -> None:
+    def refuse(args: argparse.Namespace) -> int:
+        print(f"error: pagedllm {name} needs the package {package!r}, which is not installed (pip install "
+              f"{package})", file=sys.stderr)
+        return 2
+
+    # Takes whatever follows (no prefix character: flags are plain words here) and refuses it.
+    sub = subparsers.add_parser(name, help=f"(unavailable: needs {package})", add_help=False, prefix_chars="\0")
+    sub.add_argument("rest", nargs="*")
+    sub.set_defaults(func=refuse)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: paged-attention LLM inference")
     parser.add_argument("--debug", action="store_true",
                         help="print tracebacks and DEBUG logs (also accepted after the sub-command)")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for module_name in SUBCOMMANDS.values():
+    for name, module_name in SUBCOMMANDS.items():
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
             if exc.name and module_name.startswith(exc.name):
                 continue  # sub-command not built yet
-            raise
+            # A package this sub-command needs is missing (a partial install): the others still work.
+            _add_unavailable(subparsers, name, exc.name or str(exc))
+            continue
         module.add_parser(subparsers)
     _use_formatter(parser)
     return parser
