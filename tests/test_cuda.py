@@ -118,8 +118,8 @@ def test_torch_flash_recurrence_on_the_device(dtype: torch.dtype) -> None:
 # ---- the engine against transformers ----
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_greedy_parity_with_transformers_on_the_cpu(llama_dir: str, prompts: list[list[int]],
-                                                     backend: str) -> None:
+def test_greedy_parity_with_transformers(llama_dir: str, prompts: list[list[int]],
+                                        backend: str) -> None:
     llm = make_llm(llama_dir, attention_backend=backend)
     assert llm.llm_engine.model_runner.device.type == torch.device(DEVICE).type
     assert llm.llm_engine.model_runner.backend.name == backend
