@@ -9,8 +9,11 @@
    sequences of a batch share one long prefix (prefix caching), so the run pays for one long prefill
    instead of sixteen; their KV blocks are therefore shared, which favours caches for both backends.
 
-    pagedllm bench attention [--backend CPU_FLASH] [--contexts 1024,8192,32768] [--batch-sizes 1,16]
-                             [--num-threads N] [--skip-e2e] [--output-json F]
+    pagedllm bench attention [--device auto] [--backend CPU_FLASH] [--contexts 1024,8192,32768]
+                             [--batch-sizes 1,16] [--num-threads N] [--skip-e2e] [--output-json F]
+
+On a CUDA device the backend defaults to TRITON, every timed call ends with a synchronize, and only the
+wall clock is offered.
 
 Times are the best of --num-iters calls (other processes only ever slow a call down), the two
 backends interleaved call by call so that load drifts hit both alike. `--clock cpu` times by the
@@ -38,15 +41,23 @@ REFERENCE = "TORCH_SDPA"
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def measure_copy_bandwidth(num_bytes: int, clock, repeats: int = 5) -> float:
+def _synchronizer(device: torch.device):
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def measure_copy_bandwidth(num_bytes: int, clock, repeats: int = 5, device: torch.device = torch.device("cpu")
+                           ) -> float:
     """STREAM-like copy (read + write counted), best of a few, on `clock`."""
-    src = torch.ones(num_bytes // 4)
+    src = torch.ones(num_bytes // 4, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch: page faults are not bandwidth
+    sync = _synchronizer(device)
     best = float("inf")
     for _ in range(repeats):
+        sync()
         start = clock()
         dst.copy_(src)
+        sync()
         best = min(best, clock() - start)
     return 2 * num_bytes / best
 
@@ -94,10 +105,11 @@ class AttentionBenchResult:
 
 
 def _step(context: int, batch: int, query_len: int, block_size: int, num_heads: int, num_kv_heads: int,
-          head_dim: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                      torch.Tensor, AttentionMetadata]:
+          head_dim: int, dtype: torch.dtype, seed: int = 0, device: torch.device = torch.device("cpu")
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """A KV pool holding `batch` sequences of `context` tokens in shuffled blocks, and the metadata the
-    model runner would build for a step where each sequence computes its last `query_len` tokens."""
+    model runner would build for a step where each sequence computes its last `query_len` tokens (made
+    on the CPU from one seed, so every device times the same step, then moved to `device`)."""
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq + 1
     order = list(range(num_blocks))
@@ -129,19 +141,31 @@ def _step(context: int, batch: int, query_len: int, block_size: int, num_heads: 
             md.prefills.append(PrefillSeq(query_start=i * query_len, query_len=query_len, seq_len=context,
                                           block_table=tables[i],
                                           attn_mask=key_pos[None, :] <= key_pos[context - query_len:, None]))
+    if device.type != "cpu":
+        for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables", "decode_block_tables",
+                     "decode_attn_mask"):
+            if isinstance(value := getattr(md, name), torch.Tensor):
+                setattr(md, name, value.to(device))
+        for prefill in md.prefills:
+            prefill.block_table, prefill.attn_mask = prefill.block_table.to(device), prefill.attn_mask.to(device)
+        query, new_kv, kv_cache, tables = (t.to(device) for t in (query, new_kv, kv_cache, tables))
     return query, new_kv, kv_cache, tables, md
 
 
-def _time_pair(backends: list[AttentionBackend], args: tuple, num_iters: int, clock) -> list[float]:
+def _time_pair(backends: list[AttentionBackend], args: tuple, num_iters: int, clock,
+               device: torch.device = torch.device("cpu")) -> list[float]:
     query, new_kv, kv_cache, md, scale = args
-    for backend in backends:  # warm-up: buffers, first-touch page faults, kernel build
+    sync = _synchronizer(device)
+    for backend in backends:  # warm-up: buffers, first-touch page faults, kernel build (or JIT)
         backend.prepare_metadata(md)
         backend.forward(query, new_kv, new_kv, kv_cache, md, scale)
     best = [float("inf")] * len(backends)
     for _ in range(num_iters):
         for i, backend in enumerate(backends):
+            sync()
             start = clock()
             backend.forward(query, new_kv, new_kv, kv_cache, md, scale)
+            sync()
             best[i] = min(best[i], clock() - start)
     return best
 
@@ -149,15 +173,17 @@ def _time_pair(backends: list[AttentionBackend], args: tuple, num_iters: int, cl
 def run_kernels(result: AttentionBenchResult, contexts: list[int], batch_sizes: list[int],
                 prefill_shape: tuple[int, int] | None, dtype: torch.dtype, num_iters: int) -> None:
     shape = (result.num_heads, result.num_kv_heads, result.head_dim)
-    backends = [get_attn_backend(name, *shape, dtype, dtype, torch.device("cpu"))
+    device = torch.device(result.device)
+    backends = [get_attn_backend(name, *shape, dtype, dtype, device, block_size=result.block_size)
                 for name in (REFERENCE, result.backend)]
     cases = [("decode", context, batch, 1) for context in contexts for batch in batch_sizes]
     if prefill_shape is not None:
         cases.append(("prefill", prefill_shape[0], 1, prefill_shape[1]))
     for kind, context, batch, query_len in cases:
-        query, new_kv, kv_cache, _, md = _step(context, batch, query_len, result.block_size, *shape, dtype)
+        query, new_kv, kv_cache, _, md = _step(context, batch, query_len, result.block_size, *shape, dtype,
+                                               device=device)
         ref_s, new_s = _time_pair(backends, (query, new_kv, kv_cache, md, result.head_dim ** -0.5), num_iters,
-                                  CLOCKS[result.clock])
+                                  CLOCKS[result.clock], device)
         kv_bytes = 2 * batch * context * result.num_kv_heads * result.head_dim * dtype.itemsize
         bw = result.memory_bandwidth_bytes_per_s
         result.kernels.append(KernelRow(kind, context, batch, query_len, kv_bytes, ref_s * 1e3, new_s * 1e3,
@@ -192,7 +218,8 @@ def run_e2e(result: AttentionBenchResult, model: str, context: int, batch_sizes:
     prefix = torch.randint(3, vocab_size, (context - 16,), generator=gen).tolist()
     tok_s: dict[tuple[str, int], float] = {}
     for name in (REFERENCE, result.backend):
-        llm = LLM(model=model, dtype=dtype, attention_backend=name, max_model_len=context + output_len + 1,
+        llm = LLM(model=model, dtype=dtype, device=result.device, attention_backend=name,
+                  max_model_len=context + output_len + 1,
                   max_num_seqs=max(batch_sizes), block_size=result.block_size, enable_prefix_caching=True)
         for batch in batch_sizes:
             prompts = [prefix + torch.randint(3, vocab_size, (16,), generator=gen).tolist() for _ in range(batch)]
@@ -217,8 +244,8 @@ def format_e2e_row(r: E2ERow, backend: str) -> str:
 
 def format_result(result: AttentionBenchResult) -> str:
     head = (f"attention backend {result.backend} vs {REFERENCE}: heads {result.num_heads}/{result.num_kv_heads}, "
-            f"head_dim {result.head_dim}, block {result.block_size}, {result.dtype}, {result.num_threads} "
-            f"thread(s), {result.clock} clock, memory bandwidth {result.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s "
+            f"head_dim {result.head_dim}, block {result.block_size}, {result.dtype}, {result.device}, "
+            f"{result.num_threads} thread(s), {result.clock} clock, memory bandwidth {result.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s "
             "(copy)")
     cols = (f"{'per layer':<28} {'KV MiB':>9} {'ref ms':>10} {'new ms':>10} {'speedup':>8} "
             f"{'ref BW':>7} {'new BW':>7}")
@@ -238,8 +265,9 @@ def _ints(text: str) -> list[int]:
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default="CPU_FLASH", choices=[b for b in BACKENDS if b != REFERENCE],
-                        help=f"backend compared with {REFERENCE}")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    parser.add_argument("--backend", default=None, choices=[b for b in BACKENDS if b != REFERENCE],
+                        help=f"backend compared with {REFERENCE} (default: CPU_FLASH on CPU, TRITON on CUDA)")
     parser.add_argument("--model", default=None, help="model whose attention shape and weights are used "
                         "(default: the bundled demo model)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -262,7 +290,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cmd(args: argparse.Namespace) -> int:
-    from pagedllm.config import ModelConfig
+    from pagedllm.config import ModelConfig, resolve_device
 
     if args.num_threads is not None:
         if args.num_threads < 1:
@@ -273,13 +301,18 @@ def run_cmd(args: argparse.Namespace) -> int:
     model = args.model or installed_model_path()
     if model is None:
         raise SystemExit("error: --model is required (the bundled demo model is not installed)")
-    config = ModelConfig.from_pretrained(str(model), args.dtype, device=torch.device("cpu"))
+    device = resolve_device(args.device)
+    if device.type == "cuda" and args.clock == "cpu":
+        raise SystemExit("error: --clock cpu times this process's CPU, not the GPU's kernels: use --clock wall")
+    backend = args.backend or ("CPU_FLASH" if device.type == "cpu" else "TRITON")
+    config = ModelConfig.from_pretrained(str(model), args.dtype, device=device)
     dtype = config.dtype
     result = AttentionBenchResult(
-        backend=args.backend, device="cpu", dtype=str(dtype).removeprefix("torch."),
+        backend=backend, device=str(device), dtype=str(dtype).removeprefix("torch."),
         num_threads=torch.get_num_threads(), clock=args.clock, num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, block_size=args.block_size,
-        memory_bandwidth_bytes_per_s=measure_copy_bandwidth(args.bandwidth_mib * 2**20, CLOCKS[args.clock]))
+        memory_bandwidth_bytes_per_s=measure_copy_bandwidth(args.bandwidth_mib * 2**20, CLOCKS[args.clock],
+                                                            device=device))
     print(format_result(result), flush=True)
     run_kernels(result, args.contexts, args.batch_sizes, tuple(args.prefill), dtype, args.num_iters)
     if not args.skip_e2e:
