@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks a machine with a CUDA GPU runs (CI has none): tests/test_cuda.py, then the throughput,
-# latency and attention (TRITON vs TORCH_SDPA) benchmarks on the bundled demo model. Runs from a checkout, no install needed (PYTHONPATH);
-# logs go to $OUT (default /tmp/cuda-check). PAGEDLLM_DISABLE_CPU_KERNELS=1 skips building the C++ CPU
-# ops, which the GPU path does not use.
+# latency and attention (TRITON vs TORCH_SDPA) benchmarks on the bundled demo model. Runs from a
+# checkout, no install needed (PYTHONPATH); logs go to $OUT (default /tmp/cuda-check).
+# PAGEDLLM_DISABLE_CPU_KERNELS=1 skips building the C++ CPU ops, which the GPU path does not use.
 #   bash scripts/cuda_check.sh [pytest args...]     (CUDA_CHECK_BENCH=0: the tests alone)
 set -uo pipefail
 cd "$(dirname "$0")/.."
