@@ -245,8 +245,8 @@ def format_e2e_row(r: E2ERow, backend: str) -> str:
 def format_result(result: AttentionBenchResult) -> str:
     head = (f"attention backend {result.backend} vs {REFERENCE}: heads {result.num_heads}/{result.num_kv_heads}, "
             f"head_dim {result.head_dim}, block {result.block_size}, {result.dtype}, {result.device}, "
-            f"{result.num_threads} thread(s), {result.clock} clock, memory bandwidth {result.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s "
-            "(copy)")
+            f"{result.num_threads} thread(s), {result.clock} clock, memory bandwidth "
+            f"{result.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s (copy)")
     cols = (f"{'per layer':<28} {'KV MiB':>9} {'ref ms':>10} {'new ms':>10} {'speedup':>8} "
             f"{'ref BW':>7} {'new BW':>7}")
     lines = [head, cols] + [format_kernel_row(r) for r in result.kernels]
