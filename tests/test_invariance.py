@@ -253,3 +253,40 @@ def test_logprobs_survive_preemption(tiny_llama_dir: str, prefix_caching: bool) 
             t = prompt[pos]
             assert a.prompt_logprobs[pos][t].logprob == pytest.approx(b.prompt_logprobs[pos][t].logprob, abs=1e-5)
     assert_no_leaks(tight)
+
+
+@pytest.mark.parametrize("num_blocks", [None, 6])
+def test_continued_decode_steps_give_the_general_paths_tokens(tiny_llama_dir: str, num_blocks: int | None,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step that runs the last step's requests, each one token on, takes its inputs from that
+    step (ModelRunner.prepare's `continuing`): the same tokens as building them request by request, with
+    requests ending at different steps (by length and by stop token), arriving later, and, with few
+    blocks, being preempted."""
+    from pagedllm.worker.model_runner import ModelRunner
+
+    prompts = random_prompts(10, VOCAB, [3, 17, 30, 1, 9, 16, 40, 5, 12, 25], seed=31)
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + (9 * i) % 37, ignore_eos=i % 3 != 0,
+                             stop_token_ids=[] if i % 3 else list(range(200, 230))) for i in range(len(prompts))]
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    kwargs = dict(model=tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+                  num_gpu_blocks_override=num_blocks)
+    general = LLM(**kwargs)
+    general.llm_engine.model_runner._continues_in_prepare = False
+    want = [list(out.outputs[0].token_ids) for out in general.generate(inputs, params, use_tqdm=False)]
+
+    continued = []
+    original = ModelRunner._continue_decode
+
+    def noted(self, *args):  # type: ignore[no-untyped-def]
+        batch = original(self, *args)
+        continued.append(batch is not None)
+        return batch
+
+    monkeypatch.setattr(ModelRunner, "_continue_decode", noted)
+    llm = LLM(**kwargs)
+    got = [list(out.outputs[0].token_ids) for out in llm.generate(inputs, params, use_tqdm=False)]
+    assert got == want
+    assert sum(continued) > 20 and not all(continued)
+    if num_blocks is not None:
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.kv_cache_manager.pool.num_blocks

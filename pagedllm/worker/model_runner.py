@@ -62,12 +62,14 @@ class Batch:
 @dataclass
 class _DecodeRun:
     """The last step, when it was a plain-greedy decode of every request it ran (Batch.argmax_decode): what
-    the next step needs to continue it without the requests' lists (execute_continued_decode)."""
+    the next step needs to continue it without the requests' lists (execute_continued_decode, and
+    prepare's `continuing`)."""
 
     request_ids: list[str]
     rows: list[int]
     next_start_pos: list[int]  # each request's position after the step's: where a continuing step starts
     token_ids: list[int]       # sampled: the next step's input ids
+    order: list[ScheduledRequest] | None  # the step's scheduled requests (None for a continued one)
 
 
 # vLLM's CPU backend reserves VLLM_CPU_KVCACHE_SPACE GiB (default 4) for the KV cache; ours is the same
@@ -142,9 +144,11 @@ class ModelRunner:
         # every live request's block table, kept from the KV cache manager's changes (the plan carries them)
         self.block_tables = BlockTables(scheduler_config.max_num_seqs,
                                         -(-scheduler_config.max_model_len // self.block_size) + 1)
-        # Async scheduling in a worker process (one rank): the last step, if a plain-greedy decode, kept so
-        # that the next can continue it (execute_continued_decode)
-        self._keeps_decode_runs = scheduler_config.async_scheduling and tp_size == 1
+        # One rank: the last step, if a plain-greedy decode, kept so that the next can continue it (under
+        # async scheduling execute_continued_decode, in a worker process; else prepare, given the same
+        # requests one token on)
+        self._keeps_decode_runs = tp_size == 1
+        self._continues_in_prepare = not scheduler_config.async_scheduling
         self._last_decode: _DecodeRun | None = None
         # Disaggregated prefill: saves finished prompts' blocks (producer), loads remote ones (consumer).
         self.kv_connector = None
@@ -318,7 +322,7 @@ class ModelRunner:
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
-        self._last_decode = None
+        last, self._last_decode = self._last_decode, None
         if self.spec_decoder is not None:
             self.spec_decoder.free_requests(scheduler_output.finished_req_ids | set(scheduler_output.preempted_ids))
         # (each guarded: most decode steps have none of these, and a call costs microseconds here)
@@ -333,7 +337,7 @@ class ModelRunner:
         if self.kv_connector is not None and connector_meta is not None:
             self.kv_connector.start_load_kv(connector_meta)
         if scheduler_output.scheduled:
-            batch = self.prepare(scheduler_output.scheduled)
+            batch = self.prepare(scheduler_output.scheduled, last if self._continues_in_prepare else None)
             forward_start = time.perf_counter()
             hidden = self.forward(batch)
             output.forward_s = time.perf_counter() - forward_start
@@ -388,7 +392,12 @@ class ModelRunner:
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
 
-    def prepare(self, scheduled: list[ScheduledRequest]) -> Batch:
+    def prepare(self, scheduled: list[ScheduledRequest], continuing: _DecodeRun | None = None) -> Batch:
+        """The step's Batch. `continuing`: the last step, a plain-greedy decode; where this step runs the
+        same requests in the same order, each one token on, its input ids are the tokens that step
+        sampled and its rows and positions come from it too, with no per-request lists built."""
+        if continuing is not None and (batch := self._continue_decode(scheduled, continuing)) is not None:
+            return batch
         long = [s for s in scheduled if s.num_new_tokens > MAX_BATCHED_QUERY_LEN]
         order = [s for s in scheduled if s.num_new_tokens <= MAX_BATCHED_QUERY_LEN] + long if long else scheduled
         # One Python pass over the requests; everything else is whole-batch array work. This runs right
@@ -416,6 +425,20 @@ class ModelRunner:
         argmax_decode = argmax_decode and len(token_ids) == len(order)
         return self._batch(order, len(order) - len(long), token_ids, start_pos, query_lens, query_starts, request_ids,
                            self.block_tables.rows(request_ids), argmax_decode)
+
+    def _continue_decode(self, scheduled: list[ScheduledRequest], last: _DecodeRun) -> Batch | None:
+        order = last.order
+        if order is None or len(scheduled) != len(order):
+            return None
+        # One comparison pass (the general path's builds five lists): each request is the last step's, one
+        # token further on (so its input is the token that step sampled), sampling with nothing proposed.
+        for s, before, position in zip(scheduled, order, last.next_start_pos):
+            if s.request is not before.request or s.start_pos != position or s.num_new_tokens != 1 \
+                    or not s.sample or s.spec_token_ids:
+                return None
+        n = len(scheduled)
+        return self._batch(scheduled, n, last.token_ids, last.next_start_pos, [1] * n, list(range(n)),
+                           last.request_ids, last.rows, argmax_decode=True)
 
     def _batch(self, order: list[ScheduledRequest] | None, num_short: int, token_ids: list[int],
                start_pos: list[int], query_lens: list[int], query_starts: list[int], request_ids: list[str],
@@ -497,7 +520,7 @@ class ModelRunner:
                 output.sampled_token_ids.update(zip(batch.request_ids, [[token] for token in token_ids]))
                 if self._keeps_decode_runs:  # the next step may continue this one (execute_continued_decode)
                     self._last_decode = _DecodeRun(batch.request_ids, batch.rows,
-                                                   [p + 1 for p in batch.start_pos], token_ids)
+                                                   [p + 1 for p in batch.start_pos], token_ids, batch.order)
             return
         sample_rows: list[int] = []
         sampled: list[ScheduledRequest] = []  # the requests of sample_rows, in order
