@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from test_server import RemoteServer
 from test_server_load import wait_until
-from tiny_models import metric_values, random_prompts
+from tiny_models import metric_values, random_prompts, staggered_greedy_requests
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import GuidedDecodingParams
@@ -135,10 +135,7 @@ def test_steady_greedy_decodes_continue_the_last_step(tiny_llama_dir: str, num_b
     and block-table rows: ModelRunner.execute_continued_decode) and must give the in-process engine's
     tokens, with requests ending at different steps (by length and by stop token), crossing into new
     blocks, arriving later, and, with few blocks, sitting steps out or being preempted."""
-    prompts = random_prompts(10, VOCAB, [3, 17, 30, 1, 9, 16, 40, 5, 12, 25], seed=31)
-    params = [SamplingParams(temperature=0.0, max_tokens=6 + (9 * i) % 37, ignore_eos=i % 3 != 0,
-                             stop_token_ids=[] if i % 3 else list(range(200, 230))) for i in range(len(prompts))]
-    inputs = [{"prompt_token_ids": p} for p in prompts]
+    inputs, params = staggered_greedy_requests(VOCAB)
     kwargs = dict(model=tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
                   num_gpu_blocks_override=num_blocks)
     reference = LLM(**kwargs)

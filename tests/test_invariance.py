@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import metric_values, random_prompts
+from tiny_models import metric_values, random_prompts, staggered_greedy_requests
 
 from pagedllm import LLM, SamplingParams
 
@@ -264,10 +264,7 @@ def test_continued_decode_steps_give_the_general_paths_tokens(tiny_llama_dir: st
     blocks, being preempted."""
     from pagedllm.worker.model_runner import ModelRunner
 
-    prompts = random_prompts(10, VOCAB, [3, 17, 30, 1, 9, 16, 40, 5, 12, 25], seed=31)
-    params = [SamplingParams(temperature=0.0, max_tokens=6 + (9 * i) % 37, ignore_eos=i % 3 != 0,
-                             stop_token_ids=[] if i % 3 else list(range(200, 230))) for i in range(len(prompts))]
-    inputs = [{"prompt_token_ids": p} for p in prompts]
+    inputs, params = staggered_greedy_requests(VOCAB)
     kwargs = dict(model=tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
                   num_gpu_blocks_override=num_blocks)
     general = LLM(**kwargs)

@@ -353,6 +353,17 @@ def random_prompts(
     return [torch.randint(low, vocab_size, (length,), generator=gen).tolist() for length in lengths]
 
 
+def staggered_greedy_requests(vocab_size: int) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Ten token-id prompts (1 to 40 tokens) with greedy SamplingParams that end them at different steps,
+    by length (6 to 42 tokens) or, for every third, by a stop token: (inputs, params) for LLM.generate."""
+    from pagedllm import SamplingParams
+
+    prompts = random_prompts(10, vocab_size, [3, 17, 30, 1, 9, 16, 40, 5, 12, 25], seed=31)
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + (9 * i) % 37, ignore_eos=i % 3 != 0,
+                             stop_token_ids=[] if i % 3 else list(range(200, 230))) for i in range(len(prompts))]
+    return [{"prompt_token_ids": p} for p in prompts], params
+
+
 def metric_values(llm: Any) -> dict[str, float]:
     """`{name: value}` of `llm.get_metrics()`, summing over label sets (e.g. finish reasons)."""
     values: dict[str, float] = {}
