@@ -36,6 +36,7 @@ from pagedllm.assets import installed_model_path
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata, PrefillSeq
 from pagedllm.attention.selector import BACKENDS, get_attn_backend
 from pagedllm.benchmarks.reporting import write_json
+from pagedllm.planner.hardware import measure_memory_bandwidth
 
 REFERENCE = "TORCH_SDPA"
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -43,23 +44,6 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 def _synchronizer(device: torch.device):
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-
-def measure_copy_bandwidth(num_bytes: int, clock, repeats: int = 5, device: torch.device = torch.device("cpu")
-                           ) -> float:
-    """STREAM-like copy (read + write counted), best of a few, on `clock`."""
-    src = torch.ones(num_bytes // 4, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # first touch: page faults are not bandwidth
-    sync = _synchronizer(device)
-    best = float("inf")
-    for _ in range(repeats):
-        sync()
-        start = clock()
-        dst.copy_(src)
-        sync()
-        best = min(best, clock() - start)
-    return 2 * num_bytes / best
 
 
 @dataclass
@@ -311,8 +295,8 @@ def run_cmd(args: argparse.Namespace) -> int:
         backend=backend, device=str(device), dtype=str(dtype).removeprefix("torch."),
         num_threads=torch.get_num_threads(), clock=args.clock, num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, block_size=args.block_size,
-        memory_bandwidth_bytes_per_s=measure_copy_bandwidth(args.bandwidth_mib * 2**20, CLOCKS[args.clock],
-                                                            device=device))
+        memory_bandwidth_bytes_per_s=measure_memory_bandwidth(args.bandwidth_mib * 2**20, device=device,
+                                                              clock=CLOCKS[args.clock]))
     print(format_result(result), flush=True)
     run_kernels(result, args.contexts, args.batch_sizes, tuple(args.prefill), dtype, args.num_iters)
     if not args.skip_e2e:
