@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from test_attention_kernels import STEPS, TOL, naive_attention, random_step
+from test_kv_cache_quant import assert_idle
 from test_parity import assert_greedy_matches
 from tiny_models import build_model, hf_greedy, hf_logits, random_prompts
 
@@ -50,13 +51,6 @@ def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_TOKENS, **p
     return [(list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
                                                                               o.outputs[0].token_ids)])
             for o in outputs]
-
-
-def assert_no_leak(llm: LLM) -> None:
-    manager = llm.llm_engine.kv_cache_manager
-    assert not llm.llm_engine.has_unfinished_requests()
-    assert manager.num_free_blocks == manager.pool.num_blocks, "blocks leaked"
-    assert not manager.req_to_blocks
 
 
 @pytest.fixture(autouse=True)
@@ -128,7 +122,7 @@ def test_greedy_parity_with_transformers(llama_dir: str, prompts: list[list[int]
         assert_greedy_matches(llama_dir, prompt, got, want)
         if got[0] == want[0]:
             assert logprobs[0] == pytest.approx(torch.log_softmax(logits, -1)[want[0]].item(), abs=1e-4)
-    assert_no_leak(llm)
+    assert_idle(llm)
 
 
 def test_default_engine_takes_the_device_memory_and_a_later_one_gets_it_back(llama_dir: str) -> None:
@@ -159,7 +153,7 @@ def test_bf16_tokens_are_transformers_argmax_within_bf16_noise(llama_dir: str, p
         chosen = logits.gather(-1, torch.tensor(got)[:, None])[:, 0]
         gap = (best - chosen).max().item()
         assert gap < 0.05 * best.abs().max().item() + 0.05, f"bf16 greedy token {gap:.3g} below the best logit"
-    assert_no_leak(llm)
+    assert_idle(llm)
 
 
 # ---- invariance: chunking, prefix caching, preemption, speculative decoding ----
@@ -178,7 +172,7 @@ def test_outputs_do_not_depend_on_scheduling(llama_dir: str, prompts: list[list[
     for (want_ids, want_lps), (got_ids, got_lps) in zip(reference + want_extra, got):
         assert got_ids == want_ids
         assert got_lps == pytest.approx(want_lps, abs=1e-4)
-    assert_no_leak(llm)
+    assert_idle(llm)
 
 
 def test_ngram_speculative_decoding_is_lossless(llama_dir: str) -> None:
@@ -189,7 +183,7 @@ def test_ngram_speculative_decoding_is_lossless(llama_dir: str) -> None:
                                                           "prompt_lookup_max": 3})
     got = greedy(llm, prompts, max_tokens=32)
     assert [ids for ids, _ in got] == [ids for ids, _ in want]
-    assert_no_leak(llm)
+    assert_idle(llm)
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(llama_dir: str, prompts: list[list[int]]) -> None:
@@ -202,7 +196,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(llama_dir: str, prompts: l
     assert together == alone
     n = llm.generate([prompts[3]], SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=1), use_tqdm=False)
     assert len(n[0].outputs) == 4
-    assert_no_leak(llm)
+    assert_idle(llm)
 
 
 # ---- one-byte KV caches, quantized weights, MoE and MLA ----
@@ -222,7 +216,7 @@ def test_one_byte_kv_cache(llama_dir: str, prompts: list[list[int]], kv_cache_dt
               attention_backend="TORCH_SDPA")
     for (_, lps), (_, want_lps) in zip(cold, greedy(cpu, prompts[-2:], max_tokens=1)):
         assert lps[0] == pytest.approx(want_lps[0], abs=0.02)
-    assert_no_leak(llm)
+    assert_idle(llm)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "fp8"])
@@ -230,7 +224,7 @@ def test_weight_quantization(llama_dir: str, prompts: list[list[int]], quantizat
     llm = make_llm(llama_dir, dtype="bfloat16", quantization=quantization)
     got = greedy(llm, prompts[:3], max_tokens=8)
     assert all(len(ids) == 8 for ids, _ in got)
-    assert_no_leak(llm)
+    assert_idle(llm)
 
 
 def test_moe_parity(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -255,7 +249,7 @@ def test_mla_parity(tmp_path_factory: pytest.TempPathFactory, kv_cache_dtype: st
     if kv_cache_dtype == "auto":
         for prompt, (ids, _) in zip(prompts, got):
             assert_greedy_matches(model_dir, prompt, ids, hf_greedy(model_dir, prompt, MAX_TOKENS)[0])
-    assert_no_leak(llm)
+    assert_idle(llm)
 
 
 def test_demo_model_fp32_matches_the_cpu() -> None:

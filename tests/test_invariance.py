@@ -286,4 +286,4 @@ def test_continued_decode_steps_give_the_general_paths_tokens(tiny_llama_dir: st
     assert sum(continued) > 20 and not all(continued)
     if num_blocks is not None:
         assert llm.llm_engine.scheduler.num_preemptions > 0
-    assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.kv_cache_manager.pool.num_blocks
+    assert_no_leaks(llm)

@@ -371,8 +371,7 @@ class ModelRunner:
         if last is None or start_pos != last.next_start_pos or num_new_tokens.count(1) != n:
             return None
         self.block_tables.apply(block_table_changes)
-        batch = self._batch(None, n, last.token_ids, start_pos, num_new_tokens, list(range(n)), last.request_ids,
-                            last.rows, argmax_decode=True)
+        batch = self._continued_batch(last, None)
         forward_start = time.perf_counter()
         hidden = self.forward(batch)
         forward_s = time.perf_counter() - forward_start
@@ -436,8 +435,13 @@ class ModelRunner:
             if s.request is not before.request or s.start_pos != position or s.num_new_tokens != 1 \
                     or not s.sample or s.spec_token_ids:
                 return None
-        n = len(scheduled)
-        return self._batch(scheduled, n, last.token_ids, last.next_start_pos, [1] * n, list(range(n)),
+        return self._continued_batch(last, scheduled)
+
+    def _continued_batch(self, last: _DecodeRun, order: list[ScheduledRequest] | None) -> Batch:
+        """The step that continues `last` (checked by the caller): each request one token on, its input the
+        token `last` sampled, its block-table row the same."""
+        n = len(last.request_ids)
+        return self._batch(order, n, last.token_ids, last.next_start_pos, [1] * n, list(range(n)),
                            last.request_ids, last.rows, argmax_decode=True)
 
     def _batch(self, order: list[ScheduledRequest] | None, num_short: int, token_ids: list[int],
@@ -518,7 +522,7 @@ class ModelRunner:
             output.forward_s += lm_head_s
             if token_ids is not None:  # rank 0
                 output.sampled_token_ids.update(zip(batch.request_ids, [[token] for token in token_ids]))
-                if self._keeps_decode_runs:  # the next step may continue this one (execute_continued_decode)
+                if self._keeps_decode_runs:  # the next step may continue this one (_continued_batch)
                     self._last_decode = _DecodeRun(batch.request_ids, batch.rows,
                                                    [p + 1 for p in batch.start_pos], token_ids, batch.order)
             return
