@@ -287,3 +287,55 @@ def test_continued_decode_steps_give_the_general_paths_tokens(tiny_llama_dir: st
     if num_blocks is not None:
         assert llm.llm_engine.scheduler.num_preemptions > 0
     assert_no_leaks(llm)
+
+
+def _plans(llm: LLM, inputs: list, params: list) -> tuple[list[list[int]], list[tuple], int]:
+    """Run `inputs` and note every plan the scheduler makes with the KV cache manager's state right after it
+    (tables, reference counts, which blocks hold a prefix hash): (each sample's tokens, the notes, how many
+    plans came from Scheduler._steady_decodes)."""
+    scheduler = llm.llm_engine.scheduler
+    schedule, notes, steady = scheduler.schedule, [], []
+
+    def noted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        plan = schedule(*args, **kwargs)
+        kv = scheduler.kv.snapshot()
+        notes.append((tuple((s.request.request_id, s.num_new_tokens, s.start_pos, s.sample, tuple(s.spec_token_ids))
+                            for s in plan.scheduled), tuple(plan.preempted_ids), sorted(plan.finished_req_ids),
+                      plan.blocks_to_copy, plan.block_table_changes, kv.ref_cnts, kv.hashed, kv.block_tables))
+        steady.append(plan.steady_decode)
+        return plan
+
+    scheduler.schedule = noted
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    return [list(sample.token_ids) for out in outputs for sample in out.outputs], notes, sum(steady)
+
+
+@pytest.mark.parametrize("workload", ["staggered", "preempted", "parallel_sampling"])
+def test_steady_decode_plans_equal_the_general_pass(tiny_llama_dir: str, workload: str) -> None:
+    """A step in which every running request decodes one token and nothing waits is planned by a short pass
+    (Scheduler._steady_decodes) that asks the KV cache manager only at block boundaries: every plan, and
+    the manager's state after it (allocations, copy-on-write of a fork's shared block, prefix-cache
+    registration), equals what the general pass makes, step by step. Blocks of 4 tokens, so that steps
+    cross block boundaries often; all requests fit in one batch, so that most steps have nothing waiting."""
+    inputs, params = staggered_greedy_requests(VOCAB)
+    kwargs: dict = dict(model=tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
+                        block_size=4, num_gpu_blocks_override=128)
+    if workload == "preempted":  # a steady pass that runs out of blocks leaves the step to the general one
+        kwargs["num_gpu_blocks_override"] = 24
+    elif workload == "parallel_sampling":  # the samples share their prompt's last, partial block
+        inputs = [{"prompt_token_ids": p} for p in random_prompts(2, VOCAB, [6, 7], seed=1)]
+        params = [SamplingParams(n=3, temperature=1.0, seed=i, max_tokens=10, ignore_eos=True) for i in range(2)]
+    general = LLM(**kwargs)
+    general.llm_engine.scheduler._steady_decodes = lambda budget: None
+    want_tokens, want_plans, _ = _plans(general, inputs, params)
+
+    llm = LLM(**kwargs)
+    tokens, plans, num_steady = _plans(llm, inputs, params)
+    assert tokens == want_tokens
+    assert len(plans) == len(want_plans)
+    for step, (got, want) in enumerate(zip(plans, want_plans)):
+        assert got == want, f"plan {step} differs"
+    assert num_steady >= 5
+    if workload == "preempted":
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert_no_leaks(llm)
