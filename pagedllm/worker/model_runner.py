@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import logging
 import math
-import operator
 import os
 import time
 from dataclasses import dataclass
@@ -458,7 +457,7 @@ class ModelRunner:
         metadata = AttentionMetadata(
             slot_mapping=on_device(inputs.slot_mapping), query_start_loc=on_device(inputs.query_start_loc),
             seq_lens=on_device(inputs.seq_lens), block_tables=on_device(inputs.block_tables),
-            max_query_len=max(query_lens), max_seq_len=max(map(operator.add, start_pos, query_lens)))
+            max_query_len=inputs.max_query_len, max_seq_len=inputs.max_seq_len)
         if long or dense:  # per-request views of the same arrays
             seq_lens, tables = inputs.seq_lens.numpy(), inputs.block_tables.numpy()
             num_blocks = (seq_lens + (bs - 1)) // bs

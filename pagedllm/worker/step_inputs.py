@@ -32,6 +32,8 @@ class StepInputs(NamedTuple):
     query_start_loc: torch.Tensor  # [num_reqs + 1]
     seq_lens: torch.Tensor         # [num_reqs]
     block_tables: torch.Tensor     # [num_reqs, max blocks]
+    max_query_len: int
+    max_seq_len: int
 
 
 def step_inputs(token_ids: list[int], start_pos: list[int], query_lens: list[int], rows: list[int],
@@ -52,7 +54,8 @@ def step_inputs_numpy(token_ids: list[int], start_pos: list[int], query_lens: li
     start_pos_np, query_lens_np = np.array((start_pos, query_lens), dtype=np.int64)
     seq_lens = start_pos_np + query_lens_np
     num_blocks = (seq_lens + (bs - 1)) // bs
-    tables = table[np.array(rows, dtype=np.int64), :int(num_blocks.max(initial=0))]
+    max_seq_len = int(seq_lens.max(initial=0))
+    tables = table[np.array(rows, dtype=np.int64), :(max_seq_len + bs - 1) // bs]
     if zero_pad:
         tables[np.arange(tables.shape[1]) >= num_blocks[:, None]] = 0
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
@@ -68,4 +71,4 @@ def step_inputs_numpy(token_ids: list[int], start_pos: list[int], query_lens: li
     slots = tables[seq_index, block_index] * bs + offset
     return StepInputs(torch.from_numpy(np.array(token_ids, dtype=np.int64)), torch.from_numpy(positions),
                       torch.from_numpy(slots), torch.from_numpy(query_start_loc), torch.from_numpy(seq_lens),
-                      torch.from_numpy(tables))
+                      torch.from_numpy(tables), int(query_lens_np.max(initial=0)), max_seq_len)

@@ -21,9 +21,10 @@ namespace {
 // For each request b: tokens [query_start_loc[b], query_start_loc[b + 1]) sit at positions
 // start_pos[b] .. start_pos[b] + query_lens[b] - 1, and its block table is row rows[b] of `table`.
 // Returns (input_ids [T], positions [T], slot_mapping [T], query_start_loc [B + 1], seq_lens [B],
-// block_tables [B, max blocks]), all int64. Table entries past a request's own blocks are zeroed when
+// block_tables [B, max blocks]), all int64, then the longest query and sequence (two Python max() passes
+// over the lists otherwise). Table entries past a request's own blocks are zeroed when
 // zero_pad (the dense-mask backend reads them), else copied as they are (stale ids no kernel reads).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> step_inputs(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t> step_inputs(
     at::IntArrayRef token_ids, at::IntArrayRef start_pos, at::IntArrayRef query_lens, at::IntArrayRef rows,
     const at::Tensor& table, int64_t block_size, bool zero_pad) {
   const int64_t num_reqs = static_cast<int64_t>(start_pos.size());
@@ -33,13 +34,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
               "step_inputs: table must be a contiguous 2-D int64 tensor");
   TORCH_CHECK(block_size > 0, "step_inputs: block_size must be positive");
   const int64_t table_rows = table.size(0), table_cols = table.size(1);
-  int64_t num_tokens = 0, max_blocks = 0;
+  int64_t num_tokens = 0, max_query_len = 0, max_seq_len = 0;
   for (int64_t b = 0; b < num_reqs; ++b) {
     TORCH_CHECK(query_lens[b] > 0 && start_pos[b] >= 0, "step_inputs: a request computes no token");
     TORCH_CHECK(rows[b] >= 0 && rows[b] < table_rows, "step_inputs: row out of range");
     num_tokens += query_lens[b];
-    max_blocks = std::max(max_blocks, (start_pos[b] + query_lens[b] + block_size - 1) / block_size);
+    max_query_len = std::max(max_query_len, query_lens[b]);
+    max_seq_len = std::max(max_seq_len, start_pos[b] + query_lens[b]);
   }
+  const int64_t max_blocks = (max_seq_len + block_size - 1) / block_size;
   TORCH_CHECK(static_cast<int64_t>(token_ids.size()) == num_tokens, "step_inputs: one token id per token");
   TORCH_CHECK(max_blocks <= table_cols, "step_inputs: a sequence has more blocks than the table holds");
   const auto options = table.options();
@@ -72,14 +75,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     }
   }
   qsl[num_reqs] = t;
-  return {input_ids, positions, slots, query_start_loc, seq_lens, tables};
+  return {input_ids, positions, slots, query_start_loc, seq_lens, tables, max_query_len, max_seq_len};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(pagedllm_cpu_step, m) {
   m.def("step_inputs(int[] token_ids, int[] start_pos, int[] query_lens, int[] rows, Tensor table, "
-        "int block_size, bool zero_pad) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "int block_size, bool zero_pad) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int)");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu_step, CPU, m) {
