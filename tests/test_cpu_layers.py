@@ -123,18 +123,21 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype) -> None:
 
 def test_step_inputs_op_matches_the_array_path() -> None:
     """ModelRunner.prepare's flat inputs from one C++ call equal the numpy path's, for decodes, speculative
-    verification widths and prefill chunks mixed in one step, any block size, with and without zeroing."""
+    verification widths and prefill chunks mixed in one step, any block size, with and without zeroing;
+    and a decode step's, built from the last step's tensors (decode_step_inputs), equal them too."""
     import numpy as np
 
-    from pagedllm.worker.step_inputs import step_inputs, step_inputs_numpy
+    from pagedllm.worker.step_inputs import decode_step_inputs, step_inputs, step_inputs_numpy
 
     rng = random.Random(0)
-    for _ in range(200):
+    decoded_here = 0
+    for _ in range(300):
         bs = rng.choice([1, 2, 16, 32])
         table = np.array([[rng.randrange(1000) for _ in range(40)] for _ in range(20)], dtype=np.int64)
         num_reqs = rng.randrange(1, 12)
         rows = rng.sample(range(20), num_reqs)
-        query_lens = [rng.choice([1, 1, 2, 5, 30]) for _ in range(num_reqs)]
+        query_lens = [rng.choice([1, 1, 2, 5, 30]) for _ in range(num_reqs)] if rng.random() < 0.7 \
+            else [1] * num_reqs
         start_pos = [rng.randrange(0, 40 * bs - q + 1) for q in query_lens]
         token_ids = [rng.randrange(50_000) for _ in range(sum(query_lens))]
         for zero_pad in (False, True):
@@ -144,3 +147,12 @@ def test_step_inputs_op_matches_the_array_path() -> None:
                 assert a.dtype == b.dtype == torch.int64 and torch.equal(a, b), name
             assert (got.max_query_len, got.max_seq_len) == (want.max_query_len, want.max_seq_len) \
                 == (max(query_lens), max(p + q for p, q in zip(start_pos, query_lens)))
+            if set(query_lens) == {1}:  # a decode step, also from the last step's tensors
+                positions = torch.tensor(start_pos) - 1
+                if positions.min() >= 0:
+                    decoded = decode_step_inputs(torch.tensor(token_ids), positions, torch.tensor(rows),
+                                                 torch.from_numpy(table.copy()), bs, zero_pad)
+                    assert all(torch.equal(a, b) for a, b in zip(decoded[:6], want[:6]))
+                    assert decoded[6:] == want[6:]
+                    decoded_here += 1
+    assert decoded_here > 50

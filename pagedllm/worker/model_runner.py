@@ -30,7 +30,7 @@ from pagedllm.outputs import PositionLogprobs, position_logprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import GrammarBitmask
 from pagedllm.worker.block_table import BlockTables
-from pagedllm.worker.step_inputs import step_inputs
+from pagedllm.worker.step_inputs import StepInputs, decode_step_inputs, step_inputs
 
 if TYPE_CHECKING:
     from pagedllm.spec_decode import SpeculativeConfig
@@ -56,6 +56,7 @@ class Batch:
     rows: list[int]           # each request's row of the runner's BlockTables
     # every request computes one token, samples it, and takes the argmax of its raw logits (see sample)
     argmax_decode: bool = False
+    rows_tensor: torch.Tensor | None = None  # `rows` as a tensor, where a continued decode made one
 
 
 @dataclass
@@ -69,6 +70,11 @@ class _DecodeRun:
     next_start_pos: list[int]  # each request's position after the step's: where a continuing step starts
     token_ids: list[int]       # sampled: the next step's input ids
     order: list[ScheduledRequest] | None  # the step's scheduled requests (None for a continued one)
+    # On the CPU the same numbers as tensors, from which the next step's inputs are built without reading
+    # the lists (decode_step_inputs); None elsewhere
+    token_tensor: torch.Tensor | None = None
+    positions: torch.Tensor | None = None    # the step's positions (the next step's are one on)
+    rows_tensor: torch.Tensor | None = None  # made by the first step that continues this run
 
 
 # vLLM's CPU backend reserves VLLM_CPU_KVCACHE_SPACE GiB (default 4) for the KV cache; ours is the same
@@ -374,18 +380,25 @@ class ModelRunner:
         forward_start = time.perf_counter()
         hidden = self.forward(batch)
         forward_s = time.perf_counter() - forward_start
-        token_ids, lm_head_s = self._argmax_tokens(hidden)
+        token_tensor, token_ids, lm_head_s = self._argmax_tokens(hidden)
         assert token_ids is not None  # one rank
-        last.next_start_pos, last.token_ids = [p + 1 for p in start_pos], token_ids
+        self._last_decode = self._decode_run(batch, token_tensor, token_ids)
         return token_ids, forward_s + lm_head_s
 
-    def _argmax_tokens(self, hidden: torch.Tensor) -> tuple[list[int] | None, float]:
-        """Each row's argmax of the LM head's logits in the matmul's dtype (None off rank 0), and the
-        seconds of the two (the model's argmax_logits: where its kernel can, the logits are never stored)."""
+    def _argmax_tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, list[int] | None, float]:
+        """Each row's argmax of the LM head's logits in the matmul's dtype, as a tensor and a list (None off
+        rank 0), and the seconds of the two (the model's argmax_logits: where its kernel can, the logits
+        are never stored)."""
         logits_start = time.perf_counter()
-        token_ids = self.model.argmax_logits(hidden)
+        token_tensor = self.model.argmax_logits(hidden)
         lm_head_s = time.perf_counter() - logits_start
-        return (token_ids.tolist() if token_ids is not None else None), lm_head_s
+        return token_tensor, (token_tensor.tolist() if token_tensor is not None else None), lm_head_s
+
+    def _decode_run(self, batch: Batch, token_tensor: torch.Tensor, token_ids: list[int]) -> _DecodeRun:
+        """What the next step needs to continue this plain-greedy decode step (see _continued_batch)."""
+        on_cpu = self.device.type == "cpu"
+        return _DecodeRun(batch.request_ids, batch.rows, [p + 1 for p in batch.start_pos], token_ids, batch.order,
+                          token_tensor if on_cpu else None, batch.positions if on_cpu else None, batch.rows_tensor)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
@@ -421,8 +434,11 @@ class ModelRunner:
                 token_ids.extend(s.spec_token_ids[:end - len(known)])
             argmax_decode = argmax_decode and s.sample and request.always_argmax
         argmax_decode = argmax_decode and len(token_ids) == len(order)
-        return self._batch(order, len(order) - len(long), token_ids, start_pos, query_lens, query_starts, request_ids,
-                           self.block_tables.rows(request_ids), argmax_decode)
+        rows = self.block_tables.rows(request_ids)
+        inputs = step_inputs(token_ids, start_pos, query_lens, rows, self.block_tables.tensor, self.block_size,
+                             zero_pad=self.backend.needs_dense_masks)
+        return self._batch(order, len(order) - len(long), inputs, start_pos, query_lens, query_starts, request_ids,
+                           rows, argmax_decode)
 
     def _continue_decode(self, scheduled: list[ScheduledRequest], last: _DecodeRun) -> Batch | None:
         order = last.order
@@ -440,19 +456,27 @@ class ModelRunner:
         """The step that continues `last` (checked by the caller): each request one token on, its input the
         token `last` sampled, its block-table row the same."""
         n = len(last.request_ids)
-        return self._batch(order, n, last.token_ids, last.next_start_pos, [1] * n, list(range(n)),
-                           last.request_ids, last.rows, argmax_decode=True)
+        table, dense = self.block_tables.tensor, self.backend.needs_dense_masks
+        if last.token_tensor is not None:  # on the CPU: from the last step's tensors, no list read
+            if last.rows_tensor is None:
+                last.rows_tensor = torch.tensor(last.rows)
+            inputs = decode_step_inputs(last.token_tensor, last.positions, last.rows_tensor, table, self.block_size,
+                                        zero_pad=dense)
+        else:
+            inputs = step_inputs(last.token_ids, last.next_start_pos, [1] * n, last.rows, table, self.block_size,
+                                 zero_pad=dense)
+        return self._batch(order, n, inputs, last.next_start_pos, [1] * n, list(range(n)), last.request_ids,
+                           last.rows, argmax_decode=True, rows_tensor=last.rows_tensor)
 
-    def _batch(self, order: list[ScheduledRequest] | None, num_short: int, token_ids: list[int],
+    def _batch(self, order: list[ScheduledRequest] | None, num_short: int, inputs: StepInputs,
                start_pos: list[int], query_lens: list[int], query_starts: list[int], request_ids: list[str],
-               rows: list[int], argmax_decode: bool) -> Batch:
-        """The step's tensors and attention metadata from its flat lists; `order` (None: all short) gives
+               rows: list[int], argmax_decode: bool, rows_tensor: torch.Tensor | None = None) -> Batch:
+        """The step's Batch from its flat inputs (step_inputs) and lists; `order` (None: all short) gives
         the long prefill chunks, which follow the `num_short` short ones."""
         bs = self.block_size
         device = self.device
         dense = self.backend.needs_dense_masks
         long = order[num_short:] if order is not None else []
-        inputs = step_inputs(token_ids, start_pos, query_lens, rows, self.block_tables.tensor, bs, zero_pad=dense)
         on_device = (lambda t: t) if device.type == "cpu" else (lambda t: t.to(device))
         metadata = AttentionMetadata(
             slot_mapping=on_device(inputs.slot_mapping), query_start_loc=on_device(inputs.query_start_loc),
@@ -478,7 +502,7 @@ class ModelRunner:
         self.backend.prepare_metadata(metadata)
         return Batch(input_ids=on_device(inputs.input_ids), positions=on_device(inputs.positions),
                      metadata=metadata, order=order, query_starts=query_starts, request_ids=request_ids,
-                     start_pos=start_pos, rows=rows, argmax_decode=argmax_decode)
+                     start_pos=start_pos, rows=rows, argmax_decode=argmax_decode, rows_tensor=rows_tensor)
 
     def _prepare_decodes(self, query_lens: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray,
                          metadata: AttentionMetadata) -> None:
@@ -517,13 +541,12 @@ class ModelRunner:
         if batch.argmax_decode and grammar_bitmask is None:
             # The common decode step: one token per request, each taking the argmax of its raw logits and
             # asking for nothing more. At batch 64 the general pass below cost ~0.25 ms of Python a step.
-            token_ids, lm_head_s = self._argmax_tokens(hidden)
+            token_tensor, token_ids, lm_head_s = self._argmax_tokens(hidden)
             output.forward_s += lm_head_s
             if token_ids is not None:  # rank 0
                 output.sampled_token_ids.update(zip(batch.request_ids, [[token] for token in token_ids]))
                 if self._keeps_decode_runs:  # the next step may continue this one (_continued_batch)
-                    self._last_decode = _DecodeRun(batch.request_ids, batch.rows,
-                                                   [p + 1 for p in batch.start_pos], token_ids, batch.order)
+                    self._last_decode = self._decode_run(batch, token_tensor, token_ids)
             return
         sample_rows: list[int] = []
         sampled: list[ScheduledRequest] = []  # the requests of sample_rows, in order

@@ -46,6 +46,19 @@ def step_inputs(token_ids: list[int], start_pos: list[int], query_lens: list[int
     return step_inputs_numpy(token_ids, start_pos, query_lens, rows, table.numpy(), block_size, zero_pad)
 
 
+def decode_step_inputs(token_ids: torch.Tensor, last_positions: torch.Tensor, rows: torch.Tensor,
+                       table: torch.Tensor, block_size: int, zero_pad: bool) -> StepInputs:
+    """A decode step that continues the last one: request b computes token_ids[b] at position
+    last_positions[b] + 1 with block-table row rows[b] (1-D int64 CPU tensors, as the last step left them).
+    The same as step_inputs with one token per request, without reading Python lists: torch parses an
+    int[] argument element by element, which was most of step_inputs' time on a 64-request decode."""
+    if load_cpu_kernels():
+        return StepInputs(*torch.ops.pagedllm_cpu_step.decode_step_inputs(
+            token_ids, last_positions, rows, table, block_size, zero_pad))
+    return step_inputs_numpy(token_ids.tolist(), (last_positions + 1).tolist(), [1] * len(rows), rows.tolist(),
+                             table.numpy(), block_size, zero_pad)
+
+
 def step_inputs_numpy(token_ids: list[int], start_pos: list[int], query_lens: list[int], rows: list[int],
                       table: np.ndarray, block_size: int, zero_pad: bool) -> StepInputs:
     """The same as the C++ op, in whole-array numpy calls."""

@@ -18,32 +18,33 @@
 
 namespace {
 
+using StepInputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t>;
+
 // For each request b: tokens [query_start_loc[b], query_start_loc[b + 1]) sit at positions
-// start_pos[b] .. start_pos[b] + query_lens[b] - 1, and its block table is row rows[b] of `table`.
-// Returns (input_ids [T], positions [T], slot_mapping [T], query_start_loc [B + 1], seq_lens [B],
-// block_tables [B, max blocks]), all int64, then the longest query and sequence (two Python max() passes
-// over the lists otherwise). Table entries past a request's own blocks are zeroed when
-// zero_pad (the dense-mask backend reads them), else copied as they are (stale ids no kernel reads).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t> step_inputs(
-    at::IntArrayRef token_ids, at::IntArrayRef start_pos, at::IntArrayRef query_lens, at::IntArrayRef rows,
-    const at::Tensor& table, int64_t block_size, bool zero_pad) {
-  const int64_t num_reqs = static_cast<int64_t>(start_pos.size());
-  TORCH_CHECK(static_cast<int64_t>(query_lens.size()) == num_reqs && static_cast<int64_t>(rows.size()) == num_reqs,
-              "step_inputs: start_pos, query_lens and rows must have one entry per request");
+// start_pos[b] + start_offset .. + query_lens[b] - 1 (query_lens null: one token each), and its block
+// table is row rows[b] of `table`. Returns (input_ids [T], positions [T], slot_mapping [T],
+// query_start_loc [B + 1], seq_lens [B], block_tables [B, max blocks]), all int64, then the longest query
+// and sequence (two Python max() passes over the lists otherwise). Table entries past a request's own
+// blocks are zeroed when zero_pad (the dense-mask backend reads them), else copied as they are (stale
+// ids no kernel reads).
+StepInputs build(int64_t num_reqs, const int64_t* token_ids, int64_t num_token_ids, const int64_t* start_pos,
+                 int64_t start_offset, const int64_t* query_lens, const int64_t* rows, const at::Tensor& table,
+                 int64_t block_size, bool zero_pad) {
   TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kLong && table.is_contiguous(),
               "step_inputs: table must be a contiguous 2-D int64 tensor");
   TORCH_CHECK(block_size > 0, "step_inputs: block_size must be positive");
   const int64_t table_rows = table.size(0), table_cols = table.size(1);
   int64_t num_tokens = 0, max_query_len = 0, max_seq_len = 0;
   for (int64_t b = 0; b < num_reqs; ++b) {
-    TORCH_CHECK(query_lens[b] > 0 && start_pos[b] >= 0, "step_inputs: a request computes no token");
+    const int64_t query_len = query_lens ? query_lens[b] : 1, start = start_pos[b] + start_offset;
+    TORCH_CHECK(query_len > 0 && start >= 0, "step_inputs: a request computes no token");
     TORCH_CHECK(rows[b] >= 0 && rows[b] < table_rows, "step_inputs: row out of range");
-    num_tokens += query_lens[b];
-    max_query_len = std::max(max_query_len, query_lens[b]);
-    max_seq_len = std::max(max_seq_len, start_pos[b] + query_lens[b]);
+    num_tokens += query_len;
+    max_query_len = std::max(max_query_len, query_len);
+    max_seq_len = std::max(max_seq_len, start + query_len);
   }
+  TORCH_CHECK(num_token_ids == num_tokens, "step_inputs: one token id per token");
   const int64_t max_blocks = (max_seq_len + block_size - 1) / block_size;
-  TORCH_CHECK(static_cast<int64_t>(token_ids.size()) == num_tokens, "step_inputs: one token id per token");
   TORCH_CHECK(max_blocks <= table_cols, "step_inputs: a sequence has more blocks than the table holds");
   const auto options = table.options();
   at::Tensor input_ids = at::empty({num_tokens}, options);
@@ -52,7 +53,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor query_start_loc = at::empty({num_reqs + 1}, options);
   at::Tensor seq_lens = at::empty({num_reqs}, options);
   at::Tensor tables = at::empty({num_reqs, max_blocks}, options);
-  std::memcpy(input_ids.data_ptr<int64_t>(), token_ids.data(), num_tokens * sizeof(int64_t));
+  std::memcpy(input_ids.data_ptr<int64_t>(), token_ids, num_tokens * sizeof(int64_t));
   const int64_t* src = table.data_ptr<int64_t>();
   int64_t* pos = positions.data_ptr<int64_t>();
   int64_t* slot = slots.data_ptr<int64_t>();
@@ -61,7 +62,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   int64_t* dst = tables.data_ptr<int64_t>();
   int64_t t = 0;
   for (int64_t b = 0; b < num_reqs; ++b) {
-    const int64_t seq_len = start_pos[b] + query_lens[b];
+    const int64_t start = start_pos[b] + start_offset;
+    const int64_t seq_len = start + (query_lens ? query_lens[b] : 1);
     const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
     const int64_t* row = src + rows[b] * table_cols;
     int64_t* out = dst + b * max_blocks;
@@ -69,7 +71,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     if (zero_pad) std::fill(out + num_blocks, out + max_blocks, int64_t{0});
     qsl[b] = t;
     lens[b] = seq_len;
-    for (int64_t p = start_pos[b]; p < seq_len; ++p, ++t) {
+    for (int64_t p = start; p < seq_len; ++p, ++t) {
       pos[t] = p;
       slot[t] = out[p / block_size] * block_size + p % block_size;
     }
@@ -78,13 +80,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {input_ids, positions, slots, query_start_loc, seq_lens, tables, max_query_len, max_seq_len};
 }
 
+// From the requests' Python lists (ModelRunner.prepare's general path).
+StepInputs step_inputs(at::IntArrayRef token_ids, at::IntArrayRef start_pos, at::IntArrayRef query_lens,
+                       at::IntArrayRef rows, const at::Tensor& table, int64_t block_size, bool zero_pad) {
+  const int64_t num_reqs = static_cast<int64_t>(start_pos.size());
+  TORCH_CHECK(static_cast<int64_t>(query_lens.size()) == num_reqs && static_cast<int64_t>(rows.size()) == num_reqs,
+              "step_inputs: start_pos, query_lens and rows must have one entry per request");
+  return build(num_reqs, token_ids.data(), static_cast<int64_t>(token_ids.size()), start_pos.data(), 0,
+               query_lens.data(), rows.data(), table, block_size, zero_pad);
+}
+
+// A decode step that continues the last one (ModelRunner._continued_batch): request b computes one token,
+// token_ids[b] (the last step sampled it), at position last_positions[b] + 1, with block-table row
+// rows[b]. Its arguments are the tensors the last step left: reading the same numbers from Python lists
+// (torch parses an int[] argument element by element) was most of step_inputs' time.
+StepInputs decode_step_inputs(const at::Tensor& token_ids, const at::Tensor& last_positions, const at::Tensor& rows,
+                              const at::Tensor& table, int64_t block_size, bool zero_pad) {
+  for (const at::Tensor* t : {&token_ids, &last_positions, &rows}) {
+    TORCH_CHECK(t->dim() == 1 && t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
+                "decode_step_inputs: token_ids, last_positions and rows must be contiguous 1-D int64 CPU tensors");
+  }
+  const int64_t num_reqs = rows.size(0);
+  TORCH_CHECK(last_positions.size(0) == num_reqs, "decode_step_inputs: one position per request");
+  return build(num_reqs, token_ids.data_ptr<int64_t>(), token_ids.size(0), last_positions.data_ptr<int64_t>(), 1,
+               nullptr, rows.data_ptr<int64_t>(), table, block_size, zero_pad);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedllm_cpu_step, m) {
   m.def("step_inputs(int[] token_ids, int[] start_pos, int[] query_lens, int[] rows, Tensor table, "
         "int block_size, bool zero_pad) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int)");
+  m.def("decode_step_inputs(Tensor token_ids, Tensor last_positions, Tensor rows, Tensor table, int block_size, "
+        "bool zero_pad) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int)");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu_step, CPU, m) {
   m.impl("step_inputs", &step_inputs);
+  m.impl("decode_step_inputs", &decode_step_inputs);
 }
