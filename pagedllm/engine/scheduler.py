@@ -210,7 +210,7 @@ class Scheduler:
         the next plan waits for the steps in flight), and admits no request that would stop it."""
         self.needs_sync = False
         budget = self.config.max_num_batched_tokens
-        if not ahead and (plan := self._steady_decodes(budget)) is not None:
+        if not ahead and (plan := self._steady_decodes(budget)):
             output = self._plan(plan, len(plan), [])
             output.steady_decode = True
             return output
@@ -321,12 +321,12 @@ class Scheduler:
         below would give each request the same one token (decodes first, in running order, each reaching
         its last known token), but looks at each through a dozen checks that only other steps need. At
         batch 64 this is most steps, and each check a cache miss after the forward pass. None (having
-        changed nothing but idempotent slot allocations) where any request needs more: the caller takes
-        the general pass."""
+        changed nothing but idempotent slot allocations) where nothing runs or any request needs more: the
+        caller takes the general pass."""
         running = self.running
         # (Not with speculative decoding: blocks that accepted proposals fill are registered in the prefix
         # cache at the next allocation, which the pass below makes only at block boundaries.)
-        if (self.waiting or len(running) > budget or self.fork_parent_ids or self.connector is not None
+        if (not running or self.waiting or len(running) > budget or self.fork_parent_ids or self.connector is not None
                 or self.config.async_scheduling or self.config.num_speculative_tokens):
             return None
         allocate_slots = self.kv.allocate_slots
