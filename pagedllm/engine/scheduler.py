@@ -329,6 +329,9 @@ class Scheduler:
         if (not running or self.waiting or len(running) > budget or self.fork_parent_ids or self.connector is not None
                 or self.config.async_scheduling or self.config.num_speculative_tokens):
             return None
+        newest = running[-1]  # admitted last: the likeliest to be still in its prompt, so looked at first
+        if newest.num_tokens - newest.num_computed_tokens != 1:
+            return None
         allocate_slots = self.kv.allocate_slots
         bs = self.kv.block_size
         plan = []
