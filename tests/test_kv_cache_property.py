@@ -28,6 +28,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from pagedllm.kv_cache.block_pool import BlockPool
 from pagedllm.kv_cache.hashing import BlockHash
 from pagedllm.kv_cache.manager import KVCacheManager, cdiv
 
@@ -58,6 +59,11 @@ class FakeRequest:
         return len(self.tokens)
 
 
+def free_ids(pool: BlockPool) -> list[int]:
+    """The free queue's block ids, least recently freed first."""
+    return [block.block_id for block in pool.free_queue]
+
+
 class KVCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -80,7 +86,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     # ---- helpers ----
     def _snapshot(self) -> tuple:
         pool = self.kv.pool
-        return ([(b.ref_cnt, b.block_hash) for b in pool.blocks], list(pool.free_queue),
+        return ([(b.ref_cnt, b.block_hash) for b in pool.blocks], free_ids(pool),
                 {h: dict(holders) for h, holders in pool.cached_blocks.items()},
                 {r: [b.block_id for b in bs] for r, bs in self.kv.req_to_blocks.items()},
                 list(self.kv.pending_copies))
@@ -93,7 +99,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                   num_cacheable: int | None = None) -> bool:
         """allocate_slots, then (on success) do what the model runner does: copy blocks, write KV."""
         before = self._snapshot()
-        free_order = list(self.kv.pool.free_queue)
+        free_order = free_ids(self.kv.pool)
         touched = {b.block_id for b in cached_blocks or ()}
         old_table = {b.block_id for b in self.kv.req_to_blocks.get(request.request_id, ())}
         ok = self.kv.allocate_slots(request, num_new, cached_blocks, num_cacheable_tokens=num_cacheable)
@@ -206,12 +212,12 @@ class KVCacheMachine(RuleBasedStateMachine):
         """Finish a request; then maybe reset the prefix cache (refused unless every block is free)."""
         request = self._pick(index)
         blocks = list(self.kv.req_to_blocks.get(request.request_id, ()))
-        queue_before = list(self.kv.pool.free_queue)
+        queue_before = free_ids(self.kv.pool)
         self.kv.free(request.request_id)
         del self.requests[request.request_id]
         # Freed blocks join the tail (most recent), the request's tail block first.
         newly_free = [b.block_id for b in reversed(blocks) if b.ref_cnt == 0]
-        assert list(self.kv.pool.free_queue) == queue_before + newly_free
+        assert free_ids(self.kv.pool) == queue_before + newly_free
         if then_reset:
             self._reset_prefix_cache()
 
@@ -245,9 +251,12 @@ class KVCacheMachine(RuleBasedStateMachine):
                 assert pool.blocks[block.block_id] is block
                 holders[block.block_id] += 1
         assert [b.ref_cnt for b in pool.blocks] == holders, "ref count != number of tables holding the block"
-        assert len(pool.free_queue) == len(set(pool.free_queue))
-        assert set(pool.free_queue) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
-        assert all(pool.free_queue[i] is pool.blocks[i] for i in pool.free_queue)
+        free = free_ids(pool)
+        assert len(pool.free_queue) == len(free) == len(set(free))
+        assert set(free) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
+        assert all(pool.blocks[b.block_id] is b and b.prev_free.next_free is b and b.next_free.prev_free is b
+                   for b in pool.free_queue), "the free queue's links disagree"
+        assert all(b.prev_free is None and b.next_free is None for b in pool.blocks if b.ref_cnt > 0)
         for block_hash, holders in pool.cached_blocks.items():
             assert holders, "a hash with no block left is dropped"
             for block_id, block in holders.items():
@@ -325,3 +334,14 @@ def test_blocks_are_registered_once_and_a_content_computed_twice_is_cached_twice
     assert offered == [kv.req_to_blocks["b"][1].block_id]  # only the block that just filled
     assert kv.pool.get_cached_block(second.block_hashes[1]) is kv.req_to_blocks["b"][1]
     assert kv.num_cached_blocks["b"] == 2
+
+
+def test_a_dropped_pool_unlinks_its_free_blocks() -> None:
+    """The free queue links blocks to each other; an engine's start-up heap is frozen from the collector, so
+    the links are undone when the pool goes, or every dropped engine would keep its blocks forever."""
+    pool = BlockPool(6, enable_caching=True)
+    blocks = pool.blocks
+    pool.get_new_blocks(2)
+    assert sum(block.next_free is not None for block in blocks) == 4
+    del pool
+    assert all(block.prev_free is None and block.next_free is None for block in blocks)
