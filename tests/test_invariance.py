@@ -7,6 +7,8 @@ tiny KV pool forces preemption. After all that, every block is back in the free 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -255,16 +257,33 @@ def test_logprobs_survive_preemption(tiny_llama_dir: str, prefix_caching: bool) 
     assert_no_leaks(tight)
 
 
-@pytest.mark.parametrize("num_blocks", [None, 6])
+@pytest.mark.parametrize("num_blocks,sampling,inputs_from", [
+    (None, "greedy", "tensors"), (6, "greedy", "tensors"), (None, "sampled", "tensors"), (6, "sampled", "tensors"),
+    (6, "sampled", "lists")])
 def test_continued_decode_steps_give_the_general_paths_tokens(tiny_llama_dir: str, num_blocks: int | None,
+                                                              sampling: str, inputs_from: str,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode step that runs the last step's requests, each one token on, takes its inputs from that
     step (ModelRunner.prepare's `continuing`): the same tokens as building them request by request, with
     requests ending at different steps (by length and by stop token), arriving later, and, with few
-    blocks, being preempted."""
+    blocks, being preempted; greedy, or seeded sampling mixed with greedy rows, logprobs and penalties;
+    from the last step's tensors (the CPU's way) or from its lists (other devices')."""
     from pagedllm.worker.model_runner import ModelRunner
 
+    if inputs_from == "lists":
+        make_run = ModelRunner._decode_run
+
+        def without_tensors(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            return dataclasses.replace(make_run(self, *args, **kwargs), token_tensor=None, positions=None)
+
+        monkeypatch.setattr(ModelRunner, "_decode_run", without_tensors)
+
     inputs, params = staggered_greedy_requests(VOCAB)
+    if sampling == "sampled":
+        params = [SamplingParams(temperature=0.0 if i % 4 == 0 else 0.8, seed=i, max_tokens=p.max_tokens,
+                                 ignore_eos=p.ignore_eos, stop_token_ids=p.stop_token_ids,
+                                 logprobs=2 if i % 3 == 1 else None, repetition_penalty=1.2 if i % 5 == 2 else 1.0)
+                  for i, p in enumerate(params)]
     kwargs = dict(model=tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
                   num_gpu_blocks_override=num_blocks)
     general = LLM(**kwargs)
@@ -276,14 +295,16 @@ def test_continued_decode_steps_give_the_general_paths_tokens(tiny_llama_dir: st
 
     def noted(self, *args):  # type: ignore[no-untyped-def]
         batch = original(self, *args)
-        continued.append(batch is not None)
+        continued.append(batch is not None and (batch.argmax_decode or "sampled"))
         return batch
 
     monkeypatch.setattr(ModelRunner, "_continue_decode", noted)
     llm = LLM(**kwargs)
     got = [list(out.outputs[0].token_ids) for out in llm.generate(inputs, params, use_tqdm=False)]
     assert got == want
-    assert sum(continued) > 20 and not all(continued)
+    assert sum(bool(hit) for hit in continued) > 20 and not all(continued)
+    if sampling == "sampled":  # steps that continued a run whose rows go through the sampler
+        assert continued.count("sampled") > 10
     if num_blocks is not None:
         assert llm.llm_engine.scheduler.num_preemptions > 0
     assert_no_leaks(llm)

@@ -61,15 +61,16 @@ class Batch:
 
 @dataclass
 class _DecodeRun:
-    """The last step, when it was a plain-greedy decode of every request it ran (Batch.argmax_decode): what
-    the next step needs to continue it without the requests' lists (execute_continued_decode, and
-    prepare's `continuing`)."""
+    """The last step, when every request it ran computed one token and sampled one: what the next step
+    needs to continue it without the requests' lists (prepare's `continuing`; under async scheduling
+    execute_continued_decode, for plain-greedy runs only)."""
 
     request_ids: list[str]
     rows: list[int]
     next_start_pos: list[int]  # each request's position after the step's: where a continuing step starts
     token_ids: list[int]       # sampled: the next step's input ids
     order: list[ScheduledRequest] | None  # the step's scheduled requests (None for a continued one)
+    argmax: bool               # every request takes the argmax of its raw logits (Batch.argmax_decode)
     # On the CPU the same numbers as tensors, from which the next step's inputs are built without reading
     # the lists (decode_step_inputs); None elsewhere
     token_tensor: torch.Tensor | None = None
@@ -373,7 +374,7 @@ class ModelRunner:
         last = self._last_decode
         n = len(start_pos)
         # list comparisons, not numpy's: a numpy call costs ~10x its warm price right after a forward pass
-        if last is None or start_pos != last.next_start_pos or num_new_tokens.count(1) != n:
+        if last is None or not last.argmax or start_pos != last.next_start_pos or num_new_tokens.count(1) != n:
             return None
         self.block_tables.apply(block_table_changes)
         batch = self._continued_batch(last, None)
@@ -382,7 +383,7 @@ class ModelRunner:
         forward_s = time.perf_counter() - forward_start
         token_tensor, token_ids, lm_head_s = self._argmax_tokens(hidden)
         assert token_ids is not None  # one rank
-        self._last_decode = self._decode_run(batch, token_tensor, token_ids)
+        self._last_decode = self._decode_run(batch, token_tensor, token_ids, argmax=True)
         return token_ids, forward_s + lm_head_s
 
     def _argmax_tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, list[int] | None, float]:
@@ -394,11 +395,13 @@ class ModelRunner:
         lm_head_s = time.perf_counter() - logits_start
         return token_tensor, (token_tensor.tolist() if token_tensor is not None else None), lm_head_s
 
-    def _decode_run(self, batch: Batch, token_tensor: torch.Tensor, token_ids: list[int]) -> _DecodeRun:
-        """What the next step needs to continue this plain-greedy decode step (see _continued_batch)."""
-        on_cpu = self.device.type == "cpu"
+    def _decode_run(self, batch: Batch, token_tensor: torch.Tensor, token_ids: list[int], argmax: bool) -> _DecodeRun:
+        """What the next step needs to continue this one, in which every request computed one token and
+        sampled `token_ids` (see _continued_batch)."""
+        tensors = self.device.type == "cpu" and token_tensor.dtype == torch.int64
         return _DecodeRun(batch.request_ids, batch.rows, [p + 1 for p in batch.start_pos], token_ids, batch.order,
-                          token_tensor if on_cpu else None, batch.positions if on_cpu else None, batch.rows_tensor)
+                          argmax, token_tensor if tensors else None, batch.positions if tensors else None,
+                          batch.rows_tensor)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
@@ -466,7 +469,7 @@ class ModelRunner:
             inputs = step_inputs(last.token_ids, last.next_start_pos, [1] * n, last.rows, table, self.block_size,
                                  zero_pad=dense)
         return self._batch(order, n, inputs, last.next_start_pos, [1] * n, list(range(n)), last.request_ids,
-                           last.rows, argmax_decode=True, rows_tensor=last.rows_tensor)
+                           last.rows, argmax_decode=last.argmax, rows_tensor=last.rows_tensor)
 
     def _batch(self, order: list[ScheduledRequest] | None, num_short: int, inputs: StepInputs,
                start_pos: list[int], query_lens: list[int], query_starts: list[int], request_ids: list[str],
@@ -546,7 +549,7 @@ class ModelRunner:
             if token_ids is not None:  # rank 0
                 output.sampled_token_ids.update(zip(batch.request_ids, [[token] for token in token_ids]))
                 if self._keeps_decode_runs:  # the next step may continue this one (_continued_batch)
-                    self._last_decode = self._decode_run(batch, token_tensor, token_ids)
+                    self._last_decode = self._decode_run(batch, token_tensor, token_ids, argmax=True)
             return
         sample_rows: list[int] = []
         sampled: list[ScheduledRequest] = []  # the requests of sample_rows, in order
@@ -556,6 +559,7 @@ class ModelRunner:
         # Whether every sampled row just takes the argmax of its raw logits; found in this same pass,
         # which already has each request's parameters at hand.
         plain_greedy = grammar_bitmask is None
+        always_argmax = True  # and whether every request always does (a continued run's fast path)
         for s, start in zip(batch.order, batch.query_starts):
             request = s.request
             params = request.sampling_params
@@ -574,6 +578,7 @@ class ModelRunner:
                 sampled.append(s)
                 if plain_greedy and not _takes_argmax(params, request):
                     plain_greedy = False
+                always_argmax = always_argmax and request.always_argmax
         prompt_rows = [row for _, start, count in prompt_lp for row in range(start, start + count)]
         logits_rows = sample_rows + verify_rows + prompt_rows
         if not logits_rows:
@@ -592,7 +597,8 @@ class ModelRunner:
         if sample_rows and plain_greedy:
             # Every row takes the argmax of its raw logits and asks for nothing more: the sampler's
             # result without building its rows (about 4 us a request, a third of a batch-64 step's sampling).
-            token_ids = argmax_rows(all_logits[:num_sample]).tolist()
+            token_tensor = argmax_rows(all_logits[:num_sample])
+            token_ids = token_tensor.tolist()
             output.sampled_token_ids.update({s.request.request_id: [token] for s, token in zip(sampled, token_ids)})
         elif sample_rows:
             rows = [self.sampling_row(s.request) for s in sampled]
@@ -602,7 +608,8 @@ class ModelRunner:
             if grammar_bitmask is not None:
                 token_bitmask = grammar_bitmask.select((s.request.request_id, i, 1) for i, s in enumerate(sampled))
             result = self.sampler(logits, rows, max_logprobs, token_bitmask)
-            token_ids = result.token_ids.tolist()
+            token_tensor = result.token_ids
+            token_ids = token_tensor.tolist()
             sampled_lp = result.sampled_logprobs.tolist() if result.sampled_logprobs is not None else None
             for i, s in enumerate(sampled):
                 rid = s.request.request_id
@@ -614,6 +621,11 @@ class ModelRunner:
                     top_lps = result.topk_logprobs[i, :num_lp].tolist() if num_lp else []
                     output.logprobs[rid] = [position_logprobs(token_ids[i], sampled_lp[i],
                                                               int(result.sampled_ranks[i]), top_ids, top_lps)]
+        if (sample_rows and self._keeps_decode_runs and len(sampled) == len(batch.order) == hidden.shape[0]
+                and not prompt_lp):
+            # Every request computed one token and sampled one (a decode step, sampled or under a grammar):
+            # the next step may take its inputs from this one (_continue_decode).
+            self._last_decode = self._decode_run(batch, token_tensor, token_ids, argmax=always_argmax)
         if verify:
             assert self.spec_decoder is not None
             self.spec_decoder.verify(verify, all_logits[num_sample:num_sample + num_verify], output,
