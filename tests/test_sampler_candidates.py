@@ -109,6 +109,29 @@ def test_unseeded_rows_sample_the_filtered_distribution(params: dict, scale: flo
     assert chi_square_p_value(counts, probs) > P_VALUE_FLOOR
 
 
+def test_categorical_draws_never_land_on_a_zero_probability_entry() -> None:
+    """Sampler._categorical inverts each row's CDF with one uniform: rows whose mass sits at either end,
+    rows that do not sum to 1 (rounding), and the largest uniform all land on an entry of positive
+    probability, with the right frequencies."""
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    probs = torch.zeros(4, 1000)
+    probs[0, -1] = 1.0                               # all mass on the last entry
+    probs[1, 0] = 1.0                                # on the first
+    probs[2, 10:20] = 0.1 * (1 + 1e-6)               # a row summing to a little more than 1
+    probs[3, ::7] = torch.rand(143, generator=torch.Generator().manual_seed(1))
+    probs[3] /= probs[3].sum()
+    draws = torch.stack([sampler._categorical(probs) for _ in range(2000)])   # [2000, 4]
+    assert (draws[:, 0] == 999).all() and (draws[:, 1] == 0).all()
+    assert ((draws[:, 2] >= 10) & (draws[:, 2] < 20)).all()
+    assert (probs[3][draws[:, 3]] > 0).all()
+    counts = torch.bincount(draws[:, 3], minlength=1000).double()
+    assert chi_square_p_value(counts, probs[3].double()) > P_VALUE_FLOOR
+    # the largest uniform a generator can give: the row's last positive entry, not past it
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    top = torch.nextafter(cdf[:, -1:], torch.zeros_like(cdf[:, -1:]))
+    assert torch.searchsorted(cdf, top, right=True).squeeze(1).tolist() == [999, 0, 19, 994]
+
+
 @pytest.mark.parametrize("shuffle_seed", [0, 1])
 def test_ties_at_the_threshold_are_all_kept(shuffle_seed: int) -> None:
     """Top-k keeps every token tied with the k-th logit; top-p keeps every token tied with the last token it

@@ -316,10 +316,10 @@ class Sampler:
         return SamplerOutput(token_ids, sampled_logprobs, topk_logprobs, topk_ids, ranks)
 
     def _sample_unseeded(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Rows without a seed share the engine's generator, so their noise comes from one call. Min-p is
-        applied first, to the whole row; rows whose top-k/top-p set then lies within the candidates race
-        only over those, the others over the full vocabulary. Either way argmax(p / q) with q ~ Exp(1)
-        draws index j with probability p_j."""
+        """Rows without a seed share the engine's generator, so their draws come from one call. Min-p is
+        applied first, to the whole row; rows whose top-k/top-p set then lies within the candidates draw
+        from those, the others from the full vocabulary, each by inverting its distribution's CDF
+        (_categorical)."""
         temperature, top_k, top_p, min_p = _filter_params(rows, logits.dtype, logits.device, logits.shape[-1])
         scaled = apply_min_p(logits / temperature.unsqueeze(1), min_p)
         vocab = logits.shape[-1]
@@ -333,20 +333,23 @@ class Sampler:
             rows_c = exact.nonzero().flatten()
             if len(rows_c):
                 probs = values[rows_c].softmax(dim=-1)
-                ids = ids[rows_c]
-                noise = self._exponential(probs)
-                token_ids[rows_f[rows_c]] = ids.gather(1, argmax_rows(probs / noise).unsqueeze(1)).squeeze(1)
+                token_ids[rows_f[rows_c]] = ids[rows_c].gather(1, self._categorical(probs).unsqueeze(1)).squeeze(1)
         if bool(full.any()):
             rows_v = full.nonzero().flatten()
             probs = apply_top_k_top_p_min_p(scaled[rows_v], top_k[rows_v], top_p[rows_v],
                                             torch.zeros_like(min_p[rows_v]))  # min-p already applied
-            probs = probs.softmax(dim=-1)
-            noise = self._exponential(probs)
-            token_ids[rows_v] = argmax_rows(probs / noise)
+            token_ids[rows_v] = self._categorical(probs.softmax(dim=-1))
         return token_ids
 
-    def _exponential(self, like: torch.Tensor) -> torch.Tensor:
-        """Exp(1) noise as -log(U): torch.rand plus one log is about 3x faster on CPU than exponential_
-        (measured 58 ms vs 182 ms for [64, 32000]). U = 0 gives q = inf, a weight of 0 for that entry, an
-        event of probability 2^-24 per draw."""
-        return torch.rand(like.shape, dtype=like.dtype, device=like.device, generator=self.generator).log_().neg_()
+    def _categorical(self, probs: torch.Tensor) -> torch.Tensor:
+        """One draw per row from `probs`, each row a distribution (its sum may differ from 1 by rounding):
+        the first index whose cumulative sum passes a uniform in [0, row sum), one uniform per row. The
+        exponential race, argmax(p / q) with q ~ Exp(1), draws the same distribution from a random number
+        and a log per vocabulary entry: 3.4 vs 0.5 ms at [64, 8192] on one CPU thread, 121 vs 26 ms at
+        [64, 151936]. The sums are taken in float64 (monotone, so a zero-probability entry adds no step and
+        is never drawn), and the uniform stays below the row's total, so every draw lands on an entry."""
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        total = cdf[:, -1:]
+        u = torch.rand(total.shape, dtype=torch.float64, device=probs.device, generator=self.generator) * total
+        u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, u, right=True).squeeze(1)
