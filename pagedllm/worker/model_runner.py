@@ -150,9 +150,9 @@ class ModelRunner:
         # every live request's block table, kept from the KV cache manager's changes (the plan carries them)
         self.block_tables = BlockTables(scheduler_config.max_num_seqs,
                                         -(-scheduler_config.max_model_len // self.block_size) + 1)
-        # One rank: the last step, if a plain-greedy decode, kept so that the next can continue it (under
-        # async scheduling execute_continued_decode, in a worker process; else prepare, given the same
-        # requests one token on)
+        # One rank: the last step, if every request computed one token and sampled one, kept so that the next
+        # can continue it (prepare, given the same requests one token on; under async scheduling, in a worker
+        # process, execute_continued_decode, for plain-greedy steps only)
         self._keeps_decode_runs = tp_size == 1
         self._continues_in_prepare = not scheduler_config.async_scheduling
         self._last_decode: _DecodeRun | None = None
@@ -407,7 +407,7 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
 
     def prepare(self, scheduled: list[ScheduledRequest], continuing: _DecodeRun | None = None) -> Batch:
-        """The step's Batch. `continuing`: the last step, a plain-greedy decode; where this step runs the
+        """The step's Batch. `continuing`: the last step, a decode run (_DecodeRun); where this step runs the
         same requests in the same order, each one token on, its input ids are the tokens that step
         sampled and its rows and positions come from it too, with no per-request lists built."""
         if continuing is not None and (batch := self._continue_decode(scheduled, continuing)) is not None:
@@ -459,6 +459,7 @@ class ModelRunner:
         """The step that continues `last` (checked by the caller): each request one token on, its input the
         token `last` sampled, its block-table row the same."""
         n = len(last.request_ids)
+        ones = [1] * n
         table, dense = self.block_tables.tensor, self.backend.needs_dense_masks
         if last.token_tensor is not None:  # on the CPU: from the last step's tensors, no list read
             if last.rows_tensor is None:
@@ -466,9 +467,9 @@ class ModelRunner:
             inputs = decode_step_inputs(last.token_tensor, last.positions, last.rows_tensor, table, self.block_size,
                                         zero_pad=dense)
         else:
-            inputs = step_inputs(last.token_ids, last.next_start_pos, [1] * n, last.rows, table, self.block_size,
+            inputs = step_inputs(last.token_ids, last.next_start_pos, ones, last.rows, table, self.block_size,
                                  zero_pad=dense)
-        return self._batch(order, n, inputs, last.next_start_pos, [1] * n, list(range(n)), last.request_ids,
+        return self._batch(order, n, inputs, last.next_start_pos, ones, list(range(n)), last.request_ids,
                            last.rows, argmax_decode=last.argmax, rows_tensor=last.rows_tensor)
 
     def _batch(self, order: list[ScheduledRequest] | None, num_short: int, inputs: StepInputs,
