@@ -60,16 +60,10 @@ class FreeBlockQueue:
             block = block.next_free
 
     def popleft(self) -> KVCacheBlock:
-        head = self._head
-        block = head.next_free
+        block = self._head.next_free
         if block is self._tail or block is None:
             raise IndexError("no free block")
-        next_ = block.next_free
-        assert next_ is not None
-        head.next_free = next_
-        next_.prev_free = head
-        block.prev_free = block.next_free = None
-        self._len -= 1
+        self.remove(block)
         return block
 
     def append(self, block: KVCacheBlock) -> None:
