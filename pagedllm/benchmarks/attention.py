@@ -36,14 +36,10 @@ from pagedllm.assets import installed_model_path
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata, PrefillSeq
 from pagedllm.attention.selector import BACKENDS, get_attn_backend
 from pagedllm.benchmarks.reporting import write_json
-from pagedllm.planner.hardware import measure_memory_bandwidth
+from pagedllm.planner.hardware import measure_memory_bandwidth, synchronizer
 
 REFERENCE = "TORCH_SDPA"
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-
-
-def _synchronizer(device: torch.device):
-    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
 @dataclass
@@ -139,7 +135,7 @@ def _step(context: int, batch: int, query_len: int, block_size: int, num_heads: 
 def _time_pair(backends: list[AttentionBackend], args: tuple, num_iters: int, clock,
                device: torch.device = torch.device("cpu")) -> list[float]:
     query, new_kv, kv_cache, md, scale = args
-    sync = _synchronizer(device)
+    sync = synchronizer(device)
     for backend in backends:  # warm-up: buffers, first-touch page faults, kernel build (or JIT)
         backend.prepare_metadata(md)
         backend.forward(query, new_kv, new_kv, kv_cache, md, scale)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,12 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
 }
 
 
+def synchronizer(device: str | torch.device) -> Callable[[], None]:
+    """What waits for the device's queued work before a clock is read: nothing on the CPU."""
+    device = torch.device(device)
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
 def measure_memory_bandwidth(num_bytes: int = 128 * 2**20, repeats: int = 5, device: str | torch.device = "cpu",
                              clock=time.perf_counter) -> float:
     """STREAM-like copy bandwidth in bytes/s: best of a few `dst.copy_(src)` over buffers far larger than
@@ -45,7 +52,7 @@ def measure_memory_bandwidth(num_bytes: int = 128 * 2**20, repeats: int = 5, dev
     src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # touch the pages first: a fresh tensor's page faults are not bandwidth
-    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
+    sync = synchronizer(src.device)
     best = float("inf")
     for _ in range(repeats):
         sync()
