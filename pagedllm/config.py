@@ -132,15 +132,21 @@ class ModelConfig:
                         quantization_group_size: int | None = None, trust_remote_code: bool = False,
                         generation_config: str = "auto") -> ModelConfig:
         from pagedllm.layers.quantization import resolve_quantization
+        from pagedllm.models.gguf import read_hf_config, resolve_gguf_file
         from pagedllm.models.registry import resolve_architecture, supported_architectures
 
-        if not os.path.isdir(model):
-            raise ValueError(_not_a_directory(model))
-        config_path = os.path.join(model, "config.json")
-        if not os.path.isfile(config_path):
-            raise ValueError(f"model directory {model!r} has no config.json.")
-        with open(config_path) as f:
-            hf = json.load(f)
+        gguf_file = resolve_gguf_file(model)
+        if gguf_file is not None:
+            model, hf, generation = gguf_file, read_hf_config(gguf_file), {}
+        else:
+            if not os.path.isdir(model):
+                raise ValueError(_not_a_directory(model))
+            config_path = os.path.join(model, "config.json")
+            if not os.path.isfile(config_path):
+                raise ValueError(f"model directory {model!r} has no config.json (nor one .gguf file).")
+            with open(config_path) as f:
+                hf = json.load(f)
+            generation = _read_json(os.path.join(model, "generation_config.json"))
         architectures = hf.get("architectures") or []
         if hf.get("auto_map") and not any(name in supported_architectures() for name in architectures):
             # the architecture exists only as Python code shipped with the checkpoint
@@ -173,7 +179,6 @@ class ModelConfig:
                            max_model_len, max_pos)
         model_type = hf.get("model_type", "")
         qkv_bias = bool(hf.get("attention_bias", False)) or model_type == "qwen2"
-        generation = _read_json(os.path.join(model, "generation_config.json"))
         sampling_defaults = _sampling_generation_config(model, generation, generation_config)
         eos = generation.get("eos_token_id", hf.get("eos_token_id"))
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
@@ -268,9 +273,9 @@ def _not_a_directory(model: str) -> str:
     looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
     if looks_like_hub_id:
         return (f"model {model!r} is not a local directory: pagedllm loads models only from local Hugging Face "
-                "format directories and downloads nothing; fetch it first (e.g. `hf download "
+                "format directories and GGUF files, and downloads nothing; fetch it first (e.g. `hf download "
                 f"{model} --local-dir DIR`) and pass DIR.")
-    return f"model must be a local Hugging Face model directory; {model!r} does not exist."
+    return f"model must be a local Hugging Face model directory or a .gguf file; {model!r} does not exist."
 
 
 def _read_json(path: str) -> dict[str, Any]:

@@ -40,6 +40,11 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     tokenizer_config.json) loads only with trust_remote_code=True."""
     from transformers import AutoTokenizer
 
+    from pagedllm.models.gguf import load_gguf_tokenizer, resolve_gguf_file
+
+    gguf_file = resolve_gguf_file(path)
+    if gguf_file is not None:  # built from the file's own metadata, as transformers' gguf_file= does
+        return load_gguf_tokenizer(gguf_file)
     if not trust_remote_code and "AutoTokenizer" in _read_auto_map(path):
         # checked here: transformers would otherwise ask on a terminal whether to run the code
         raise ValueError(f"the tokenizer in {path!r} is custom code from the model directory (auto_map in "

@@ -1,4 +1,5 @@
-"""Load a local Hugging Face checkpoint (safetensors, single file or sharded) into our own layers.
+"""Load a local checkpoint into our own layers: a Hugging Face directory (safetensors, single file or
+sharded) or a GGUF file (pagedllm.models.gguf).
 
 With weight-only quantization the linear projections are quantized one at a time as they are read
 (full-precision checkpoint) or read as stored (compressed-tensors checkpoint), so the full-precision
@@ -21,6 +22,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.layers.linear import prepack_linear_weights
 from pagedllm.layers.quantization import QuantizationConfig, QuantizedWeight
 from pagedllm.layers.quantization.compressed_tensors import has_quantized, read_quantized
+from pagedllm.models.gguf import GGUFCheckpoint, is_gguf_path
 from pagedllm.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -105,6 +107,27 @@ def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.dev
     matmuls whose results depend on the batch (prepack_linear_weights)."""
     model_class = get_model_class(config.architecture)
     model = model_class(config, backend, tp_rank, tp_size)
+    if is_gguf_path(config.model):
+        _load_gguf(model, config, tp_size)
+    else:
+        _load_safetensors(model, config, device, tp_size)
+    model = model.to(device).eval()
+    prepack_linear_weights(model, device, config.dtype, batch_invariant)
+    return model
+
+
+def _load_gguf(model: torch.nn.Module, config: ModelConfig, tp_size: int) -> None:
+    checkpoint = GGUFCheckpoint(config.model, config.hf_config)
+    with torch.no_grad():
+        if tp_size == 1 and getattr(model, "quantizable_weights", ()):
+            checkpoint.bind_model(model)
+            model.load_weights(checkpoint.get_slice, checkpoint, checkpoint.load_linear)
+        else:  # sharded projections are cut from dense weights
+            model.load_weights(checkpoint.get_slice, checkpoint)
+    checkpoint.log_summary(config.dtype)
+
+
+def _load_safetensors(model: torch.nn.Module, config: ModelConfig, device: torch.device, tp_size: int) -> None:
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(path, framework="pt")) for path in
                    _safetensors_files(config.model)]
@@ -134,6 +157,3 @@ def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.dev
                             "read as stored" if config.quantization.from_checkpoint else "quantized on load",
                             loader.full_precision_bytes / 2**20, str(config.dtype).removeprefix("torch."),
                             loader.quantized_bytes / 2**20)
-    model = model.to(device).eval()
-    prepack_linear_weights(model, device, config.dtype, batch_invariant)
-    return model

@@ -110,8 +110,10 @@ def run_server(args: argparse.Namespace) -> int:
         print("pagedllm serve: no model given and the bundled demo model is not installed; "
               "pass a model directory: pagedllm serve PATH", file=sys.stderr)
         return 2
-    if not args.served_model_name and os.path.isdir(model):
-        args.served_model_name = [os.path.basename(model.rstrip("/"))]  # "pycode-target", not a path
+    if not args.served_model_name:
+        from pagedllm.entrypoints.openai.server import default_served_model_name
+
+        args.served_model_name = [default_served_model_name(model)]  # "pycode-target", not a path
     args.model = model
     for flag, low in (("max_waiting_requests", 0), ("max_prompt_chars", 1), ("read_timeout", 1e-3),
                       ("write_timeout", 1e-3), ("tokenize_timeout", 1e-3), ("timeout_keep_alive", 0)):

@@ -64,6 +64,12 @@ from pagedllm.version import __version__
 
 logger = logging.getLogger(__name__)
 
+def default_served_model_name(model_path: str) -> str:
+    """The name clients see for a model: its directory's or GGUF file's name, never a filesystem path."""
+    name = os.path.basename(model_path.rstrip("/")) or model_path
+    return name.removesuffix(".gguf")
+
+
 @dataclass
 class ServerConfig:
     """What the HTTP layer needs beyond the engine (from `pagedllm serve`'s flags)."""
@@ -85,8 +91,7 @@ class ServerConfig:
         if isinstance(args, ServerConfig):
             return args
         # a client sees a name, never the server's filesystem
-        names = getattr(args, "served_model_name", None) or [os.path.basename(model_path.rstrip("/"))
-                                                              or model_path]
+        names = getattr(args, "served_model_name", None) or [default_served_model_name(model_path)]
         if isinstance(names, str):
             names = [names]
 

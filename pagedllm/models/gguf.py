@@ -1,0 +1,306 @@
+"""GGUF checkpoints (llama.cpp's one-file format): config, tokenizer and weights from a `.gguf` file.
+
+The file is read with the `gguf` package (llama.cpp's own reader); the Hugging Face config and the
+tokenizer are built from its metadata by transformers (`from_pretrained(dir, gguf_file=...)`), as vLLM
+does. The model then loads through the same `load_weights(get_slice, names)` as a safetensors checkpoint:
+`get_slice` answers Hugging Face names from the file's tensors (gguf's own name map), with llama.cpp's
+permutation of the Llama q/k rows undone. F32/F16/BF16 tensors load as they are; a block type with a
+packed weight kernel (Q8_0: int8 with one scale per 32 weights) stays packed; every other block type is
+dequantized into the model dtype on load.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+GGUF_SUFFIX = ".gguf"
+
+# transformers' model_type for a GGUF architecture -> the Hugging Face architecture pagedllm serves it as
+_MODEL_TYPE_TO_ARCHITECTURE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+
+# GGUF architectures whose converter permuted the q/k rows for llama.cpp's RoPE layout (as transformers,
+# our oracle, undoes it: its Llama tensor processor)
+_PERMUTED_QK_ARCHS = ("llama",)
+
+_UNQUANTIZED = ("F32", "F16", "BF16")
+
+
+def is_gguf_path(model: str) -> bool:
+    return model.endswith(GGUF_SUFFIX)
+
+
+def resolve_gguf_file(model: str) -> str | None:
+    """The .gguf file `model` names: the file itself, or the one .gguf in a directory without a
+    config.json; None for a Hugging Face directory. ValueError when it cannot be one file."""
+    if os.path.isfile(model) and is_gguf_path(model):
+        if re.search(r"-\d{5}-of-\d{5}\.gguf$", model):
+            raise ValueError(f"model {model!r} is one part of a split GGUF file; merge the parts first "
+                             "(llama.cpp's `llama-gguf-split --merge`) and pass the merged file.")
+        return model
+    if os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
+        found = sorted(f for f in os.listdir(model) if is_gguf_path(f))
+        if len(found) == 1:
+            return resolve_gguf_file(os.path.join(model, found[0]))
+        if len(found) > 1:
+            raise ValueError(f"model directory {model!r} holds {len(found)} GGUF files ({', '.join(found)}); "
+                             "pass the path of the one to load as model.")
+    return None
+
+
+def gguf_model_name(path: str) -> str:
+    """The served model name of a GGUF file: its file name without the extension."""
+    return os.path.basename(path).removesuffix(GGUF_SUFFIX)
+
+
+def _check_gguf_installed() -> None:
+    try:
+        import gguf  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - gguf is a dependency
+        raise ValueError("loading a .gguf model needs the `gguf` package: pip install gguf") from exc
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    """The Hugging Face config.json the file's metadata stands for, with `architectures` set."""
+    _check_gguf_installed()
+    from transformers import AutoConfig
+
+    reader = _reader(path)
+    arch = _field(reader, "general.architecture")
+    try:
+        hf = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                        gguf_file=os.path.basename(path)).to_dict()
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"GGUF architecture {arch!r} of {path!r} is not supported ({exc}); supported: "
+                         f"{', '.join(sorted(set(_MODEL_TYPE_TO_ARCHITECTURE)))}.") from exc
+    model_type = hf.get("model_type", arch)
+    experts = _field(reader, f"{arch}.expert_count")
+    if model_type == "llama" and experts:  # llama.cpp writes Mixtral as a Llama with experts
+        hf.update(model_type="mixtral", num_local_experts=int(experts),
+                  num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count")))
+        hf["architectures"] = ["MixtralForCausalLM"]
+    elif model_type in _MODEL_TYPE_TO_ARCHITECTURE:
+        hf["architectures"] = [_MODEL_TYPE_TO_ARCHITECTURE[model_type]]
+    else:
+        raise ValueError(f"GGUF architecture {arch!r} of {path!r} is not supported; supported: "
+                         f"{', '.join(sorted(set(_MODEL_TYPE_TO_ARCHITECTURE)))}.")
+    hf["dtype"] = _checkpoint_dtype(reader)
+    names = {t.name for t in reader.tensors}
+    hf["tie_word_embeddings"] = "output.weight" not in names
+    for key, meta in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+        value = _field(reader, meta)
+        if value is not None:
+            hf[key] = int(value)
+    return hf
+
+
+def _checkpoint_dtype(reader) -> str:
+    """The dtype `auto` means for this file: its own float type, bfloat16 for block-quantized files."""
+    kinds = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) > 1)
+    if kinds and set(kinds) <= set(_UNQUANTIZED):
+        return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[kinds.most_common(1)[0][0]]
+    return "bfloat16"
+
+
+def load_gguf_tokenizer(path: str):
+    """The tokenizer built from the file's metadata (vocabulary, merges, special tokens, chat template)."""
+    _check_gguf_installed()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+
+
+def _reader(path: str):
+    from gguf import GGUFReader
+
+    return GGUFReader(path, "r")
+
+
+def _field(reader, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+# ---- weights ----
+
+# A packed block type -> a function (raw rows [N, bytes] uint8, logical shape [N, K], model dtype, the
+# model's methods by name) -> QuantizedWeight, for block types a weight kernel reads without dequantizing.
+# Weights of one kind share one QuantizationMethod (it owns the model's scratch buffers).
+PackedReader = Callable[[np.ndarray, tuple[int, int], torch.dtype, dict[str, Any]], Any]
+PACKED_TYPES: dict[str, PackedReader] = {}
+
+
+def _read_q8_0(data: np.ndarray, shape: tuple[int, int], dtype: torch.dtype, methods: dict[str, Any]):
+    """Q8_0 blocks (an fp16 scale, then 32 int8 weights) as int8 with one scale per group of 32."""
+    from pagedllm.layers.quantization import QuantizedWeight
+    from pagedllm.layers.quantization.int8 import Int8WeightOnlyMethod
+
+    n, k = shape
+    blocks = torch.from_numpy(np.ascontiguousarray(data)).view(n, k // 32, 34)
+    scales = blocks[:, :, :2].contiguous().view(torch.float16).view(n, k // 32)
+    qweight = blocks[:, :, 2:].contiguous().view(torch.int8).view(n, k)
+    method = methods.setdefault("int8-g32", Int8WeightOnlyMethod(group_size=32))
+    return QuantizedWeight(qweight, scales.to(dtype), method)
+
+
+PACKED_TYPES["Q8_0"] = _read_q8_0
+
+
+class GGUFTensor:
+    """One tensor of the file, answered in Hugging Face layout: `get_shape()`, and indexing (which
+    dequantizes the whole tensor first; a slice of a quantized row would split its blocks)."""
+
+    def __init__(self, tensor, permute_heads: int | None = None, on_dequantize: Callable[[str], None] | None = None):
+        self.tensor = tensor
+        self.on_dequantize = on_dequantize
+        self.type_name = tensor.tensor_type.name
+        self.shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+        self.permute_heads = permute_heads
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def rows(self) -> np.ndarray:
+        """The stored rows (packed bytes for block types), q/k rows back in Hugging Face order."""
+        data = self.tensor.data
+        if len(self.shape) > 1:
+            data = data.reshape(self.shape[0], -1)
+        if self.permute_heads:
+            heads = self.permute_heads
+            data = data.reshape(heads, self.shape[0] // heads // 2, 2, *data.shape[1:])
+            data = data.swapaxes(1, 2).reshape(self.shape[0], -1)
+        return data
+
+    def dense(self) -> torch.Tensor:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        data = self.rows()
+        if self.type_name in ("F32", "F16"):
+            out = torch.from_numpy(np.array(data))  # a copy: the file is mapped read-only
+        elif self.type_name == "BF16":
+            out = torch.from_numpy(np.ascontiguousarray(data).view(np.int16)).view(torch.bfloat16)
+        else:
+            out = torch.from_numpy(dequantize(data, GGMLQuantizationType[self.type_name]))
+            if self.on_dequantize is not None:
+                self.on_dequantize(self.type_name)
+        return out.reshape(self.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.dense()[index]
+
+
+class GGUFCheckpoint:
+    """The file's tensors under Hugging Face names, for a model's `load_weights`."""
+
+    def __init__(self, path: str, hf_config: dict[str, Any]):
+        from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+        self.path = path
+        self.reader = _reader(path)
+        self.arch = _field(self.reader, "general.architecture")
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        arch_ids = {name: arch_id for arch_id, name in MODEL_ARCH_NAMES.items()}
+        if self.arch not in arch_ids:
+            raise ValueError(f"GGUF architecture {self.arch!r} of {path!r} is not known to the gguf package.")
+        self.name_map = get_tensor_name_map(arch_ids[self.arch], int(hf_config["num_hidden_layers"]))
+        self.num_heads = int(hf_config["num_attention_heads"])
+        self.num_kv_heads = int(hf_config.get("num_key_value_heads") or self.num_heads)
+        self.dequantized: Counter[str] = Counter()
+        self.kept_packed: Counter[str] = Counter()
+        self._slots: dict[int, tuple[torch.nn.Module, str]] = {}
+        self._methods: dict[str, Any] = {}
+        self._experts: tuple[str, torch.Tensor] | None = None  # the last 3-D expert tensor, dequantized
+
+    def gguf_name(self, name: str) -> tuple[str, int | None] | None:
+        """(the file's tensor for Hugging Face `name`, the expert index for a per-expert name), or None."""
+        base, dot, suffix = name.rpartition(".")
+        expert = None
+        mapped = self.name_map.get_name(base)
+        if mapped is None:
+            # experts are one 3-D tensor in the file ([E, out, in]); Hugging Face names them one by one
+            match = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)", base)
+            if match is None:
+                return None
+            expert = int(match.group(2))
+            mapped = self.name_map.get_name(f"{match.group(1)}.{match.group(3)}")
+            if mapped is None:
+                return None
+        full = f"{mapped}{dot}{suffix}"
+        return (full, expert) if full in self.tensors else None
+
+    def __contains__(self, name: str) -> bool:
+        return self.gguf_name(name) is not None
+
+    def get_slice(self, name: str) -> GGUFTensor | torch.Tensor:
+        found = self.gguf_name(name)
+        if found is None:
+            raise ValueError(f"GGUF file {self.path!r} lacks weight {name!r} (architecture {self.arch!r}).")
+        gguf_name, expert = found
+        tensor = self.tensors[gguf_name]
+        heads = None
+        if self.arch in _PERMUTED_QK_ARCHS:
+            if gguf_name.endswith("attn_q.weight"):
+                heads = self.num_heads
+            elif gguf_name.endswith("attn_k.weight"):
+                heads = self.num_kv_heads
+        view = GGUFTensor(tensor, heads, self._count_dequantized)
+        if expert is None:
+            return view
+        if self._experts is None or self._experts[0] != gguf_name:
+            self._experts = (gguf_name, view.dense())
+        return self._experts[1][expert]
+
+    def _count_dequantized(self, type_name: str) -> None:
+        self.dequantized[type_name] += 1
+
+    def bind_model(self, model: torch.nn.Module) -> None:
+        """Where each parameter lives, so that load_linear can put a packed weight in its place."""
+        self._slots = {id(param): (module, attr) for module in model.modules()
+                       for attr, param in module.named_parameters(recurse=False)}
+
+    def load_linear(self, dst: torch.Tensor, srcs: tuple[str, ...]) -> bool:
+        """The models' `load_linear` hook: keeps a projection packed when every part of it is stored in
+        one block type that a weight kernel reads (PACKED_TYPES); otherwise the model copies it dense."""
+        views = [self.get_slice(name) for name in srcs]
+        kinds = {v.type_name for v in views if isinstance(v, GGUFTensor)}
+        if len(kinds) != 1 or len(views) != len(srcs) or next(iter(kinds)) not in PACKED_TYPES:
+            return False
+        kind = kinds.pop()
+        parts = [PACKED_TYPES[kind](v.rows(), v.shape, dst.dtype, self._methods) for v in views]
+        weight = parts[0] if len(parts) == 1 else type(parts[0])(
+            torch.cat([p.qweight.data for p in parts]), torch.cat([p.scales.data for p in parts]), parts[0].method)
+        if tuple(weight.shape) != tuple(dst.shape):
+            raise ValueError(f"GGUF weights {list(srcs)} have shape {tuple(weight.shape)}, "
+                             f"expected {tuple(dst.shape)}.")
+        module, attr = self._slots[id(dst)]
+        del module._parameters[attr]  # frees the (never written) full-precision parameter
+        setattr(module, attr, weight)
+        self.kept_packed[kind] += len(parts)
+        return True
+
+    def log_summary(self, dtype: torch.dtype) -> None:
+        stored = Counter(t.tensor_type.name for t in self.reader.tensors)
+        dequantized = {k: v for k, v in self.dequantized.items() if v > 0}
+        logger.info("GGUF %s: tensors %s; kept packed: %s; dequantized to %s on load: %s",
+                    os.path.basename(self.path), dict(stored), dict(self.kept_packed) or "none",
+                    str(dtype).removeprefix("torch."), dequantized or "none")
