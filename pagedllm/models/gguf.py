@@ -155,7 +155,7 @@ def _read_q8_0(data: np.ndarray, shape: tuple[int, int], dtype: torch.dtype, met
     from pagedllm.layers.quantization.int8 import Int8WeightOnlyMethod
 
     n, k = shape
-    blocks = torch.from_numpy(np.ascontiguousarray(data)).view(n, k // 32, 34)
+    blocks = torch.from_numpy(np.array(data)).view(n, k // 32, 34)  # a copy: the file is mapped read-only
     scales = blocks[:, :, :2].contiguous().view(torch.float16).view(n, k // 32)
     qweight = blocks[:, :, 2:].contiguous().view(torch.int8).view(n, k)
     method = methods.setdefault("int8-g32", Int8WeightOnlyMethod(group_size=32))
@@ -198,7 +198,7 @@ class GGUFTensor:
         if self.type_name in ("F32", "F16"):
             out = torch.from_numpy(np.array(data))  # a copy: the file is mapped read-only
         elif self.type_name == "BF16":
-            out = torch.from_numpy(np.ascontiguousarray(data).view(np.int16)).view(torch.bfloat16)
+            out = torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
         else:
             out = torch.from_numpy(dequantize(data, GGMLQuantizationType[self.type_name]))
             if self.on_dequantize is not None:

@@ -1,0 +1,123 @@
+"""GGUF files: pagedllm against transformers loading the same file (dequantized, fp32), token for token.
+
+The files are written by tests/gguf_models.py from random tiny models, in llama.cpp's layout (its
+tensor names, the llama q/k row permutation, the tokenizer and chat template in the metadata).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from gguf_models import write_gguf
+from tiny_models import build_model, training_text
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models.gguf import load_gguf_tokenizer, resolve_gguf_file
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "Hello, world! How", "class Counter:\n    def"]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("gguf_src")
+    return {
+        "llama": build_model(root / "llama", "llama", seed=0),
+        "qwen2": build_model(root / "qwen2", "qwen2", tie_word_embeddings=True, seed=1),
+        "qwen3": build_model(root / "qwen3", "qwen3", seed=2),
+        # K-quants pack 256 weights a block: every input dimension a multiple of 256
+        "llama256": build_model(root / "llama256", "llama", hidden_size=256, intermediate_size=512,
+                                num_attention_heads=4, num_key_value_heads=2, seed=3),
+    }
+
+
+def _hf_reference(path: str) -> tuple[torch.nn.Module, object]:
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    directory, name = os.path.split(path)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32,
+                                                 quantization_config=GgufConfig(dequantize=True))
+    return model.eval(), load_gguf_tokenizer(path)
+
+
+@torch.no_grad()
+def _hf_greedy(model, ids: list[int]) -> tuple[list[int], torch.Tensor]:
+    input_ids = torch.tensor([ids])
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS,
+                         min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    return out.sequences[0, len(ids):].tolist(), out.logits[0][0].float()
+
+
+@pytest.mark.parametrize("arch,weight_type", [
+    ("llama", "F32"), ("llama", "F16"), ("llama", "BF16"), ("llama", "Q8_0"), ("llama", "Q4_0"),
+    ("qwen2", "F32"), ("qwen2", "Q8_0"), ("qwen3", "Q4_1"), ("llama256", "Q4_K"), ("llama256", "Q6_K"),
+])
+def test_greedy_tokens_and_logits_equal_transformers_on_the_same_file(models, tmp_path, arch, weight_type):
+    path = write_gguf(models[arch], str(tmp_path / f"tiny-{weight_type}.gguf"), weight_type)
+    reference, tokenizer = _hf_reference(path)
+    llm = LLM(model=path, dtype="float32")
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0),
+                        use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = tokenizer(prompt).input_ids
+        assert out.prompt_token_ids == ids
+        tokens, first_logits = _hf_greedy(reference, ids)
+        assert out.outputs[0].token_ids == tokens, (prompt, weight_type)
+        ours = out.outputs[0].logprobs[0][tokens[0]].logprob
+        assert ours == pytest.approx(torch.log_softmax(first_logits, -1)[tokens[0]].item(), abs=1e-4)
+
+
+def test_q8_0_projections_stay_packed_as_int8(models, tmp_path):
+    from pagedllm.layers.quantization import QuantizedWeight
+
+    path = write_gguf(models["llama"], str(tmp_path / "tiny-Q8_0.gguf"), "Q8_0")
+    llm = LLM(model=path, dtype="float32")
+    model = llm.llm_engine.model_runner.model
+    attn = model.layers[0].self_attn
+    assert isinstance(attn.qkv_proj.weight, QuantizedWeight)
+    assert attn.qkv_proj.weight.qweight.dtype == torch.int8
+    assert tuple(attn.qkv_proj.weight.scales.shape) == (attn.qkv_proj.weight.shape[0], 64 // 32)
+
+
+def test_tokenizer_from_metadata_encodes_like_the_original(models, tmp_path):
+    from transformers import AutoTokenizer
+
+    path = write_gguf(models["llama"], str(tmp_path / "tiny.gguf"), "F32")
+    original = AutoTokenizer.from_pretrained(models["llama"])
+    rebuilt = load_gguf_tokenizer(path)
+    corpus = training_text()[:20000].splitlines() + ["  leading spaces", "ünïcödé 日本語 ✓", "a\tb\r\nc"]
+    for line in corpus:
+        assert rebuilt.encode(line, add_special_tokens=False) == original.encode(line, add_special_tokens=False)
+    messages = [{"role": "user", "content": "hi"}]
+    assert rebuilt.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        original.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rebuilt.eos_token == original.eos_token
+
+
+def test_a_directory_with_one_gguf_file_loads_and_names_it(models, tmp_path):
+    from pagedllm.entrypoints.openai.server import default_served_model_name
+
+    directory = tmp_path / "holder"
+    directory.mkdir()
+    path = write_gguf(models["qwen2"], str(directory / "tiny-qwen.gguf"), "F32")
+    assert resolve_gguf_file(str(directory)) == path
+    assert default_served_model_name(path) == "tiny-qwen"
+    llm = LLM(model=str(directory), dtype="float32")
+    out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) > 0
+    shutil.copy(path, directory / "second.gguf")
+    with pytest.raises(ValueError, match="2 GGUF files"):
+        LLM(model=str(directory))
+
+
+def test_bad_gguf_inputs_are_named_errors(models, tmp_path):
+    split = tmp_path / "model-00001-of-00002.gguf"
+    shutil.copy(write_gguf(models["llama"], str(tmp_path / "a.gguf"), "F32"), split)
+    with pytest.raises(ValueError, match="split GGUF"):
+        LLM(model=str(split))
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(model=str(tmp_path / "missing.gguf"))
