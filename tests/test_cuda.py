@@ -254,9 +254,9 @@ def test_mla_parity(tmp_path_factory: pytest.TempPathFactory, kv_cache_dtype: st
 
 def test_demo_model_fp32_matches_the_cpu() -> None:
     """The bundled demo model (the quick start's) in fp32: the device's greedy text is the CPU's."""
-    from pagedllm.assets import default_model_path
+    from pagedllm.assets import demo_model_path
 
-    model = default_model_path()
+    model = demo_model_path()
     prompts = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n", "class Counter:"]
     params = SamplingParams(temperature=0.0, max_tokens=32)
     cpu = LLM(model=model, device="cpu", dtype="float32").generate(prompts, params, use_tqdm=False)

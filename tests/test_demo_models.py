@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pagedllm.assets import default_draft_path, default_model_path
+from pagedllm.assets import demo_draft_path, demo_model_path
 
-TARGET_DIR, DRAFT_DIR = Path(default_model_path()), Path(default_draft_path())
+TARGET_DIR, DRAFT_DIR = Path(demo_model_path()), Path(demo_draft_path())
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Losses are recomputed in fp32 from the same bf16 weights and token ids as on the card; only
 # floating-point summation order differs between machines.

@@ -338,10 +338,10 @@ def test_demo_one_byte_caches_agree_with_the_model_dtype_cache() -> None:
     """16 prompts x 64 greedy tokens of the bf16-cache demo model, fed back as the prompt: each one-byte
     cache's top-1 agrees at >= 97% of positions (fp8_e5m2 >= 95%). Free-running agreement is reported:
     one early flip changes the rest of a sequence. Measured: int8 99.9%, fp8 99.1%, fp8_e5m2 97.6%."""
-    from pagedllm.assets import default_model_path
+    from pagedllm.assets import demo_model_path
     from pagedllm.benchmarks.kv_cache import agreement, agreement_prompts, demo_windows, greedy_outputs
 
-    model = default_model_path()
+    model = demo_model_path()
     windows = demo_windows(model)
     if not windows:
         pytest.skip("demo model not installed")

@@ -197,9 +197,9 @@ def test_sigterm_answers_what_outlives_the_grace_period(tiny_llama_dir: str,
 
 
 def test_serves_the_bundled_demo_model_by_default(tmp_path_factory: pytest.TempPathFactory) -> None:
-    from pagedllm.assets import default_model_path
+    from pagedllm.assets import demo_model_path
 
-    if not os.path.exists(os.path.join(default_model_path(), "config.json")):
+    if not os.path.exists(os.path.join(demo_model_path(), "config.json")):
         pytest.skip("the bundled demo model is not installed")
     server = RemoteServer(None, tmp_path_factory.mktemp("server_demo_logs"), served_model_name=None)
     try:

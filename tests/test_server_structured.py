@@ -15,7 +15,7 @@ import openai
 import pytest
 from test_server import RemoteServer
 
-from pagedllm.assets import default_model_path
+from pagedllm.assets import demo_model_path
 
 SCHEMA = {
     "type": "object",
@@ -42,7 +42,7 @@ MESSAGES = [{"role": "user", "content": "# plan a trip\nconfig = "}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
-    server = RemoteServer(default_model_path(), tmp_path_factory.mktemp("structured_server"))
+    server = RemoteServer(demo_model_path(), tmp_path_factory.mktemp("structured_server"))
     yield server
     server.terminate()
 
@@ -200,7 +200,7 @@ def test_tools_and_tool_turns_reach_the_chat_template() -> None:
     from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
     from pagedllm.entrypoints.openai.serving_chat import render_chat_prompt
 
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
     tokenizer.chat_template = (
         "{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
         "{% for m in messages %}<{{ m.role }}>{{ m.content }}"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, GuidedDecodingParams, SamplingParams
-from pagedllm.assets import default_draft_path, default_model_path
+from pagedllm.assets import demo_draft_path, demo_model_path
 from pagedllm.layers.sampler import TokenBitmask, apply_token_bitmask
 from pagedllm.structured_output.grammar import MAX_SPEC_CHARS
 
@@ -49,7 +49,7 @@ PROMPTS = [f"# record {i}\nvalue = " for i in range(50)]
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(model=default_model_path(), dtype="float32", seed=0)
+    return LLM(model=demo_model_path(), dtype="float32", seed=0)
 
 
 def compact_json(schema: dict = SCHEMA) -> GuidedDecodingParams:
@@ -199,7 +199,7 @@ def test_unconstrained_requests_are_unchanged_by_constrained_neighbours(llm: LLM
 def test_preemption_keeps_the_grammar(llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=200, guided_decoding=compact_json())
     want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], params, use_tqdm=False)]
-    small = LLM(model=default_model_path(), dtype="float32", seed=0, block_size=4, num_gpu_blocks_override=64,
+    small = LLM(model=demo_model_path(), dtype="float32", seed=0, block_size=4, num_gpu_blocks_override=64,
                 max_num_batched_tokens=64, max_model_len=256)
     outputs = small.generate(PROMPTS[:6], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == want
@@ -214,10 +214,10 @@ def test_preemption_keeps_the_grammar(llm: LLM) -> None:
 @pytest.mark.parametrize("spec", [
     {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                             "prompt_lookup_max": 3}},
-    {"speculative_model": default_draft_path(), "num_speculative_tokens": 3},
+    {"speculative_model": demo_draft_path(), "num_speculative_tokens": 3},
 ], ids=["ngram", "draft_model"])
 def test_speculative_decoding_under_a_grammar(llm: LLM, spec: dict) -> None:
-    spec_llm = LLM(model=default_model_path(), dtype="float32", seed=0, **spec)
+    spec_llm = LLM(model=demo_model_path(), dtype="float32", seed=0, **spec)
     greedy = SamplingParams(temperature=0.0, max_tokens=200, guided_decoding=compact_json())
     regex = SamplingParams(temperature=0.0, max_tokens=30, guided_decoding=GuidedDecodingParams(regex=REGEX))
     prompts = PROMPTS[:6]

@@ -215,16 +215,16 @@ def test_speculative_decoding_with_tp2_equals_plain_tp1(tiny_llama_dir: str, tmp
 
 
 def _bundled_models_with_heads_divisible_by(tp: int) -> tuple[str, str] | None:
-    from pagedllm.assets import default_draft_path, installed_model_path
+    from pagedllm.assets import demo_draft_path, demo_model_path
     from pagedllm.config import ModelConfig
 
-    target = installed_model_path()
+    target = demo_model_path()
     if target is None:
         return None
     config = ModelConfig.from_pretrained(target)
     if config.num_attention_heads % tp or (config.num_key_value_heads % tp and tp % config.num_key_value_heads):
         return None
-    return target, default_draft_path()
+    return target, demo_draft_path()
 
 
 @pytest.mark.slow

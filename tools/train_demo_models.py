@@ -965,9 +965,9 @@ that starts at column 0 (or the end); it parses with `ast.parse` for
 ## Use
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from pagedllm.assets import default_model_path, default_draft_path
-tok = AutoTokenizer.from_pretrained(default_model_path())
-model = AutoModelForCausalLM.from_pretrained(default_model_path())
+from pagedllm.assets import demo_model_path, demo_draft_path
+tok = AutoTokenizer.from_pretrained(demo_model_path())
+model = AutoModelForCausalLM.from_pretrained(demo_model_path())
 ```
 """
 

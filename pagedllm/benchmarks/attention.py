@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.assets import installed_model_path
+from pagedllm.assets import demo_model_path
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata, PrefillSeq
 from pagedllm.attention.selector import BACKENDS, get_attn_backend
 from pagedllm.benchmarks.reporting import write_json
@@ -278,7 +278,7 @@ def run_cmd(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.num_threads)
     if len(args.prefill) != 2:
         raise SystemExit(f"error: --prefill takes CONTEXT,QUERY_LEN, got {args.prefill}")
-    model = args.model or installed_model_path()
+    model = args.model or demo_model_path()
     if model is None:
         raise SystemExit("error: --model is required (the bundled demo model is not installed)")
     device = resolve_device(args.device)

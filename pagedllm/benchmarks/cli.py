@@ -7,7 +7,7 @@ import dataclasses
 import os
 from typing import Any
 
-from pagedllm.assets import installed_model_path
+from pagedllm.assets import demo_model_path
 from pagedllm.benchmarks.datasets import DATASETS
 from pagedllm.benchmarks.reporting import fail, write_json
 
@@ -48,7 +48,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _resolve_model(args: argparse.Namespace) -> str:
-    model = getattr(args, "model", None) or installed_model_path()
+    model = getattr(args, "model", None) or demo_model_path()
     if not model:
         raise ValueError("--model is required (the bundled demo model is not installed)")
     return str(model)
@@ -369,7 +369,7 @@ def run_serve_cmd(args: argparse.Namespace) -> int:
         if args.max_concurrency is not None and args.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
         model = args.model or discover_model(args.base_url, args.api_key)
-        tokenizer_dir = args.tokenizer or (model if os.path.isdir(model) else installed_model_path())
+        tokenizer_dir = args.tokenizer or (model if os.path.isdir(model) else demo_model_path())
         if tokenizer_dir is None:
             raise ValueError("--tokenizer is required to build prompts (no demo model installed)")
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.assets import installed_model_path
+from pagedllm.assets import demo_model_path
 from pagedllm.benchmarks.reporting import choice_list, fail, int_list, set_num_threads, write_json
 from pagedllm.kv_cache.quant import KV_CACHE_DTYPES
 
@@ -187,7 +187,7 @@ def run_cmd(args: argparse.Namespace) -> int:
         return status
     if args.input_len < 1 or args.output_len < 2 or args.num_iters < 1 or args.seq_len < 1 or args.memory_budget < 1:
         return fail("--input-len, --num-iters, --seq-len and --memory-budget must be >= 1 and --output-len >= 2")
-    model = args.model or installed_model_path()
+    model = args.model or demo_model_path()
     if not model:
         return fail("--model is required (the bundled demo model is not installed)")
     start = time.perf_counter()

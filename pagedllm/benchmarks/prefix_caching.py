@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.assets import installed_model_path
+from pagedllm.assets import demo_model_path
 from pagedllm.benchmarks.reporting import fail, write_json
 
 DEFAULT_PREFIX_LEN = 4000
@@ -193,7 +193,7 @@ def run_cmd(args: argparse.Namespace) -> int:
     if args.num_threads is not None and args.num_threads < 1:
         return fail(f"--num-threads must be at least 1, got {args.num_threads}")
     with tempfile.TemporaryDirectory(prefix="pagedllm-prefix-bench-") as tmp:
-        model = installed_model_path() if args.model is None else args.model
+        model = demo_model_path() if args.model is None else args.model
         label = model
         if model is None or model == "random":
             wanted = (args.prefix_len or DEFAULT_PREFIX_LEN) + args.question_len + 1

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.assets import installed_model_path
+from pagedllm.assets import demo_model_path
 from pagedllm.benchmarks.quantization import RANDOM_QWEN2, _decode_rates, build_random_qwen2
 from pagedllm.benchmarks.reporting import fail, int_list, set_num_threads, write_json
 from pagedllm.layers.linear import PREPACK_ENV, blocked_layout_available
@@ -126,7 +126,7 @@ def run_cmd(args: argparse.Namespace) -> int:
     if args.input_len < 1 or args.output_len < 2 or args.num_iters < 1:
         return fail("--input-len and --num-iters must be >= 1 and --output-len >= 2")
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or installed_model_path()
+        model = args.model or demo_model_path()
         if model == RANDOM_QWEN2:
             model = build_random_qwen2(tmp, args.seed)
         if not model:

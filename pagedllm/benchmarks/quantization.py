@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.assets import installed_model_path
+from pagedllm.assets import demo_model_path
 from pagedllm.benchmarks.reporting import choice_list, int_list, set_num_threads, write_json
 from pagedllm.planner import roofline as rl
 from pagedllm.planner.hardware import measure_memory_bandwidth
@@ -175,7 +175,7 @@ def run_cmd(args: argparse.Namespace) -> int:
         print("error: --input-len and --num-iters must be >= 1 and --output-len >= 2", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or installed_model_path()
+        model = args.model or demo_model_path()
         if model == RANDOM_QWEN2:
             model = build_random_qwen2(tmp, args.seed)
         if not model:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pagedllm
-from pagedllm.assets import default_draft_path, default_model_path
+from pagedllm.assets import demo_draft_path, demo_model_path
 from pagedllm.benchmarks.reporting import write_json
 from pagedllm.spec_decode.spec_decoder import SpecDecodeStats, expected_tokens_per_pass
 
@@ -198,8 +198,8 @@ def format_table(results: list[MethodResult]) -> str:
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--model", default=default_model_path(), help="target model (default: the demo target)")
-    parser.add_argument("--draft-model", default=default_draft_path(), help="draft model (default: the demo draft)")
+    parser.add_argument("--model", default=demo_model_path(), help="target model (default: the demo target)")
+    parser.add_argument("--draft-model", default=demo_draft_path(), help="draft model (default: the demo draft)")
     parser.add_argument("--num-speculative-tokens", "-k", type=int, nargs="+", default=[5],
                         help="one or more k: each runs as its own engine, all against the same plain decoding")
     parser.add_argument("--prompt-lookup-min", type=int, default=2)

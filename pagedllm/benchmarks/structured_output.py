@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.assets import installed_model_path
+from pagedllm.assets import demo_model_path
 from pagedllm.benchmarks.reporting import fail, set_num_threads, write_json
 
 SCHEMA: dict[str, Any] = {
@@ -184,7 +184,7 @@ def run_cmd(args: argparse.Namespace) -> int:
             return fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if (status := set_num_threads(args.num_threads)) is not None:
         return status
-    model = args.model or installed_model_path()
+    model = args.model or demo_model_path()
     if model is None:
         return fail("--model is required (the bundled demo model is not installed)")
     args.model = model

@@ -18,6 +18,7 @@ import sys
 # sub-command name -> module that implements it
 SUBCOMMANDS = {
     "generate": "pagedllm.entrypoints.generate_cmd",
+    "chat": "pagedllm.entrypoints.chat_cmd",
     "serve": "pagedllm.entrypoints.openai.serve_cmd",
     "plan": "pagedllm.planner.cli",
     "bench": "pagedllm.benchmarks.cli",

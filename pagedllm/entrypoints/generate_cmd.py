@@ -1,4 +1,4 @@
-"""`pagedllm generate`: complete prompts offline with the engine (the bundled demo model by default)."""
+"""`pagedllm generate`: complete prompts offline with the engine (the default model when none is given)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 from pagedllm.assets import installed_model_path
 from pagedllm.engine.arg_utils import EngineArgs
 
-DEFAULT_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n\ndef "]
+DEFAULT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
 # flag dest -> SamplingParams field, for the flags whose default comes from the model's generation config
 _SAMPLING_FLAGS = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
@@ -59,8 +59,10 @@ def sampling_params_from_args(args: argparse.Namespace, defaults: dict[str, Any]
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="complete prompts offline",
                                    description="Complete prompts with the engine and print the completions.")
-    parser.add_argument("prompts", nargs="*", help="prompts, taken literally (default: three Python snippets)")
-    parser.add_argument("--model", default=None, help="local Hugging Face model dir (default: bundled demo model)")
+    parser.add_argument("prompts", nargs="*", help="prompts, taken literally (default: three short openings)")
+    parser.add_argument("--model", default=None, help="local Hugging Face model dir or .gguf file (default: "
+                                                      "SmolLM2-135M-Instruct, fetched once; offline, the bundled "
+                                                      "demo model)")
     parser.add_argument("--interpret-escapes", action="store_true",
                         help="turn backslash escapes in the prompts (\\n, \\t, \\\\) into the characters")
     parser.add_argument("--json", action="store_true", help="print one JSON object per completion")
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = args.model or installed_model_path()
     if model is None:
-        raise ValueError("no --model given and the bundled demo model is not installed")
+        raise ValueError("no --model given and no default model is available")
     engine_args = EngineArgs.from_cli_args(argparse.Namespace(**{**vars(args), "model": model}))
     llm = LLM(**vars(engine_args))
     params = sampling_params_from_args(args, llm.llm_engine.model_config.get_diff_sampling_param())

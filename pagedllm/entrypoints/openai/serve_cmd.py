@@ -40,8 +40,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, ...).",
 )
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="local Hugging Face-format model directory; nothing is downloaded "
-                             "(default: the bundled demo model, served as 'pycode-target')")
+                        help="local Hugging Face-format model directory or .gguf file (default: "
+                             "SmolLM2-135M-Instruct, fetched once; offline, the bundled demo model)")
     parser.add_argument("--model", dest="model", default=None,
                         help="the model directory, as a flag (vLLM's older spelling of MODEL)")
     parser.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
@@ -107,7 +107,7 @@ def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     model = resolve_model(args)
     if model is None:
-        print("pagedllm serve: no model given and the bundled demo model is not installed; "
+        print("pagedllm serve: no model given and no default model is available; "
               "pass a model directory: pagedllm serve PATH", file=sys.stderr)
         return 2
     if not args.served_model_name:
