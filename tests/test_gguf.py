@@ -47,7 +47,7 @@ def _hf_reference(path: str) -> tuple[torch.nn.Module, object]:
 def _hf_greedy(model, ids: list[int]) -> tuple[list[int], torch.Tensor]:
     input_ids = torch.tensor([ids])
     out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS,
-                         min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                         min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, output_logits=True,
                          return_dict_in_generate=True)
     return out.sequences[0, len(ids):].tolist(), out.logits[0][0].float()
 

@@ -196,12 +196,15 @@ def test_sigterm_answers_what_outlives_the_grace_period(tiny_llama_dir: str,
     assert status == 0, server.log()
 
 
-def test_serves_the_bundled_demo_model_by_default(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_offline_with_nothing_cached_serves_the_bundled_demo_model(tmp_path_factory: pytest.TempPathFactory,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedllm.assets import demo_model_path
 
     if not os.path.exists(os.path.join(demo_model_path(), "config.json")):
         pytest.skip("the bundled demo model is not installed")
+    monkeypatch.setenv("PAGEDLLM_MODELS_DIR", str(tmp_path_factory.mktemp("no_models")))
     server = RemoteServer(None, tmp_path_factory.mktemp("server_demo_logs"), served_model_name=None)
+    assert "using the bundled demo model pycode-target" in server.log()
     try:
         client = server.client()
         assert [model.id for model in client.models.list().data] == ["pycode-target"]

