@@ -1,9 +1,10 @@
 """The README runs verbatim: every fenced block whose info string is exactly `python` or `bash` is
-executed, in order, against the bundled demo model.
+executed, in order. With no model given, commands take the default model: the real SmolLM2 where it
+is cached, else (tests run offline) the bundled demo model.
 
-- `bash` blocks run line by line (a trailing backslash continues a line); `pip install ...` lines are
-  skipped, because the package under test is already importable. `pagedllm` and `python` resolve to
-  this checkout and this interpreter.
+- `bash` blocks run line by line (a trailing backslash continues a line); `pip install ...` commands
+  (a line, or a part of an `&&` chain) are skipped, because the package under test is already
+  importable. `pagedllm` and `python` resolve to this checkout and this interpreter.
 - A `pagedllm serve ...` line starts the server in the background and waits for /health; the blocks
   after it (the client snippets) run against it; it is stopped at the end (or at the next serve line).
 - The README's port 8000 is swapped for a free port, so the test does not collide with a server
@@ -132,8 +133,10 @@ class ReadmeRunner:
         if block.language == "python":
             self._check(block, [sys.executable, "-c", code], code)
             return
-        for command in bash_commands(code):
-            if is_pip_install(command):
+        for line in bash_commands(code):
+            # `pip install -e . && pagedllm ...`: the install is skipped, the rest runs
+            command = " && ".join(part for part in line.split(" && ") if not is_pip_install(part))
+            if not command:
                 continue
             if is_serve(command):
                 self.start_server(block, command)
