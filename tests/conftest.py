@@ -13,6 +13,16 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
+# The default model (a command given no model) is the bundled demo model in every test, whatever this
+# machine has cached: the models dir is an empty one. tests/test_real_model.py fetches the real file
+# into the user's cache, kept here, so it is downloaded once per machine, not once per run.
+import tempfile  # noqa: E402
+
+from pagedllm.assets import models_dir  # noqa: E402
+
+REAL_MODELS_DIR = str(models_dir())
+os.environ["PAGEDLLM_MODELS_DIR"] = tempfile.mkdtemp(prefix="pagedllm-no-models-")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from tiny_models import build_model, build_tiny_vocab_model  # noqa: E402

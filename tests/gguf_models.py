@@ -54,8 +54,10 @@ def _encode(name: str, w: np.ndarray, kind: str, rng: np.random.Generator) -> tu
     return quantize(w.astype(np.float32), qtype), qtype
 
 
-def write_gguf(model_dir: str, path: str, weight_type: str = "F32", seed: int = 0) -> str:
-    """Write the tiny model in `model_dir` as a GGUF file at `path`, its 2-D weights in `weight_type`."""
+def write_gguf(model_dir: str, path: str, weight_type: str = "F32", seed: int = 0,
+               arch_name: str | None = None) -> str:
+    """Write the tiny model in `model_dir` as a GGUF file at `path`, its 2-D weights in `weight_type`
+    (arch_name: declare another architecture, for refusal tests)."""
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     with open(os.path.join(model_dir, "tokenizer.json")) as f:
@@ -63,7 +65,7 @@ def write_gguf(model_dir: str, path: str, weight_type: str = "F32", seed: int = 
     with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
         tokenizer_config = json.load(f)
     model_type = config["model_type"]
-    arch_name = gguf.MODEL_ARCH_NAMES[_ARCH[model_type]]
+    arch_name = arch_name or gguf.MODEL_ARCH_NAMES[_ARCH[model_type]]
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads

@@ -178,7 +178,8 @@ def test_cli_greedy_completions_parse(results: dict) -> None:
     card's five prompts: the first top-level block of prompt + completion is valid Python."""
     script = load_training_script()
     prompts = script.SAMPLE_PROMPTS
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "--json", "--dtype", "float32",
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "--model", str(TARGET_DIR), "--json",
+           "--dtype", "float32",
            "--temperature", "0", "--max-tokens", str(results["sample_max_tokens"]),
            *prompts]  # passed verbatim: "import os\n\ndef " holds real newlines
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}

@@ -121,3 +121,36 @@ def test_bad_gguf_inputs_are_named_errors(models, tmp_path):
         LLM(model=str(split))
     with pytest.raises(ValueError, match="does not exist"):
         LLM(model=str(tmp_path / "missing.gguf"))
+
+
+def test_quantization_int8_applies_to_a_gguf_model(models, tmp_path):
+    from pagedllm.layers.quantization import QuantizedWeight
+
+    path = write_gguf(models["llama"], str(tmp_path / "tiny-F32.gguf"), "F32")
+    llm = LLM(model=path, dtype="float32", quantization="int8")
+    weight = llm.llm_engine.model_runner.model.layers[0].mlp.down_proj.weight
+    assert isinstance(weight, QuantizedWeight) and weight.scales.dim() == 1  # per channel, as asked
+    out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_unsupported_gguf_architecture_is_a_named_error(models, tmp_path):
+    path = write_gguf(models["llama"], str(tmp_path / "tiny.gguf"), "F32", arch_name="starcoder2")
+    with pytest.raises(ValueError, match="starcoder2"):
+        LLM(model=path)
+
+
+@pytest.mark.slow
+def test_serve_a_gguf_file_under_its_name(models, tmp_path):
+    from test_server import RemoteServer
+
+    path = write_gguf(models["qwen2"], str(tmp_path / "tiny-qwen.gguf"), "Q8_0")
+    server = RemoteServer(path, tmp_path, served_model_name=None)
+    try:
+        client = server.client()
+        assert [model.id for model in client.models.list().data] == ["tiny-qwen"]
+        reply = client.chat.completions.create(model="tiny-qwen", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=4, temperature=0.0)
+        assert reply.usage.completion_tokens > 0
+    finally:
+        assert server.terminate() == 0, server.log()

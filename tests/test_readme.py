@@ -1,6 +1,6 @@
 """The README runs verbatim: every fenced block whose info string is exactly `python` or `bash` is
-executed, in order. With no model given, commands take the default model: the real SmolLM2 where it
-is cached, else (tests run offline) the bundled demo model.
+executed, in order. With no model given, commands take the default model's offline fallback, the
+bundled demo model (the models dir is empty here; tests/test_real_model.py runs the real one).
 
 - `bash` blocks run line by line (a trailing backslash continues a line); `pip install ...` commands
   (a line, or a part of an `&&` chain) are skipped, because the package under test is already

@@ -17,8 +17,12 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def model_file() -> str:
+    from conftest import REAL_MODELS_DIR
+
     try:
-        return fetch_model()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("PAGEDLLM_MODELS_DIR", REAL_MODELS_DIR)
+            return fetch_model()
     except RuntimeError as exc:
         if "sha256" in str(exc):
             raise

@@ -200,7 +200,11 @@ class GGUFTensor:
         elif self.type_name == "BF16":
             out = torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
         else:
-            out = torch.from_numpy(dequantize(data, GGMLQuantizationType[self.type_name]))
+            try:
+                out = torch.from_numpy(dequantize(data, GGMLQuantizationType[self.type_name]))
+            except NotImplementedError as exc:
+                raise ValueError(f"GGUF tensor {self.tensor.name!r} has type {self.type_name}, which the gguf "
+                                 "package cannot dequantize; pagedllm cannot load this file.") from exc
             if self.on_dequantize is not None:
                 self.on_dequantize(self.type_name)
         return out.reshape(self.shape)

@@ -119,7 +119,12 @@ def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.dev
 def _load_gguf(model: torch.nn.Module, config: ModelConfig, tp_size: int) -> None:
     checkpoint = GGUFCheckpoint(config.model, config.hf_config)
     with torch.no_grad():
-        if tp_size == 1 and getattr(model, "quantizable_weights", ()):
+        if config.quantization is not None:  # asked for: every projection quantized from its dense form
+            assert tp_size == 1, "quantized projections are not sharded (refused at start-up)"
+            loader = QuantizedLinearLoader(model, config.quantization, config.dtype,
+                                           lambda name: checkpoint.get_slice(name)[:], set())
+            model.load_weights(checkpoint.get_slice, checkpoint, loader)
+        elif tp_size == 1 and getattr(model, "quantizable_weights", ()):
             checkpoint.bind_model(model)
             model.load_weights(checkpoint.get_slice, checkpoint, checkpoint.load_linear)
         else:  # sharded projections are cut from dense weights
