@@ -50,8 +50,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="require 'Authorization: Bearer KEY' on the API (default: "
                              "$PAGEDLLM_API_KEY, else open)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
-                        help="model name(s) clients use (default: the model directory's name; 'pycode-target' "
-                             "for the bundled model)")
+                        help="model name(s) clients use (default: the model directory's name, or the .gguf "
+                             "file's name without the extension)")
     parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                         help="sequences (prompts x n) that may wait for their first token; beyond it "
                              "answer 503, and 400 to a request larger than the limit (0: unbounded)")

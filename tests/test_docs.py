@@ -1,13 +1,17 @@
-"""The README runs verbatim: every fenced block whose info string is exactly `python` or `bash` is
-executed, in order. With no model given, commands take the default model's offline fallback, the
-bundled demo model (the models dir is empty here; tests/test_real_model.py runs the real one).
+"""The README and the documentation site stay true.
+
+The site builds with `mkdocs build --strict` (no broken link, anchor or API reference), the README stays
+short, the flag list of docs/serving.md matches the parser, and every page runs verbatim: each fenced
+block whose info string is exactly `python` or `bash` is executed, in order, page by page. With no
+model given, commands take the default model's offline fallback, the bundled demo model (the models
+dir is empty in tests; tests/test_real_model.py runs the real one).
 
 - `bash` blocks run line by line (a trailing backslash continues a line); `pip install ...` commands
   (a line, or a part of an `&&` chain) are skipped, because the package under test is already
   importable. `pagedllm` and `python` resolve to this checkout and this interpreter.
 - A `pagedllm serve ...` line starts the server in the background and waits for /health; the blocks
   after it (the client snippets) run against it; it is stopped at the end (or at the next serve line).
-- The README's port 8000 is swapped for a free port, so the test does not collide with a server
+- The pages' port 8000 is swapped for a free port, so the test does not collide with a server
   already running on this machine.
 - `text`, `console` and untagged blocks are documentation, never run.
 - Nothing asserts on the model's text: only that each block exits 0 (the demo model may be retrained).
@@ -31,6 +35,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+README_MAX_LINES = 150
 README_PORT = "8000"
 BLOCK_TIMEOUT_S = 300
 
@@ -115,8 +121,9 @@ def _shims(bin_dir: Path) -> None:
 
 
 class ReadmeRunner:
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, page: Path = README) -> None:
         self.tmp_path = tmp_path
+        self.page = page.relative_to(ROOT)
         self.port = str(_free_port())
         bin_dir = tmp_path / "bin"
         _shims(bin_dir)
@@ -147,7 +154,7 @@ class ReadmeRunner:
         result = subprocess.run(argv, cwd=ROOT, env=self.env, capture_output=True, text=True,
                                 timeout=BLOCK_TIMEOUT_S)
         assert result.returncode == 0, (
-            f"README.md:{block.line} ({block.language}) failed with exit code {result.returncode}:\n{shown}\n"
+            f"{self.page}:{block.line} ({block.language}) failed with exit code {result.returncode}:\n{shown}\n"
             f"--- stdout ---\n{result.stdout[-3000:]}\n--- stderr ---\n{result.stderr[-3000:]}")
 
     def start_server(self, block: Block, command: str) -> None:
@@ -160,7 +167,7 @@ class ReadmeRunner:
         deadline = time.monotonic() + BLOCK_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.server.poll() is not None:
-                pytest.fail(f"README.md:{block.line}: `{command}` exited with {self.server.returncode}:\n"
+                pytest.fail(f"{self.page}:{block.line}: `{command}` exited with {self.server.returncode}:\n"
                             f"{self.server_log.read_text()[-3000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port_number}/health", timeout=2) as response:
@@ -169,7 +176,7 @@ class ReadmeRunner:
             except OSError:
                 pass
             time.sleep(0.2)  # polling for readiness, not synchronising on a guess
-        pytest.fail(f"README.md:{block.line}: `{command}` was not healthy within {BLOCK_TIMEOUT_S} s")
+        pytest.fail(f"{self.page}:{block.line}: `{command}` was not healthy within {BLOCK_TIMEOUT_S} s")
 
     def stop_server(self) -> None:
         if self.server is None:
@@ -195,13 +202,42 @@ def test_readme_block_extraction() -> None:
     assert is_serve("pagedllm serve --port 8000 --api-key secret   # comment") and not is_serve("pagedllm plan")
 
 
-@pytest.mark.slow
-def test_readme_blocks_run_verbatim(tmp_path: Path) -> None:
+def runnable_pages() -> list[Path]:
+    return [page for page in PAGES if readme_blocks(page.read_text())]
+
+
+def test_readme_is_short_and_every_page_has_runnable_examples() -> None:
+    assert len(README.read_text().splitlines()) <= README_MAX_LINES
     blocks = readme_blocks(README.read_text())
     assert any(b.language == "python" for b in blocks) and any(b.language == "bash" for b in blocks)
-    runner = ReadmeRunner(tmp_path)
+    assert len(runnable_pages()) >= 8
+
+
+def test_serving_page_lists_every_serve_flag() -> None:
+    sys.path.insert(0, str(ROOT / "tools"))
     try:
-        for block in blocks:
+        import serve_flags_doc
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    documented = serve_flags_doc.documented_tables(serve_flags_doc.DOC.read_text())
+    assert documented == serve_flags_doc.flag_tables(), "run: python tools/serve_flags_doc.py --write"
+
+
+@pytest.mark.slow
+def test_docs_site_builds_strict(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (tmp_path / "index.html").is_file() and (tmp_path / "api" / "index.html").is_file()
+    assert "pagedllm.SamplingParams" in (tmp_path / "api" / "index.html").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", runnable_pages(), ids=lambda page: str(page.relative_to(ROOT)))
+def test_page_blocks_run_verbatim(page: Path, tmp_path: Path) -> None:
+    runner = ReadmeRunner(tmp_path, page)
+    try:
+        for block in readme_blocks(page.read_text()):
             runner.run(block)
     finally:
         runner.stop_server()
