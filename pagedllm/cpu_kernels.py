@@ -43,6 +43,26 @@ def _cache_dir(source_digest: str) -> str:
     return os.path.join(root, "kernels", f"cpu_ops-{torch.__version__}-{source_digest}-{machine}")
 
 
+def _copy_sources(build_dir: str) -> tuple[list[str], str]:
+    """The sources, copied into the build directory (keyed by their content), and the header folder there.
+    ninja records the paths it compiled: built from each install's own paths, two clones or virtualenvs
+    of the same version would rebuild each other's build at every switch; from these copies they share it."""
+    src_dir = os.path.join(build_dir, "src")
+    include_dir = os.path.join(src_dir, "include")
+    os.makedirs(include_dir, exist_ok=True)
+    copies = [(path, os.path.join(src_dir, os.path.basename(path))) for path in _SOURCES]
+    copies += [(os.path.join(_INCLUDE, name), os.path.join(include_dir, name)) for name in os.listdir(_INCLUDE)]
+    for source, copy in copies:
+        with open(source, "rb") as f:
+            data = f.read()
+        if not os.path.exists(copy) or open(copy, "rb").read() != data:  # the same bytes keep their mtime
+            tmp = f"{copy}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, copy)
+    return [copy for _, copy in copies[:len(_SOURCES)]], include_dir
+
+
 @functools.cache
 def load_cpu_kernels() -> bool:
     """Build (first time on this machine) and load the C++ ops; False, with one log line, if impossible."""
@@ -64,6 +84,7 @@ def load_cpu_kernels() -> bool:
                 sources.update(f.read())
         build_dir = _cache_dir(sources.hexdigest()[:12])
         os.makedirs(build_dir, exist_ok=True)
+        build_sources, build_include = _copy_sources(build_dir)
         start = time.perf_counter()
         # torch's build lock is a plain file: a process killed mid-build leaves it behind and every later
         # load would wait on it forever. An flock dies with its holder, so whoever holds ours may clear it.
@@ -72,8 +93,8 @@ def load_cpu_kernels() -> bool:
             stale = os.path.join(build_dir, "lock")
             if os.path.exists(stale):
                 os.remove(stale)
-            cpp_extension.load(name="pagedllm_cpu_ops", sources=_SOURCES, extra_cflags=flags,
-                               extra_include_paths=[_INCLUDE], extra_ldflags=["-fopenmp"] if openmp else [],
+            cpp_extension.load(name="pagedllm_cpu_ops", sources=build_sources, extra_cflags=flags,
+                               extra_include_paths=[build_include], extra_ldflags=["-fopenmp"] if openmp else [],
                                build_directory=build_dir,
                                is_python_module=False, verbose=False)
         elapsed = time.perf_counter() - start

@@ -156,3 +156,20 @@ def test_step_inputs_op_matches_the_array_path() -> None:
                     assert decoded[6:] == want[6:]
                     decoded_here += 1
     assert decoded_here > 50
+
+
+def test_kernel_build_reads_copies_of_the_sources_inside_its_content_keyed_directory(tmp_path) -> None:
+    """Two installs of one version build from the same paths (ninja records them), so neither rebuilds
+    the other's build; copying again leaves unchanged files untouched (their mtimes are what ninja checks)."""
+    import os
+
+    from pagedllm import cpu_kernels
+
+    sources, include = cpu_kernels._copy_sources(str(tmp_path))
+    assert all(path.startswith(str(tmp_path)) for path in [*sources, include])
+    for original, copy in zip(cpu_kernels._SOURCES, sources):
+        assert open(original, "rb").read() == open(copy, "rb").read()
+    assert sorted(os.listdir(include)) == sorted(os.listdir(cpu_kernels._INCLUDE))
+    mtimes = [os.stat(path).st_mtime_ns for path in sources]
+    assert cpu_kernels._copy_sources(str(tmp_path)) == (sources, include)
+    assert [os.stat(path).st_mtime_ns for path in sources] == mtimes
