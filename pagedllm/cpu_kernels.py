@@ -73,7 +73,7 @@ def load_cpu_kernels() -> bool:
 
         # -fopenmp turns at::parallel_for into torch's OpenMP pool (without it the header's parallel_for
         # runs serially); on Linux the extension links libgomp.so.1, which resolves to the copy torch has
-        # loaded. Elsewhere (Apple's clang has no -fopenmp) the ops build as before and run on one thread.
+        # loaded. Elsewhere (Apple's clang has no -fopenmp) the ops build without it and run on one thread.
         openmp = platform.system() == "Linux"
         flags = ["-O3", "-fopenmp" if openmp else "-fopenmp-simd", "-std=c++17"]
         if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):

@@ -36,8 +36,8 @@ def default_backend_name(device: torch.device, kv_cache_dtype: torch.dtype) -> s
     if device.type == "cpu":
         from pagedllm.cpu_kernels import load_cpu_kernels
 
-        # The kernel beats gather + SDPA at every measured size (see the README's attention table);
-        # without a compiler the reference is faster than the torch-op recurrence.
+        # The kernel reads the pages in place where the reference gathers them first (`pagedllm bench
+        # attention` compares the two); without a compiler the reference is faster than the torch-op recurrence.
         return "CPU_FLASH" if load_cpu_kernels() else "TORCH_SDPA"
     if device.type == "cuda" and kv_cache_dtype.itemsize != 1 and _triton_usable(device):
         return "TRITON"

@@ -136,7 +136,7 @@ class EngineCore:
         self.num_threads = configure_threads(args.num_threads)  # before the executor: its workers take it
         config = create_engine_config(args)
         # grammars compile against the tokenizer's vocabulary, so the core has one (an in-process
-        # engine shares its own); loaded before the model, as the engine always did
+        # engine shares its own); loaded before the model, so a bad tokenizer fails fast
         if tokenizer is None:
             tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
         self.config = config

@@ -96,7 +96,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.finished_req_ids: set[str] = set()
         # Unfinished requests that came with a grammar: while there are none, a plan asks the structured
-        # output manager for nothing (its scan of the step's requests costs ~10 us at batch 64).
+        # output manager for nothing (no scan of the step's requests).
         self.guided_ids: set[str] = set()
         # Unfinished parallel-sampling parents: while there are none, update() skips its scan of the running
         # requests for parents to fork.
@@ -342,7 +342,7 @@ class Scheduler:
             # A decoding request wrote its last position into a block the KV cache manager made its own (a
             # fork's shared tail is copied at the sample's first write), so a token that neither opens a
             # block nor fills one allocates, copies and registers nothing: the manager is asked only at
-            # those tokens (it was half this pass's time).
+            # those tokens.
             if not (start % bs and (start + 1) % bs) and not allocate_slots(request, 1):
                 return None
             plan.append(ScheduledRequest(request, 1, start, (), True, []))

@@ -177,8 +177,7 @@ class MultiprocExecutor(Executor):
         self._in_flight_ids.append(self.encoder.request_ids)
 
     def execute_model_unanswered(self, scheduler_output: SchedulerOutput) -> None:
-        # Not waited for: on an idle host the round trip was 0.6-1.2 ms of two sleeping processes waking,
-        # at the end of every batch of requests.
+        # Not waited for: the round trip would wake two sleeping processes at the end of every batch.
         self._send("execute_model_remote", (self.encoder.encode(scheduler_output),), {})
         self._num_unread_answers += 1
 

@@ -208,18 +208,15 @@ class ParallelLMHead(VocabParallelEmbedding):
 #
 # - "blocked" (pagedllm's own kernel, layers/csrc/cpu_linear.cpp; fp32 with AVX-512 or AVX2 + FMA, bf16
 #   with AVX512-BF16): 64 (AVX2: 16) output features at a time stored k-major, so a batch-1 decode step
-#   reads each weight as one sequential stream. On a Zen 4 core (386M Qwen2's shapes, one thread) it read
-#   weights at 24-30 GB/s in both dtypes, against oneDNN's 16 (fp32) and 13.5 (bf16) and a plain read of
-#   29 GB/s; from 16 rows up it is within 5% of oneDNN either way, 1,024-row prefill included.
-# - "onednn" (`torch.ops.mkldnn._reorder_linear_weight`), elsewhere: bf16 bit-identical to F.linear, 1.5-2x
-#   faster than it at batch 1 on that core.
+#   reads each weight as one sequential stream.
+# - "onednn" (`torch.ops.mkldnn._reorder_linear_weight`), elsewhere: bf16 bit-identical to F.linear.
+# Which is faster depends on the CPU (the performance pages per CPU kind; `pagedllm bench prepack` runs
+# each in turn on one model).
 #
 # Both compute a row the same way whatever else is in the batch; F.linear does not (the BLAS takes another
 # path for one or two rows, about 1e-5 apart), so a model whose logits reach the outputs stays packed. A
 # draft model's numerics never reach them (its proposals are verified by the target); with oneDNN, small
-# fp32 weights stay plain there: oneDNN's linear costs about 25-50 us a call before any arithmetic on a
-# Zen 3 core, F.linear 5-10 us, and for the six shapes measured there under 1 MiB (128x128 to 256x768)
-# F.linear was as fast or faster at every batch tried, 1 to 512 rows (2-7x at one).
+# fp32 weights stay plain there, since oneDNN's per-call cost exceeds F.linear's on shapes under 1 MiB.
 PREPACK_ENV = "PAGEDLLM_CPU_PREPACK_WEIGHTS"  # 0: plain F.linear; onednn: oneDNN's layout only; else the best
 PREPACK_DTYPES = (torch.float32, torch.bfloat16)
 PLAIN_FP32_MAX_NUMEL = 1 << 18  # 1 MiB of fp32

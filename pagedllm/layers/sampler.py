@@ -306,7 +306,7 @@ class Sampler:
             # Nobody reads them (a request's cumulative logprob is reported only with its logprobs), and
             # the full-vocabulary pass would cost more than the greedy argmax itself.
             return SamplerOutput(token_ids, None, None, None, None)
-        # One fused log-softmax pass is cheaper here than a logsumexp (measured 4 ms vs 10 ms at [64, 32000]).
+        # One fused log-softmax pass is cheaper here than a logsumexp followed by a subtraction.
         raw_logprobs = raw_logits.log_softmax(dim=-1)
         sampled_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         topk_logprobs = topk_ids = None

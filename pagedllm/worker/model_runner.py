@@ -373,7 +373,7 @@ class ModelRunner:
         not continue such a step (the caller takes the general path)."""
         last = self._last_decode
         n = len(start_pos)
-        # list comparisons, not numpy's: a numpy call costs ~10x its warm price right after a forward pass
+        # list comparisons, not numpy's: a numpy call is slow on the caches a forward pass leaves cold
         if last is None or not last.argmax or start_pos != last.next_start_pos or num_new_tokens.count(1) != n:
             return None
         self.block_tables.apply(block_table_changes)
@@ -544,7 +544,7 @@ class ModelRunner:
         Every row that needs logits goes through the LM head in one call (one gather under TP)."""
         if batch.argmax_decode and grammar_bitmask is None:
             # The common decode step: one token per request, each taking the argmax of its raw logits and
-            # asking for nothing more. At batch 64 the general pass below cost ~0.25 ms of Python a step.
+            # asking for nothing more, so the general pass below (per-request Python) is skipped.
             token_tensor, token_ids, lm_head_s = self._argmax_tokens(hidden)
             output.forward_s += lm_head_s
             if token_ids is not None:  # rank 0
@@ -597,7 +597,7 @@ class ModelRunner:
         num_sample, num_verify = len(sample_rows), len(verify_rows)
         if sample_rows and plain_greedy:
             # Every row takes the argmax of its raw logits and asks for nothing more: the sampler's
-            # result without building its rows (about 4 us a request, a third of a batch-64 step's sampling).
+            # result without building its rows.
             token_tensor = argmax_rows(all_logits[:num_sample])
             token_ids = token_tensor.tolist()
             output.sampled_token_ids.update({s.request.request_id: [token] for s, token in zip(sampled, token_ids)})
