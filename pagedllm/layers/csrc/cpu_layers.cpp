@@ -68,9 +68,8 @@ inline float round_to(float x) {
 // first NaN wins). torch's CPU argmax along a row runs one scalar comparison per element; here a
 // vectorised max pass, then a scan for its first occurrence that checks 256 elements at a time.
 // Chunks of 256, not 64: each chunk ends in two horizontal reductions, which at 64 cost as much as the
-// chunk's loads (on a Zen 3 core [64, 8,192] fp32 rows took 65-87 us instead of 107-124, amax 40-50).
-// The max pass is written in intrinsics where the CPU has AVX-512 or AVX2: the compiler's own loop
-// (bf16 widened one element at a time) took 102 us for [64, 8,192] bf16 rows on a Zen 4 core.
+// chunk's loads. The max pass is written in intrinsics where the CPU has AVX-512 or AVX2: the compiler's
+// own loop widens bf16 one element at a time.
 
 // The maximum of x[0, n) (NaNs skipped); sets has_nan if an element may be a NaN (a NaN or an
 // infinity: the caller's scan for the first NaN then finds none).
@@ -191,9 +190,8 @@ void argmax_rows_impl(const T* x, int64_t rows, int64_t cols, int64_t* out) {
 #if defined(__AVX512BW__) || defined(__AVX2__)
 // bf16 and fp16 rows, compared as 16-bit integer keys instead of widened to fp32 (half_keys.h: they
 // order as the values do, +0 and -0 equal, NaNs beyond the infinities), so the max pass is 32 (AVX-512BW)
-// or 16 (AVX2) integer max ops per instruction with no conversion. On a Zen 4 core, [64, 8,192] bf16 rows took 55 us with the fp32 max
-// pass above and 36-39 us here, which is the speed of reading the 1 MiB from cache (a [1, 8,192] row takes
-// 2 us with the call, [64, 32,768] 121 us). As torch.argmax: the first NaN wins, and +0 and -0 are equal.
+// or 16 (AVX2) integer max ops per instruction with no conversion, as fast as the rows are read from
+// cache. As torch.argmax: the first NaN wins, and +0 and -0 are equal.
 #if defined(__AVX512BW__)
 struct KeyVec {
   using V = __m512i;
@@ -360,8 +358,8 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
 }
 
 // out <- RMSNorm(x) * weight for rows that have no residual to add (the first layer's input norm),
-// rounded as fused_add_rms_norm's norm. torch's F.rms_norm is a composite of six ops in fp32: 30-35 us
-// for one 128-wide row on a Zen 3 core, against 2-3 us here.
+// rounded as fused_add_rms_norm's norm. torch's F.rms_norm is a composite of six ops in fp32, each a
+// call and a pass over memory.
 template <typename T>
 void rms_norm_impl(const T* x, T* out, const T* weight, int64_t rows, int64_t cols, int64_t x_stride, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -441,8 +439,8 @@ void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const a
 }
 
 // out = silu(gate) * up for gate_up = [gate | up] (the fused projection's output), [T, 2I] -> [T, I]:
-// one pass instead of torch's chunk, silu and multiply, each a pass over memory (at a 2,048-token
-// prefill of a 4,864-wide MLP those two ops took 13% of the step). silu rounds to the dtype before the
+// one pass instead of torch's chunk, silu and multiply, each a pass over memory (a long prefill's MLP
+// activations are tens of MB). silu rounds to the dtype before the
 // multiply, as the torch code does; its exp is ours (fast_exp.h), not torch's, so an fp32 result may
 // differ from F.silu's in the last bit or two (and then, rarely, a 16-bit one by one ulp).
 template <typename T>

@@ -1,9 +1,9 @@
 // y = x W^T + b for CPU decoding: weights packed once at load in a layout a matrix-vector product reads
 // as one sequential stream, and a register-blocked kernel that computes every row the same way.
 //
-// Why not oneDNN's prepacked linear: at one row (batch-1 decode) it read fp32 weights at 16 GB/s and bf16
-// at 13.5 GB/s on a Zen 4 core whose plain read runs at 29 GB/s; this kernel reads both at 24-30 GB/s,
-// and from 16 rows up it is within 5% of oneDNN (measured on the 386M Qwen2's shapes).
+// Why not only oneDNN's prepacked linear: on some CPUs its matrix-vector product (batch-1 decode) reads
+// weights at half the memory bandwidth, and its results depend on the CPU's code path; this kernel
+// streams each weight once, and every row's sums run in one order whatever the batch and thread count.
 //
 // Layout: output features in blocks of 64 with AVX-512, 16 with AVX2 (the last block holds what is left
 // over), each block's weights stored k-major, so a block is one contiguous run of memory that the loop

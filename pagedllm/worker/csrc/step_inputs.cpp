@@ -1,9 +1,8 @@
 // A step's input tensors in one call (torch.ops.pagedllm_cpu_step.step_inputs), for ModelRunner.prepare.
 //
-// Preparing a decode step at batch 64 ran some twenty numpy and torch calls on 64-element arrays. They
-// run right after the forward pass has streamed the weights and the KV cache through the caches, where
-// each call's first touch of its code and data costs several times its warm price (a numpy call on a
-// 64-element list: 4 us warm, 12 us after a 32 MB sweep): the calls, not the arithmetic, were the cost.
+// Preparing a decode step takes some twenty numpy and torch calls on small arrays. They run right after
+// the forward pass has streamed the weights and the KV cache through the caches, where each call's first
+// touch of its code and data costs several times its warm price: the calls, not the arithmetic, cost.
 // Here the same arithmetic is one call over the requests' Python lists. The numpy path in
 // model_runner.py stays for machines without the C++ ops; a test holds both to the same tensors.
 
