@@ -29,22 +29,27 @@ class GuidedDecodingParams:
     grammar: str | None = None
     json_object: bool | None = None
     backend: str | None = None
-    # vLLM's option: JSON without whitespace between tokens (no indentation a model can wander into).
+    # JSON's whitespace between tokens. By default the compact layout: one space after ":" and ",", no
+    # newlines (as OpenAI's structured outputs write JSON), because a sampled model given free whitespace
+    # can indent until max_tokens. vLLM's option: none at all.
     disable_any_whitespace: bool = False
-    # vLLM's option: the whitespace JSON may have between tokens, as a regex (e.g. r"[ ]?").
+    # llguidance's option: any whitespace JSON allows between tokens (spaces, tabs, newlines).
+    whitespace_flexible: bool = False
+    # vLLM's option: the whitespace allowed between tokens, as a regex (e.g. r"[ ]?").
     whitespace_pattern: str | None = None
 
     @staticmethod
     def from_optional(json: str | dict[str, Any] | None = None, regex: str | None = None,
                       choice: list[str] | None = None, grammar: str | None = None,
                       json_object: bool | None = None, backend: str | None = None,
-                      disable_any_whitespace: bool = False,
+                      disable_any_whitespace: bool = False, whitespace_flexible: bool = False,
                       whitespace_pattern: str | None = None) -> GuidedDecodingParams | None:
         if all(arg is None for arg in (json, regex, choice, grammar, json_object)):
             return None
         return GuidedDecodingParams(json=json, regex=regex, choice=choice, grammar=grammar,
                                     json_object=json_object, backend=backend,
                                     disable_any_whitespace=disable_any_whitespace,
+                                    whitespace_flexible=whitespace_flexible,
                                     whitespace_pattern=whitespace_pattern)
 
     def __post_init__(self) -> None:
@@ -84,6 +89,12 @@ class GuidedDecodingParams:
 
         if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
             raise ValueError("whitespace_pattern must be a string (a regex).")
+        for name in ("disable_any_whitespace", "whitespace_flexible"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}.")
+        if self.disable_any_whitespace and (self.whitespace_flexible or self.whitespace_pattern is not None):
+            other = "whitespace_flexible" if self.whitespace_flexible else "whitespace_pattern"
+            raise ValueError(f"disable_any_whitespace allows no whitespace, so {other} cannot be given with it.")
         validate_spec(*self.compile_key)
 
     @property
@@ -95,9 +106,10 @@ class GuidedDecodingParams:
         return "json_object"
 
     @property
-    def compile_key(self) -> tuple[str, str, bool, str | None]:
-        """What the compiled grammar depends on: (kind, spec, disable_any_whitespace, whitespace_pattern)."""
-        return self.kind, self.spec, self.disable_any_whitespace, self.whitespace_pattern
+    def compile_key(self) -> tuple[str, str, bool, bool, str | None]:
+        """What the compiled grammar depends on: (kind, spec, disable_any_whitespace, whitespace_flexible,
+        whitespace_pattern)."""
+        return self.kind, self.spec, self.disable_any_whitespace, self.whitespace_flexible, self.whitespace_pattern
 
     @property
     def spec(self) -> str:

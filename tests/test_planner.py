@@ -60,6 +60,19 @@ def test_gqa8_70b_kv_bytes_in_fp8(llama70b: rl.ModelSpec) -> None:
     assert round(rl.kv_cache_bytes(llama70b, fp8, CONTEXT, BATCH) / 1e9, 1) == 167.8
 
 
+def test_kv_scale_bytes_per_token(llama70b: rl.ModelSpec) -> None:
+    # one bf16 scale per row: per token, K and V of each KV head (MLA: one latent) of each layer
+    assert rl.kv_scale_bytes_per_token(llama70b, "fp8") == 80 * 2 * 8 * 2
+    assert rl.kv_scale_bytes_per_token(llama70b, "bfloat16") == 0
+    for kv_dtype in ("fp8", "int8", "bfloat16"):
+        total = rl.kv_bytes_per_token(llama70b, rl.kv_cache_element_bytes(llama70b, kv_dtype))
+        elements = rl.kv_bytes_per_token(llama70b, rl.dtype_bytes(kv_dtype))
+        assert total == elements + rl.kv_scale_bytes_per_token(llama70b, kv_dtype)
+    mla = load_model_spec("deepseek-v3")
+    assert rl.kv_scale_bytes_per_token(mla, "int8") == 61 * 2
+    assert rl.kv_bytes_per_token(mla, rl.kv_cache_element_bytes(mla, "int8")) == pytest.approx(61 * (576 + 2))
+
+
 def test_speculative_tokens_per_pass() -> None:
     assert round(rl.speculative_tokens_per_pass(0.8, 5), 2) == 3.69
     assert round(rl.speculative_tokens_per_pass(0.6, 5), 1) == 2.4
@@ -81,6 +94,11 @@ def test_plan_reports_the_seed_numbers(llama70b: rl.ModelSpec) -> None:
     assert plan["kv_cache"]["bytes_per_token"] == 166_400 == 163_840 * 130 / 128
     assert plan["kv_cache"]["bytes_per_token_per_device"] == 166_400 / 8
     assert round(plan["kv_cache"]["bytes_context_x_batch"] / 1e9, 1) == 170.4
+    # ... and both parts of it: the seed's figure (per-tensor scales, as vLLM stores fp8 KV) and the scales
+    kv = plan["kv_cache"]
+    assert kv["element_bytes_per_token"] == 163_840 and kv["scale_bytes_per_token"] == 2_560 == 80 * 2 * 8 * 2
+    assert round(kv["element_bytes_context_x_batch"] / 1e9, 1) == 167.8
+    assert kv["element_bytes_context_x_batch"] + kv["scale_bytes_context_x_batch"] == kv["bytes_context_x_batch"]
     variants = plan["kv_cache"]["variants_bytes_per_token"]
     # in the run's KV dtype only (fp8 here)
     assert variants["MHA"] == {"fp8": 1_331_200} and variants["GQA-8"]["fp8"] == 166_400
@@ -281,6 +299,8 @@ def test_plan_command_table_json_and_plot(tmp_path: Path, capsys: pytest.Capture
         "295.2 FLOPs/byte",
         "166,400 B",  # fp8 codes (163,840) plus a 2-byte scale per 128-element row, as the engine stores them
         "170.39 GB",
+        "fp8 elements                163,840 B per token, 167.77 GB",  # the seed's figure (167.8 GB)
+        "scales                      2,560 B per token, 2.62 GB",
         "3.69 tokens per target pass",
         "KV bytes per token by attention variant (fp8):  MHA 1,331,200",
     ):
@@ -291,6 +311,10 @@ def test_plan_command_table_json_and_plot(tmp_path: Path, capsys: pytest.Capture
 
     assert _run_cli(["plan", "--model", "qwen2.5-7b", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["model"]["attention"] == "GQA-4"
+    # a 16-bit cache has no scales: no split
+    assert _run_cli(["plan", "--model", "llama-3.3-70b", "--context", str(CONTEXT), "--batch", str(BATCH)]) == 0
+    table = capsys.readouterr().out
+    assert "327,680 B" in table and "335.54 GB" in table and "scales" not in table
 
 
 def test_plan_command_on_local_config_and_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

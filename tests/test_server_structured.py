@@ -35,8 +35,8 @@ TOOLS = [
                                       "parameters": SCHEMA}},
     {"type": "function", "function": {"name": "get_time", "parameters": TIME_SCHEMA}},
 ]
-# The demo model writes Python, and JSON's flexible whitespace lets it indent forever: no whitespace.
-COMPACT = {"guided_whitespace_pattern": ""}
+# JSON is compact by default (one space after ":" and ","); this pattern asks for no whitespace at all.
+NO_WHITESPACE = {"guided_whitespace_pattern": ""}
 MESSAGES = [{"role": "user", "content": "# plan a trip\nconfig = "}]
 
 
@@ -78,16 +78,15 @@ def test_response_format_json_schema_and_json_object(client: openai.OpenAI, stre
     response_format = {"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA, "strict": True}}
     for seed in range(3):
         if stream:
-            content, _, finish = stream_chat(client, response_format=response_format, temperature=1.0, seed=seed,
-                                             extra_body=COMPACT)
+            content, _, finish = stream_chat(client, response_format=response_format, temperature=1.0, seed=seed)
         else:
-            choice = chat(client, response_format=response_format, temperature=1.0, seed=seed,
-                          extra_body=COMPACT).choices[0]
+            choice = chat(client, response_format=response_format, temperature=1.0, seed=seed).choices[0]
             content, finish = choice.message.content, choice.finish_reason
         assert finish == "stop"
         jsonschema.validate(json.loads(content), SCHEMA)
+        assert "\n" not in content
     text = client.completions.create(model="tiny", prompt="x = ", max_tokens=60, temperature=0.0,
-                                     extra_body={"response_format": {"type": "json_object"}, **COMPACT})
+                                     extra_body={"response_format": {"type": "json_object"}, **NO_WHITESPACE})
     assert text.choices[0].text.startswith("{")
     plain = chat(client, response_format={"type": "text"}, temperature=0.0, max_tokens=8)
     assert plain.choices[0].message.content == chat(client, temperature=0.0, max_tokens=8).choices[0].message.content
@@ -99,8 +98,8 @@ def test_guided_extras_on_completions_and_chat(client: openai.OpenAI, stream: bo
     for seed in range(3):
         for extra, check in (({"guided_regex": regex}, lambda t: re.fullmatch(regex, t)),
                              ({"guided_choice": choices}, lambda t: t in choices),
-                             ({"guided_json": SCHEMA, **COMPACT}, lambda t: jsonschema.validate(json.loads(t), SCHEMA)
-                              or True)):
+                             ({"guided_json": SCHEMA, **NO_WHITESPACE},
+                              lambda t: jsonschema.validate(json.loads(t), SCHEMA) or True)):
             kwargs = dict(model="tiny", prompt="name = ", max_tokens=150, temperature=1.0, seed=seed, extra_body=extra)
             if stream:
                 text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs))
@@ -119,7 +118,7 @@ def test_guided_extras_on_completions_and_chat(client: openai.OpenAI, stream: bo
 def test_named_tool_choice_returns_tool_calls(client: openai.OpenAI, stream: bool) -> None:
     tool_choice = {"type": "function", "function": {"name": "get_weather"}}
     for seed in range(2):
-        kwargs = dict(tools=TOOLS, tool_choice=tool_choice, temperature=1.0, seed=seed, extra_body=COMPACT)
+        kwargs = dict(tools=TOOLS, tool_choice=tool_choice, temperature=1.0, seed=seed)
         if stream:
             content, calls, finish = stream_chat(client, **kwargs)
             assert content == "" and list(calls) == [0]
@@ -143,7 +142,7 @@ def test_required_tool_choice_picks_among_tools(client: openai.OpenAI, stream: b
     names = set()
     for seed in range(4):
         kwargs = dict(tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed, max_tokens=200,
-                      extra_body={**COMPACT, "parallel_tool_calls": False})
+                      extra_body={"parallel_tool_calls": False})
         if stream:
             _, calls, finish = stream_chat(client, **kwargs)
             calls_list = [calls[i] for i in sorted(calls)]
@@ -160,6 +159,17 @@ def test_required_tool_choice_picks_among_tools(client: openai.OpenAI, stream: b
     # "none": tools are ignored, the answer is plain text
     plain = chat(client, tools=TOOLS, tool_choice="none", temperature=0.0, max_tokens=8).choices[0]
     assert plain.message.tool_calls is None and plain.finish_reason == "length"
+
+
+def test_guided_whitespace_flexible_allows_free_whitespace(client: openai.OpenAI) -> None:
+    # Seeded samples, so the same texts every run: the demo model reaches for newlines as soon as it may.
+    def texts(flexible: bool | None) -> list[str]:
+        extra = {"guided_json": SCHEMA} | ({} if flexible is None else {"guided_whitespace_flexible": flexible})
+        return [client.completions.create(model="tiny", prompt="config = ", max_tokens=30, temperature=1.0,
+                                          seed=seed, extra_body=extra).choices[0].text for seed in range(4)]
+
+    assert not any("\n" in text for text in texts(None) + texts(False))
+    assert any("\n" in text for text in texts(True))
 
 
 def test_bad_constraints_are_400s_naming_the_field(server: RemoteServer) -> None:
@@ -191,6 +201,9 @@ def test_bad_constraints_are_400s_naming_the_field(server: RemoteServer) -> None
     assert post(chat_path, messages=MESSAGES, tool_choice="required")["param"] == "tool_choice"
     assert post(chat_path, messages=MESSAGES, tools=TOOLS, tool_choice="required",
                 guided_regex="a")["param"] == "guided_regex"
+    assert post(completions, guided_whitespace_flexible=True)["param"] == "guided_whitespace_flexible"
+    assert post(completions, guided_json=SCHEMA, guided_whitespace_flexible="maybe")["param"] \
+        == "guided_whitespace_flexible"
     server.assert_healthy()
 
 

@@ -135,6 +135,61 @@ def test_flexible_whitespace_json_validates(llm: LLM) -> None:
         jsonschema.validate(json.loads(completion.text), SCHEMA)
 
 
+# Issue 48's schema: a bounded string, an integer, an enum array, a boolean, a closed object.
+SMALL_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "count": {"type": "integer", "minimum": 0, "maximum": 99},
+    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+    "active": {"type": "boolean"}},
+    "required": ["name", "count", "tags", "active"], "additionalProperties": False}
+
+
+def json_layout(text: str) -> str:
+    """The JSON text with every string literal emptied: what is left is its structure and whitespace."""
+    return re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+
+
+def test_json_is_compact_by_default_so_sampled_outputs_close(llm: LLM) -> None:
+    # With JSON's free whitespace, most of these 20 sampled requests indent until max_tokens.
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=200,
+                             guided_decoding=GuidedDecodingParams(json=SMALL_SCHEMA)) for i in range(20)]
+    outputs = all_outputs(llm.generate(["config = "] * 20, params, use_tqdm=False))
+    for completion in outputs:
+        assert completion.finish_reason == "stop", completion.text
+        jsonschema.validate(json.loads(completion.text), SMALL_SCHEMA)
+        layout = json_layout(completion.text)
+        assert all(char == " " and layout[i - 1] in ":," for i, char in enumerate(layout) if char.isspace()), \
+            completion.text  # one space after ":" and ",", nothing else
+    assert len({c.text for c in outputs}) > 15
+
+
+def test_json_whitespace_options_choose_the_layout(llm: LLM) -> None:
+    manager = llm.llm_engine.structured_output_manager
+    tokenizer = llm.get_tokenizer()
+    layouts = {"compact": '{"name": "a", "count": 1, "tags": ["red", "blue"], "active": true}',
+               "none": '{"name":"a","count":1,"tags":["red","blue"],"active":true}',
+               "indented": '{\n  "name": "a",\n  "count": 1,\n  "tags": [\n    "red"\n  ],\n  "active": true\n}'}
+    accepted = {"default": {"compact"}, "disable_any_whitespace": {"none"},
+                "whitespace_flexible": {"compact", "none", "indented"}, "whitespace_pattern": {"compact", "none"}}
+    options = {"default": {}, "disable_any_whitespace": {"disable_any_whitespace": True},
+               "whitespace_flexible": {"whitespace_flexible": True},
+               "whitespace_pattern": {"whitespace_pattern": r"[ ]?"}}
+    for name, option in options.items():
+        for kind in ("json", "json_object"):
+            spec = {"json": SMALL_SCHEMA} if kind == "json" else {"json_object": True}
+            matcher = manager.compile(GuidedDecodingParams(**spec, **option)).deep_copy()
+            for layout, text in layouts.items():
+                token_ids = tokenizer.encode(text, add_special_tokens=False)
+                fits = matcher.validate_tokens(token_ids) == len(token_ids)
+                assert fits == (layout in accepted[name]), (name, kind, layout)
+    with pytest.raises(ValueError, match="^disable_any_whitespace allows no whitespace, so whitespace_flexible"):
+        GuidedDecodingParams(json=SMALL_SCHEMA, disable_any_whitespace=True, whitespace_flexible=True)
+    with pytest.raises(ValueError, match="^disable_any_whitespace allows no whitespace, so whitespace_pattern"):
+        GuidedDecodingParams(json=SMALL_SCHEMA, disable_any_whitespace=True, whitespace_pattern=" ")
+    with pytest.raises(ValueError, match="^whitespace_flexible must be a bool"):
+        GuidedDecodingParams(json=SMALL_SCHEMA, whitespace_flexible="yes")  # type: ignore[arg-type]
+
+
 def test_regex_choice_grammar_and_json_object_outputs_match(llm: LLM) -> None:
     prompts = PROMPTS[:20]
     sample = dict(temperature=1.0, max_tokens=40)

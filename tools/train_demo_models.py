@@ -938,11 +938,13 @@ Validation loss during training (the first 8 validation windows, in the run's pr
 Validation loss is the mean next-token cross-entropy (nats) over {r['val_tokens']:,} tokens of fixed
 windows of the validation split, computed from the saved bf16 weights in fp32. A uniform guess scores
 ln({r['vocab_size']}) = {r['uniform_loss']:.3f}. The slice column is the {r['val_slice_tokens']:,}-token
-slice stored in `pycode-target/val_slice.json` (the first {r['val_slice_windows']} of those windows), which
-`tests/test_demo_models.py` recomputes. Validation files differ a lot in how predictable they are, so
-the slice and the full set give different numbers; compare models on one of them. The last column is
-the same measure on windows of the training split: the gap to the validation loss shows how much of
-the repeated epochs went into memorising the training files rather than into Python in general.
+slice stored in `pycode-target/val_slice.json` (the first {r['val_slice_windows']} of those windows).
+`tests/test_demo_models.py` recomputes both from the weights (the full set rebuilt from the standard
+library on disk, split as here, when it is this Python's), and the greedy agreement below. Validation
+files differ a lot in how predictable they are, so the slice and the full set give different numbers;
+compare models on one of them. The last column is the same measure on windows of the training split: the
+gap to the validation loss shows how much of the repeated epochs went into memorising the training files
+rather than into Python in general.
 
 | model | params | steps | tokens | train time | val loss | val ppl | slice loss | training-text loss |
 |---|---|---|---|---|---|---|---|---|

@@ -90,6 +90,12 @@ def build_plan(spec: rl.ModelSpec, hw: HardwareSpec, inputs: PlanInputs) -> dict
             "bytes_per_token": rl.kv_bytes_per_token(spec, kb),
             "bytes_per_token_per_device": cap.kv_bytes_per_token_per_device,
             "bytes_context_x_batch": rl.kv_cache_bytes(spec, kb, ctx, batch),
+            # bytes_per_token split into the elements (dtype bytes each: the whole figure with per-tensor
+            # scales, as vLLM stores fp8 KV) and the scales of the engine's layout (one-byte dtypes only)
+            "element_bytes_per_token": rl.kv_bytes_per_token(spec, rl.dtype_bytes(kv_dtype)),
+            "scale_bytes_per_token": rl.kv_scale_bytes_per_token(spec, kv_dtype),
+            "element_bytes_context_x_batch": rl.kv_cache_bytes(spec, rl.dtype_bytes(kv_dtype), ctx, batch),
+            "scale_bytes_context_x_batch": rl.kv_scale_bytes_per_token(spec, kv_dtype) * ctx * batch,
             # in the run's KV dtype: a float32 run compares float32 variants
             "variants_bytes_per_token": {
                 name: {kv_dtype: rl.kv_bytes_per_token(v, kb)} for name, v in rl.kv_variants(spec).items()
@@ -193,6 +199,19 @@ def format_plan(plan: dict[str, Any]) -> str:
             f"{kv['bytes_per_token']:,.0f} B ({kv['bytes_per_token_per_device']:,.0f} B per device)",
         ),
         (f"KV for {ctx:,} tokens x {batch}", _bytes(kv["bytes_context_x_batch"])),
+        *([
+            (
+                f"  {inp['kv_cache_dtype_resolved']} elements",
+                f"{kv['element_bytes_per_token']:,.0f} B per token, {_bytes(kv['element_bytes_context_x_batch'])}"
+                " (1 byte each; the whole cache with per-tensor scales, vLLM's fp8 layout)",
+            ),
+            (
+                "  scales",
+                f"{kv['scale_bytes_per_token']:,.0f} B per token, {_bytes(kv['scale_bytes_context_x_batch'])}"
+                " (pagedllm's layout: a bf16 scale per token and "
+                + ("latent" if m["attention"] == "MLA" else "KV head") + ", per-layer scales too)",
+            ),
+        ] if kv["scale_bytes_per_token"] else []),
         ("weights", f"{_bytes(m['weight_bytes'])} ({_bytes(cap['weight_bytes_per_device'])} per device)"),
         (
             "memory left for KV",

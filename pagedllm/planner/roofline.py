@@ -280,6 +280,18 @@ def kv_cache_element_bytes(spec: ModelSpec, kv_dtype: str) -> float:
     return element + KV_SCALE_BYTES / row
 
 
+def kv_scale_bytes_per_token(spec: ModelSpec, kv_dtype: str) -> int:
+    """Bytes of scales one token adds to a one-byte cache (whole model), as the engine stores them: a bf16
+    scale per row (one token's K or V of one head; MLA: its latent), whether the scale is the row's own or
+    a layer's (calculate_kv_scales, checkpoint k_scale/v_scale). 0 for other dtypes. vLLM keeps fp8 KV
+    with per-tensor scales, which cost nothing per token: its figure is the elements alone,
+    kv_bytes_per_token(spec, dtype_bytes(kv_dtype))."""
+    if kv_dtype not in ONE_BYTE_KV_DTYPES:
+        return 0
+    rows_per_layer = 1 if spec.is_mla else 2 * spec.num_kv_heads
+    return spec.num_layers * rows_per_layer * KV_SCALE_BYTES
+
+
 def kv_bytes_per_token_per_device(spec: ModelSpec, kv_dtype_bytes: float, tp: int) -> float:
     """Tensor parallelism splits KV heads across devices; with fewer KV heads than devices each device
     keeps a replica of one head, and MLA's latent is not split by head at all, so it is replicated."""

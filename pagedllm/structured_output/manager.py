@@ -58,7 +58,7 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer = None
-        self._compiled: OrderedDict[tuple[str, str, bool, str | None], Any] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, str, bool, bool, str | None], Any] = OrderedDict()
         self.grammars: dict[str, Any] = {}   # request id -> RequestGrammar
         self.num_compiles = 0
 

@@ -126,6 +126,8 @@ class SamplingRequestFields(OpenAIRequestModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    # JSON constraints write compact JSON (one space after ":" and ","); true allows JSON's free whitespace
+    guided_whitespace_flexible: bool | None = None
     # disaggregated prefill (vLLM's field): {"do_remote_decode": true} asks a KV producer to keep the
     # prompt's blocks; the params its response returns make a KV consumer pull them
     kv_transfer_params: dict[str, Any] | None = None

@@ -30,9 +30,11 @@ from pagedllm.sampling_params import GuidedDecodingParams
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
-def _make(param: str, whitespace_pattern: str | None, backend: str | None, **kind: Any) -> GuidedDecodingParams:
+def _make(param: str, request: SamplingRequestFields, **kind: Any) -> GuidedDecodingParams:
     try:
-        return GuidedDecodingParams(whitespace_pattern=whitespace_pattern, backend=backend, **kind)
+        return GuidedDecodingParams(whitespace_pattern=request.guided_whitespace_pattern,
+                                    whitespace_flexible=bool(request.guided_whitespace_flexible),
+                                    backend=request.guided_decoding_backend, **kind)
     except ValueError as exc:
         raise APIError(400, f"{param}: {exc}", param=param) from exc
 
@@ -58,16 +60,16 @@ def guided_decoding_params(request: SamplingRequestFields) -> GuidedDecodingPara
         if value is not None:
             given.append((name, {kind: value}))
     if not given:
-        if request.guided_whitespace_pattern is not None or request.guided_decoding_backend is not None:
-            name = "guided_whitespace_pattern" if request.guided_whitespace_pattern is not None \
-                else "guided_decoding_backend"
-            raise APIError(400, f"{name} needs a constraint (response_format or a guided_* field).", param=name)
+        for name in ("guided_whitespace_pattern", "guided_whitespace_flexible", "guided_decoding_backend"):
+            if getattr(request, name) is not None:
+                raise APIError(400, f"{name} needs a constraint (response_format or a guided_* field).",
+                               param=name)
         return None
     if len(given) > 1:
         names = [name for name, _ in given]
         raise APIError(400, f"Only one structured-output constraint can be given, got {names}.", param=names[1])
     param, kind = given[0]
-    return _make(param, request.guided_whitespace_pattern, request.guided_decoding_backend, **kind)
+    return _make(param, request, **kind)
 
 
 # ---- tools -------------------------------------------------------------------------------------------
