@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from pagedllm import envs
+
 logger = logging.getLogger(__name__)
 
 _ROOT = os.path.dirname(__file__)
@@ -34,7 +36,7 @@ _INCLUDE = os.path.join(_ROOT, "csrc")  # headers both share (fast_exp.h)
 
 
 def _cache_dir(source_digest: str) -> str:
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
+    root = envs.value("PAGEDLLM_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
     # -march=native binaries are only valid on CPUs with the same flags: key the build by them.
     from pagedllm.platform import _cpu_flags
@@ -66,7 +68,7 @@ def _copy_sources(build_dir: str) -> tuple[list[str], str]:
 @functools.cache
 def load_cpu_kernels() -> bool:
     """Build (first time on this machine) and load the C++ ops; False, with one log line, if impossible."""
-    if os.environ.get("PAGEDLLM_DISABLE_CPU_KERNELS") == "1":
+    if envs.value("PAGEDLLM_DISABLE_CPU_KERNELS"):
         return False
     try:
         from torch.utils import cpp_extension

@@ -4,7 +4,8 @@ Set PAGEDLLM_LOGGING_LEVEL (e.g. WARNING) to quieten it."""
 from __future__ import annotations
 
 import logging
-import os
+
+from pagedllm import envs
 
 
 def configure_logging() -> None:
@@ -15,5 +16,5 @@ def configure_logging() -> None:
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
                                            datefmt="%m-%d %H:%M:%S"))
     logger.addHandler(handler)
-    logger.setLevel(os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper())
+    logger.setLevel(envs.value("PAGEDLLM_LOGGING_LEVEL").upper())
     logger.propagate = False

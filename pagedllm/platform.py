@@ -14,6 +14,8 @@ import platform
 
 import torch
 
+from pagedllm import envs
+
 logger = logging.getLogger(__name__)
 
 _NATIVE_FLAGS = {
@@ -120,7 +122,7 @@ def configure_cpu_allocator() -> bool:
     PAGEDLLM_CPU_MALLOC_TUNING=0 leaves glibc's defaults; other C libraries are left alone.
     """
     libc = _glibc()
-    if os.environ.get("PAGEDLLM_CPU_MALLOC_TUNING", "1") == "0" or libc is None:
+    if not envs.value("PAGEDLLM_CPU_MALLOC_TUNING") or libc is None:
         return False
     try:
         tuned = bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
@@ -178,7 +180,7 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     advised MADV_HUGEPAGE before its first touch (THP is often 'madvise' only). Elsewhere, when THP is
     off, or with PAGEDLLM_CPU_HUGE_PAGES=0, it is a plain torch.empty.
     """
-    if (os.environ.get("PAGEDLLM_CPU_HUGE_PAGES", "1") == "0" or platform.system() != "Linux"
+    if (not envs.value("PAGEDLLM_CPU_HUGE_PAGES") or platform.system() != "Linux"
             or not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE_BYTES):
         return torch.empty(nbytes, dtype=torch.uint8)
     try:

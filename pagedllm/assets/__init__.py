@@ -22,6 +22,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedllm import envs
+
 logger = logging.getLogger(__name__)
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
@@ -58,17 +60,16 @@ DEFAULT_MODEL = RegistryModel(
 def models_dir() -> Path:
     """Where fetched models live: PAGEDLLM_MODELS_DIR, else the models/ folder of pagedllm's cache
     (PAGEDLLM_CACHE_DIR, else $XDG_CACHE_HOME/pagedllm, else ~/.cache/pagedllm)."""
-    if os.environ.get("PAGEDLLM_MODELS_DIR"):
-        return Path(os.environ["PAGEDLLM_MODELS_DIR"])
-    root = os.environ.get("PAGEDLLM_CACHE_DIR")
-    if root:
-        return Path(root) / "models"
+    if envs.is_set("PAGEDLLM_MODELS_DIR"):
+        return Path(envs.value("PAGEDLLM_MODELS_DIR"))
+    if envs.is_set("PAGEDLLM_CACHE_DIR"):
+        return Path(envs.value("PAGEDLLM_CACHE_DIR")) / "models"
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedllm" / "models"
 
 
 def offline() -> bool:
-    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-               for name in ("PAGEDLLM_OFFLINE", "HF_HUB_OFFLINE"))
+    return envs.value("PAGEDLLM_OFFLINE") or os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in (
+        "1", "true", "yes", "on")
 
 
 def cached_model_path(model: RegistryModel = DEFAULT_MODEL) -> str | None:

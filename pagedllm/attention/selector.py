@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from pagedllm import envs
 from pagedllm.attention.backend import AttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,8 @@ def resolve_backend_name(name: str | None, device: torch.device, kv_cache_dtype:
                          block_size: int | None = None) -> str:
     """The backend to use; ValueError (naming the parameter) for an unknown or unusable choice."""
     source = "attention_backend"
-    if name is None and os.environ.get(ENV_VAR):
-        name, source = os.environ[ENV_VAR], ENV_VAR
+    if name is None and envs.is_set(ENV_VAR):
+        name, source = envs.value(ENV_VAR), ENV_VAR
     if name is None or name.lower() == "auto":
         return default_backend_name(device, kv_cache_dtype)
     name = name.upper()

@@ -27,13 +27,14 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_proc import EngineCoreLoop, dumps, loads
 
 logger = logging.getLogger(__name__)
 
 # Loading a model (and starting tensor-parallel workers); generous for a big checkpoint on a slow disk.
-STARTUP_TIMEOUT_S = float(os.environ.get("PAGEDLLM_ENGINE_CORE_STARTUP_TIMEOUT_S", "900"))
+STARTUP_TIMEOUT_S = envs.value("PAGEDLLM_ENGINE_CORE_STARTUP_TIMEOUT_S")
 SHUTDOWN_TIMEOUT_S = 30.0
 
 Dispatch = Callable[[list[tuple]], None]

@@ -15,6 +15,8 @@ import logging
 import os
 import sys
 
+from pagedllm import envs
+
 # sub-command name -> module that implements it
 SUBCOMMANDS = {
     "generate": "pagedllm.entrypoints.generate_cmd",
@@ -67,10 +69,20 @@ def _add_unavailable(subparsers: argparse._SubParsersAction, name: str, package:
     sub.set_defaults(func=refuse)
 
 
+class _HelpEnvAction(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(envs.help_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: paged-attention LLM inference")
     parser.add_argument("--debug", action="store_true",
                         help="print tracebacks and DEBUG logs (also accepted after the sub-command)")
+    parser.add_argument("--help-env", action=_HelpEnvAction, help="list the environment variables pagedllm reads")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name, module_name in SUBCOMMANDS.items():
         try:
@@ -91,7 +103,7 @@ def _debug_requested(argv: list[str]) -> tuple[bool, list[str]]:
     end = argv.index("--") if "--" in argv else len(argv)
     debug = "--debug" in argv[:end]
     rest = [arg for i, arg in enumerate(argv) if not (i < end and arg == "--debug")]
-    env_debug = os.environ.get("PAGEDLLM_LOGGING_LEVEL", "").upper() == "DEBUG"
+    env_debug = envs.value("PAGEDLLM_LOGGING_LEVEL").upper() == "DEBUG"
     return debug or env_debug, rest
 
 

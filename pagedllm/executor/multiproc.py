@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from pagedllm import envs
 from pagedllm.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor, ExecutorDeadError
 from pagedllm.platform import freeze_gc_heap
@@ -52,9 +53,9 @@ from pagedllm.worker.request_state import SchedulerOutputEncoder, unpack_output
 logger = logging.getLogger(__name__)
 
 # Loading a model and joining the group; generous for a big checkpoint on a slow disk.
-STARTUP_TIMEOUT_S = float(os.environ.get("PAGEDLLM_WORKER_STARTUP_TIMEOUT_S", "600"))
+STARTUP_TIMEOUT_S = envs.value("PAGEDLLM_WORKER_STARTUP_TIMEOUT_S")
 # One call (a step); a worker that is alive but silent this long is taken as hung.
-EXECUTE_TIMEOUT_S = float(os.environ.get("PAGEDLLM_WORKER_EXECUTE_TIMEOUT_S", "600"))
+EXECUTE_TIMEOUT_S = envs.value("PAGEDLLM_WORKER_EXECUTE_TIMEOUT_S")
 # How often a wait looks at the processes themselves (a dead worker's pipe usually reports EOF at once).
 POLL_INTERVAL_S = 0.5
 SHUTDOWN_GRACE_S = 5.0

@@ -22,7 +22,6 @@ fast kernel reads (pagedllm's blocked kernel, or oneDNN's; see there), and the l
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce, tensor_model_parallel_gather
 from pagedllm.layers.quantization import linear
 from pagedllm.layers.sampler import argmax_rows
@@ -246,7 +246,7 @@ def is_prepacked(matmul: Callable[..., torch.Tensor] | None) -> bool:
 def prepack_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """CPU, fp32 or bf16, oneDNN built in, and not turned off by PAGEDLLM_CPU_PREPACK_WEIGHTS=0."""
     return (device.type == "cpu" and dtype in PREPACK_DTYPES and torch.backends.mkldnn.is_available()
-            and os.environ.get(PREPACK_ENV, "1") != "0")
+            and envs.value(PREPACK_ENV) != "0")
 
 
 def blocked_layout_available(dtype: torch.dtype) -> bool:
@@ -254,7 +254,7 @@ def blocked_layout_available(dtype: torch.dtype) -> bool:
     AVX-512, bf16 AVX512-BF16), and PAGEDLLM_CPU_PREPACK_WEIGHTS does not ask for oneDNN."""
     from pagedllm.cpu_kernels import load_cpu_kernels
 
-    return (os.environ.get(PREPACK_ENV, "1") != "onednn" and load_cpu_kernels()
+    return (envs.value(PREPACK_ENV) != "onednn" and load_cpu_kernels()
             and bool(torch.ops.pagedllm_cpu_linear.blocked_linear_supports(dtype)))
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagedllm import envs
 from pagedllm.attention.backend import AttentionMetadata, PrefillSeq
 from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -86,15 +87,11 @@ DEFAULT_CPU_KV_CACHE_BYTES = 4 * 2**30
 
 def cpu_kv_cache_space_bytes() -> int | None:
     """PAGEDLLM_CPU_KVCACHE_SPACE (GiB, fractions allowed) in bytes, or None when unset."""
-    value = os.environ.get(CPU_KVCACHE_SPACE_ENV, "").strip()
-    if not value:
+    gib = envs.value(CPU_KVCACHE_SPACE_ENV)
+    if gib is None:
         return None
-    try:
-        gib = float(value)
-    except ValueError:
-        gib = -1.0
     if not gib > 0:
-        raise ValueError(f"{CPU_KVCACHE_SPACE_ENV} must be a positive number of GiB, got {value!r}.")
+        raise ValueError(f"{CPU_KVCACHE_SPACE_ENV} must be a positive number of GiB, got {gib!r}.")
     return int(gib * 2**30)
 
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.assets import installed_model_path
 from pagedllm.entrypoints.openai.limits import (
     DEFAULT_MAX_WAITING_REQUESTS,
@@ -46,7 +46,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="the model directory, as a flag (vLLM's older spelling of MODEL)")
     parser.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
-    parser.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
+    parser.add_argument("--api-key", default=envs.value("PAGEDLLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on the API (default: "
                              "$PAGEDLLM_API_KEY, else open)")
     parser.add_argument("--served-model-name", nargs="+", default=None,

@@ -1,0 +1,87 @@
+"""Every environment variable pagedllm reads, in one place (as vLLM keeps vllm/envs.py): its name, type,
+default and what it does. Code reads a value through `envs.value(NAME)`, which parses it and names the
+variable in the error when it cannot; `pagedllm --help-env` prints this table. Variables that must act
+before torch loads (the OpenMP wait policy) are the standard `OMP_*` / `GOMP_*` ones, not listed here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    kind: type  # str, bool, float
+    default: Any
+    doc: str
+
+
+ENV_VARS: dict[str, EnvVar] = {var.name: var for var in [
+    EnvVar("PAGEDLLM_CACHE_DIR", str, None,
+           "root of pagedllm's cache: compiled CPU kernels and fetched models (default: "
+           "$XDG_CACHE_HOME/pagedllm, else ~/.cache/pagedllm)"),
+    EnvVar("PAGEDLLM_MODELS_DIR", str, None, "where fetched models live (default: PAGEDLLM_CACHE_DIR/models)"),
+    EnvVar("PAGEDLLM_OFFLINE", bool, False,
+           "never fetch the default model (HF_HUB_OFFLINE does the same): with nothing cached, commands fall "
+           "back to the bundled demo model"),
+    EnvVar("PAGEDLLM_LOGGING_LEVEL", str, "INFO", "log level of pagedllm's loggers; DEBUG also shows tracebacks"),
+    EnvVar("PAGEDLLM_API_KEY", str, None, "the server's API key when --api-key is not given"),
+    EnvVar("PAGEDLLM_ATTENTION_BACKEND", str, None,
+           "attention backend when attention_backend is not given: TORCH_SDPA, TORCH_FLASH, CPU_FLASH, TRITON"),
+    EnvVar("PAGEDLLM_DISABLE_CPU_KERNELS", bool, False,
+           "never build or load the C++ CPU ops: every op runs its plain-torch path"),
+    EnvVar("PAGEDLLM_CPU_PREPACK_WEIGHTS", str, "1",
+           "CPU weight layout: 1 the fastest this CPU's ops support, onednn oneDNN's blocked layout, 0 plain "
+           "F.linear"),
+    EnvVar("PAGEDLLM_CPU_HUGE_PAGES", bool, True, "advise 2 MiB transparent huge pages for packed CPU weights"),
+    EnvVar("PAGEDLLM_CPU_MALLOC_TUNING", bool, True,
+           "keep freed memory in glibc's heap (no fresh mmap per large activation)"),
+    EnvVar("PAGEDLLM_CPU_KVCACHE_SPACE", float, None,
+           "the CPU KV cache in GiB, exactly (default: the smallest of 4 GiB, what max_num_seqs x max_model_len "
+           "needs, and gpu_memory_utilization of the memory available)"),
+    EnvVar("PAGEDLLM_ENGINE_CORE_STARTUP_TIMEOUT_S", float, 900.0,
+           "seconds the server waits for its engine core process to load the model"),
+    EnvVar("PAGEDLLM_WORKER_STARTUP_TIMEOUT_S", float, 600.0, "seconds the engine waits for a worker process to start"),
+    EnvVar("PAGEDLLM_WORKER_EXECUTE_TIMEOUT_S", float, 600.0, "seconds the engine waits for a worker's step"),
+]}
+
+
+def is_set(name: str) -> bool:
+    assert name in ENV_VARS, f"{name} is not a pagedllm environment variable (add it to envs.ENV_VARS)"
+    return os.environ.get(name, "").strip() != ""
+
+
+def value(name: str) -> Any:
+    """The variable's value, parsed by its type; its default when unset or empty. A ValueError names it
+    when the text cannot be parsed."""
+    var = ENV_VARS[name]
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return var.default
+    if var.kind is bool:
+        if raw.lower() in _TRUE:
+            return True
+        if raw.lower() in _FALSE:
+            return False
+        raise ValueError(f"{name} must be one of {'/'.join(_TRUE + _FALSE)}, got {raw!r}.")
+    if var.kind is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{name} must be a number, got {raw!r}.") from None
+    return raw
+
+
+def help_text() -> str:
+    """The table `pagedllm --help-env` prints."""
+    width = max(len(name) for name in ENV_VARS)
+    lines = ["Environment variables pagedllm reads:", ""]
+    for var in ENV_VARS.values():
+        default = "" if var.default is None else f" (default: {var.default})"
+        lines.append(f"  {var.name:<{width}}  {var.doc}{default}")
+    return "\n".join(lines)
