@@ -70,15 +70,17 @@ class RopeConfig:
         theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
         scaling = dict(legacy) if legacy else params
         rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+        if rope_type == "su":  # Phi-3's first name for LongRoPE
+            rope_type = "longrope"
         if rope_type == "default":
             return cls(theta=theta, scaling=None)
         scaling["rope_type"] = rope_type
-        if rope_type in ("llama3", "yarn"):
+        if rope_type in ("llama3", "yarn", "longrope"):
             # As transformers: a top-level original_max_position_embeddings wins, else max_position_embeddings.
             if hf.get("original_max_position_embeddings"):
                 scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
             scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
-        if rope_type == "yarn" and scaling.get("factor") is None:
+        if rope_type in ("yarn", "longrope") and scaling.get("factor") is None:
             scaling["factor"] = hf.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
         return cls(theta=theta, scaling=scaling)
 
@@ -110,6 +112,10 @@ class ModelConfig:
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
+    # Sliding-window attention: layer i attends over the last `sliding_window` positions when
+    # layer_types[i] == "sliding_attention" (Hugging Face's names); None / "full_attention" otherwise.
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
     bos_token_id: int | None = None
     # Weight-only quantization of the linear projections (None: weights stay in `dtype`).
     quantization: QuantizationConfig | None = None
@@ -160,20 +166,11 @@ class ModelConfig:
         kv_heads = hf.get("num_key_value_heads") or heads
         head_dim = hf.get("head_dim") or hidden // heads
         max_pos = int(hf.get("max_position_embeddings", 2048))
-        # Sliding-window attention is not implemented: within the window it equals full attention, so
-        # cap the context there rather than return outputs that differ from the model's.
-        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-        if window and window < max_pos:
-            logger.warning("model uses sliding-window attention (window %d); context capped at %d tokens",
-                           window, window)
-            max_pos = int(window)
+        sliding_window, layer_types = _sliding_window_layers(hf)
         if max_model_len is None:
             max_model_len = max_pos
         elif max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}.")
-        elif window and max_model_len > window:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the sliding window ({window} tokens), "
-                             "and sliding-window attention is not supported.")
         elif max_model_len > max_pos:
             logger.warning("max_model_len=%d exceeds the model's max_position_embeddings=%d",
                            max_model_len, max_pos)
@@ -201,14 +198,23 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rope=RopeConfig.from_hf(hf),
-            hidden_act=hf.get("hidden_act", "silu"),
+            # Gemma names it hidden_activation (and may carry a stale hidden_act beside it).
+            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act", "silu"),
             kv_lora_rank=int(hf["kv_lora_rank"]) if hf.get("kv_lora_rank") else None,
             qk_rope_head_dim=int(hf.get("qk_rope_head_dim") or 0),
             eos_token_ids=eos_ids,
+            sliding_window=sliding_window,
+            layer_types=layer_types,
             bos_token_id=generation.get("bos_token_id", hf.get("bos_token_id")),
             generation_config=sampling_defaults,
             quantization=resolve_quantization(quantization, quantization_group_size, hf),
         )
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The window of decoder layer `layer` (None: full attention)."""
+        if self.sliding_window is None or self.layer_types is None:
+            return None
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     @property
     def is_mla(self) -> bool:
@@ -240,6 +246,49 @@ class ModelConfig:
         else:
             rows, row = 2 * self.get_num_kv_heads(tp_size), self.head_dim
         return self.num_hidden_layers * rows * kv_quant.bytes_per_row(row, kv_dtype)
+
+
+# model_type -> how its Hugging Face implementation decides which layers slide: "all" (every layer, when
+# sliding_window is set), "max_window_layers" (Qwen: with use_sliding_window, layers from
+# max_window_layers on), an int n (Gemma: every layer but each n-th, from `sliding_window_pattern`
+# where given). A config's own `layer_types` wins where the implementation reads it. Llama and DeepSeek
+# have no sliding layers whatever the config says.
+_SLIDING_LAYOUT: dict[str, str | int] = {
+    "mistral": "all", "mixtral": "all", "phi3": "all", "qwen3_moe": "all",
+    "qwen2": "max_window_layers", "qwen3": "max_window_layers",
+    "gemma2": 2, "gemma3_text": 6,
+}
+_READS_LAYER_TYPES = ("qwen2", "qwen3", "gemma2", "gemma3_text")
+
+
+def _sliding_window_layers(hf: dict[str, Any]) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, layer_types) as the model's reference implementation applies them."""
+    model_type = hf.get("model_type", "")
+    layout = _SLIDING_LAYOUT.get(model_type)
+    window = hf.get("sliding_window")
+    if layout is None or not window:
+        return None, None
+    if model_type.startswith("qwen") and not hf.get("use_sliding_window"):
+        return None, None
+    window = int(window)
+    if window <= 0:
+        raise ValueError(f"sliding_window must be a positive number of tokens, got {window}.")
+    num_layers = int(hf["num_hidden_layers"])
+    if hf.get("layer_types") and model_type in _READS_LAYER_TYPES:
+        layer_types = list(hf["layer_types"])
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers.")
+    elif layout == "all":
+        layer_types = ["sliding_attention"] * num_layers
+    elif layout == "max_window_layers":
+        first = int(hf.get("max_window_layers", num_layers))
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    else:
+        pattern = int(hf.get("sliding_window_pattern") or layout)
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if "sliding_attention" not in layer_types:
+        return None, None
+    return window, layer_types
 
 
 def kv_elements_per_token_per_layer(num_kv_heads: int, head_dim: int, kv_lora_rank: int | None = None,

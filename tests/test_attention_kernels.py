@@ -27,8 +27,10 @@ from pagedllm.attention.torch_flash import TorchFlashAttention, paged_flash_atte
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=1e-2)}
 
 
-def naive_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, scale):
-    """Gather each sequence's context block by block, full softmax in float64, bottom-right causal."""
+def naive_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window=None,
+                    logits_soft_cap=None):
+    """Gather each sequence's context block by block, full softmax in float64, bottom-right causal;
+    with a sliding window a query at p sees keys p - window + 1 .. p; soft-capping before the mask."""
     num_heads, head_dim = query.shape[1:]
     num_kv_heads, _, block_size, _ = kv_cache.shape[1:]
     out = torch.empty(query.shape, dtype=torch.float64)
@@ -38,10 +40,16 @@ def naive_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, sc
         k = kv_cache[0][:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :seq_len].double()
         v = kv_cache[1][:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :seq_len].double()
         group = num_heads // num_kv_heads
-        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        # Keys outside the window may be poison (NaN, see poison_outside_window): masked, they count 0.
+        k, v = k.nan_to_num().repeat_interleave(group, 0), v.nan_to_num().repeat_interleave(group, 0)
         scores = query[a:b].double().transpose(0, 1) @ k.transpose(1, 2) * scale
+        if logits_soft_cap is not None:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         q_pos = torch.arange(seq_len - (b - a), seq_len)
-        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos[:, None], float("-inf"))
+        hidden = torch.arange(seq_len)[None, :] > q_pos[:, None]
+        if sliding_window is not None:
+            hidden |= torch.arange(seq_len)[None, :] <= q_pos[:, None] - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[a:b] = (scores.softmax(-1) @ v).transpose(0, 1)
     return out
 
@@ -88,6 +96,61 @@ def test_cpu_kernels_match_naive(dtype: torch.dtype, block_size: int, group: int
         torch.testing.assert_close(cpu_flash.paged_attention(*step, scale).double(), expected, **TOL[dtype])
         torch.testing.assert_close(paged_flash_attention(*step, scale, tile_tokens=256).double(), expected,
                                    **TOL[dtype])
+
+
+def poison_outside_window(step, sliding_window):
+    """The step with every block wholly before its first query's window replaced by a block of NaNs:
+    a kernel that reads such a block (a sliding layer's freed block) instead of skipping it gives NaN."""
+    query, kv_cache, tables, seq_lens, starts = step
+    block_size = kv_cache.shape[3]
+    kv_cache = torch.cat([kv_cache, torch.full_like(kv_cache[:, :, :1], float("nan"))], dim=2)
+    tables = tables.clone()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        first_query = seq_len - (starts[i + 1] - starts[i]).item()
+        tables[i, :max(0, first_query - sliding_window + 1) // block_size] = kv_cache.shape[2] - 1
+    return query, kv_cache, tables, seq_lens, starts
+
+
+# (window, soft cap): windows smaller than, about, and larger than a block and a 512-token split.
+WINDOWS = [(1, None), (7, None), (40, 30.0), (600, None), (None, 5.0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 4])
+def test_sliding_window_and_soft_cap_match_naive(dtype: torch.dtype, block_size: int, group: int) -> None:
+    for n, (seq_lens, query_lens) in enumerate(STEPS):
+        for window, cap in WINDOWS:
+            step = random_step(seq_lens, query_lens, block_size, 2, group, 64, dtype, seed=n + 10 * group)
+            if window is not None:
+                step = poison_outside_window(step, window)
+            scale = 64 ** -0.5
+            expected = naive_attention(*step, scale, sliding_window=window, logits_soft_cap=cap)
+            got = cpu_flash.paged_attention(*step, scale, sliding_window=window, logits_soft_cap=cap)
+            torch.testing.assert_close(got.double(), expected, **TOL[dtype])
+            got = paged_flash_attention(*step, scale, tile_tokens=256, sliding_window=window, logits_soft_cap=cap)
+            torch.testing.assert_close(got.double(), expected, **TOL[dtype])
+
+
+def test_reference_backend_takes_window_and_soft_cap() -> None:
+    # TORCH_SDPA's own path for windowed / capped layers, through the backend interface.
+    from pagedllm.attention.backend import AttentionMetadata
+    from pagedllm.attention.torch_paged import TorchPagedAttention
+
+    backend = TorchPagedAttention(8, 2, 64, torch.float32)
+    backend.configure_kv_cache(torch.float32)
+    for n, (seq_lens, query_lens) in enumerate(STEPS):
+        for window, cap in WINDOWS:
+            step = random_step(seq_lens, query_lens, 16, 2, 4, 64, torch.float32, seed=n)
+            if window is not None:
+                step = poison_outside_window(step, window)
+            query, kv_cache, tables, lens, starts = step
+            metadata = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), query_start_loc=starts,
+                                         seq_lens=lens, block_tables=tables)
+            empty = torch.empty(0, 2, 64)
+            got = backend.forward(query, empty, empty, kv_cache, metadata, 0.125, window, cap)
+            expected = naive_attention(*step, 0.125, sliding_window=window, logits_soft_cap=cap)
+            torch.testing.assert_close(got.double(), expected, **TOL[torch.float32])
 
 
 def test_cpu_kernel_is_compiled_here() -> None:
@@ -187,7 +250,7 @@ def test_triton_kernels_match_naive_under_the_interpreter() -> None:
     code = textwrap.dedent("""
         import torch, sys
         sys.path.insert(0, TESTS_DIR)
-        from test_attention_kernels import naive_attention, random_step, TOL
+        from test_attention_kernels import naive_attention, poison_outside_window, random_step, TOL
         from pagedllm.attention.triton_paged import paged_attention_decode, paged_attention_varlen
         for dtype, block_size, group in [(torch.float32, 16, 4), (torch.bfloat16, 32, 1), (torch.float32, 32, 8)]:
             for seq_lens, query_lens in [([1, 40, 530], [1, 1, 1]), ([9, 100, 70], [2, 8, 70])]:
@@ -199,6 +262,20 @@ def test_triton_kernels_match_naive_under_the_interpreter() -> None:
                     query, cache, tables, lens, _ = step
                     got = paged_attention_decode(query, cache, tables, lens, max(seq_lens), 0.25)
                     torch.testing.assert_close(got.double(), expected, **TOL[dtype])
+        # Sliding windows (blocks before them poisoned with NaN: never read) and soft-capping.
+        for seq_lens, query_lens in [([1, 40, 530], [1, 1, 1]), ([9, 100, 70], [2, 8, 70])]:
+            for window, cap in [(7, None), (40, 5.0), (None, 5.0)]:
+                step = random_step(seq_lens, query_lens, 16, 1, 4, 16, torch.float32, seed=1)
+                if window is not None:
+                    step = poison_outside_window(step, window)
+                expected = naive_attention(*step, 0.25, sliding_window=window, logits_soft_cap=cap)
+                got = paged_attention_varlen(*step, 0.25, sliding_window=window, logits_soft_cap=cap)
+                torch.testing.assert_close(got.double(), expected, **TOL[torch.float32])
+                if max(query_lens) == 1:
+                    query, cache, tables, lens, _ = step
+                    got = paged_attention_decode(query, cache, tables, lens, max(seq_lens), 0.25,
+                                                 sliding_window=window, logits_soft_cap=cap)
+                    torch.testing.assert_close(got.double(), expected, **TOL[torch.float32])
         print("triton ok")
     """)
     result = _run_triton(code.replace("TESTS_DIR", repr(os.path.dirname(os.path.abspath(__file__)))))

@@ -126,5 +126,15 @@ class AttentionBackend:
         return kv_cache[part].index_select(1, block_ids).to(out_dtype)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+        """One layer's attention. sliding_window: a query at position p sees keys p - sliding_window + 1
+        .. p only (None: all of 0 .. p). logits_soft_cap: scores s (scale included) become
+        cap * tanh(s / cap) before the softmax (None: unchanged). Both are per layer (Gemma 2/3 mix
+        sliding and full layers), so they are arguments rather than backend state."""
         raise NotImplementedError
+
+
+def window_start(position: int, sliding_window: int | None) -> int:
+    """The first key position that a query at `position` sees."""
+    return 0 if sliding_window is None else max(0, position - sliding_window + 1)

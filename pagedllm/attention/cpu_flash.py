@@ -15,8 +15,10 @@ from pagedllm.kv_cache import quant
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                    out: torch.Tensor | None = None, kv_cache_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Attention of every query row over its sequence's paged context (bottom-right causal).
+                    out: torch.Tensor | None = None, kv_cache_dtype: torch.dtype | None = None,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+    """Attention of every query row over its sequence's paged context (bottom-right causal; a sliding
+    window skips whole blocks before it, see AttentionBackend.forward).
 
     query [T, Hq, D]; kv_cache [2, Hkv, num_blocks, block_size, D], or a one-byte cache of kv_cache_dtype
     (kv_cache/quant.py); block_tables [B, max_blocks] and seq_lens [B] and query_start_loc [B + 1], all
@@ -25,16 +27,19 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     if out is None:
         out = torch.empty_like(query)
     if load_cpu_kernels():
+        # The op's "none" is 0 for both.
+        window, soft_cap = sliding_window or 0, logits_soft_cap or 0.0
         if kv_cache_dtype is not None and quant.is_quantized(kv_cache_dtype):
             codes, scales = quant.split_cache(kv_cache, kv_cache_dtype, query.shape[-1])
             torch.ops.pagedllm_cpu.paged_attention(query.contiguous(), codes, block_tables, seq_lens,
-                                                   query_start_loc, scale, out, scales)
+                                                   query_start_loc, scale, out, scales, window, soft_cap)
         else:
             torch.ops.pagedllm_cpu.paged_attention(query.contiguous(), kv_cache, block_tables, seq_lens,
-                                                   query_start_loc, scale, out)
+                                                   query_start_loc, scale, out, None, window, soft_cap)
     else:
         paged_flash_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out=out,
-                              kv_cache_dtype=kv_cache_dtype)
+                              kv_cache_dtype=kv_cache_dtype, sliding_window=sliding_window,
+                              logits_soft_cap=logits_soft_cap)
     return out
 
 
@@ -60,7 +65,9 @@ class CpuFlashAttention(AttentionBackend):
             super().write_kv(kv_cache, key, value, slot_mapping)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         self.write_kv(kv_cache, key, value, metadata.slot_mapping)
         return paged_attention(query, kv_cache, metadata.block_tables, metadata.seq_lens,
-                               metadata.query_start_loc, scale, kv_cache_dtype=self.kv_cache_dtype)
+                               metadata.query_start_loc, scale, kv_cache_dtype=self.kv_cache_dtype,
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)

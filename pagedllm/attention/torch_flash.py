@@ -10,13 +10,16 @@ A new tile with scores s rescales the old state by exp(m - m_new):
 
 so the query_len x seq_len score matrix never exists; peak memory is one query_len x tile block of
 scores per head. The query heads of a KV head group share each K/V tile (GQA/MQA).
+
+A sliding window starts the walk at the block that holds the first query's first visible key: blocks
+before it are never read (a freed block's table entry may hold anything), not read and masked.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.attention.backend import AttentionBackend, AttentionMetadata, window_start
 from pagedllm.kv_cache import quant
 
 # Context tokens per tile (rounded to whole blocks): large enough that per-tile torch overhead is small.
@@ -26,7 +29,8 @@ TILE_TOKENS = 512
 def paged_flash_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                           seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                           out: torch.Tensor | None = None, tile_tokens: int = TILE_TOKENS,
-                          kv_cache_dtype: torch.dtype | None = None) -> torch.Tensor:
+                          kv_cache_dtype: torch.dtype | None = None, sliding_window: int | None = None,
+                          logits_soft_cap: float | None = None) -> torch.Tensor:
     """query [T, Hq, D]; kv_cache [2, Hkv, num_blocks, block_size, D] (or a one-byte cache of
     kv_cache_dtype, see kv_cache/quant.py, dequantized a tile at a time); returns [T, Hq, D]."""
     num_heads, head_dim = query.shape[1:]
@@ -54,7 +58,8 @@ def paged_flash_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tab
         row_sum = torch.zeros_like(row_max)
         acc = torch.zeros((num_kv_heads, group, query_len, head_dim), device=query.device)
         num_blocks = -(-seq_len // block_size)
-        for first in range(0, num_blocks, blocks_per_tile):
+        first_block = window_start(seq_len - query_len, sliding_window) // block_size
+        for first in range(first_block, num_blocks, blocks_per_tile):
             k_start = first * block_size
             blocks = block_tables[i, first:min(first + blocks_per_tile, num_blocks)]
             tile_len = min(len(blocks) * block_size, seq_len - k_start)
@@ -66,8 +71,12 @@ def paged_flash_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tab
             k = k.flatten(1, 2)[:, :tile_len].float()  # [Hkv, N, D]
             v = v.flatten(1, 2)[:, :tile_len].float()
             scores = q @ k.unsqueeze(1).transpose(-1, -2)  # [Hkv, G, Q, N]
+            if logits_soft_cap is not None:
+                scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
             k_pos = torch.arange(k_start, k_start + tile_len, device=query.device)
             visible = k_pos[None, :] <= q_pos[:, None]
+            if sliding_window is not None:
+                visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
             scores.masked_fill_(~visible, float("-inf"))
             new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
             # Rows that see nothing yet keep max -inf; shift by 0 there so exp gives 0, not NaN.
@@ -88,7 +97,9 @@ class TorchFlashAttention(AttentionBackend):
     name = "TORCH_FLASH"
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         self.write_kv(kv_cache, key, value, metadata.slot_mapping)
         return paged_flash_attention(query, kv_cache, metadata.block_tables, metadata.seq_lens,
-                                     metadata.query_start_loc, scale, kv_cache_dtype=self.kv_cache_dtype)
+                                     metadata.query_start_loc, scale, kv_cache_dtype=self.kv_cache_dtype,
+                                     sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)

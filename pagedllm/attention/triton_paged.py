@@ -9,6 +9,10 @@ CPU kernel and `torch_flash.py`, reading K/V in place from the paged cache throu
   mixed steps): grid (query tile, query head); each program takes BLOCK_M query rows of one sequence
   and walks its pages up to the tile's last visible key, bottom-right causal.
 
+A sliding window (WINDOW > 0) starts each program's walk at the page holding its first query's first
+visible key, so pages wholly before the window are never read (a sliding layer's freed pages may sit in
+the block table); soft-capping (SOFT_CAP > 0) applies cap * tanh(s / cap) to the scores before the mask.
+
 The split length is fixed rather than derived from the batch, so a sequence's output does not depend
 on what else is in the batch. Under TRITON_INTERPRET=1 (CPU tests) `tl.dot` on bf16 returns garbage,
 so the kernels cast the operands to fp32 there; on a GPU they feed the tensor cores the cache's dtype.
@@ -55,6 +59,13 @@ def _load_kv_tile(kv_cache_ptr, block_tables_ptr, seq, start, kv_head, num_kv_he
 
 
 @triton.jit
+def _soft_cap(scores, SOFT_CAP: tl.constexpr):
+    """cap * tanh(s / cap), tanh written with exp (1 - 2 / (e^2x + 1): saturates, never NaN)."""
+    x = scores / SOFT_CAP
+    return (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * SOFT_CAP
+
+
+@triton.jit
 def _online_softmax_step(scores, v, row_max, row_sum, acc):
     """FlashAttention's update for one tile of (masked) scores and its values: the running row maxima,
     sums of exponentials and value accumulator, rescaled to the new maxima."""
@@ -69,9 +80,10 @@ def _online_softmax_step(scores, v, row_max, row_sum, acc):
 @triton.jit
 def _decode_split_kernel(
     query_ptr, kv_cache_ptr, block_tables_ptr, seq_lens_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
-    scale, num_kv_heads, num_blocks, max_blocks, num_splits,
+    scale, num_kv_heads, num_blocks, max_blocks, num_splits, window,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -91,12 +103,16 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     k_begin = split * SPLIT
     k_end = tl.minimum(seq_len, k_begin + SPLIT)
+    # The one query sits at seq_len - 1 and, with a window, sees seq_len - window .. seq_len - 1.
+    k_first = tl.maximum(k_begin, tl.where(window > 0, seq_len - window, 0))
     offs_n = tl.arange(0, BLOCK_SIZE)
-    for start in range(k_begin, k_end, BLOCK_SIZE):
-        key_ok = start + offs_n < k_end
+    for start in range(k_first // BLOCK_SIZE * BLOCK_SIZE, k_end, BLOCK_SIZE):
+        key_ok = (start + offs_n < k_end) & (start + offs_n >= k_first)
         k, v = _load_kv_tile(kv_cache_ptr, block_tables_ptr, seq, start, kv_head, num_kv_heads, num_blocks,
                              max_blocks, key_ok, dims, dim_ok, HEAD_DIM, BLOCK_SIZE, DOT_FP32)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if SOFT_CAP > 0:
+            scores = _soft_cap(scores, SOFT_CAP)
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
         row_max, row_sum, acc = _online_softmax_step(scores, v, row_max, row_sum, acc)
     # partials: [num_seqs, NUM_HEADS, num_splits] (+ [HEAD_DIM] for the accumulator)
@@ -136,9 +152,9 @@ def _decode_merge_kernel(
 @triton.jit
 def _varlen_kernel(
     query_ptr, out_ptr, kv_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tile_seq_ptr,
-    tile_start_ptr, scale, num_kv_heads, num_blocks, max_blocks,
+    tile_start_ptr, scale, num_kv_heads, num_blocks, max_blocks, window,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -162,14 +178,19 @@ def _varlen_kernel(
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_stop = tl.minimum(seq_len, seq_len - query_len + q_first + BLOCK_M)  # past the tile's last query
+    # With a window, the tile's first query sees keys from its position - window + 1 on.
+    k_first = tl.maximum(0, tl.where(window > 0, seq_len - query_len + q_first - window + 1, 0))
     offs_n = tl.arange(0, BLOCK_SIZE)
-    for start in range(0, k_stop, BLOCK_SIZE):
+    for start in range(k_first // BLOCK_SIZE * BLOCK_SIZE, k_stop, BLOCK_SIZE):
         k_pos = start + offs_n
-        key_ok = k_pos < seq_len
+        key_ok = (k_pos < seq_len) & (k_pos >= k_first)
         k, v = _load_kv_tile(kv_cache_ptr, block_tables_ptr, seq, start, kv_head, num_kv_heads, num_blocks,
                              max_blocks, key_ok, dims, dim_ok, HEAD_DIM, BLOCK_SIZE, DOT_FP32)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if SOFT_CAP > 0:
+            scores = _soft_cap(scores, SOFT_CAP)
         visible = (k_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
+        visible = visible & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window))
         scores = tl.where(visible, scores, float("-inf"))
         row_max, row_sum, acc = _online_softmax_step(scores, v, row_max, row_sum, acc)
     out = acc / tl.where(row_ok, row_sum, 1.0)[:, None]
@@ -207,7 +228,8 @@ def query_tiles(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_m: 
 
 def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, max_seq_len: int, scale: float,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, sliding_window: int | None = None,
+                           logits_soft_cap: float | None = None) -> torch.Tensor:
     """One query per sequence: query [B, Hq, D] -> [B, Hq, D]."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, num_blocks, block_size = kv_cache.shape[1:4]
@@ -222,9 +244,10 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens, partial_acc, partial_max, partial_sum,
-        scale, num_kv_heads, num_blocks, block_tables.shape[1], num_splits,
+        scale, num_kv_heads, num_blocks, block_tables.shape[1], num_splits, sliding_window or 0,
         NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_SIZE=block_size, SPLIT=SPLIT_TOKENS, DOT_FP32=_dot_fp32(kv_cache))
+        BLOCK_D=block_d, BLOCK_SIZE=block_size, SPLIT=SPLIT_TOKENS, DOT_FP32=_dot_fp32(kv_cache),
+        SOFT_CAP=float(logits_soft_cap or 0.0))
     _decode_merge_kernel[(num_seqs, num_heads)](
         out, seq_lens, partial_acc, partial_max, partial_sum, num_splits,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
@@ -235,7 +258,8 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
 def paged_attention_varlen(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                            tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, sliding_window: int | None = None,
+                           logits_soft_cap: float | None = None) -> torch.Tensor:
     """Any query lengths (bottom-right causal): query [T, Hq, D] -> [T, Hq, D]."""
     num_heads, head_dim = query.shape[1:]
     num_kv_heads, num_blocks, block_size = kv_cache.shape[1:4]
@@ -249,10 +273,10 @@ def paged_attention_varlen(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         return out
     _varlen_kernel[(tile_seq.numel(), num_heads)](
         query, out, kv_cache, block_tables, seq_lens, query_start_loc, tile_seq, tile_start,
-        scale, num_kv_heads, num_blocks, block_tables.shape[1],
+        scale, num_kv_heads, num_blocks, block_tables.shape[1], sliding_window or 0,
         NUM_HEADS=num_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
-        DOT_FP32=_dot_fp32(kv_cache))
+        DOT_FP32=_dot_fp32(kv_cache), SOFT_CAP=float(logits_soft_cap or 0.0))
     return out
 
 
@@ -272,7 +296,8 @@ class TritonPagedAttention(AttentionBackend):
             metadata.backend_data["query_tiles"] = query_tiles(metadata.seq_lens, metadata.query_start_loc)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         self.write_kv(kv_cache, key, value, metadata.slot_mapping)
         query = query.contiguous()
         if self.quantized:
@@ -280,6 +305,8 @@ class TritonPagedAttention(AttentionBackend):
             metadata = dataclasses.replace(metadata, block_tables=block_tables)
         if metadata.max_query_len == 1:
             return paged_attention_decode(query, kv_cache, metadata.block_tables, metadata.seq_lens,
-                                          metadata.max_seq_len, scale)
+                                          metadata.max_seq_len, scale, sliding_window=sliding_window,
+                                          logits_soft_cap=logits_soft_cap)
         return paged_attention_varlen(query, kv_cache, metadata.block_tables, metadata.seq_lens,
-                                      metadata.query_start_loc, scale, metadata.backend_data.get("query_tiles"))
+                                      metadata.query_start_loc, scale, metadata.backend_data.get("query_tiles"),
+                                      sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)

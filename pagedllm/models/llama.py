@@ -29,7 +29,7 @@ from pagedllm.layers.rotary import RotaryEmbedding
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1, layer_idx: int = 0):
         super().__init__()
         dtype = config.dtype
         self.head_dim = config.head_dim
@@ -46,6 +46,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.backend = backend
         self.rotary = rotary
+        self.sliding_window = config.layer_sliding_window(layer_idx)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -57,7 +58,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary.apply(cos_sin, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -76,10 +77,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
-        self.self_attn = LlamaAttention(config, backend, rotary, tp_rank, tp_size)
+        self.self_attn = LlamaAttention(config, backend, rotary, tp_rank, tp_size, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.mlp = LlamaMLP(config, tp_rank, tp_size)
 
@@ -100,16 +101,20 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         self.config = config
-        max_positions = max(config.max_model_len, config.max_position_embeddings)
-        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, config.dtype)
+        self.rotary = self.make_rotary(config)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, config.dtype,
                                                    tp_rank, tp_size)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(config, backend, self.rotary, tp_rank, tp_size)
-                                     for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, backend, self.rotary, tp_rank, tp_size, i)
+                                     for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, config.dtype, tp_rank, tp_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    @staticmethod
+    def make_rotary(config: ModelConfig) -> RotaryEmbedding:
+        max_positions = max(config.max_model_len, config.max_position_embeddings)
+        return RotaryEmbedding(config.head_dim, max_positions, config.rope, config.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 metadata: AttentionMetadata) -> torch.Tensor:

@@ -170,7 +170,8 @@ inline void scores16(const float* __restrict q, const float* __restrict k, int64
 template <int BS, int HD>
 inline void update_row_impl(const float* __restrict q, const float* __restrict kT, const float* __restrict v,
                             int64_t j0, int64_t j_end, float* __restrict s, float& row_max, float& row_sum,
-                            float* __restrict acc, int64_t block_size_rt, int64_t head_dim_rt, bool transposed) {
+                            float* __restrict acc, int64_t block_size_rt, int64_t head_dim_rt, bool transposed,
+                            float soft_cap) {
   const int64_t bs = BS ? BS : block_size_rt;
   const int64_t D = HD ? HD : head_dim_rt;
   if (!transposed) {
@@ -201,6 +202,9 @@ inline void update_row_impl(const float* __restrict q, const float* __restrict k
 #pragma omp simd
       for (int64_t j = 0; j < bs; ++j) s[j] += qd * kT[d * bs + j];
     }
+  }
+  if (soft_cap > 0.f) {  // Gemma 2's logit soft-capping, in the reference models' order: s / cap, tanh, * cap
+    for (int64_t j = j0; j < j_end; ++j) s[j] = std::tanh(s[j] / soft_cap) * soft_cap;
   }
   float block_max = kNegInf;
   for (int64_t j = j0; j < j_end; ++j) block_max = std::max(block_max, s[j]);
@@ -299,21 +303,30 @@ inline bool update_rows4_if_compiled(const float* q, const float* kT, const floa
 
 template <int BS>
 inline void update_row_bs(const float* q, const float* kT, const float* v, int64_t j0, int64_t j_end, float* s,
-                          float& row_max, float& row_sum, float* acc, int64_t block_size, int64_t D, bool transposed) {
+                          float& row_max, float& row_sum, float* acc, int64_t block_size, int64_t D, bool transposed,
+                          float soft_cap) {
   switch (D) {
-    case 32: return update_row_impl<BS, 32>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
-    case 64: return update_row_impl<BS, 64>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
-    case 128: return update_row_impl<BS, 128>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
-    default: return update_row_impl<BS, 0>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
+    case 32: return update_row_impl<BS, 32>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed,
+                                                         soft_cap);
+    case 64: return update_row_impl<BS, 64>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed,
+                                                         soft_cap);
+    case 128: return update_row_impl<BS, 128>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed,
+                                                         soft_cap);
+    default: return update_row_impl<BS, 0>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed,
+                                                         soft_cap);
   }
 }
 
 inline void update_row(const float* q, const float* kT, const float* v, int64_t j0, int64_t j_end, float* s,
-                       float& row_max, float& row_sum, float* acc, int64_t block_size, int64_t D, bool transposed) {
+                       float& row_max, float& row_sum, float* acc, int64_t block_size, int64_t D, bool transposed,
+                          float soft_cap) {
   switch (block_size) {
-    case 16: return update_row_bs<16>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
-    case 32: return update_row_bs<32>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
-    default: return update_row_bs<0>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed);
+    case 16: return update_row_bs<16>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed,
+                                                         soft_cap);
+    case 32: return update_row_bs<32>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed,
+                                                         soft_cap);
+    default: return update_row_bs<0>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed,
+                                                         soft_cap);
   }
 }
 
@@ -361,7 +374,7 @@ template <typename scalar_t, typename cache_t>
 void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache, const int64_t* block_table,
               int64_t q_row0, int64_t seq_len, int64_t query_len, int64_t num_heads, int64_t num_kv_heads,
               CacheStrides cs, const c10::BFloat16* kv_scales, CacheStrides ss, int64_t block_size,
-              int64_t head_dim, float scale, scalar_t* out,
+              int64_t head_dim, float scale, int64_t window, float soft_cap, scalar_t* out,
               float* partial_acc, float* partial_max, float* partial_sum, std::vector<float>& scratch) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t rows = (w.q_end - w.q_begin) * group;  // row m = (query position - q_begin) * group + g
@@ -387,12 +400,15 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
   std::fill(row_max, row_max + rows, kNegInf);
   std::fill(row_sum, row_sum + rows, 0.f);
 
-  // Query position p sees keys 0..p; the tile's last query bounds the keys any row can see.
+  // Query position p sees keys 0..p (with a sliding window, p - window + 1..p); the tile's last query
+  // bounds the keys any row can see, its first query's window start the first key. Blocks before that
+  // are never touched: a sliding layer's freed blocks may sit in the block table.
   const int64_t first_pos = seq_len - query_len + w.q_begin;
   const int64_t k_stop = std::min(w.k_end, seq_len - query_len + w.q_end);
+  const int64_t k_first = window > 0 ? std::max(w.k_begin, first_pos - window + 1) : w.k_begin;
   const int64_t tile_elems = block_size * D;  // a tile's elements (its scales follow closely)
   const bool transpose = rows >= 16;
-  for (int64_t kb = w.k_begin; kb < k_stop; kb = (kb / block_size + 1) * block_size) {
+  for (int64_t kb = k_first; kb < k_stop; kb = (kb / block_size + 1) * block_size) {
     const int64_t logical = kb / block_size;
     const int64_t block_start = logical * block_size;
     const int64_t j0 = kb - block_start;
@@ -424,10 +440,13 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
       rows_to_float(k_src, k_tile, j0, j1, D, k_scales);
     }
     int64_t m = 0;
-    if (transpose && j0 == 0 && j1 == block_size) {
+    if (transpose && j0 == 0 && j1 == block_size && soft_cap == 0.f) {
       // Rows whose query sees the whole block (all but the diagonal), four at a time.
-      // Positions grow with m, so row m seeing the block's last key means rows m..m+3 all do.
-      for (; m + 4 <= rows && first_pos + m / group >= block_start + block_size - 1; m += 4) {
+      // Positions grow with m, so row m seeing the block's last key means rows m..m+3 all do; and
+      // row m+3's window reaching the block's first key means rows m..m+3 all reach it.
+      for (; m + 4 <= rows && first_pos + m / group >= block_start + block_size - 1 &&
+             (window == 0 || block_start > first_pos + (m + 3) / group - window);
+           m += 4) {
         if (!update_rows4_if_compiled(q + m * D, k_tile, v, row_max + m, row_sum + m, acc + m * D, block_size, D))
           break;
       }
@@ -435,9 +454,10 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
     for (; m < rows; ++m) {
       const int64_t pos = first_pos + m / group;
       const int64_t visible_end = std::min(j1, pos - block_start + 1);  // keys j < visible_end are visible
-      if (visible_end <= j0) continue;
-      update_row(q + m * D, k_tile, v, j0, visible_end, scores + m * block_size, row_max[m], row_sum[m],
-                 acc + m * D, block_size, D, transpose);
+      const int64_t visible_begin = window > 0 ? std::max(j0, pos - window + 1 - block_start) : j0;
+      if (visible_end <= visible_begin) continue;
+      update_row(q + m * D, k_tile, v, visible_begin, visible_end, scores + m * block_size, row_max[m],
+                 row_sum[m], acc + m * D, block_size, D, transpose, soft_cap);
     }
   }
 
@@ -450,7 +470,7 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
       partial_max[slot] = row_max[m];
       partial_sum[slot] = row_sum[m];
     } else {
-      // Every row sees at least key 0, so row_sum > 0 here.
+      // Every row sees at least its own key, so row_sum > 0 here.
       const float inv = 1.f / row_sum[m];
       float* am = acc + m * D;
 #pragma omp simd
@@ -463,7 +483,8 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
 template <typename scalar_t, typename cache_t>
 void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                          at::Tensor& out, const c10::optional<at::Tensor>& kv_scales) {
+                          at::Tensor& out, const c10::optional<at::Tensor>& kv_scales, int64_t window,
+                          double soft_cap) {
   const int64_t num_heads = query.size(1);
   const int64_t head_dim = query.size(2);
   const int64_t num_kv_heads = kv_cache.size(1);
@@ -494,17 +515,25 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, c
     TORCH_CHECK(query_len >= 0 && seq_len >= query_len && (seq_len + block_size - 1) / block_size <= max_blocks,
                 "paged_attention: sequence ", s, " has query_len ", query_len, " and seq_len ", seq_len);
     if (query_len == 0) continue;
-    const int64_t num_splits = query_len <= kQueryTile ? (seq_len + kSplitTokens - 1) / kSplitTokens : 1;
+    // The first key a query at `pos` sees. Splits stay on fixed kSplitTokens boundaries (batch
+    // invariance); those wholly before the first query's window are not made at all.
+    auto first_key = [&](int64_t pos) {
+      return window > 0 ? std::max<int64_t>(0, pos - window + 1) : int64_t{0};
+    };
+    const int64_t first_split = first_key(seq_len - query_len) / kSplitTokens;
+    const int64_t num_splits =
+        query_len <= kQueryTile ? (seq_len + kSplitTokens - 1) / kSplitTokens - first_split : 1;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       if (num_splits > 1) {
         merges.push_back({s, h, num_partials, num_splits, query_len});
-        for (int64_t p = 0; p < num_splits; ++p) {
-          items.push_back({s, h, 0, query_len, p * kSplitTokens, std::min(seq_len, (p + 1) * kSplitTokens),
-                           num_partials++});
+        for (int64_t p = first_split; p < first_split + num_splits; ++p) {
+          items.push_back({s, h, 0, query_len, std::max(p * kSplitTokens, first_key(seq_len - query_len)),
+                           std::min(seq_len, (p + 1) * kSplitTokens), num_partials++});
         }
       } else {
         for (int64_t t = 0; t < query_len; t += kQueryTile) {
-          items.push_back({s, h, t, std::min(query_len, t + kQueryTile), 0, seq_len, -1});
+          items.push_back({s, h, t, std::min(query_len, t + kQueryTile), first_key(seq_len - query_len + t),
+                           seq_len, -1});
         }
       }
     }
@@ -531,7 +560,8 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, c
       const int64_t query_len = starts[w.seq + 1] - starts[w.seq];
       run_item<scalar_t, cache_t>(w, q_ptr, cache_ptr, tables + w.seq * max_blocks, starts[w.seq], lens[w.seq],
                                   query_len, num_heads, num_kv_heads, cs, scales_ptr, ss, block_size, head_dim,
-                                  fscale, out_ptr, partial_acc.data(), partial_max.data(), partial_sum.data(),
+                                  fscale, window, static_cast<float>(soft_cap), out_ptr, partial_acc.data(),
+                                  partial_max.data(), partial_sum.data(),
                                   scratch);
     }
   });
@@ -571,25 +601,26 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, c
 template <typename scalar_t>
 void dispatch_cache(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale, at::Tensor& out,
-                    const c10::optional<at::Tensor>& kv_scales) {
+                    const c10::optional<at::Tensor>& kv_scales, int64_t window, double soft_cap) {
   switch (kv_cache.scalar_type()) {
     case at::kChar:
       return paged_attention_impl<scalar_t, int8_t>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
-                                                    out, kv_scales);
+                                                    out, kv_scales, window, soft_cap);
     case at::kFloat:
-      return paged_attention_impl<scalar_t, float>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, kv_scales);
+      return paged_attention_impl<scalar_t, float>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                                                   kv_scales, window, soft_cap);
     case at::kBFloat16:
       return paged_attention_impl<scalar_t, c10::BFloat16>(query, kv_cache, block_tables, seq_lens, query_start_loc,
-                                                           scale, out, kv_scales);
+                                                           scale, out, kv_scales, window, soft_cap);
     case at::kHalf:
       return paged_attention_impl<scalar_t, c10::Half>(query, kv_cache, block_tables, seq_lens, query_start_loc,
-                                                       scale, out, kv_scales);
+                                                       scale, out, kv_scales, window, soft_cap);
     case at::kFloat8_e4m3fn:
       return paged_attention_impl<scalar_t, c10::Float8_e4m3fn>(query, kv_cache, block_tables, seq_lens,
-                                                                query_start_loc, scale, out, kv_scales);
+                                                                query_start_loc, scale, out, kv_scales, window, soft_cap);
     case at::kFloat8_e5m2:
       return paged_attention_impl<scalar_t, c10::Float8_e5m2>(query, kv_cache, block_tables, seq_lens,
-                                                              query_start_loc, scale, out, kv_scales);
+                                                              query_start_loc, scale, out, kv_scales, window, soft_cap);
     default:
       TORCH_CHECK(false, "paged_attention: unsupported kv cache dtype ", kv_cache.scalar_type());
   }
@@ -597,7 +628,8 @@ void dispatch_cache(const at::Tensor& query, const at::Tensor& kv_cache, const a
 
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale, at::Tensor out,
-                     const c10::optional<at::Tensor>& kv_scales) {
+                     const c10::optional<at::Tensor>& kv_scales, int64_t sliding_window,
+                     double logits_soft_cap) {
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous() && out.is_contiguous() && out.sizes() == query.sizes() &&
                   out.scalar_type() == query.scalar_type(),
               "paged_attention: query and out must be contiguous [num_tokens, num_heads, head_dim] of one dtype");
@@ -619,13 +651,20 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const 
                   query_start_loc.scalar_type() == at::kLong && block_tables.is_contiguous() &&
                   query_start_loc.size(0) == seq_lens.size(0) + 1,
               "paged_attention: block_tables, seq_lens and query_start_loc must be contiguous int64");
+  TORCH_CHECK(sliding_window >= 0 && logits_soft_cap >= 0,
+              "paged_attention: sliding_window and logits_soft_cap must be >= 0 (0: none)");
+  const int64_t window = sliding_window;
+  const double soft_cap = logits_soft_cap;
   switch (query.scalar_type()) {
     case at::kFloat:
-      return dispatch_cache<float>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, kv_scales);
+      return dispatch_cache<float>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, kv_scales,
+                                 window, soft_cap);
     case at::kBFloat16:
-      return dispatch_cache<c10::BFloat16>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, kv_scales);
+      return dispatch_cache<c10::BFloat16>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, kv_scales,
+                                 window, soft_cap);
     case at::kHalf:
-      return dispatch_cache<c10::Half>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, kv_scales);
+      return dispatch_cache<c10::Half>(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, kv_scales,
+                                 window, soft_cap);
     default:
       TORCH_CHECK(false, "paged_attention: unsupported query dtype ", query.scalar_type());
   }
@@ -801,7 +840,8 @@ void write_kv_quant(const at::Tensor& key, const at::Tensor& value, at::Tensor c
 
 TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor query_start_loc, float scale, Tensor(a!) out, Tensor? kv_scales=None) -> ()");
+        "Tensor query_start_loc, float scale, Tensor(a!) out, Tensor? kv_scales=None, int sliding_window=0, "
+        "float logits_soft_cap=0.0) -> ()");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   m.def("write_kv_quant(Tensor key, Tensor value, Tensor(a!) codes, Tensor(b!) scales, Tensor slot_mapping, "
         "Tensor? static_scales, float qmax) -> ()");
