@@ -20,6 +20,9 @@ PARITY_MODELS = {
     "llama_gqa": dict(arch="llama", num_key_value_heads=2, head_dim=32, seed=12),
     "llama_mqa": dict(arch="llama", num_key_value_heads=1, seed=11),
     "qwen2_bias_tied": dict(arch="qwen2", tie_word_embeddings=True, seed=16),
+    # Sliding windows (20 tokens, through blocks) on local layers and attention soft-capping.
+    "gemma2_window_soft_cap": dict(arch="gemma2", head_dim=16, seed=17,
+                                   extra_config=dict(sliding_window=20, attn_logit_softcapping=2.0)),
 }
 
 

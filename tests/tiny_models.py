@@ -140,6 +140,9 @@ _ARCHES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
 
 
@@ -233,6 +236,10 @@ def build_model(
         kwargs["use_sliding_window"] = False
     if arch == "mixtral":
         kwargs["sliding_window"] = None
+    if arch == "gemma3":
+        # RoPE per layer type: global layers rope_theta (with any scaling), local ones plain.
+        kwargs["rope_parameters"] = {"full_attention": _rope_parameters(rope_theta, rope_scaling),
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     kwargs.update(extra_config or {})
     config = config_cls(**kwargs)
 

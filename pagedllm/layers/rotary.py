@@ -9,7 +9,7 @@ import torch
 from pagedllm.config import RopeConfig
 from pagedllm.cpu_kernels import cpu_ops_available
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -36,6 +36,15 @@ def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         return torch.where(is_medium, smoothed, inv_freq_llama)
     if rope_type == "yarn":
         return _yarn_inv_freq(head_dim, rope, scaling)
+    if rope_type == "longrope":
+        # Phi-3's LongRoPE: one rescale factor per frequency, the long set for contexts past the original
+        # length. Which set is fixed per engine (`use_long_factor`, see models/phi3.py), never per batch.
+        factors = scaling["long_factor"] if scaling.get("use_long_factor") else scaling["short_factor"]
+        ext = torch.tensor(factors, dtype=torch.float32)
+        if ext.numel() != head_dim // 2:
+            raise ValueError(f"rope_scaling long_factor/short_factor must have {head_dim // 2} entries "
+                             f"(rotary dimension / 2), got {ext.numel()}.")
+        return 1.0 / (ext * rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}.")
 
 
@@ -76,6 +85,12 @@ def rope_attention_factor(rope: RopeConfig) -> float:
     """The factor YaRN applies to cos and sin (so to q.k through both): `attention_factor` if given,
     else DeepSeek's mscale(factor, mscale) / mscale(factor, mscale_all_dim), else mscale(factor)."""
     scaling = rope.scaling
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        factor = float(scaling["factor"])
+        original = float(scaling["original_max_position_embeddings"])
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     if scaling is None or scaling["rope_type"] != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
@@ -88,11 +103,13 @@ def rope_attention_factor(rope: RopeConfig) -> float:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputes cos/sin for every position once; applying it is two gathers and four multiplies."""
+    """Precomputes cos/sin for every position once; applying it is two gathers and four multiplies.
+    rotary_dim < head_dim (partial rotary, Phi-4-mini): only the first rotary_dim features rotate."""
 
-    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype):
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype,
+                 rotary_dim: int | None = None):
         super().__init__()
-        inv_freq = _inv_freq(head_dim, rope)
+        inv_freq = _inv_freq(rotary_dim or head_dim, rope)
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -110,6 +127,10 @@ class RotaryEmbedding(torch.nn.Module):
               ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, Hq, D], k: [T, Hkv, D]; rotate-half (non-interleaved) layout, as in Llama.
         cos, sin = cos_sin
+        rotary_dim = cos.shape[-1]
+        if rotary_dim != q.shape[-1]:  # partial rotary: the rest passes through
+            return (torch.cat((_apply(q[..., :rotary_dim], cos, sin), q[..., rotary_dim:]), dim=-1),
+                    torch.cat((_apply(k[..., :rotary_dim], cos, sin), k[..., rotary_dim:]), dim=-1))
         if q.dtype == cos.dtype == k.dtype and q.stride(-1) == 1 and k.stride(-1) == 1 and cpu_ops_available(q):
             # One C++ call rotates q and k in place with the same rounding (the callers own both: they
             # are views of this step's qkv projection), instead of eight torch ops each.

@@ -12,6 +12,9 @@ _ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "pagedllm.models.moe_llama:Qwen3MoeForCausalLM",
     "DeepseekV2ForCausalLM": "pagedllm.models.deepseek:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "pagedllm.models.deepseek:DeepseekV3ForCausalLM",
+    "Gemma2ForCausalLM": "pagedllm.models.gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "pagedllm.models.gemma:Gemma3ForCausalLM",
+    "Phi3ForCausalLM": "pagedllm.models.phi3:Phi3ForCausalLM",
 }
 
 

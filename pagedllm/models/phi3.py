@@ -1,0 +1,89 @@
+"""Phi-3 / Phi-4-mini: the Llama decoder with fused checkpoint projections and LongRoPE.
+
+- The checkpoint stores q|k|v as one `qkv_proj` and gate|up as one `gate_up_proj`: the same layouts as
+  our fused parameters, so they load as row ranges of one tensor (and shard by rows under tensor
+  parallelism, as separate tensors would).
+- `partial_rotary_factor` (Phi-4-mini: 0.75): only the first part of each head rotates.
+- LongRoPE (`longrope`, first named `su`): per-frequency rescale factors, a short set for contexts
+  within original_max_position_embeddings and a long set beyond. The reference picks the set from the
+  length of the sequence in hand and recomputes its whole cache when that crosses the original length;
+  a paged cache shared across requests cannot, so the set is chosen once per engine: long when
+  max_model_len exceeds the original length, short otherwise (what the reference computes for any
+  sequence within that length). Outputs then never depend on batch composition or prefix-cache hits.
+- `sliding_window`, when set, applies to every layer (ModelConfig.layer_sliding_window).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from pagedllm.config import ModelConfig
+from pagedllm.layers.linear import GetSlice, LoadLinear
+from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.models.llama import LlamaForCausalLM
+
+
+class _Rows:
+    """A row range of a checkpoint slice that indexes like a slice of its own (a part of a fused tensor)."""
+
+    def __init__(self, whole: Any, start: int, rows: int):
+        self.whole, self.start, self.rows = whole, start, rows
+
+    def get_shape(self) -> list[int]:
+        return [self.rows, *list(self.whole.get_shape())[1:]]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        rows, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+        begin, end, _ = rows.indices(self.rows)
+        return self.whole[(slice(self.start + begin, self.start + end), *rest)]
+
+
+def phi3_rotary_dim(config: ModelConfig) -> int:
+    hf = config.hf_config
+    factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0
+    return int(config.head_dim * float(factor))
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def make_rotary(config: ModelConfig) -> RotaryEmbedding:
+        rope = config.rope
+        if rope.scaling is not None and rope.scaling["rope_type"] == "longrope":
+            rope = copy.deepcopy(rope)
+            rope.scaling["use_long_factor"] = config.max_model_len > rope.scaling["original_max_position_embeddings"]
+        max_positions = max(config.max_model_len, config.max_position_embeddings)
+        return RotaryEmbedding(config.head_dim, max_positions, rope, config.dtype, phi3_rotary_dim(config))
+
+    def load_weights(self, get_slice: GetSlice, names: set[str], load_linear: LoadLinear | None = None) -> None:
+        config = self.config
+        q_rows = config.num_attention_heads * config.head_dim
+        kv_rows = config.num_key_value_heads * config.head_dim
+        mlp_rows = config.intermediate_size
+        # Each fused tensor seen as its parts, under the names the Llama loader reads.
+        parts: dict[str, tuple[str, int, int]] = {}
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            qkv, gate_up = f"{p}self_attn.qkv_proj.weight", f"{p}mlp.gate_up_proj.weight"
+            parts[f"{p}self_attn.q_proj.weight"] = (qkv, 0, q_rows)
+            parts[f"{p}self_attn.k_proj.weight"] = (qkv, q_rows, kv_rows)
+            parts[f"{p}self_attn.v_proj.weight"] = (qkv, q_rows + kv_rows, kv_rows)
+            parts[f"{p}mlp.gate_proj.weight"] = (gate_up, 0, mlp_rows)
+            parts[f"{p}mlp.up_proj.weight"] = (gate_up, mlp_rows, mlp_rows)
+
+        def split_slice(name: str) -> Any:
+            if name in parts:
+                fused, start, rows = parts[name]
+                return _Rows(get_slice(fused), start, rows)
+            return get_slice(name)
+
+        def fused_load_linear(param: torch.Tensor, srcs: tuple[str, ...]) -> bool:
+            # A weight-only quantizer reads the fused tensor itself: it has exactly our fused layout.
+            if load_linear is None:
+                return False
+            fused = {parts[name][0] for name in srcs if name in parts}
+            return load_linear(param, tuple(fused) if fused else srcs)
+
+        super().load_weights(split_slice, names | set(parts), fused_load_linear)

@@ -1,0 +1,148 @@
+"""Gemma 2, Gemma 3, Phi-3 and sliding-window Mistral / Qwen2 against transformers on the same random weights.
+
+Windows (20 tokens) are shorter than most prompts and not a multiple of the block size (16), so they
+cut through blocks; a 24-token budget splits prefills into chunks that cross the window's edge; prompts
+sharing a 40-token prefix hit the prefix cache (and a second pass hits it for every prompt); a tiny KV
+pool forces preemption. In fp32 every path gives transformers' greedy tokens, and first-token logprobs
+within 1e-4.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_parity import assert_greedy_matches
+from tiny_models import build_model, hf_greedy, hf_logits, load_hf, metric_values, random_prompts
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import _sliding_window_layers
+
+WINDOW = 20
+MAX_NEW_TOKENS = 12
+LOGPROB_ATOL = 1e-4
+
+# Two full blocks of shared prefix: prompts 4 and 5 reuse prompt 3's cached blocks.
+PROMPT_LENGTHS = [1, 9, 21, 64, 90]
+
+
+def _longrope(n: int) -> dict[str, Any]:
+    return {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(n)],
+            "long_factor": [2.0 + 0.5 * i for i in range(n)]}
+
+
+CASES: dict[str, dict[str, Any]] = {
+    # 3 layers: local, global, local (pattern 2); separate RoPE bases; q/k norm; GQA.
+    "gemma3": dict(arch="gemma3", num_hidden_layers=3, head_dim=16, rope_theta=100000.0, seed=40,
+                   extra_config=dict(sliding_window=WINDOW, sliding_window_pattern=2,
+                                     query_pre_attn_scalar=24)),
+    "gemma3_tied": dict(arch="gemma3", head_dim=16, tie_word_embeddings=True, seed=41,
+                        extra_config=dict(sliding_window=WINDOW, layer_types=["full_attention",
+                                                                              "sliding_attention"])),
+    # Attention and final logit soft-capping small enough to bite on random weights.
+    "gemma2": dict(arch="gemma2", head_dim=16, seed=42,
+                   extra_config=dict(sliding_window=WINDOW, attn_logit_softcapping=2.0,
+                                     final_logit_softcapping=3.0)),
+    "phi3": dict(arch="phi3", seed=43, extra_config=dict(sliding_window=WINDOW)),
+    "mistral_window": dict(arch="mistral", seed=44, extra_config=dict(sliding_window=WINDOW)),
+    # Qwen2: layers from max_window_layers on slide.
+    "qwen2_window": dict(arch="qwen2", num_hidden_layers=3, seed=45,
+                         extra_config=dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+}
+
+
+def _engine_outputs(model_dir: str, prompts: list[list[int]], **engine_args: Any) -> tuple[LLM, list[Any]]:
+    llm = LLM(model=model_dir, dtype="float32", seed=0, block_size=16, **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=1)
+    return llm, llm.generate(prompts, params, use_tqdm=False)
+
+
+def _prompts(vocab_size: int, seed: int) -> list[list[int]]:
+    prompts = random_prompts(len(PROMPT_LENGTHS), vocab_size, PROMPT_LENGTHS, seed=seed)
+    shared = prompts[3][:32]
+    return prompts + [shared + prompts[1], shared + prompts[2]]
+
+
+def _check(model_dir: str, prompts: list[list[int]], outputs: list[Any], want: list[tuple[list[int], Any]]) -> None:
+    for prompt, out, (want_ids, want_logits) in zip(prompts, outputs, want):
+        completion = out.outputs[0]
+        assert_greedy_matches(model_dir, prompt, list(completion.token_ids), want_ids)
+        token = completion.token_ids[0]
+        want_lp = torch.log_softmax(want_logits, dim=-1)[token].item()
+        assert completion.logprobs[0][token].logprob == pytest.approx(want_lp, abs=LOGPROB_ATOL), len(prompt)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parity_with_windows_chunks_prefix_hits_and_preemption(case: str,
+                                                                tmp_path_factory: pytest.TempPathFactory) -> None:
+    model_dir = build_model(tmp_path_factory.mktemp(case), **CASES[case])
+    vocab_size = hf_logits(model_dir, [3]).shape[-1]
+    prompts = _prompts(vocab_size, CASES[case]["seed"])
+    want = [hf_greedy(model_dir, p, MAX_NEW_TOKENS) for p in prompts]
+
+    # Chunked prefill across the window's edge, shared-prefix hits, then every prompt again from cache.
+    llm, outputs = _engine_outputs(model_dir, prompts, max_num_batched_tokens=24)
+    _check(model_dir, prompts, outputs, want)
+    again = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True,
+                                                 logprobs=1), use_tqdm=False)
+    _check(model_dir, prompts, again, want)
+    assert metric_values(llm)["pagedllm:prefix_cache_hits"] > 0
+
+    # A pool too small for all requests at once: preempted requests recompute to the same tokens.
+    tight, outputs = _engine_outputs(model_dir, prompts, num_gpu_blocks_override=10, max_num_batched_tokens=64)
+    _check(model_dir, prompts, outputs, want)
+    assert metric_values(tight)["pagedllm:num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("case", ["gemma3", "mistral_window"])
+def test_the_window_changes_the_reference(case: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The parity above is not vacuous: on these prompts transformers' own logits differ with the window
+    widened past the context, so an engine that ignored it would fail."""
+    model_dir = build_model(tmp_path_factory.mktemp(case), **CASES[case])
+    prompt = _prompts(512, CASES[case]["seed"])[4]
+    model = load_hf(model_dir)
+    with torch.no_grad():
+        windowed = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+        model.config.sliding_window = 4096
+        try:
+            full = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+        finally:
+            model.config.sliding_window = WINDOW
+    assert (windowed - full).abs().max().item() > 1e-2
+
+
+def test_phi3_longrope_and_partial_rotary(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """LongRoPE with partial rotary (0.75 of a 16-wide head: 6 factors). The factor set is fixed per engine:
+    short when max_model_len fits in original_max_position_embeddings (what transformers computes for such
+    sequences), long beyond (what it computes for a sequence past the original length)."""
+    model_dir = build_model(tmp_path_factory.mktemp("phi3_longrope"), "phi3", head_dim=16, seed=46,
+                            rope_scaling=_longrope(6), max_position_embeddings=1024,
+                            extra_config=dict(original_max_position_embeddings=64, partial_rotary_factor=0.75))
+    short_prompts = random_prompts(2, 500, [5, 30], seed=46)
+    _, outputs = _engine_outputs(model_dir, short_prompts, max_model_len=64)
+    _check(model_dir, short_prompts, outputs, [hf_greedy(model_dir, p, MAX_NEW_TOKENS) for p in short_prompts])
+    long_prompts = random_prompts(1, 500, [80], seed=47)
+    _, outputs = _engine_outputs(model_dir, long_prompts, max_num_batched_tokens=32)
+    _check(model_dir, long_prompts, outputs, [hf_greedy(model_dir, p, MAX_NEW_TOKENS) for p in long_prompts])
+
+
+@pytest.mark.parametrize("hf,want", [
+    (dict(model_type="mistral", num_hidden_layers=2, sliding_window=8), (8, ["sliding_attention"] * 2)),
+    (dict(model_type="mistral", num_hidden_layers=2, sliding_window=None), (None, None)),
+    (dict(model_type="llama", num_hidden_layers=2, sliding_window=8), (None, None)),
+    (dict(model_type="qwen2", num_hidden_layers=3, sliding_window=8, use_sliding_window=False), (None, None)),
+    (dict(model_type="qwen2", num_hidden_layers=3, sliding_window=8, use_sliding_window=True, max_window_layers=1),
+     (8, ["full_attention", "sliding_attention", "sliding_attention"])),
+    (dict(model_type="gemma3_text", num_hidden_layers=7, sliding_window=512),
+     (512, ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"])),
+    (dict(model_type="gemma2", num_hidden_layers=3, sliding_window=4096),
+     (4096, ["sliding_attention", "full_attention", "sliding_attention"])),
+])
+def test_which_layers_slide(hf: dict[str, Any], want: tuple[Any, Any]) -> None:
+    assert _sliding_window_layers(hf) == want
+
+
+def test_a_bad_window_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="sliding_window"):
+        _sliding_window_layers(dict(model_type="mistral", num_hidden_layers=2, sliding_window=-3))
