@@ -217,6 +217,14 @@ class ModelConfig:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     @property
+    def uniform_sliding_window(self) -> int | None:
+        """The window when every layer slides over the same one (a request's blocks before it can be
+        freed), else None."""
+        if self.sliding_window is None or self.layer_types is None:
+            return None
+        return self.sliding_window if all(t == "sliding_attention" for t in self.layer_types) else None
+
+    @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank is not None
 

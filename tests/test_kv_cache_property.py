@@ -17,6 +17,12 @@ Checked after every operation:
 - the number of blocks never changes, nor their ids;
 - every request's blocks hold its own computed tokens, and every cached block holds its hash's tokens;
 - allocation takes free blocks least-recently-freed first; a refused allocation changes nothing.
+
+SlidingKVCacheMachine runs the same operations (less speculation, which keeps every block) with a
+sliding window: blocks wholly before a request's window go back to the pool and the null block takes
+their place. There, too: a request holds at most ceil(window / block_size) + 1 blocks after a decode
+step; every position its next query can see is still in a block of its own holding its prefix (no
+block is freed while a position can still see it); the null block is never written, cached or freed.
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ def free_ids(pool: BlockPool) -> list[int]:
 
 
 class KVCacheMachine(RuleBasedStateMachine):
+    SLIDING = False  # SlidingKVCacheMachine: the manager gets the drawn sliding window
+
     def __init__(self) -> None:
         super().__init__()
         self.requests: dict[str, FakeRequest] = {}
@@ -76,9 +84,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.runner_tables: dict[str, list[int]] = {}
 
     @initialize(num_blocks=st.integers(2, 16), block_size=st.sampled_from([1, 2, 3, 4]),
-                enable_caching=st.booleans())
-    def setup(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
-        self.kv = KVCacheManager(num_blocks, block_size, enable_caching)
+                enable_caching=st.booleans(), window=st.integers(1, 9))
+    def setup(self, num_blocks: int, block_size: int, enable_caching: bool, window: int) -> None:
+        self.window = window if self.SLIDING else None
+        self.kv = KVCacheManager(num_blocks, block_size, enable_caching, sliding_window=self.window)
+        self.null_id = self.kv.null_block.block_id if self.kv.null_block is not None else None
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.slots: list[list[Slot]] = [[None] * block_size for _ in range(num_blocks)]
@@ -98,10 +108,13 @@ class KVCacheMachine(RuleBasedStateMachine):
     def _schedule(self, request: FakeRequest, num_new: int, cached_blocks: list | None = None,
                   num_cacheable: int | None = None) -> bool:
         """allocate_slots, then (on success) do what the model runner does: copy blocks, write KV."""
+        if self.window is not None and request.request_id in self.kv.req_to_blocks:
+            # allocate_slots begins with this (giving back blocks out of the window), refused or not
+            self.kv.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         before = self._snapshot()
         free_order = free_ids(self.kv.pool)
         touched = {b.block_id for b in cached_blocks or ()}
-        old_table = {b.block_id for b in self.kv.req_to_blocks.get(request.request_id, ())}
+        old_table = {b.block_id for b in self.kv.req_to_blocks.get(request.request_id, ())} | {self.null_id}
         ok = self.kv.allocate_slots(request, num_new, cached_blocks, num_cacheable_tokens=num_cacheable)
         if not ok:
             assert self._snapshot() == before, "a refused allocation must change nothing"
@@ -123,10 +136,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         written = request.tokens + request.spec_token_ids
         for pos in range(start, start + num_new):
             block = table[pos // self.block_size]
+            assert block.block_id != self.null_id, f"writing position {pos} into the null block"
             assert block.ref_cnt == 1, f"writing position {pos} into shared block {block.block_id}"
             self.slots[block.block_id][pos % self.block_size] = tuple(written[:pos + 1])
         request.num_computed_tokens = start + num_new
         self._record_hashes(request)
+        if self.window is not None and num_new == 1 and not cached_blocks:
+            # A decode step: what the window lets a request hold, whatever its length.
+            live = self.kv.num_live_blocks(request.request_id)
+            assert live <= cdiv(self.window, self.block_size) + 1, f"{live} blocks for window {self.window}"
         return True
 
     def _record_hashes(self, request: FakeRequest) -> None:
@@ -171,7 +189,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         if request.num_computed_tokens == request.num_tokens:
             request.tokens.append(token)
 
-    @precondition(lambda self: self.requests)
+    @precondition(lambda self: self.requests and self.window is None)
     @rule(index=st.integers(0, 99), drafts=st.lists(TOKEN, min_size=1, max_size=4), num_accepted=st.integers(0, 4),
           bonus=TOKEN)
     def speculate(self, index: int, drafts: list[int], num_accepted: int, bonus: int) -> None:
@@ -222,7 +240,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             self._reset_prefix_cache()
 
     def _reset_prefix_cache(self) -> None:
-        idle = self.kv.pool.num_free_blocks == self.num_blocks
+        idle = self.kv.pool.num_free_blocks == self.kv.pool.num_usable_blocks
         before = self._snapshot()
         ok = self.kv.reset_prefix_cache()
         assert ok == idle, "reset succeeds exactly when no block is in use"
@@ -244,12 +262,18 @@ class KVCacheMachine(RuleBasedStateMachine):
         # the id tables the scheduler hands out are the block tables, kept in step
         assert self.kv.req_to_block_ids == {request_id: [b.block_id for b in blocks]
                                             for request_id, blocks in self.kv.req_to_blocks.items()}
-        for blocks in self.kv.req_to_blocks.values():
+        for request_id, blocks in self.kv.req_to_blocks.items():
+            num_skipped = self.kv.num_skipped_blocks.get(request_id, 0)
+            assert all(b.block_id == self.null_id for b in blocks[:num_skipped])
+            blocks = blocks[num_skipped:]
             ids = [b.block_id for b in blocks]
             assert len(ids) == len(set(ids)), "a block appears twice in one block table"
             for block in blocks:
-                assert pool.blocks[block.block_id] is block
+                assert pool.blocks[block.block_id] is block and block.block_id != self.null_id
                 holders[block.block_id] += 1
+        if self.null_id is not None:  # held by the pool alone, never hashed
+            holders[self.null_id] = 1
+            assert pool.blocks[self.null_id].block_hash is None
         assert [b.ref_cnt for b in pool.blocks] == holders, "ref count != number of tables holding the block"
         free = free_ids(pool)
         assert len(pool.free_queue) == len(free) == len(set(free))
@@ -290,7 +314,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         for request in self.requests.values():
             table = self.kv.req_to_blocks.get(request.request_id, [])
             assert len(table) == cdiv(request.num_computed_tokens, bs)
-            for pos in range(request.num_computed_tokens):
+            # With a window, the positions the next query (at num_computed_tokens) can see.
+            first = 0 if self.window is None else max(0, request.num_computed_tokens - self.window + 1)
+            for pos in range(first, request.num_computed_tokens):
                 got = self.slots[table[pos // bs].block_id][pos % bs]
                 assert got == tuple(request.tokens[:pos + 1]), f"{request.request_id} position {pos}"
         for block_hash, holders in self.kv.pool.cached_blocks.items():
@@ -303,6 +329,14 @@ class KVCacheMachine(RuleBasedStateMachine):
 KVCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])
 TestKVCacheManager = KVCacheMachine.TestCase
+
+
+class SlidingKVCacheMachine(KVCacheMachine):
+    SLIDING = True
+
+
+SlidingKVCacheMachine.TestCase.settings = KVCacheMachine.TestCase.settings
+TestSlidingWindowKVCacheManager = SlidingKVCacheMachine.TestCase
 
 
 def test_blocks_are_registered_once_and_a_content_computed_twice_is_cached_twice() -> None:
@@ -345,3 +379,27 @@ def test_a_dropped_pool_unlinks_its_free_blocks() -> None:
     assert sum(block.next_free is not None for block in blocks) == 4
     del pool
     assert all(block.prev_free is None and block.next_free is None for block in blocks)
+
+
+def test_sliding_window_gives_back_the_blocks_behind_it() -> None:
+    """Window 6, blocks of 4: a query at position n reads n - 5 .. n, so blocks wholly before n - 5 go back
+    to the pool before the next allocation, the null block in their place; they keep their hashes."""
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=True, sliding_window=6)
+    null = kv.null_block.block_id
+    request = FakeRequest("a", list(range(30)))
+    assert kv.allocate_slots(request, 16)
+    request.num_computed_tokens = 16
+    assert kv.num_live_blocks("a") == 4 and kv.num_window_freed_blocks == 0
+    assert kv.allocate_slots(request, 14)  # the chunk's first query (16) sees 11 on: blocks 0, 1 are dead
+    request.num_computed_tokens = 30
+    assert kv.req_to_block_ids["a"][:2] == [null, null] and null not in kv.req_to_block_ids["a"][2:]
+    assert kv.num_live_blocks("a") == 6
+    request.tokens.append(7)
+    assert kv.allocate_slots(request, 1)  # decode at 30 sees 25 on: blocks 0-5 dead, 6 and 7 live
+    assert kv.num_live_blocks("a") == 2 == cdiv(6, 4) and kv.num_window_freed_blocks == 6
+    assert kv.take_table_changes()["a"][1][:6] == [null] * 6
+    # Freed, not forgotten: a request with the same prefix hits all seven full blocks.
+    blocks, num_cached = kv.get_computed_blocks(FakeRequest("b", list(range(30))), 29)
+    assert num_cached == 28 and null not in [b.block_id for b in blocks]
+    kv.free("a")
+    assert kv.num_free_blocks == kv.pool.num_usable_blocks == 9 and kv.reset_prefix_cache()

@@ -52,6 +52,9 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+UNIFORM_WINDOW = ("phi3", "mistral_window")
+
+
 def _engine_outputs(model_dir: str, prompts: list[list[int]], **engine_args: Any) -> tuple[LLM, list[Any]]:
     llm = LLM(model=model_dir, dtype="float32", seed=0, block_size=16, **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=1)
@@ -87,12 +90,29 @@ def test_parity_with_windows_chunks_prefix_hits_and_preemption(case: str,
     again = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True,
                                                  logprobs=1), use_tqdm=False)
     _check(model_dir, prompts, again, want)
-    assert metric_values(llm)["pagedllm:prefix_cache_hits"] > 0
+    metrics = metric_values(llm)
+    assert metrics["pagedllm:prefix_cache_hits"] > 0
+    # Every layer sliding: blocks behind the window went back to the pool as requests moved on (a model
+    # with full layers keeps them all); at the end every block is free again.
+    assert (metrics["pagedllm:kv_blocks_freed_by_window"] > 0) == (case in UNIFORM_WINDOW)
+    assert metrics["pagedllm:kv_cache_free_blocks"] == metrics["pagedllm:kv_cache_total_blocks"]
 
     # A pool too small for all requests at once: preempted requests recompute to the same tokens.
-    tight, outputs = _engine_outputs(model_dir, prompts, num_gpu_blocks_override=10, max_num_batched_tokens=64)
+    tight, outputs = _engine_outputs(model_dir, prompts, num_gpu_blocks_override=8, max_num_batched_tokens=128)
     _check(model_dir, prompts, outputs, want)
     assert metric_values(tight)["pagedllm:num_preemptions"] > 0
+
+
+def test_async_scheduling_frees_behind_the_window_safely(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """With async scheduling the next plan (and the blocks it gives back) is made while a step runs: the
+    step in flight reads only blocks its own queries see, so the outputs stay transformers'."""
+    model_dir = build_model(tmp_path_factory.mktemp("mistral_async"), **CASES["mistral_window"])
+    prompts = _prompts(512, CASES["mistral_window"]["seed"])
+    want = [hf_greedy(model_dir, p, MAX_NEW_TOKENS) for p in prompts]
+    llm, outputs = _engine_outputs(model_dir, prompts, async_scheduling=True, num_gpu_blocks_override=12,
+                                   max_num_batched_tokens=32)
+    _check(model_dir, prompts, outputs, want)
+    assert metric_values(llm)["pagedllm:kv_blocks_freed_by_window"] > 0
 
 
 @pytest.mark.parametrize("case", ["gemma3", "mistral_window"])

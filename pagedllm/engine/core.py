@@ -153,7 +153,21 @@ class EngineCore:
         num_blocks = self.model_executor.determine_num_blocks()
         self.cache_config.num_blocks = num_blocks
         self.model_executor.initialize_kv_cache(num_blocks)
-        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        # Every layer sliding: blocks out of the window go back to the pool. Not with speculative decoding
+        # (rejected tokens move a request's position back, into blocks already given up) nor with a KV
+        # connector (it ships whole tables).
+        window = self.model_config.uniform_sliding_window
+        if window is not None and (self.speculative_config is not None or args.kv_transfer_config is not None):
+            logger.info("sliding window %d: every block is kept (speculative decoding or a KV connector)", window)
+            window = None
+        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
+                                               sliding_window=window)
+        if window is not None:
+            per_request = min(-(-self.scheduler_config.max_model_len // args.block_size),
+                              -(-window // args.block_size) + 1)
+            logger.info("KV cache: every layer slides over %d tokens, so a decoding request holds at most %d "
+                        "blocks whatever its length (blocks out of the window go back to the pool): room for "
+                        "%d such requests", window, per_request, (num_blocks - 1) // per_request)
         self.structured_output_manager = StructuredOutputManager(tokenizer, self.model_config.vocab_size,
                                                                  self.model_config.eos_token_ids)
         # Disaggregated prefill: the scheduler side of a KV connector (the worker side lives in the workers)
@@ -402,7 +416,7 @@ class EngineCore:
     def get_metrics(self) -> list[Metric]:
         kv = self.kv_cache_manager
         metrics: list[Metric] = [
-            Gauge("pagedllm:kv_cache_total_blocks", kv.pool.num_blocks),
+            Gauge("pagedllm:kv_cache_total_blocks", kv.pool.num_usable_blocks),  # (less the null block)
             Gauge("pagedllm:kv_cache_free_blocks", kv.num_free_blocks),
             Gauge("pagedllm:kv_cache_usage_perc", kv.usage()),
             Gauge("pagedllm:num_cached_blocks", kv.pool.num_cached_blocks),
@@ -413,6 +427,8 @@ class EngineCore:
             Counter("pagedllm:generation_tokens", self.num_generation_tokens),
             Counter("pagedllm:prefix_cache_queries", kv.prefix_cache_queries),
             Counter("pagedllm:prefix_cache_hits", kv.prefix_cache_hits),
+            # blocks given back because every position that could read them is past the sliding window
+            Counter("pagedllm:kv_blocks_freed_by_window", kv.num_window_freed_blocks),
         ]
         for reason in ("stop", "length", "abort"):
             metrics.append(Counter("pagedllm:request_success", self.finished_reasons[reason],

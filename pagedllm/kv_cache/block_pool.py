@@ -86,12 +86,19 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool):
-        assert num_blocks > 0
+    def __init__(self, num_blocks: int, enable_caching: bool, reserve_null_block: bool = False):
+        assert num_blocks > (1 if reserve_null_block else 0)
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        # The null block (vLLM's name) stands in a block table for a block given back while the table
+        # keeps its place (sliding-window layers): never allocated, never freed, never read by attention.
+        self.null_block: KVCacheBlock | None = self.blocks[0] if reserve_null_block else None
+        if self.null_block is not None:
+            self.null_block.ref_cnt = 1  # held by the pool itself: never in the free queue
+        self.free_queue = FreeBlockQueue(self.blocks[1:] if reserve_null_block else self.blocks)
+        # Blocks requests can hold: all but the null block.
+        self.num_usable_blocks = num_blocks - (1 if reserve_null_block else 0)
         # hash -> every block holding that content, by id (vLLM's layout). Two requests that compute the
         # same block (a prompt whose last block is always recomputed, a greedy output seen before) both
         # register it: a second holder is never refused, so no step has to offer it again later.
@@ -109,7 +116,7 @@ class BlockPool:
         return self._num_hashed_blocks
 
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         assert num_blocks <= self.num_free_blocks, "caller must check num_free_blocks first"
@@ -173,7 +180,7 @@ class BlockPool:
             self._drop_hash(block)
 
     def reset_prefix_cache(self) -> bool:
-        if self.num_free_blocks != self.num_blocks:
+        if self.num_free_blocks != self.num_usable_blocks:
             return False
         for block in self.blocks:
             block.block_hash = None

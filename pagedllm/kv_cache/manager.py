@@ -4,6 +4,15 @@ It answers three questions for the scheduler: which prefix of a request is alrea
 request's next tokens get slots (allocating blocks, copying a shared partial block before a write),
 and which blocks to give back. It knows nothing of models or tensors: block copies it decides on are
 handed to the model runner as (src, dst) pairs.
+
+Sliding window (`sliding_window`, given only when every attention layer of the model slides over that
+many tokens): a query at position p reads keys p - sliding_window + 1 .. p, so once a request's next
+query is at position n, every block wholly before n - sliding_window + 1 is dead for it. Before each
+allocation those blocks go back to the pool (keeping their prefix-cache hash, so a later request can
+still hit them) and the null block takes their place in the table, so positions and indices stay as
+they were; the attention kernels never read a block before a query's window. A request then holds at
+most ceil(sliding_window / block_size) + 1 blocks beyond the ones its current step writes. Models that
+mix full and sliding layers keep every block (the full layers read them all).
 """
 
 from __future__ import annotations
@@ -33,10 +42,16 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, sliding_window: int | None = None):
+        assert sliding_window is None or sliding_window > 0
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.sliding_window = sliding_window
+        self.pool = BlockPool(num_blocks, enable_caching, reserve_null_block=sliding_window is not None)
+        self.null_block = self.pool.null_block
+        # Per request, how many leading table entries are the null block (freed out of the window).
+        self.num_skipped_blocks: dict[str, int] = {}
+        self.num_window_freed_blocks = 0  # blocks given back by the window, over the engine's life
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # The same tables as block ids, kept in step with req_to_blocks: the scheduler hands every
         # running request's table to the runner each step, and rebuilding it from the blocks cost more
@@ -108,6 +123,8 @@ class KVCacheManager:
         `num_cacheable_tokens`: how many of the request's tokens are final after this step (speculative
         tokens are not), so only blocks full of final tokens enter the prefix cache."""
         bs = self.block_size
+        if self.sliding_window is not None and not new_computed_blocks:
+            self.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         blocks = self.req_to_blocks.get(request.request_id)
         num_computed = request.num_computed_tokens
         # A running request's step (a decode, mostly) whose tokens fit in its blocks, writing into a block
@@ -122,6 +139,31 @@ class KVCacheManager:
         if self.enable_caching and total_tokens // bs > self.num_cached_blocks.get(request.request_id, 0):
             self._cache_full_blocks(request, blocks, total_tokens, num_cacheable_tokens)
         return True
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Give back the request's blocks that no query from position num_computed_tokens on can see
+        (see the module's note on the sliding window)."""
+        assert self.sliding_window is not None and self.null_block is not None
+        first_visible = num_computed_tokens - self.sliding_window + 1
+        num_dead = max(0, first_visible) // self.block_size
+        done = self.num_skipped_blocks.get(request_id, 0)
+        if num_dead <= done:
+            return
+        blocks = self.req_to_blocks[request_id]
+        block_ids = self.req_to_block_ids[request_id]
+        num_dead = min(num_dead, len(blocks))
+        freed = blocks[done:num_dead]
+        for i in range(done, num_dead):
+            blocks[i] = self.null_block
+            block_ids[i] = self.null_block.block_id
+        self.num_skipped_blocks[request_id] = num_dead
+        self.table_changes[request_id] = min(done, self.table_changes.get(request_id, done))
+        self.num_window_freed_blocks += len(freed)
+        self.pool.free_blocks(reversed(freed))
+
+    def num_live_blocks(self, request_id: str) -> int:
+        """Blocks the request holds (its table less the null entries)."""
+        return len(self.req_to_blocks.get(request_id, ())) - self.num_skipped_blocks.get(request_id, 0)
 
     def _allocate(self, request: CacheableRequest, num_new_tokens: int,
                   new_computed_blocks: list[KVCacheBlock]) -> list[KVCacheBlock] | None:
@@ -177,14 +219,17 @@ class KVCacheManager:
             return
         self._update_hashes(request)
         for i in range(num_done, num_full):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+            if blocks[i] is not self.null_block:  # (a block the window gave back before it was final)
+                self.pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = num_full
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent (parallel sampling); writes copy on demand."""
         blocks = self.req_to_blocks.get(parent_id, [])
-        self.pool.touch(blocks)
+        self.pool.touch(block for block in blocks if block is not self.null_block)
         self.req_to_blocks[child_id] = list(blocks)
+        if parent_id in self.num_skipped_blocks:
+            self.num_skipped_blocks[child_id] = self.num_skipped_blocks[parent_id]
         self.req_to_block_ids[child_id] = [block.block_id for block in blocks]
         self.table_changes[child_id] = 0
         self.num_cached_blocks[child_id] = self.num_cached_blocks.get(parent_id, 0)
@@ -194,6 +239,7 @@ class KVCacheManager:
         self.req_to_block_ids.pop(request_id, None)
         self.table_changes.pop(request_id, None)
         self.num_cached_blocks.pop(request_id, None)
+        blocks = blocks[self.num_skipped_blocks.pop(request_id, 0):]
         # Tail blocks first, so they are evicted before the prefix that others are likelier to share.
         self.pool.free_blocks(reversed(blocks))
 
