@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 
 # bytes of one K-quant block of 256 weights: (offset of the fp16 scale fields, block size)
 _K_BLOCKS = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
+         "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3}
 
 
 def _permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
@@ -85,6 +86,11 @@ def write_gguf(model_dir: str, path: str, weight_type: str = "F32", seed: int = 
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if config.get("sliding_window"):  # llama.cpp's converter writes Gemma's and Phi-3's window
+        writer.add_sliding_window(config["sliding_window"])
+    if model_type == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
 
     vocab = tokenizer["model"]["vocab"]
     specials = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
@@ -120,6 +126,8 @@ def write_gguf(model_dir: str, path: str, weight_type: str = "F32", seed: int = 
         w = tensor.to(torch.float32).numpy()
         if model_type == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             w = _permute_qk(w, heads if "attn_q" in name else kv_heads)
+        if model_type.startswith("gemma") and name.endswith("norm.weight"):
+            w = w + 1  # llama.cpp stores Gemma's norms as the (1 + weight) they multiply by
         data, qtype = _encode(name, w, weight_type, rng)
         writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()

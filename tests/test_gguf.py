@@ -31,6 +31,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         # K-quants pack 256 weights a block: every input dimension a multiple of 256
         "llama256": build_model(root / "llama256", "llama", hidden_size=256, intermediate_size=512,
                                 num_attention_heads=4, num_key_value_heads=2, seed=3),
+        # Windows shorter than the prompts; transformers reads neither Gemma 3's pattern nor Gemma 2's
+        # soft caps from a GGUF file, so these keep its defaults (every 6th layer global; caps 50 and 30).
+        "gemma2": build_model(root / "gemma2", "gemma2", head_dim=16, tie_word_embeddings=True, seed=4,
+                              extra_config=dict(sliding_window=3)),
+        "gemma3": build_model(root / "gemma3", "gemma3", num_hidden_layers=6, head_dim=16, tie_word_embeddings=True,
+                              seed=5, extra_config=dict(sliding_window=3)),
+        "phi3": build_model(root / "phi3", "phi3", seed=6, extra_config=dict(sliding_window=3)),
     }
 
 
@@ -55,6 +62,7 @@ def _hf_greedy(model, ids: list[int]) -> tuple[list[int], torch.Tensor]:
 @pytest.mark.parametrize("arch,weight_type", [
     ("llama", "F32"), ("llama", "F16"), ("llama", "BF16"), ("llama", "Q8_0"), ("llama", "Q4_0"),
     ("qwen2", "F32"), ("qwen2", "Q8_0"), ("qwen3", "Q4_1"), ("llama256", "Q4_K"), ("llama256", "Q6_K"),
+    ("gemma2", "F32"), ("gemma2", "Q8_0"), ("gemma3", "F32"), ("gemma3", "Q8_0"), ("phi3", "F32"), ("phi3", "Q8_0"),
 ])
 def test_greedy_tokens_and_logits_equal_transformers_on_the_same_file(models, tmp_path, arch, weight_type):
     path = write_gguf(models[arch], str(tmp_path / f"tiny-{weight_type}.gguf"), weight_type)

@@ -41,6 +41,9 @@ _MODEL_TYPE_TO_ARCHITECTURE = {
 # GGUF architectures whose converter permuted the q/k rows for llama.cpp's RoPE layout (as transformers,
 # our oracle, undoes it: its Llama tensor processor)
 _PERMUTED_QK_ARCHS = ("llama",)
+# GGUF architectures whose converter stored each RMSNorm weight as the (1 + weight) Gemma multiplies by:
+# given back here as the checkpoint's own weight (transformers' Gemma2 tensor processor does the same)
+_OFFSET_NORM_ARCHS = ("gemma2", "gemma3")
 
 _UNQUANTIZED = ("F32", "F16", "BF16")
 
@@ -103,6 +106,12 @@ def read_hf_config(path: str) -> dict[str, Any]:
     else:
         raise ValueError(f"GGUF architecture {arch!r} of {path!r} is not supported; supported: "
                          f"{', '.join(sorted(set(_MODEL_TYPE_TO_ARCHITECTURE)))}.")
+    if model_type == "gemma2":
+        # transformers' metadata map leaves these out; llama.cpp's converter writes them
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = _field(reader, f"{arch}.{key}")
+            if value is not None:
+                hf[key] = float(value)
     hf["dtype"] = _checkpoint_dtype(reader)
     names = {t.name for t in reader.tensors}
     hf["tie_word_embeddings"] = "output.weight" not in names
@@ -268,6 +277,8 @@ class GGUFCheckpoint:
             elif gguf_name.endswith("attn_k.weight"):
                 heads = self.num_kv_heads
         view = GGUFTensor(tensor, heads, self._count_dequantized)
+        if self.arch in _OFFSET_NORM_ARCHS and gguf_name.endswith("norm.weight"):
+            return view.dense() - 1
         if expert is None:
             return view
         if self._experts is None or self._experts[0] != gguf_name:

@@ -41,6 +41,16 @@ class _Rows:
         return self.whole[(slice(self.start + begin, self.start + end), *rest)]
 
 
+class _Names:
+    """The checkpoint's names (a set, or a GGUF file's) plus the parts of its fused tensors."""
+
+    def __init__(self, names: Any, parts: dict[str, Any]):
+        self.names, self.parts = names, parts
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.parts or name in self.names
+
+
 def phi3_rotary_dim(config: ModelConfig) -> int:
     hf = config.hf_config
     factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0
@@ -86,4 +96,4 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             fused = {parts[name][0] for name in srcs if name in parts}
             return load_linear(param, tuple(fused) if fused else srcs)
 
-        super().load_weights(split_slice, names | set(parts), fused_load_linear)
+        super().load_weights(split_slice, _Names(names, parts), fused_load_linear)
