@@ -166,7 +166,7 @@ class ModelConfig:
         kv_heads = hf.get("num_key_value_heads") or heads
         head_dim = hf.get("head_dim") or hidden // heads
         max_pos = int(hf.get("max_position_embeddings", 2048))
-        sliding_window, layer_types = _sliding_window_layers(hf)
+        sliding_window, layer_types = sliding_window_layers(hf)
         if max_model_len is None:
             max_model_len = max_pos
         elif max_model_len <= 0:
@@ -269,7 +269,7 @@ _SLIDING_LAYOUT: dict[str, str | int] = {
 _READS_LAYER_TYPES = ("qwen2", "qwen3", "gemma2", "gemma3_text")
 
 
-def _sliding_window_layers(hf: dict[str, Any]) -> tuple[int | None, list[str] | None]:
+def sliding_window_layers(hf: dict[str, Any]) -> tuple[int | None, list[str] | None]:
     """(sliding_window, layer_types) as the model's reference implementation applies them."""
     model_type = hf.get("model_type", "")
     layout = _SLIDING_LAYOUT.get(model_type)

@@ -17,7 +17,7 @@ from test_parity import assert_greedy_matches
 from tiny_models import build_model, hf_greedy, hf_logits, load_hf, metric_values, random_prompts
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import _sliding_window_layers
+from pagedllm.config import sliding_window_layers
 
 WINDOW = 20
 MAX_NEW_TOKENS = 12
@@ -160,9 +160,73 @@ def test_phi3_longrope_and_partial_rotary(tmp_path_factory: pytest.TempPathFacto
      (4096, ["sliding_attention", "full_attention", "sliding_attention"])),
 ])
 def test_which_layers_slide(hf: dict[str, Any], want: tuple[Any, Any]) -> None:
-    assert _sliding_window_layers(hf) == want
+    assert sliding_window_layers(hf) == want
 
 
 def test_a_bad_window_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="sliding_window"):
-        _sliding_window_layers(dict(model_type="mistral", num_hidden_layers=2, sliding_window=-3))
+        sliding_window_layers(dict(model_type="mistral", num_hidden_layers=2, sliding_window=-3))
+
+
+def _gemma3_shaped(num_layers: int = 26, window: int = 512) -> dict[str, Any]:
+    return dict(model_type="gemma3_text", num_hidden_layers=num_layers, hidden_size=1152, num_attention_heads=4,
+                num_key_value_heads=1, head_dim=256, intermediate_size=6912, vocab_size=262144,
+                sliding_window=window)
+
+
+def test_planner_counts_the_window() -> None:
+    """Gemma 3 1B's shape (26 layers, every 6th global, window 512) at 32k: its sliding layers need 33 of
+    2,048 blocks, so its KV is 17% of full attention's; pagedllm, which keeps every block of a model with
+    full layers, holds all of it. A model whose every layer slides holds what the window needs."""
+    from pagedllm.planner import roofline as rl
+
+    gemma3 = rl.ModelSpec.from_hf_config(_gemma3_shaped())
+    assert (gemma3.sliding_window, gemma3.num_sliding_layers) == (512, 22)
+    window = rl.sliding_window_kv(gemma3, 32768, 16)
+    assert window["blocks_per_sequence_in_window"] == 33
+    assert window["fraction_per_layer_kv"] == pytest.approx((4 * 2048 + 22 * 33) / (26 * 2048))
+    assert window["fraction_engine"] == 1.0
+    mistral = rl.ModelSpec.from_hf_config(dict(_gemma3_shaped(), model_type="mistral"))
+    assert rl.sliding_window_kv(mistral, 32768, 16)["fraction_engine"] == pytest.approx(33 / 2048)
+    assert rl.sliding_window_kv(rl.ModelSpec.from_hf_config(dict(_gemma3_shaped(), model_type="llama")),
+                                32768, 16) is None
+
+
+@pytest.mark.slow
+def test_blocks_in_use_at_8k_context_are_what_the_planner_predicts(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One request decoding at 8k context on a random model whose every layer slides over 512 tokens holds
+    ceil(512 / 16) + 1 = 33 blocks; with the window ignored, ceil(8k / 16) blocks: the planner's ratio."""
+    from pagedllm.planner import roofline as rl
+
+    context, new_tokens, block_size = 8000, 8, 16
+    windowed = build_model(tmp_path_factory.mktemp("mistral8k"), "mistral", hidden_size=32, intermediate_size=64,
+                           max_position_embeddings=8192, seed=48, extra_config=dict(sliding_window=512))
+    prompt = random_prompts(1, 500, [context], seed=48)[0]
+    held = {}
+    for ignore_window in (False, True):
+        if ignore_window:
+            import json
+
+            with open(f"{windowed}/config.json") as f:
+                config = json.load(f)
+            config["sliding_window"] = None
+            with open(f"{windowed}/config.json", "w") as f:
+                json.dump(config, f)
+        llm = LLM(model=windowed, dtype="float32", block_size=block_size, max_num_batched_tokens=2048)
+        engine = llm.llm_engine
+        engine.add_request("r", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+        in_use = []  # blocks in use after each step
+        while engine.has_unfinished_requests():
+            engine.step()
+            kv = engine.kv_cache_manager
+            in_use.append(kv.pool.num_usable_blocks - kv.num_free_blocks)
+        # the decode steps: after the prompt's four 2,048-token chunks, before the request ends
+        held[ignore_window] = max(in_use[4:-1])
+    spec = rl.ModelSpec.from_hf_config(dict(
+        model_type="mistral", num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=500, sliding_window=512))
+    predicted = rl.sliding_window_kv(spec, context + new_tokens, block_size)["fraction_engine"]
+    assert held[True] == -(-(context + new_tokens) // block_size)  # 501 blocks
+    assert held[False] == 33
+    assert held[False] / held[True] == pytest.approx(predicted)

@@ -100,6 +100,7 @@ def build_plan(spec: rl.ModelSpec, hw: HardwareSpec, inputs: PlanInputs) -> dict
             "variants_bytes_per_token": {
                 name: {kv_dtype: rl.kv_bytes_per_token(v, kb)} for name, v in rl.kv_variants(spec).items()
             },
+            "sliding_window": rl.sliding_window_kv(spec, ctx, inputs.block_size),
         },
         "capacity": {**asdict(cap), "batch_fits": cap.max_sequences >= batch},
         "decode": {
@@ -154,6 +155,16 @@ def _rate(n: float, unit: str) -> str:
         if n >= scale:
             return f"{n / scale:,.2f} {prefix}{unit}"
     return f"{n:,.2f} {unit}"
+
+
+def _sliding_window_rows(window: dict[str, Any] | None, ctx: int) -> list[tuple[str, str]]:
+    if window is None:
+        return []
+    return [(f"sliding window {window['window']:,}",
+             f"{window['num_sliding_layers']} layers slide: at {ctx:,} tokens the model needs "
+             f"{window['fraction_per_layer_kv']:.1%} of full attention's KV; pagedllm holds "
+             f"{window['fraction_engine']:.1%}"
+             + (" (it frees blocks only when every layer slides)" if window["fraction_engine"] == 1.0 else ""))]
 
 
 def format_plan(plan: dict[str, Any]) -> str:
@@ -212,6 +223,7 @@ def format_plan(plan: dict[str, Any]) -> str:
                 + ("latent" if m["attention"] == "MLA" else "KV head") + ", per-layer scales too)",
             ),
         ] if kv["scale_bytes_per_token"] else []),
+        *_sliding_window_rows(kv.get("sliding_window"), ctx),
         ("weights", f"{_bytes(m['weight_bytes'])} ({_bytes(cap['weight_bytes_per_device'])} per device)"),
         (
             "memory left for KV",

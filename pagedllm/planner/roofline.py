@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedllm.config import kv_elements_per_token_per_layer
+from pagedllm.config import kv_elements_per_token_per_layer, sliding_window_layers
 
 # Bytes per element for the dtypes people pass as --dtype / --kv-cache-dtype.
 DTYPE_BYTES: dict[str, float] = {
@@ -79,6 +79,9 @@ class ModelSpec:
     moe_intermediate_size: int = 0
     first_k_dense_replace: int = 0
     moe_layer_freq: int = 1
+    # Sliding-window attention: num_sliding_layers of the layers attend over the last sliding_window tokens
+    sliding_window: int | None = None
+    num_sliding_layers: int = 0
     # Filled from the shape unless given (e.g. a published count that includes extra heads).
     num_params: int | None = None
     num_active_params: int | None = None
@@ -131,6 +134,7 @@ class ModelSpec:
         dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
         model_type = str(cfg.get("model_type", ""))
         kv_lora_rank = cfg.get("kv_lora_rank")
+        window, layer_types = sliding_window_layers(cfg)
         return cls(
             name=name or str(cfg.get("_name_or_path") or model_type or "model"),
             num_layers=int(cfg["num_hidden_layers"]),
@@ -155,6 +159,8 @@ class ModelSpec:
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0),
             first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
             moe_layer_freq=int(cfg.get("moe_layer_freq") or 1),
+            sliding_window=window,
+            num_sliding_layers=sum(t == "sliding_attention" for t in layer_types or ()),
         )
 
 
@@ -494,6 +500,27 @@ class Capacity:
     block_waste_tokens: int  # per request at this context: at most block_size - 1
     block_waste_bytes: float  # per request, whole model
     fits: bool = field(default=True)
+
+
+def sliding_window_kv(spec: ModelSpec, context_len: int, block_size: int) -> dict[str, Any] | None:
+    """What a sequence of context_len tokens holds with the window counted, as fractions of the same model
+    with windows ignored. A sliding layer needs only the blocks its window sees (ceil(window / block_size)
+    + 1); `fraction_per_layer_kv` is that over all layers (full layers hold everything: what separate KV
+    groups per layer type would hold). `fraction_engine` is what pagedllm's KV cache manager holds: it
+    frees blocks behind the window only when every layer slides, and otherwise keeps them all."""
+    if spec.sliding_window is None or spec.num_sliding_layers == 0:
+        return None
+    full_blocks = max(1, math.ceil(context_len / block_size))
+    window_blocks = min(full_blocks, math.ceil(spec.sliding_window / block_size) + 1)
+    num_full = spec.num_layers - spec.num_sliding_layers
+    per_layer = (num_full * full_blocks + spec.num_sliding_layers * window_blocks) / (spec.num_layers * full_blocks)
+    return {
+        "window": spec.sliding_window,
+        "num_sliding_layers": spec.num_sliding_layers,
+        "blocks_per_sequence_in_window": window_blocks,
+        "fraction_per_layer_kv": per_layer,
+        "fraction_engine": window_blocks / full_blocks if num_full == 0 else 1.0,
+    }
 
 
 def capacity(
