@@ -230,3 +230,20 @@ def test_blocks_in_use_at_8k_context_are_what_the_planner_predicts(tmp_path_fact
     assert held[True] == -(-(context + new_tokens) // block_size)  # 501 blocks
     assert held[False] == 33
     assert held[False] / held[True] == pytest.approx(predicted)
+
+
+def test_gemma3_rope_in_both_spellings() -> None:
+    """Published Gemma 3 configs write rope_theta (+ rope_scaling, global layers only) and
+    rope_local_base_freq; transformers 5 writes rope_parameters per layer type. Both read the same."""
+    from pagedllm.models.gemma import gemma3_rope_configs
+
+    published = dict(rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, max_position_embeddings=131072,
+                     rope_scaling={"rope_type": "linear", "factor": 8.0})
+    new = dict(max_position_embeddings=131072, rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    for hf in (published, new):
+        global_rope, local_rope = gemma3_rope_configs(hf)
+        assert global_rope.theta == 1_000_000.0 and global_rope.scaling["rope_type"] == "linear"
+        assert global_rope.scaling["factor"] == 8.0
+        assert local_rope.theta == 10_000.0 and local_rope.scaling is None
