@@ -98,6 +98,29 @@ def test_triton_kernels_match_float64_attention(dtype: torch.dtype, block_size: 
             torch.testing.assert_close(got.cpu().double(), expected, **tol)
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_kernels_take_sliding_windows_and_soft_caps(dtype: torch.dtype) -> None:
+    """Windows around a block and a split, soft-capping; blocks before each window are NaN: never read."""
+    from test_attention_kernels import WINDOWS, poison_outside_window
+
+    from pagedllm.attention.triton_paged import paged_attention_decode, paged_attention_varlen
+
+    for n, (seq_lens, query_lens) in enumerate(STEPS):
+        for window, cap in WINDOWS:
+            step = random_step(seq_lens, query_lens, 16, 2, 4, 128, dtype, seed=n)
+            if window is not None:
+                step = poison_outside_window(step, window)
+            expected = naive_attention(*step, 128 ** -0.5, sliding_window=window, logits_soft_cap=cap)
+            on = [t.to(DEVICE) for t in step]
+            got = paged_attention_varlen(*on, 128 ** -0.5, sliding_window=window, logits_soft_cap=cap)
+            torch.testing.assert_close(got.cpu().double(), expected, **TOL[dtype])
+            if max(query_lens) == 1:
+                got = paged_attention_decode(on[0], on[1], on[2], on[3], max(seq_lens), 128 ** -0.5,
+                                             sliding_window=window, logits_soft_cap=cap)
+                torch.testing.assert_close(got.cpu().double(), expected, **TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_torch_flash_recurrence_on_the_device(dtype: torch.dtype) -> None:
     from pagedllm.attention.torch_flash import paged_flash_attention
@@ -224,6 +247,26 @@ def test_weight_quantization(llama_dir: str, prompts: list[list[int]], quantizat
     llm = make_llm(llama_dir, dtype="bfloat16", quantization=quantization)
     got = greedy(llm, prompts[:3], max_tokens=8)
     assert all(len(ids) == 8 for ids, _ in got)
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "mistral"])
+def test_sliding_window_models_parity(tmp_path_factory: pytest.TempPathFactory, prompts: list[list[int]],
+                                      arch: str, backend: str) -> None:
+    """Windows of 40 tokens (Gemma: on local layers; Mistral: on every layer, whose blocks behind the window
+    go back to the pool), Gemma 2's soft caps, Gemma 3's local RoPE; chunked prefill across the window."""
+    extra: dict[str, Any] = dict(sliding_window=40)
+    if arch == "gemma2":
+        extra.update(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    model = build_model(tmp_path_factory.mktemp(arch), arch, num_hidden_layers=3, head_dim=32, seed=62,
+                        extra_config=extra)
+    llm = make_llm(model, attention_backend=backend, max_num_batched_tokens=64)
+    for prompt, (got, logprobs) in zip(prompts, greedy(llm, prompts)):
+        want, logits = hf_greedy(model, prompt, MAX_TOKENS)
+        assert_greedy_matches(model, prompt, got, want)
+        if got[0] == want[0]:
+            assert logprobs[0] == pytest.approx(torch.log_softmax(logits, -1)[want[0]].item(), abs=1e-4)
     assert_idle(llm)
 
 
