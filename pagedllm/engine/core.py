@@ -157,6 +157,12 @@ class EngineCore:
         # (rejected tokens move a request's position back, into blocks already given up) nor with a KV
         # connector (it ships whole tables).
         window = self.model_config.uniform_sliding_window
+        mixed = self.model_config.sliding_window if window is None else None
+        if mixed is not None:
+            types = self.model_config.layer_types or []
+            logger.info("sliding window %d on %d of %d layers: every KV block is kept (the full-attention layers "
+                        "read them all; attention still reads only each window)", mixed,
+                        types.count("sliding_attention"), len(types))
         if window is not None and (self.speculative_config is not None or args.kv_transfer_config is not None):
             logger.info("sliding window %d: every block is kept (speculative decoding or a KV connector)", window)
             window = None
