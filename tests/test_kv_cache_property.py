@@ -167,6 +167,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert num_cached == len(cached) * self.block_size < request.num_tokens
         self._record_hashes(request)
         for i, block in enumerate(cached):  # a hit is a block holding exactly this prefix
+            if block.block_id == self.null_id:  # (a window's hit: a block no query will read)
+                assert self.window is not None and i < num_cached - self.window + 1
+                continue
             assert block.block_hash == request.block_hashes[i]
             assert self.slots[block.block_id][-1] == tuple(tokens[:(i + 1) * self.block_size])
         num_new = min(chunk, request.num_tokens - num_cached)
@@ -398,8 +401,37 @@ def test_sliding_window_gives_back_the_blocks_behind_it() -> None:
     assert kv.allocate_slots(request, 1)  # decode at 30 sees 25 on: blocks 0-5 dead, 6 and 7 live
     assert kv.num_live_blocks("a") == 2 == cdiv(6, 4) and kv.num_window_freed_blocks == 6
     assert kv.take_table_changes()["a"][1][:6] == [null] * 6
-    # Freed, not forgotten: a request with the same prefix hits all seven full blocks.
+    # Freed, not forgotten: a request with the same prefix hits 28 tokens, the window's blocks (5, 6) real.
     blocks, num_cached = kv.get_computed_blocks(FakeRequest("b", list(range(30))), 29)
-    assert num_cached == 28 and null not in [b.block_id for b in blocks]
+    assert num_cached == 28 and [b.block_id for b in blocks][:5] == [null] * 5
+    assert null not in [b.block_id for b in blocks[5:]]
     kv.free("a")
     assert kv.num_free_blocks == kv.pool.num_usable_blocks == 9 and kv.reset_prefix_cache()
+
+
+def test_a_sliding_window_hit_needs_only_the_blocks_in_the_window() -> None:
+    """Window 6, blocks of 4: the query at 28 sees 23 on, i.e. blocks 5 and 6. With blocks 0-2 evicted a
+    request still hits 28 tokens: the null block stands in for blocks 0-4, which it never reads."""
+    kv = KVCacheManager(num_blocks=12, block_size=4, enable_caching=True, sliding_window=6)
+    null = kv.null_block
+    first = FakeRequest("a", list(range(30)))
+    assert kv.allocate_slots(first, 30)
+    first.num_computed_tokens = 30
+    kv.free("a")
+    for block_hash in first.block_hashes[:3]:  # evicted since
+        for block in list(kv.pool.cached_blocks[block_hash].values()):
+            kv.pool.uncache_block(block)
+    second = FakeRequest("b", list(range(30)))
+    blocks, num_cached = kv.get_computed_blocks(second, 29)
+    assert num_cached == 28 and blocks[:5] == [null] * 5 and null not in blocks[5:]
+    assert kv.allocate_slots(second, 2, blocks)
+    second.num_computed_tokens = 30
+    assert kv.num_live_blocks("b") == 3 and null.ref_cnt == 1  # blocks 5, 6 and the new 7
+    assert kv.req_to_block_ids["b"][:5] == [null.block_id] * 5
+    # Without the window's last block cached, the hit stops before it.
+    kv.free("b")
+    for block in list(kv.pool.cached_blocks[first.block_hashes[5]].values()):
+        kv.pool.uncache_block(block)
+    _, num_cached = kv.get_computed_blocks(FakeRequest("c", list(range(30))), 29)
+    assert num_cached == 20  # blocks 3, 4 cover what the query at 20 sees (15 on)
+    kv.free("c")

@@ -247,3 +247,22 @@ def test_gemma3_rope_in_both_spellings() -> None:
         assert global_rope.theta == 1_000_000.0 and global_rope.scaling["rope_type"] == "linear"
         assert global_rope.scaling["factor"] == 8.0
         assert local_rope.theta == 10_000.0 and local_rope.scaling is None
+
+
+def test_a_window_hit_survives_the_eviction_of_early_blocks(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every layer sliding: a prompt's early blocks go back to the pool first and are evicted first, yet the
+    same prompt later still hits the blocks its window needs, and gives transformers' tokens."""
+    model_dir = build_model(tmp_path_factory.mktemp("mistral_hit"), **CASES["mistral_window"])
+    prompt, other = random_prompts(2, 512, [150, 250], seed=49)
+    want = hf_greedy(model_dir, prompt, MAX_NEW_TOKENS)
+    # 23 blocks: the prompt's 11 come from the never-used ones; `other` (17) takes the remaining 12 and
+    # then the prompt's five oldest, its first blocks, which the window gave back first.
+    llm = LLM(model=model_dir, dtype="float32", seed=0, block_size=16, num_gpu_blocks_override=24,
+              max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=1)
+    llm.generate([prompt], params, use_tqdm=False)
+    llm.generate([other], params, use_tqdm=False)
+    assert llm.llm_engine.kv_cache_manager.pool.num_evictions > 0
+    outputs = llm.generate([prompt], params, use_tqdm=False)
+    _check(model_dir, [prompt], outputs, [want])
+    assert outputs[0].num_cached_tokens == 144  # nine blocks: what the window needs of them was kept

@@ -97,6 +97,8 @@ class KVCacheManager:
             return [], 0
         self._update_hashes(request)
         max_blocks = max(0, max_cached_tokens) // self.block_size
+        if self.sliding_window is not None:
+            return self._sliding_window_hit(request.block_hashes[:max_blocks])
         blocks: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.pool.get_cached_block(block_hash)
@@ -104,6 +106,24 @@ class KVCacheManager:
                 break
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
+
+    def _sliding_window_hit(self, block_hashes: list[BlockHash]) -> tuple[list[KVCacheBlock], int]:
+        """The longest hit of k blocks whose last ones, those the query at k * block_size can see, are all
+        cached; the blocks before them need not be (they would be given back at once): the null block
+        stands in for them. So a long shared prompt still hits after its early blocks were evicted."""
+        assert self.sliding_window is not None and self.null_block is not None
+        bs = self.block_size
+        found = [self.pool.get_cached_block(block_hash) for block_hash in block_hashes]
+        run = 0  # cached blocks in a row ending at block k - 1
+        best = 0
+        for k, block in enumerate(found, start=1):
+            run = run + 1 if block is not None else 0
+            if run >= k - max(0, k * bs - self.sliding_window + 1) // bs:
+                best = k
+        first = max(0, best * bs - self.sliding_window + 1) // bs
+        hit = [self.null_block] * first + [block for block in found[first:best] if block is not None]
+        assert len(hit) == best
+        return hit, best * bs
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_tokens
@@ -182,7 +202,7 @@ class KVCacheManager:
             if candidate.ref_cnt > 1:
                 cow_block = candidate
         num_evictable_touched = sum(1 for block in new_computed_blocks if block.ref_cnt == 0) \
-            if new_computed_blocks else 0
+            if new_computed_blocks else 0  # (the null block's ref count is never 0)
         if num_new_blocks + (cow_block is not None) > self.pool.num_free_blocks - num_evictable_touched:
             return None
 
@@ -190,7 +210,12 @@ class KVCacheManager:
         block_ids = self.req_to_block_ids.setdefault(request_id, [])
         first_changed = len(block_ids)
         if new_computed_blocks:
-            self.pool.touch(new_computed_blocks)
+            # (a sliding-window hit starts with null blocks: positions no query will read again)
+            num_null = sum(1 for block in new_computed_blocks if block is self.null_block)
+            if num_null:
+                assert not blocks and all(block is self.null_block for block in new_computed_blocks[:num_null])
+                self.num_skipped_blocks[request_id] = num_null
+            self.pool.touch(new_computed_blocks[num_null:])
             blocks.extend(new_computed_blocks)
             block_ids.extend(block.block_id for block in new_computed_blocks)
         if cow_block is not None:
