@@ -31,6 +31,7 @@ from pagedllm.layers.linear import (
 )
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.layers.sampler import argmax_rows
 from pagedllm.models.llama import LlamaMLP
 
 
@@ -177,7 +178,7 @@ class Gemma2ForCausalLM(nn.Module):
             # tanh keeps the order, but where it saturates two logits can round to one value: take the
             # argmax of what is sampled from.
             logits = self.compute_logits(hidden, upcast=False)
-            return None if logits is None else logits.argmax(dim=-1)
+            return None if logits is None else argmax_rows(logits)
         return self.lm_head.argmax(hidden)
 
     quantizable_weights = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
