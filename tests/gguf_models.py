@@ -56,9 +56,10 @@ def _encode(name: str, w: np.ndarray, kind: str, rng: np.random.Generator) -> tu
 
 
 def write_gguf(model_dir: str, path: str, weight_type: str = "F32", seed: int = 0,
-               arch_name: str | None = None) -> str:
+               arch_name: str | None = None, metadata: dict | None = None) -> str:
     """Write the tiny model in `model_dir` as a GGUF file at `path`, its 2-D weights in `weight_type`
-    (arch_name: declare another architecture, for refusal tests)."""
+    (arch_name: declare another architecture, for refusal tests; metadata: more keys, as the writer's
+    add_<name>(value) calls)."""
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     with open(os.path.join(model_dir, "tokenizer.json")) as f:
@@ -88,6 +89,8 @@ def write_gguf(model_dir: str, path: str, weight_type: str = "F32", seed: int = 
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     if config.get("sliding_window"):  # llama.cpp's converter writes Gemma's and Phi-3's window
         writer.add_sliding_window(config["sliding_window"])
+    for key, value in (metadata or {}).items():
+        getattr(writer, f"add_{key}")(value)
     if model_type == "gemma2":
         writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])

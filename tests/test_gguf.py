@@ -162,3 +162,18 @@ def test_serve_a_gguf_file_under_its_name(models, tmp_path):
         assert reply.usage.completion_tokens > 0
     finally:
         assert server.terminate() == 0, server.log()
+
+
+def test_gemma3_global_rope_scaling_and_local_base_come_from_the_metadata(models, tmp_path):
+    """llama.cpp writes Gemma 3's linear RoPE scaling (4B and up) and local base; transformers' GGUF map
+    drops both, so pagedllm reads them itself."""
+    import gguf
+
+    from pagedllm.config import ModelConfig
+    from pagedllm.models.gemma import gemma3_rope_configs
+
+    path = write_gguf(models["gemma3"], str(tmp_path / "tiny-rope.gguf"), metadata=dict(
+        rope_scaling_type=gguf.RopeScalingType.LINEAR, rope_scaling_factor=8.0, rope_freq_base_swa=20000.0))
+    global_rope, local_rope = gemma3_rope_configs(ModelConfig.from_pretrained(path).hf_config)
+    assert global_rope.scaling == {"rope_type": "linear", "factor": 8.0} and local_rope.theta == 20000.0
+    assert local_rope.scaling is None

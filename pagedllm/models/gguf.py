@@ -106,6 +106,8 @@ def read_hf_config(path: str) -> dict[str, Any]:
     else:
         raise ValueError(f"GGUF architecture {arch!r} of {path!r} is not supported; supported: "
                          f"{', '.join(sorted(set(_MODEL_TYPE_TO_ARCHITECTURE)))}.")
+    if model_type == "gemma3_text":
+        _read_gemma3_rope(reader, arch, hf)
     if model_type == "gemma2":
         # transformers' metadata map leaves these out; llama.cpp's converter writes them
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -120,6 +122,22 @@ def read_hf_config(path: str) -> dict[str, Any]:
         if value is not None:
             hf[key] = int(value)
     return hf
+
+
+def _read_gemma3_rope(reader, arch: str, hf: dict[str, Any]) -> None:
+    """Gemma 3's global-layer RoPE scaling (4B and up: linear, factor 8) and local-layer base, which
+    llama.cpp's converter writes and transformers' metadata map leaves out."""
+    params = hf.setdefault("rope_parameters", {})
+    full = params.setdefault("full_attention", {"rope_type": "default"})
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    if scaling == "linear" and factor:
+        full.update(rope_type="linear", factor=float(factor))
+    elif scaling not in (None, "none"):
+        raise ValueError(f"GGUF {arch}.rope.scaling.type {scaling!r} is not supported for Gemma 3 (linear only).")
+    local_base = _field(reader, f"{arch}.rope.freq_base_swa")
+    if local_base:
+        params.setdefault("sliding_attention", {"rope_type": "default"})["rope_theta"] = float(local_base)
 
 
 def _checkpoint_dtype(reader) -> str:
