@@ -29,6 +29,9 @@ ACCEPTANCE_DECAY = 0.8
 # Until step times show otherwise: one more position costs this fraction of a one-token pass (a
 # weight-bound pass over a few more rows costs little more than over one).
 PRIOR_COST_PER_TOKEN = 0.05
+# ...and never less than this (every position costs something: its query, its KV write, its logits row),
+# so that timing noise on a small model cannot make a rejected proposal look free.
+MIN_COST_PER_TOKEN = 0.01
 # Step times are forgotten at this rate per decode step (so the fit follows load and batch changes), and
 # the prior slope weighs as much as this many tokens^2 of spread in the measured step sizes.
 STEP_COST_DECAY = 0.98
@@ -87,7 +90,10 @@ class StepCostModel:
         if fit is None:
             return lambda n: 1.0 + PRIOR_COST_PER_TOKEN * (n - 1)
         a, b = fit
-        floor = 1e-3 * (a + b)  # a noisy fit never predicts a free or negative pass
+        one_token = max(a + b, 1e-9)
+        if b < MIN_COST_PER_TOKEN * one_token:
+            a, b = one_token * (1 - MIN_COST_PER_TOKEN), one_token * MIN_COST_PER_TOKEN
+        floor = 1e-3 * one_token  # a noisy fit never predicts a free or negative pass
         return lambda n: max(a + b * n, floor)
 
 
