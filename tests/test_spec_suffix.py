@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 from test_spec_decode import VOCAB, build_cycle_model, make_llm, mixed_batch, spec_values, token_ids
-from tiny_models import metric_values, random_prompts
+from tiny_models import build_model, metric_values, random_prompts
 
-from pagedllm import SamplingParams
+from pagedllm import LLM, SamplingParams
 from pagedllm.spec_decode.adaptive import StepCostModel, allocate_speculative_tokens
 from pagedllm.spec_decode.suffix import SuffixProposer, SuffixTree
 
@@ -255,3 +255,29 @@ def test_suffix_config(cycle_model: str) -> None:
         with pytest.raises(ValueError, match=field):
             make_llm(cycle_model, speculative_config=bad)
 
+
+
+# --- verification computes each position as plain decoding does ------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["CPU_FLASH", "TORCH_FLASH"])
+def test_verification_logits_equal_plain_decodings_in_bf16(tmp_path_factory: pytest.TempPathFactory,
+                                                          backend: str) -> None:
+    """Each of a verifying request's k+1 positions is attended to as a one-token query, as in plain
+    decoding, so its logits are the same to the bit (bf16 logits tie often; a last-bit difference from a
+    multi-row attention path flipped near-ties and the outputs differed from plain decoding's). The draft
+    is the target itself, so every step verifies k+1 positions."""
+    # SmolLM2-135M's attention shape (head_dim 64, 3 query heads per KV head), two layers
+    model = build_model(tmp_path_factory.mktemp("gqa3"), "llama", seed=4, hidden_size=192, num_attention_heads=3,
+                        num_key_value_heads=1, head_dim=64, intermediate_size=256, num_hidden_layers=2)
+    prompts = random_prompts(3, VOCAB, lengths=[40, 7, 90], seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    common = dict(dtype="bfloat16", attention_backend=backend, max_model_len=512, seed=0)
+    plain = LLM(model=model, **common).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model=model, speculative_model=model, num_speculative_tokens=8, **common)
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert spec_values(llm)["num_accepted_tokens"] > 0
+    for a, b in zip(plain, spec):
+        assert [list(d.values())[0].logprob for d in a.outputs[0].logprobs] == \
+            [list(d.values())[0].logprob for d in b.outputs[0].logprobs]
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
