@@ -621,7 +621,7 @@ def test_benchmark_runs_and_writes_json(tiny_llama_dir: str, close_draft_dir: st
     assert "tok/pass" in printed and "must-show:" in printed
     report = json.loads(out.read_text())
     results = report["results"]
-    workloads = ("summarize", "code-edit", "extract", "chat")
+    workloads = ("proofread", "code-edit", "extract", "chat")
     assert {(r["workload"], r["mode"], r["batch_size"], r["method"]) for r in results} == {
         (w, mode, 1, m) for w in workloads for mode in ("greedy", "seeded") for m in ("plain", "ngram", "suffix")
     } | {("mixed", mode, 2, m) for mode in ("greedy", "seeded") for m in ("plain", "ngram", "suffix")}

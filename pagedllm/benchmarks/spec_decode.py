@@ -1,7 +1,7 @@
 """`pagedllm bench spec-decode`: speculative decoding against plain decoding of the same requests, in one run.
 
 By default on the real model (SmolLM2-135M-Instruct), bf16, 2 threads, with chat workloads of 16 prompts
-each (spec_workloads.py): three where the reply repeats its input (`summarize`, `code-edit`, `extract`)
+each (spec_workloads.py): three where the reply repeats its input (`proofread`, `code-edit`, `extract`)
 and open-ended `chat`, each greedy and with seeded sampling. One engine per method (plain, `ngram`,
 `suffix`; `draft_model` with --draft-model), all on the same target; requests run one at a time (batch 1),
 the engines taking turns prompt by prompt so background load hits all of them alike; then the `mixed`
@@ -9,10 +9,11 @@ workload (the four interleaved) is run whole by each engine with --batch-size re
 
 Reported per row: whether every output equals plain decoding's token for token; acceptance (vLLM's
 accepted / drafted, and alpha, the per-token acceptance of the seed's formula); tokens per verifying target
-pass measured beside the formula's (1 - alpha^(k+1)) / (1 - alpha), averaged over the drafts' own k (k
-adapts per request and step); the share of decode steps that speculated; and the speed-up over plain
-decoding (batch 1: decode tokens/s, first token to last, and end to end; batch N: output tokens/s of the
-whole run). The last lines check the issue's must-show list against these ratios.
+pass measured beside the formula's (1 - alpha^(k+1)) / (1 - alpha), averaged over the drafts at each one's
+k and the alpha measured on drafts of that length (k adapts per request and step); the share of decode
+steps that speculated; and the speed-up over plain decoding (batch 1: decode tokens/s, first token to
+last, and end to end; batch N: output tokens/s of the whole run). The last lines check the must-show
+list against these ratios.
 
 The demo pair's raw-text workloads (`code`, `edit`: functions from this repository's source, continued or
 copied) remain: `--model <demo> --draft-model <demo draft> --methods draft_model ngram --workloads code edit`.
@@ -29,7 +30,13 @@ from typing import Any
 
 import pagedllm
 from pagedllm.benchmarks.reporting import write_json
-from pagedllm.benchmarks.spec_workloads import CHAT_WORKLOADS, GROUNDED_WORKLOADS, build_workload, mixed_workload
+from pagedllm.benchmarks.spec_workloads import (
+    ALL_WORKLOADS,
+    CHAT_WORKLOADS,
+    GROUNDED_WORKLOADS,
+    build_workload,
+    mixed_workload,
+)
 from pagedllm.spec_decode.spec_decoder import SpecDecodeStats
 
 EDIT_MARKER = "\n\n# An unchanged copy of the code above:\n"
@@ -61,7 +68,7 @@ class MethodResult:
     acceptance_rate: float = 0.0  # accepted / drafted tokens (vLLM's draft acceptance rate)
     alpha: float = 0.0  # per-token acceptance: accepted / (accepted + rejections)
     tokens_per_pass: float = 1.0  # measured: 1 + accepted per verified draft
-    tokens_per_pass_formula: float = 1.0  # (1 - alpha^(k+1)) / (1 - alpha) over the drafts' k
+    tokens_per_pass_formula: float = 1.0  # (1 - alpha^(k+1)) / (1 - alpha) over the drafts, by length
     speculating_steps: float = 0.0  # share of decode steps that verified proposals
     output_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -170,8 +177,8 @@ def stats_delta(engine: Engine, before: SpecDecodeStats) -> SpecDecodeStats:
     delta = SpecDecodeStats(engine.k, **{f: getattr(st, f) - getattr(before, f) for f in (
         "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "num_fully_accepted",
         "num_steps", "num_verify_steps")})
-    delta.drafted_per_pos = [a - b for a, b in zip(st.drafted_per_pos, before.drafted_per_pos)]
-    delta.accepted_per_pos = [a - b for a, b in zip(st.accepted_per_pos, before.accepted_per_pos)]
+    for name in ("drafted_per_pos", "accepted_per_pos", "drafts_by_len", "accepted_by_len", "fully_accepted_by_len"):
+        setattr(delta, name, [a - b for a, b in zip(getattr(st, name), getattr(before, name))])
     return delta
 
 
@@ -284,7 +291,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--methods", nargs="+", default=["ngram", "suffix"],
                         choices=["draft_model", "ngram", "suffix"])
     parser.add_argument("--workloads", nargs="+", default=list(CHAT_WORKLOADS),
-                        choices=list(CHAT_WORKLOADS) + list(RAW_WORKLOADS),
+                        choices=list(ALL_WORKLOADS) + list(RAW_WORKLOADS),
                         help="run at batch 1, each in every --modes")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
                         help="greedy, and seeded sampling (temperature 0.7, top-p 0.9, a seed per request)")

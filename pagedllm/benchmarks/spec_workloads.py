@@ -1,10 +1,13 @@
 """Chat workloads for `pagedllm bench spec-decode`: where the reply repeats its input, and where it does not.
 
 Each builder returns `num_prompts` conversations (lists of chat messages), deterministic for a seed:
-- `summarize`: a passage about a fictional place, person or product, to summarise (replies quote it);
+- `proofread`: a passage about a fictional place, person or product with one misspelt word, to give
+  back corrected (replies quote it);
 - `code-edit`: a function from this repository's source, to rewrite with one name changed;
-- `extract`: an invoice, shipping notice, booking or job advert, whose fields to list as JSON;
-- `chat`: open-ended questions, whose replies have no text to repeat.
+- `extract`: an invoice, shipping notice, booking or job advert, whose fields to copy out one per line;
+- `chat`: open-ended questions, whose replies have no text to repeat;
+- `summarize` (not in the default set): a passage to summarise; this small model paraphrases more than
+  it quotes there.
 The passages and documents are made from templates with random fillers, so any number of distinct ones
 exists and no model has seen them.
 """
@@ -17,8 +20,9 @@ from pathlib import Path
 
 import pagedllm
 
-GROUNDED_WORKLOADS = ("summarize", "code-edit", "extract")
-CHAT_WORKLOADS = GROUNDED_WORKLOADS + ("chat",)
+GROUNDED_WORKLOADS = ("proofread", "code-edit", "extract")
+CHAT_WORKLOADS = GROUNDED_WORKLOADS + ("chat",)  # the default set, and the mixed workload's parts
+ALL_WORKLOADS = CHAT_WORKLOADS + ("summarize",)
 
 Conversation = list[dict[str, str]]
 
@@ -141,6 +145,10 @@ def _functions(num_prompts: int) -> list[tuple[str, str]]:
 
 def build_workload(name: str, num_prompts: int, seed: int = 0) -> list[Conversation]:
     rng = random.Random(f"{name}-{seed}")
+    if name == "proofread":
+        return [[{"role": "user", "content": "Correct the spelling mistake in the following text. Reply with the "
+                  f"corrected text only.\n\n{_passage(rng, i).replace(' the ', ' teh ', 1)}"}]
+                for i in range(num_prompts)]
     if name == "summarize":
         return [[{"role": "user", "content": f"Summarize the following passage.\n\n{_passage(rng, i)}"}]
                 for i in range(num_prompts)]
@@ -152,12 +160,12 @@ def build_workload(name: str, num_prompts: int, seed: int = 0) -> list[Conversat
         conversations = []
         for i in range(num_prompts):
             text, fields = _document(rng, i)
-            conversations.append([{"role": "user", "content": f"Extract these fields from the document below and "
-                                   f"reply with JSON only: {', '.join(fields)}.\n\n{text}"}])
+            conversations.append([{"role": "user", "content": "Copy these fields from the document below, one per "
+                                   f"line as `field: value`: {', '.join(fields)}.\n\n{text}"}])
         return conversations
     if name == "chat":
         return [[{"role": "user", "content": CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)]}] for i in range(num_prompts)]
-    raise ValueError(f"workload must be one of {list(CHAT_WORKLOADS)}, got {name!r}.")
+    raise ValueError(f"workload must be one of {list(ALL_WORKLOADS)}, got {name!r}.")
 
 
 def mixed_workload(num_prompts: int, seed: int = 0) -> list[Conversation]:

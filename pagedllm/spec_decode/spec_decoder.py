@@ -73,6 +73,10 @@ class SpecDecodeStats:
     num_target_passes: int = 0     # target forward passes that verified anything
     accepted_per_pos: list[int] = field(default_factory=list)
     drafted_per_pos: list[int] = field(default_factory=list)
+    # By draft length k (index k - 1): drafts, their accepted tokens, and those accepted whole.
+    drafts_by_len: list[int] = field(default_factory=list)
+    accepted_by_len: list[int] = field(default_factory=list)
+    fully_accepted_by_len: list[int] = field(default_factory=list)
     # Wall-clock split, for benchmarks: where a speculative step's time goes.
     num_steps: int = 0             # engine steps (target passes of any kind)
     num_verify_steps: int = 0      # target passes that verified proposals (no prefill cost mixed in at batch 1)
@@ -87,6 +91,9 @@ class SpecDecodeStats:
     def __post_init__(self) -> None:
         self.accepted_per_pos = [0] * self.num_speculative_tokens
         self.drafted_per_pos = [0] * self.num_speculative_tokens
+        self.drafts_by_len = [0] * self.num_speculative_tokens
+        self.accepted_by_len = [0] * self.num_speculative_tokens
+        self.fully_accepted_by_len = [0] * self.num_speculative_tokens
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         self.num_drafts += 1
@@ -94,6 +101,9 @@ class SpecDecodeStats:
         self.num_accepted_tokens += num_accepted
         self.num_emitted_tokens += num_accepted + 1
         self.num_fully_accepted += num_accepted == num_draft
+        self.drafts_by_len[num_draft - 1] += 1
+        self.accepted_by_len[num_draft - 1] += num_accepted
+        self.fully_accepted_by_len[num_draft - 1] += num_accepted == num_draft
         for pos in range(num_draft):
             self.drafted_per_pos[pos] += 1
         for pos in range(num_accepted):
@@ -110,17 +120,18 @@ class SpecDecodeStats:
         trials = self.num_accepted_tokens + self.num_drafts - self.num_fully_accepted
         return self.num_accepted_tokens / trials if trials else 0.0
 
-    def expected_tokens_per_pass(self, alpha: float | None = None) -> float:
-        """The seed's formula (1 - alpha^(k+1)) / (1 - alpha) averaged over the verified drafts' own k
-        (under adaptive k they differ), at the measured per-token acceptance unless alpha is given."""
+    def expected_tokens_per_pass(self) -> float:
+        """The seed's formula (1 - alpha^(k+1)) / (1 - alpha), averaged over the verified drafts, each at its
+        own k and the per-token acceptance measured on drafts of that length (k adapts, and a proposer's
+        longer drafts are its more confident ones: one alpha for all would understate them)."""
         if not self.num_drafts:
             return 0.0
-        alpha = self.per_token_acceptance if alpha is None else alpha
         total = 0.0
-        for k in range(1, self.num_speculative_tokens + 1):
-            # drafted_per_pos[k-1] drafts had at least k tokens; those with exactly k:
-            num_k = self.drafted_per_pos[k - 1] - (self.drafted_per_pos[k] if k < self.num_speculative_tokens else 0)
-            total += num_k * expected_tokens_per_pass(alpha, k)
+        for k, (num, accepted, full) in enumerate(zip(self.drafts_by_len, self.accepted_by_len,
+                                                      self.fully_accepted_by_len), start=1):
+            if num:
+                trials = accepted + num - full
+                total += num * expected_tokens_per_pass(accepted / trials if trials else 1.0, k)
         return total / self.num_drafts
 
     @property
