@@ -613,13 +613,28 @@ def test_benchmark_runs_and_writes_json(tiny_llama_dir: str, close_draft_dir: st
     from pagedllm.benchmarks import spec_decode
 
     out = tmp_path / "spec.json"
-    assert spec_decode.main(["--model", tiny_llama_dir, "--draft-model", close_draft_dir, "--num-prompts", "2",
-                             "--input-len", "24", "--output-len", "8", "-k", "3", "--max-model-len", "256",
+    # (the tiny model's 512-token vocabulary spells a function in many tokens: a longer context)
+    assert spec_decode.main(["--model", tiny_llama_dir, "--num-prompts", "2", "--output-len", "8", "-k", "3",
+                             "--batch-size", "2", "--num-threads", "1", "--max-model-len", "4096",
                              "--output-json", str(out)]) == 0
-    assert "tok/pass" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "tok/pass" in printed and "must-show:" in printed
+    report = json.loads(out.read_text())
+    results = report["results"]
+    workloads = ("proofread", "code-edit", "extract", "chat")
+    assert {(r["workload"], r["mode"], r["batch_size"], r["method"]) for r in results} == {
+        (w, mode, 1, m) for w in workloads for mode in ("greedy", "seeded") for m in ("plain", "ngram", "suffix")
+    } | {("mixed", mode, 2, m) for mode in ("greedy", "seeded") for m in ("plain", "ngram", "suffix")}
+    for r in results:
+        assert r["num_identical"] == r["num_requests"] == 2  # outputs equal plain decoding's, token for token
+        assert 1.0 <= r["tokens_per_pass"] <= 4.0
+    assert any("identical to plain" in c["check"] for c in report["must_show"])
+    # the demo pair's raw-text workloads with a draft model
+    assert spec_decode.main(["--model", tiny_llama_dir, "--draft-model", close_draft_dir, "--methods", "draft_model",
+                             "ngram", "--workloads", "code", "edit", "--modes", "greedy", "--batch-size", "0",
+                             "--num-prompts", "2", "--input-len", "24", "--output-len", "8", "-k", "3",
+                             "--ignore-eos", "--output-json", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
     assert {(r["workload"], r["method"]) for r in results} == {
         (w, m) for w in ("code", "edit") for m in ("plain", "draft_model", "ngram")}
-    for r in results:
-        assert r["num_output_tokens"] == 2 * 8
-        assert 1.0 <= r["tokens_per_pass"] <= 4.0
+    assert all(r["num_output_tokens"] == 2 * 8 for r in results)

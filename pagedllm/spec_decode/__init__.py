@@ -1,8 +1,10 @@
-"""Speculative decoding: proposers (draft model, n-gram) and lossless verification.
+"""Speculative decoding: proposers (draft model, n-gram, suffix tree) and lossless verification.
 
 Configured with vLLM's two spellings: `LLM(model=..., speculative_model=draft, num_speculative_tokens=k)`
-or `speculative_config={"method": "draft_model" | "ngram", "model": ..., "num_speculative_tokens": k,
-"prompt_lookup_min": ..., "prompt_lookup_max": ..., "quantization": "int8" | "fp8"}` (also `--speculative-model`,
+or `speculative_config={"method": "draft_model" | "ngram" | "suffix", "model": ..., "num_speculative_tokens": k,
+"prompt_lookup_min": ..., "prompt_lookup_max": ..., "suffix_decoding_max_tree_depth": ...,
+"suffix_decoding_max_cached_requests": ..., "suffix_decoding_max_spec_factor": ...,
+"suffix_decoding_min_token_prob": ..., "quantization": "int8" | "fp8"}` (also `--speculative-model`,
 `--num-speculative-tokens`, `--speculative-config` on the command line).
 """
 
@@ -17,9 +19,13 @@ from pagedllm.config import ModelConfig
 if TYPE_CHECKING:
     from pagedllm.engine.arg_utils import EngineArgs
 
-METHODS = ("draft_model", "ngram")
+METHODS = ("draft_model", "ngram", "suffix")
+SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-               "adaptive_num_speculative_tokens", "quantization")
+               "adaptive_num_speculative_tokens", "quantization") + SUFFIX_KEYS
+# Proposers that need no model: a proposal costs next to nothing, so k may adapt down to 0 (and back).
+MODEL_FREE_METHODS = ("ngram", "suffix")
 # vLLM's default when neither bound is given: look up 5-grams only.
 DEFAULT_PROMPT_LOOKUP = 5
 
@@ -32,8 +38,15 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     draft_model_config: ModelConfig | None = None
-    # Beyond vLLM: pick each request's k (1..num_speculative_tokens) from its running acceptance.
+    # Beyond vLLM: pick each request's k from its running acceptance and the measured cost of a longer
+    # target pass (1..num_speculative_tokens for a draft model; 0..num_speculative_tokens for the
+    # model-free proposers, whose k comes back from 0 when their unverified proposals start matching).
+    # On by default for the model-free proposers, so that speculation never makes decoding slower.
     adaptive_num_speculative_tokens: bool = False
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, target: ModelConfig) -> SpeculativeConfig | None:
@@ -62,16 +75,28 @@ class SpeculativeConfig:
         if method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {list(METHODS)} (or give a draft model), "
                              f"got {method!r}.")
+        suffix = {key: raw.pop(key) for key in SUFFIX_KEYS if raw.get(key) is not None}
+        if suffix and method != "suffix":
+            raise ValueError(f"speculative_config {sorted(suffix)} apply to method 'suffix', not {method!r}.")
         k = raw.get("num_speculative_tokens")
+        if k is None and method == "suffix":  # vLLM: as many as the tree is deep
+            k = suffix.get("suffix_decoding_max_tree_depth", cls.suffix_decoding_max_tree_depth)
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an integer of at least 1, got {k!r}.")
-        adaptive = raw.get("adaptive_num_speculative_tokens", False)
+        adaptive = raw.get("adaptive_num_speculative_tokens")
+        if adaptive is None:
+            adaptive = method in MODEL_FREE_METHODS
         if not isinstance(adaptive, bool):
             raise ValueError(f"adaptive_num_speculative_tokens must be true or false, got {adaptive!r}.")
         config = cls(method=method, num_speculative_tokens=k, adaptive_num_speculative_tokens=adaptive)
+        if method in MODEL_FREE_METHODS and raw.get("quantization") is not None:
+            raise ValueError(f"speculative_config quantization applies to a draft model, not to method {method!r}.")
+        if method == "suffix":
+            for key, value in suffix.items():
+                setattr(config, key, value)
+            config.validate_suffix()
+            return config
         if method == "ngram":
-            if raw.get("quantization") is not None:
-                raise ValueError("speculative_config quantization applies to a draft model, not to method 'ngram'.")
             low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
             # vLLM: one bound given means both; none means 5.
             low = low if low is not None else (high if high is not None else DEFAULT_PROMPT_LOOKUP)
@@ -101,3 +126,14 @@ class SpeculativeConfig:
         config.draft_model_config = draft
         return config
 
+    def validate_suffix(self) -> None:
+        for key, low in (("suffix_decoding_max_tree_depth", 2), ("suffix_decoding_max_cached_requests", 0)):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{key} must be an integer of at least {low}, got {value!r}.")
+        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+            raise ValueError(f"suffix_decoding_max_spec_factor must be a positive number, got {factor!r}.")
+        if not isinstance(prob, (int, float)) or isinstance(prob, bool) or not 0 <= prob <= 1:
+            raise ValueError(f"suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}.")
+        self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob = float(factor), float(prob)

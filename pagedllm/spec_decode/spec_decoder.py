@@ -34,6 +34,7 @@ from pagedllm.outputs import position_logprobs
 from pagedllm.planner.roofline import speculative_tokens_per_pass as expected_tokens_per_pass
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode import SpeculativeConfig
+from pagedllm.spec_decode.adaptive import AcceptanceEstimate, StepCostModel, allocate_speculative_tokens
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import (
@@ -43,21 +44,17 @@ from pagedllm.spec_decode.rejection_sampler import (
     rejection_sample,
     rows_with_drafts,
 )
+from pagedllm.spec_decode.suffix import SuffixProposer
 from pagedllm.structured_output import GrammarBitmask
 
 if TYPE_CHECKING:
     from pagedllm.worker.model_runner import ModelRunner
 
 
-# Adaptive k: a request's acceptance is estimated from its own recent verifications (older ones decay),
-# starting from a prior worth a few verifications at the agreement measured for an independently trained
-# draft (the 1.4M-parameter demo draft agreed with its 12.6M target on 60% of greedy tokens). Only the
-# request's own history is used, so a seeded request stays reproducible.
-ACCEPTANCE_PRIOR = 0.6
-ACCEPTANCE_PRIOR_WEIGHT = 4.0
-ACCEPTANCE_DECAY = 0.8
-# An n-gram proposal costs nothing to make, but each extra position still costs the target pass a little.
-NGRAM_COST_PER_TOKEN = 0.05
+# Adaptive k with a draft model (adaptive.py for the model-free proposers): a request's acceptance is
+# estimated from its own recent verifications (AcceptanceEstimate: a prior of 0.6, the agreement measured
+# for an independently trained draft, the 1.4M-parameter demo draft with its 12.6M target), and k in
+# 1..num_speculative_tokens maximizes tokens per unit of time, a draft token costing draft_cost_per_token.
 
 
 def best_num_speculative_tokens(alpha: float, max_k: int, cost_per_token: float) -> int:
@@ -76,9 +73,16 @@ class SpecDecodeStats:
     num_target_passes: int = 0     # target forward passes that verified anything
     accepted_per_pos: list[int] = field(default_factory=list)
     drafted_per_pos: list[int] = field(default_factory=list)
+    # By draft length k (index k - 1): drafts, their accepted tokens, and those accepted whole.
+    drafts_by_len: list[int] = field(default_factory=list)
+    accepted_by_len: list[int] = field(default_factory=list)
+    fully_accepted_by_len: list[int] = field(default_factory=list)
     # Wall-clock split, for benchmarks: where a speculative step's time goes.
     num_steps: int = 0             # engine steps (target passes of any kind)
     num_verify_steps: int = 0      # target passes that verified proposals (no prefill cost mixed in at batch 1)
+    # Adaptive k of a model-free proposer: proposals held back (k = 0) and compared with the sampled token.
+    num_unverified_trials: int = 0
+    num_unverified_matches: int = 0
     num_propose_calls: int = 0     # propose() calls that proposed for at least one request
     execute_s: float = 0.0         # target pass: prepare, forward, sample/verify
     verify_execute_s: float = 0.0  # the part of execute_s spent in steps that verified proposals
@@ -87,6 +91,9 @@ class SpecDecodeStats:
     def __post_init__(self) -> None:
         self.accepted_per_pos = [0] * self.num_speculative_tokens
         self.drafted_per_pos = [0] * self.num_speculative_tokens
+        self.drafts_by_len = [0] * self.num_speculative_tokens
+        self.accepted_by_len = [0] * self.num_speculative_tokens
+        self.fully_accepted_by_len = [0] * self.num_speculative_tokens
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         self.num_drafts += 1
@@ -94,6 +101,9 @@ class SpecDecodeStats:
         self.num_accepted_tokens += num_accepted
         self.num_emitted_tokens += num_accepted + 1
         self.num_fully_accepted += num_accepted == num_draft
+        self.drafts_by_len[num_draft - 1] += 1
+        self.accepted_by_len[num_draft - 1] += num_accepted
+        self.fully_accepted_by_len[num_draft - 1] += num_accepted == num_draft
         for pos in range(num_draft):
             self.drafted_per_pos[pos] += 1
         for pos in range(num_accepted):
@@ -110,6 +120,20 @@ class SpecDecodeStats:
         trials = self.num_accepted_tokens + self.num_drafts - self.num_fully_accepted
         return self.num_accepted_tokens / trials if trials else 0.0
 
+    def expected_tokens_per_pass(self) -> float:
+        """The seed's formula (1 - alpha^(k+1)) / (1 - alpha), averaged over the verified drafts, each at its
+        own k and the per-token acceptance measured on drafts of that length (k adapts, and a proposer's
+        longer drafts are its more confident ones: one alpha for all would understate them)."""
+        if not self.num_drafts:
+            return 0.0
+        total = 0.0
+        for k, (num, accepted, full) in enumerate(zip(self.drafts_by_len, self.accepted_by_len,
+                                                      self.fully_accepted_by_len), start=1):
+            if num:
+                trials = accepted + num - full
+                total += num * expected_tokens_per_pass(accepted / trials if trials else 1.0, k)
+        return total / self.num_drafts
+
     @property
     def mean_tokens_per_pass(self) -> float:
         """Tokens one request gets from one verifying target pass (1 + accepted), on average."""
@@ -123,6 +147,7 @@ class DraftRequest:
     request_id: str
     all_token_ids: list[int]
     sampling_params: SamplingParams
+    num_prompt_tokens: int = 0
 
 
 class SpecDecoder:
@@ -134,9 +159,14 @@ class SpecDecoder:
         # never be freed, KV cache and all.
         self.target_runner = weakref.proxy(target_runner)
         self.scheduler_config = target_runner.scheduler_config
-        self.proposer: NgramProposer | DraftModelProposer
+        self.proposer: NgramProposer | SuffixProposer | DraftModelProposer
         if config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        elif config.method == "suffix":
+            self.proposer = SuffixProposer(config.suffix_decoding_max_tree_depth,
+                                           config.suffix_decoding_max_cached_requests,
+                                           config.suffix_decoding_max_spec_factor,
+                                           config.suffix_decoding_min_token_prob)
         else:
             assert config.draft_model_config is not None
             self.proposer = DraftModelProposer(config.draft_model_config, target_runner.block_size,
@@ -146,19 +176,24 @@ class SpecDecoder:
         # q of the current proposals, per request (draft model, non-greedy requests only).
         self.draft_probs: dict[str, torch.Tensor] = {}
         self.adaptive = config.adaptive_num_speculative_tokens
-        # Cost of one draft token relative to a target pass, fixed at start-up so that k never depends on
-        # timing (a seeded request must stay reproducible). A small model's step is part per-operator
-        # overhead (in proportion to layers: at these sizes microseconds per torch call dominate) and part
-        # weight reads (in proportion to bytes): take the geometric mean of the two ratios (on the demo
-        # pair it is 0.19; measured here 0.15-0.2).
+        self.model_free = not isinstance(self.proposer, DraftModelProposer)
+        # Cost of one draft token relative to a target pass (draft model), fixed at start-up. A small
+        # model's step is part per-operator overhead (in proportion to layers: at these sizes microseconds
+        # per torch call dominate) and part weight reads (in proportion to bytes): take the geometric mean
+        # of the two ratios (on the demo pair it is 0.19; measured here 0.15-0.2).
         if isinstance(self.proposer, DraftModelProposer):
             layer_ratio = (self.proposer.runner.model_config.num_hidden_layers
                            / target_runner.model_config.num_hidden_layers)
             byte_ratio = self.proposer.runner.weight_bytes() / self.target_runner.weight_bytes()
             self.draft_cost_per_token = (layer_ratio * byte_ratio) ** 0.5
         else:
-            self.draft_cost_per_token = NGRAM_COST_PER_TOKEN
-        self.acceptance: dict[str, list[float]] = {}  # request id -> [decayed accepted, decayed trials]
+            self.draft_cost_per_token = 0.0
+        self.acceptance: dict[str, AcceptanceEstimate] = {}
+        # Model-free adaptive k: the measured cost of a target pass by its size, and the proposal held
+        # back from each request at k = 0 (its first token), compared with what the target samples next.
+        self.step_cost = StepCostModel()
+        self.unverified: dict[str, int] = {}
+        self._last_step_s = 0.0
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
 
     # ---- the runner's hooks ----
@@ -175,6 +210,7 @@ class SpecDecoder:
             self.proposer.allocate(num_blocks + min(self.scheduler_config.max_num_seqs, num_blocks))
 
     def record_step(self, elapsed_s: float, output: ModelRunnerOutput) -> None:
+        self._last_step_s = elapsed_s
         self.stats.execute_s += elapsed_s
         self.stats.num_steps += 1
         if output.num_draft_tokens:
@@ -188,10 +224,14 @@ class SpecDecoder:
         for request_id in request_ids:
             self.acceptance.pop(request_id, None)
             self.draft_probs.pop(request_id, None)
+            self.unverified.pop(request_id, None)
 
     def propose(self, scheduled: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
         """Draft past this step's sampled tokens for every request that sampled; into output.spec_token_ids."""
         sampled = [s for s in scheduled if s.request.request_id in output.sampled_token_ids]
+        allocate = self.model_free and self.adaptive  # k from the proposals, acceptance and step cost
+        if allocate:
+            self._observe_step(scheduled, sampled, output)
         # Decodes are scheduled first; keep all of them with their proposals inside one step's budget, so
         # the scheduler never has to cut a request's proposals short.
         budget = self.scheduler_config.max_num_batched_tokens - len(sampled)
@@ -204,16 +244,19 @@ class SpecDecoder:
             new_tokens = output.sampled_token_ids[request.request_id]
             all_token_ids = request.all_token_ids + new_tokens
             num_output_tokens = len(request.output_token_ids) + len(new_tokens)
-            k = min(self.num_speculative_tokens_for(request.request_id), max_model_len - len(all_token_ids) - 1,
-                    budget)
+            k = min(self.num_speculative_tokens_for(request.request_id), max_model_len - len(all_token_ids) - 1)
+            if not allocate:
+                k = min(k, budget)
             max_tokens = request.sampling_params.max_tokens
             if max_tokens is not None:
                 k = min(k, max_tokens - num_output_tokens - 1)  # never draft past the length limit
             self.draft_probs.pop(request.request_id, None)
             if k <= 0:
                 continue
-            budget -= k
-            candidates.append(DraftRequest(request.request_id, all_token_ids, request.sampling_params))
+            if not allocate:
+                budget -= k
+            candidates.append(DraftRequest(request.request_id, all_token_ids, request.sampling_params,
+                                           request.num_prompt_tokens))
             base_rows.append(SamplingRow(request.sampling_params, request.prompt_token_ids,
                                          request.output_token_ids + new_tokens, request.generator,
                                          list(request.sampling_params.all_stop_token_ids)))
@@ -234,6 +277,8 @@ class SpecDecoder:
             proposals = self.proposer.propose(candidates, num_spec_tokens)  # type: ignore[arg-type]
         self.stats.propose_s += time.perf_counter() - start
         self.stats.num_propose_calls += bool(candidates)
+        if allocate:
+            proposals = self._allocate(candidates, proposals, len(sampled), budget)  # type: ignore[arg-type]
         for request in candidates:
             tokens, q = proposals.get(request.request_id, ([], None))
             if tokens:
@@ -242,16 +287,52 @@ class SpecDecoder:
                 self.draft_probs[request.request_id] = q
 
     def num_speculative_tokens_for(self, request_id: str) -> int:
-        if not self.adaptive:
+        """The most tokens to ask the proposer for (a model-free proposer's k is cut later, in _allocate)."""
+        if not self.adaptive or self.model_free:
             return self.num_speculative_tokens
-        accepted, trials = self.acceptance.get(request_id, (0.0, 0.0))
-        alpha = (accepted + ACCEPTANCE_PRIOR * ACCEPTANCE_PRIOR_WEIGHT) / (trials + ACCEPTANCE_PRIOR_WEIGHT)
+        alpha = self.acceptance[request_id].alpha if request_id in self.acceptance else AcceptanceEstimate().alpha
         return best_num_speculative_tokens(alpha, self.num_speculative_tokens, self.draft_cost_per_token)
 
     def _record_acceptance(self, request_id: str, num_draft: int, num_accepted: int) -> None:
-        state = self.acceptance.setdefault(request_id, [0.0, 0.0])
-        state[0] = ACCEPTANCE_DECAY * state[0] + num_accepted
-        state[1] = ACCEPTANCE_DECAY * state[1] + num_accepted + (num_accepted < num_draft)
+        estimate = self.acceptance.get(request_id)
+        if estimate is None:
+            estimate = self.acceptance[request_id] = AcceptanceEstimate()
+        estimate.record(num_draft, num_accepted)
+
+    def _observe_step(self, scheduled: list[ScheduledRequest], sampled: list[ScheduledRequest],
+                      output: ModelRunnerOutput) -> None:
+        """Learn from the step that just ran: its time (a decode step: every request computed its last
+        token and its proposals, no prompt chunk), and whether each held-back proposal matched."""
+        if len(sampled) == len(scheduled) and all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in scheduled):
+            self.step_cost.observe(sum(s.num_new_tokens for s in scheduled), self._last_step_s)
+        if not self.unverified:
+            return
+        for s in sampled:
+            request_id = s.request.request_id
+            held_back = self.unverified.pop(request_id, None)
+            if held_back is not None:
+                matched = output.sampled_token_ids[request_id][0] == held_back
+                self._record_acceptance(request_id, 1, int(matched))
+                self.stats.num_unverified_trials += 1
+                self.stats.num_unverified_matches += matched
+
+    def _allocate(self, candidates: list[DraftRequest], proposals: dict[str, tuple[list[int], None]],
+                  num_base_tokens: int, budget: int) -> dict[str, tuple[list[int], None]]:
+        """Cut each proposal to the k that adaptive.allocate_speculative_tokens gives its request; hold back
+        the first token of a proposal cut to nothing, to compare with the token the target samples."""
+        proposed = [request for request in candidates if request.request_id in proposals]
+        alphas = [self.acceptance[r.request_id].alpha if r.request_id in self.acceptance
+                  else AcceptanceEstimate().alpha for r in proposed]
+        lengths = [len(proposals[r.request_id][0]) for r in proposed]
+        ks = allocate_speculative_tokens(alphas, lengths, num_base_tokens, self.step_cost.cost_function(), budget)
+        kept: dict[str, tuple[list[int], None]] = {}
+        for request, k in zip(proposed, ks):
+            tokens = proposals[request.request_id][0]
+            if k:
+                kept[request.request_id] = (tokens[:k], None)
+            else:
+                self.unverified[request.request_id] = tokens[0]
+        return kept
 
     # ---- called by the target runner with the logits of the k+1 positions of every verified request ----
     def verify(self, verify: list[tuple[ScheduledRequest, int]], logits: torch.Tensor,

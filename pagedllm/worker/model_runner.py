@@ -409,8 +409,9 @@ class ModelRunner:
         sampled and its rows and positions come from it too, with no per-request lists built."""
         if continuing is not None and (batch := self._continue_decode(scheduled, continuing)) is not None:
             return batch
-        long = [s for s in scheduled if s.num_new_tokens > MAX_BATCHED_QUERY_LEN]
-        order = [s for s in scheduled if s.num_new_tokens <= MAX_BATCHED_QUERY_LEN] + long if long else scheduled
+        long = [s for s in scheduled if s.num_new_tokens > MAX_BATCHED_QUERY_LEN and not s.spec_token_ids]
+        order = [s for s in scheduled if s.num_new_tokens <= MAX_BATCHED_QUERY_LEN or s.spec_token_ids] + long \
+            if long else scheduled
         # One Python pass over the requests; everything else is whole-batch array work. This runs right
         # after the forward pass has flushed the CPU caches, where each small call costs several times
         # its warm price, so the step's inputs are built with as few calls as possible.
@@ -435,10 +436,27 @@ class ModelRunner:
             argmax_decode = argmax_decode and s.sample and request.always_argmax
         argmax_decode = argmax_decode and len(token_ids) == len(order)
         rows = self.block_tables.rows(request_ids)
-        inputs = step_inputs(token_ids, start_pos, query_lens, rows, self.block_tables.tensor, self.block_size,
-                             zero_pad=self.backend.needs_dense_masks)
-        return self._batch(order, len(order) - len(long), inputs, start_pos, query_lens, query_starts, request_ids,
-                           rows, argmax_decode)
+        entry_start_pos, entry_query_lens, entry_rows = start_pos, query_lens, rows
+        if len(token_ids) > len(order) and any(s.spec_token_ids for s in order):
+            # Speculative verification: each of a request's k+1 positions is attended to as a query of its
+            # own (a one-token "sequence" ending there, on the request's block table), exactly as plain
+            # decoding computes that position. Attention kernels take other paths for several query rows
+            # (another reduction order), and in bf16 such a last-bit difference flips near-tied argmaxes,
+            # so the output would differ from plain decoding's.
+            entry_start_pos, entry_query_lens, entry_rows = [], [], []
+            for s, start, num_new, row in zip(order, start_pos, query_lens, rows):
+                if s.spec_token_ids:
+                    entry_start_pos.extend(range(start, start + num_new))
+                    entry_query_lens.extend([1] * num_new)
+                    entry_rows.extend([row] * num_new)
+                else:
+                    entry_start_pos.append(start)
+                    entry_query_lens.append(num_new)
+                    entry_rows.append(row)
+        inputs = step_inputs(token_ids, entry_start_pos, entry_query_lens, entry_rows, self.block_tables.tensor,
+                             self.block_size, zero_pad=self.backend.needs_dense_masks)
+        return self._batch(order, len(order) - len(long), inputs, start_pos, entry_query_lens, query_starts,
+                           request_ids, rows, argmax_decode, num_short_entries=len(entry_query_lens) - len(long))
 
     def _continue_decode(self, scheduled: list[ScheduledRequest], last: _DecodeRun) -> Batch | None:
         order = last.order
@@ -471,9 +489,11 @@ class ModelRunner:
 
     def _batch(self, order: list[ScheduledRequest] | None, num_short: int, inputs: StepInputs,
                start_pos: list[int], query_lens: list[int], query_starts: list[int], request_ids: list[str],
-               rows: list[int], argmax_decode: bool, rows_tensor: torch.Tensor | None = None) -> Batch:
+               rows: list[int], argmax_decode: bool, rows_tensor: torch.Tensor | None = None,
+               num_short_entries: int | None = None) -> Batch:
         """The step's Batch from its flat inputs (step_inputs) and lists; `order` (None: all short) gives
-        the long prefill chunks, which follow the `num_short` short ones."""
+        the long prefill chunks, which follow the `num_short` short ones. query_lens and num_short_entries
+        count the attention's sequences (`inputs`'), which split a verifying request into one per token."""
         bs = self.block_size
         device = self.device
         dense = self.backend.needs_dense_masks
@@ -486,11 +506,13 @@ class ModelRunner:
         if long or dense:  # per-request views of the same arrays
             seq_lens, tables = inputs.seq_lens.numpy(), inputs.block_tables.numpy()
             num_blocks = (seq_lens + (bs - 1)) // bs
+        if num_short_entries is None:
+            num_short_entries = num_short
         if num_short and dense:
-            n = num_short
+            n = num_short_entries
             self._prepare_decodes(np.array(query_lens[:n], dtype=np.int64), seq_lens[:n],
                                   tables[:n, :int(num_blocks[:n].max())], metadata)
-        for i, (s, start) in enumerate(zip(long, query_starts[num_short:]), start=num_short):
+        for i, (s, start) in enumerate(zip(long, query_starts[num_short:]), start=num_short_entries):
             seq_len = int(seq_lens[i])
             prefill = PrefillSeq(query_start=start, query_len=s.num_new_tokens, seq_len=seq_len,
                                  block_table=on_device(torch.from_numpy(tables[i, :num_blocks[i]])))
