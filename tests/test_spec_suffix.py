@@ -52,7 +52,10 @@ def node_count(tree: SuffixTree) -> int:
     while stack:
         node = stack.pop()
         count += 1
-        assert node is tree.root or node.count >= sum(c.count for c in node.children.values())
+        assert node.total == sum(c.count for c in node.children.values())
+        assert node is tree.root or node.count >= node.total
+        if node.best is not None:  # the cached most frequent child is still one
+            assert node.best[1].count == max(c.count for c in node.children.values())
         stack.extend(node.children.values())
     return count
 
@@ -89,6 +92,7 @@ def test_suffix_tree_remove_frees_every_node() -> None:
     tree.extend("a", [1, 2, 3, 1, 2, 4])
     size_a = tree.num_nodes
     tree.extend("b", [9, 1, 2, 3, 7])
+    assert tree.speculate([1, 2], 2, 2.0, 0.0).token_ids == [3, 1]  # caches each node's best child
     tree.remove("a")
     only_b = SuffixTree(max_depth=4)
     only_b.extend("b", [9, 1, 2, 3, 7])

@@ -34,11 +34,21 @@ DEFAULT_MIN_TOKEN_PROB = 0.1
 
 
 class Node:
-    __slots__ = ("count", "children")
+    """count: suffixes through this node; total: the sum of its children's counts (the occurrences that
+    continued); best: its most frequent child (None: to be found again), so a proposal step is O(1)."""
+
+    __slots__ = ("count", "children", "total", "best")
 
     def __init__(self) -> None:
         self.count = 0
+        self.total = 0
         self.children: dict[int, Node] = {}
+        self.best: tuple[int, Node] | None = None
+
+    def best_child(self) -> tuple[int, Node]:
+        if self.best is None:
+            self.best = max(self.children.items(), key=lambda item: item[1].count)
+        return self.best
 
 
 @dataclass
@@ -82,6 +92,9 @@ class SuffixTree:
                     child = node.children[token] = Node()
                     self.num_nodes += 1
                 child.count += 1
+                node.total += 1
+                if node.best is not None and child.count > node.best[1].count:
+                    node.best = (token, child)
                 next_active.append(child)
             # The oldest suffix has reached max_depth tokens: it grows no further.
             active[:] = next_active[-max_active:] if len(next_active) > max_active else next_active
@@ -94,6 +107,9 @@ class SuffixTree:
             for token in tokens[start:start + self.max_depth]:
                 child = node.children[token]
                 child.count -= 1
+                node.total -= 1
+                if node.best is not None and node.best[1] is child:
+                    node.best = None  # another child may now be the most frequent
                 if child.count == 0:
                     # Every deeper node on this path counts only suffixes that pass through here.
                     del node.children[token]
@@ -132,10 +148,10 @@ def _follow(node: Node, max_tokens: int, min_token_prob: float) -> Candidate:
     candidate = Candidate()
     prob = 1.0
     while len(candidate.token_ids) < max_tokens and node.children:
-        token, child = max(node.children.items(), key=lambda item: item[1].count)
+        token, child = node.best_child()
         # Among the occurrences that continued: the one at the very end of the request (and any cut off
         # by the depth bound) says nothing about what follows.
-        prob *= child.count / sum(c.count for c in node.children.values())
+        prob *= child.count / node.total
         if prob < min_token_prob:
             break
         candidate.token_ids.append(token)
