@@ -117,6 +117,11 @@ class SuffixTree:
                     break
                 node = child
 
+    def suffix_nodes(self, seq_id: str) -> list[Node]:
+        """The nodes of the sequence's last 1, 2, ... max_depth - 1 tokens (its active nodes): what matching
+        those suffixes from the root would find, without walking."""
+        return self._seqs[seq_id][1][::-1]
+
     def match(self, pattern: list[int]) -> Node | None:
         node = self.root
         for token in pattern:
@@ -126,13 +131,17 @@ class SuffixTree:
         return node
 
     def speculate(self, context: list[int], max_tokens: int, max_spec_factor: float,
-                  min_token_prob: float) -> Candidate:
-        """The best path after any suffix of `context` (the suffix itself excluded: the whole context
-        ends where nothing follows yet)."""
+                  min_token_prob: float, suffix_nodes: list[Node] | None = None) -> Candidate:
+        """The best path after any suffix of `context` (its occurrence at the very end, which nothing
+        follows yet, does not count). suffix_nodes: the nodes of context's suffixes, shortest first, where
+        the caller has them (a sequence's own tree: suffix_nodes(seq_id))."""
         best = Candidate()
         context = context[-(self.max_depth - 1):]
         for match_len in range(1, len(context) + 1):
-            node = self.match(context[len(context) - match_len:])
+            if suffix_nodes is not None:
+                node = suffix_nodes[match_len - 1] if match_len <= len(suffix_nodes) else None
+            else:
+                node = self.match(context[len(context) - match_len:])
             if node is None:
                 break  # a longer suffix contains this one: it cannot occur either
             limit = min(max_tokens, int(match_len * max_spec_factor + 1e-6), self.max_depth - match_len)
@@ -207,11 +216,12 @@ class SuffixProposer:
     def propose_tokens(self, request: DraftRequest, num_tokens: int) -> list[int]:
         context = request.all_token_ids[-(self.max_tree_depth - 1):]
         best = Candidate()
-        trees = [self.local[request.request_id]] if request.request_id in self.local else []
+        local = self.local.get(request.request_id)
+        trees = [(local, local.suffix_nodes(""))] if local is not None else []
         if self.max_cached_requests:
-            trees.append(self.global_tree)
-        for tree in trees:
-            candidate = tree.speculate(context, num_tokens, self.max_spec_factor, self.min_token_prob)
+            trees.append((self.global_tree, None))
+        for tree, suffix_nodes in trees:
+            candidate = tree.speculate(context, num_tokens, self.max_spec_factor, self.min_token_prob, suffix_nodes)
             if candidate.score > best.score or (candidate.score == best.score
                                                 and candidate.match_len > best.match_len):
                 best = candidate
