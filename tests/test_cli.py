@@ -172,8 +172,8 @@ def test_help_shows_each_default_once_and_claims_no_hub_ids() -> None:
 def test_bench_spec_decode_takes_num_threads_and_several_k(tmp_path: Path) -> None:
     report = tmp_path / "spec.json"
     result = cli("bench", "spec-decode", "--num-threads", "1", "--num-prompts", "1", "--input-len", "32",
-                 "--output-len", "4", "--methods", "ngram", "--workloads", "code", "--dtype", "float32",
-                 "-k", "1", "3", "--output-json", str(report))
+                 "--output-len", "4", "--methods", "ngram", "--workloads", "code", "--modes", "greedy",
+                 "--batch-size", "0", "--dtype", "float32", "-k", "1", "3", "--output-json", str(report))
     assert result.returncode == 0, result.stderr
     rows = json.loads(report.read_text())["results"]
     assert [(r["method"], r["num_speculative_tokens"]) for r in rows] == [("plain", 0), ("ngram", 1), ("ngram", 3)]

@@ -52,7 +52,10 @@ def node_count(tree: SuffixTree) -> int:
     while stack:
         node = stack.pop()
         count += 1
-        assert node is tree.root or node.count >= sum(c.count for c in node.children.values())
+        assert node.total == sum(c.count for c in node.children.values())
+        assert node is tree.root or node.count >= node.total
+        if node.best is not None:  # the cached most frequent child is still one
+            assert node.best[1].count == max(c.count for c in node.children.values())
         stack.extend(node.children.values())
     return count
 
@@ -84,11 +87,25 @@ def test_suffix_tree_proposes_the_most_frequent_continuation_while_confident() -
     assert tree.speculate([42], 4, 1.0, 0.1).token_ids == []
 
 
+def test_a_sequences_own_suffix_nodes_give_what_matching_gives() -> None:
+    import random
+
+    rng = random.Random(0)
+    for _ in range(100):
+        tree = SuffixTree(max_depth=rng.randint(2, 8))
+        tokens = [rng.randint(0, 4) for _ in range(rng.randint(1, 40))]
+        tree.extend("s", tokens)
+        walked = tree.speculate(tokens, 5, 1.5, 0.1)
+        kept = tree.speculate(tokens, 5, 1.5, 0.1, tree.suffix_nodes("s"))
+        assert (walked.token_ids, walked.score, walked.match_len) == (kept.token_ids, kept.score, kept.match_len)
+
+
 def test_suffix_tree_remove_frees_every_node() -> None:
     tree = SuffixTree(max_depth=4)
     tree.extend("a", [1, 2, 3, 1, 2, 4])
     size_a = tree.num_nodes
     tree.extend("b", [9, 1, 2, 3, 7])
+    assert tree.speculate([1, 2], 2, 2.0, 0.0).token_ids == [3, 1]  # caches each node's best child
     tree.remove("a")
     only_b = SuffixTree(max_depth=4)
     only_b.extend("b", [9, 1, 2, 3, 7])
@@ -281,3 +298,30 @@ def test_verification_logits_equal_plain_decodings_in_bf16(tmp_path_factory: pyt
         assert [list(d.values())[0].logprob for d in a.outputs[0].logprobs] == \
             [list(d.values())[0].logprob for d in b.outputs[0].logprobs]
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_a_request_that_never_speculates_asks_the_proposer_rarely(tiny_llama_dir: str, method: str) -> None:
+    """After IDLE_AFTER_STEPS steps without speculation a request proposes only every PROBE_EVERY_STEPS
+    steps: text that matches nothing costs little proposing."""
+    from pagedllm.spec_decode.spec_decoder import IDLE_AFTER_STEPS, PROBE_EVERY_STEPS
+
+    llm = make_llm(tiny_llama_dir, speculative_config={"method": method, "num_speculative_tokens": K})
+    proposer = llm.llm_engine.spec_decoder.proposer
+    asked = []
+    original = proposer.propose
+
+    def propose(requests, num_spec_tokens):
+        asked.extend(r.request_id for r in requests)
+        return original(requests, num_spec_tokens)
+
+    proposer.propose = propose
+    # a random model's random continuation: nothing in it repeats
+    prompts = random_prompts(1, VOCAB, lengths=[12], seed=31)
+    max_tokens = 60
+    plain = token_ids(make_llm(tiny_llama_dir), prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    got = token_ids(llm, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    assert got == plain
+    steps = len(got[0]) - 1
+    assert llm.llm_engine.spec_decoder.stats.num_accepted_tokens == 0
+    assert len(asked) <= IDLE_AFTER_STEPS + steps / PROBE_EVERY_STEPS + 2 < steps

@@ -51,6 +51,10 @@ if TYPE_CHECKING:
     from pagedllm.worker.model_runner import ModelRunner
 
 
+# Model-free adaptive k: a request that has not speculated for this many steps proposes only every
+# PROBE_EVERY_STEPS steps (see SpecDecoder._idles).
+IDLE_AFTER_STEPS = 8
+PROBE_EVERY_STEPS = 4
 # Adaptive k with a draft model (adaptive.py for the model-free proposers): a request's acceptance is
 # estimated from its own recent verifications (AcceptanceEstimate: a prior of 0.6, the agreement measured
 # for an independently trained draft, the 1.4M-parameter demo draft with its 12.6M target), and k in
@@ -193,6 +197,7 @@ class SpecDecoder:
         # back from each request at k = 0 (its first token), compared with what the target samples next.
         self.step_cost = StepCostModel()
         self.unverified: dict[str, int] = {}
+        self.num_idle_steps: dict[str, int] = {}  # consecutive steps a request did not speculate
         self._last_step_s = 0.0
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
 
@@ -225,6 +230,7 @@ class SpecDecoder:
             self.acceptance.pop(request_id, None)
             self.draft_probs.pop(request_id, None)
             self.unverified.pop(request_id, None)
+            self.num_idle_steps.pop(request_id, None)
 
     def propose(self, scheduled: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
         """Draft past this step's sampled tokens for every request that sampled; into output.spec_token_ids."""
@@ -251,7 +257,7 @@ class SpecDecoder:
             if max_tokens is not None:
                 k = min(k, max_tokens - num_output_tokens - 1)  # never draft past the length limit
             self.draft_probs.pop(request.request_id, None)
-            if k <= 0:
+            if k <= 0 or (allocate and self._idles(request.request_id)):
                 continue
             if not allocate:
                 budget -= k
@@ -316,6 +322,17 @@ class SpecDecoder:
                 self.stats.num_unverified_trials += 1
                 self.stats.num_unverified_matches += matched
 
+    def _idles(self, request_id: str) -> bool:
+        """Whether a request that has not speculated for a while skips proposing this step: after
+        IDLE_AFTER_STEPS steps without speculation it proposes (and compares a held-back proposal) only
+        every PROBE_EVERY_STEPS steps, so text that matches nothing (open-ended chat) costs the proposer
+        little, while a request that starts repeating its input is noticed within a few steps."""
+        misses = self.num_idle_steps.get(request_id, 0)
+        if misses >= IDLE_AFTER_STEPS and misses % PROBE_EVERY_STEPS:
+            self.num_idle_steps[request_id] = misses + 1
+            return True
+        return False
+
     def _allocate(self, candidates: list[DraftRequest], proposals: dict[str, tuple[list[int], None]],
                   num_base_tokens: int, budget: int) -> dict[str, tuple[list[int], None]]:
         """Cut each proposal to the k that adaptive.allocate_speculative_tokens gives its request; hold back
@@ -332,6 +349,10 @@ class SpecDecoder:
                 kept[request.request_id] = (tokens[:k], None)
             else:
                 self.unverified[request.request_id] = tokens[0]
+        for request in candidates:
+            speculates = request.request_id in kept
+            self.num_idle_steps[request.request_id] = 0 if speculates else \
+                self.num_idle_steps.get(request.request_id, 0) + 1
         return kept
 
     # ---- called by the target runner with the logits of the k+1 positions of every verified request ----

@@ -34,11 +34,21 @@ DEFAULT_MIN_TOKEN_PROB = 0.1
 
 
 class Node:
-    __slots__ = ("count", "children")
+    """count: suffixes through this node; total: the sum of its children's counts (the occurrences that
+    continued); best: its most frequent child (None: to be found again), so a proposal step is O(1)."""
+
+    __slots__ = ("count", "children", "total", "best")
 
     def __init__(self) -> None:
         self.count = 0
+        self.total = 0
         self.children: dict[int, Node] = {}
+        self.best: tuple[int, Node] | None = None
+
+    def best_child(self) -> tuple[int, Node]:
+        if self.best is None:
+            self.best = max(self.children.items(), key=lambda item: item[1].count)
+        return self.best
 
 
 @dataclass
@@ -82,6 +92,9 @@ class SuffixTree:
                     child = node.children[token] = Node()
                     self.num_nodes += 1
                 child.count += 1
+                node.total += 1
+                if node.best is not None and child.count > node.best[1].count:
+                    node.best = (token, child)
                 next_active.append(child)
             # The oldest suffix has reached max_depth tokens: it grows no further.
             active[:] = next_active[-max_active:] if len(next_active) > max_active else next_active
@@ -94,12 +107,20 @@ class SuffixTree:
             for token in tokens[start:start + self.max_depth]:
                 child = node.children[token]
                 child.count -= 1
+                node.total -= 1
+                if node.best is not None and node.best[1] is child:
+                    node.best = None  # another child may now be the most frequent
                 if child.count == 0:
                     # Every deeper node on this path counts only suffixes that pass through here.
                     del node.children[token]
                     self.num_nodes -= _subtree_size(child)
                     break
                 node = child
+
+    def suffix_nodes(self, seq_id: str) -> list[Node]:
+        """The nodes of the sequence's last 1, 2, ... max_depth - 1 tokens (its active nodes): what matching
+        those suffixes from the root would find, without walking."""
+        return self._seqs[seq_id][1][::-1]
 
     def match(self, pattern: list[int]) -> Node | None:
         node = self.root
@@ -110,13 +131,17 @@ class SuffixTree:
         return node
 
     def speculate(self, context: list[int], max_tokens: int, max_spec_factor: float,
-                  min_token_prob: float) -> Candidate:
-        """The best path after any suffix of `context` (the suffix itself excluded: the whole context
-        ends where nothing follows yet)."""
+                  min_token_prob: float, suffix_nodes: list[Node] | None = None) -> Candidate:
+        """The best path after any suffix of `context` (its occurrence at the very end, which nothing
+        follows yet, does not count). suffix_nodes: the nodes of context's suffixes, shortest first, where
+        the caller has them (a sequence's own tree: suffix_nodes(seq_id))."""
         best = Candidate()
         context = context[-(self.max_depth - 1):]
         for match_len in range(1, len(context) + 1):
-            node = self.match(context[len(context) - match_len:])
+            if suffix_nodes is not None:
+                node = suffix_nodes[match_len - 1] if match_len <= len(suffix_nodes) else None
+            else:
+                node = self.match(context[len(context) - match_len:])
             if node is None:
                 break  # a longer suffix contains this one: it cannot occur either
             limit = min(max_tokens, int(match_len * max_spec_factor + 1e-6), self.max_depth - match_len)
@@ -132,10 +157,10 @@ def _follow(node: Node, max_tokens: int, min_token_prob: float) -> Candidate:
     candidate = Candidate()
     prob = 1.0
     while len(candidate.token_ids) < max_tokens and node.children:
-        token, child = max(node.children.items(), key=lambda item: item[1].count)
+        token, child = node.best_child()
         # Among the occurrences that continued: the one at the very end of the request (and any cut off
         # by the depth bound) says nothing about what follows.
-        prob *= child.count / sum(c.count for c in node.children.values())
+        prob *= child.count / node.total
         if prob < min_token_prob:
             break
         candidate.token_ids.append(token)
@@ -191,11 +216,12 @@ class SuffixProposer:
     def propose_tokens(self, request: DraftRequest, num_tokens: int) -> list[int]:
         context = request.all_token_ids[-(self.max_tree_depth - 1):]
         best = Candidate()
-        trees = [self.local[request.request_id]] if request.request_id in self.local else []
+        local = self.local.get(request.request_id)
+        trees = [(local, local.suffix_nodes(""))] if local is not None else []
         if self.max_cached_requests:
-            trees.append(self.global_tree)
-        for tree in trees:
-            candidate = tree.speculate(context, num_tokens, self.max_spec_factor, self.min_token_prob)
+            trees.append((self.global_tree, None))
+        for tree, suffix_nodes in trees:
+            candidate = tree.speculate(context, num_tokens, self.max_spec_factor, self.min_token_prob, suffix_nodes)
             if candidate.score > best.score or (candidate.score == best.score
                                                 and candidate.match_len > best.match_len):
                 best = candidate
