@@ -30,6 +30,7 @@ _openmp_wait_policy()
 
 from pagedllm.llm import LLM  # noqa: E402
 from pagedllm.logger import configure_logging  # noqa: E402
+from pagedllm.lora.request import LoRARequest  # noqa: E402
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from pagedllm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams  # noqa: E402
 from pagedllm.version import __version__  # noqa: E402
@@ -37,4 +38,4 @@ from pagedllm.version import __version__  # noqa: E402
 configure_logging()
 
 __all__ = ["LLM", "SamplingParams", "GuidedDecodingParams", "RequestOutputKind", "RequestOutput",
-           "CompletionOutput", "Logprob", "__version__"]
+           "CompletionOutput", "Logprob", "LoRARequest", "__version__"]

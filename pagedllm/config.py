@@ -121,6 +121,9 @@ class ModelConfig:
     quantization: QuantizationConfig | None = None
     # the generation_config.json that default sampling comes from ({} for generation_config="vllm")
     generation_config: dict[str, Any] = field(default_factory=dict)
+    # Multi-LoRA serving (a pagedllm.lora.config.LoRAConfig; None: adapters off): the model runner of
+    # each rank wraps its projections for it
+    lora_config: Any = None
 
     def get_diff_sampling_param(self) -> dict[str, Any]:
         """SamplingParams fields the model's generation config sets, as vLLM's `--generation-config auto`
@@ -410,3 +413,5 @@ class SchedulerConfig:
     # Step N+1 is planned while step N runs (see EngineCore): requests advance num_computed_tokens when
     # scheduled, and the worker appends the tokens it samples to its own copy of each request.
     async_scheduling: bool = False
+    # Most distinct LoRA adapters among the running requests (so in one step); 0: LoRA off
+    max_loras: int = 0

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType, run_worker_node
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.reader import Metric
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -47,7 +48,10 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """lora_request: one adapter for every prompt, or a list with one (or None: the base model) per
+        prompt (needs enable_lora=True)."""
         if self.llm_engine is None:
             raise ValueError("node_rank > 0: this LLM hosted worker ranks; generate on node 0.")
         prompt_list = _as_prompt_list(prompts)
@@ -59,13 +63,20 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts.")
-        return self._run(prompt_list, params_list, use_tqdm)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * len(prompt_list)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompt_list):
+                raise ValueError(f"lora_request has {len(lora_list)} entries for {len(prompt_list)} prompts.")
+        return self._run(prompt_list, params_list, use_tqdm, lora_list)
 
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool | None = None,
              continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate replies to conversations through the tokenizer's chat template.
 
         continue_final_message=True extends the last message (say, a started assistant reply) instead
@@ -86,19 +97,20 @@ class LLM:
             # the template already holds any BOS it wants; don't let the tokenizer add another
             token_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool,
+             loras: list[LoRARequest | None]) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 request_id = engine.next_request_id()
                 if isinstance(p, SamplingParams) and p.output_kind is not RequestOutputKind.FINAL_ONLY:
                     # as vLLM's LLM: only the final outputs are returned, so none is built before
                     p = p.clone()
                     p.output_kind = RequestOutputKind.FINAL_ONLY
-                engine.add_request(request_id, prompt, p)
+                engine.add_request(request_id, prompt, p, lora_request=lora)
                 ids.append(request_id)
         except ValueError:
             engine.abort_request(ids)  # refuse the whole call, leaving nothing behind

@@ -392,3 +392,57 @@ def perturbed_copy(src: str | os.PathLike, dst: Path, noise: float, seed: int = 
                for name, w in weights.items()}
     save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return str(dst)
+
+
+ALL_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build_lora_adapter(base_dir: str | os.PathLike, dst: str | os.PathLike, *, r: int = 8, lora_alpha: int = 16,
+                       target_modules: list[str] | None = None, use_rslora: bool = False, seed: int = 0,
+                       b_std: float = 0.1, dtype: torch.dtype = torch.float32) -> str:
+    """A PEFT LoRA adapter of the model in `base_dir`, saved by `get_peft_model(...).save_pretrained` with
+    seeded random A and nonzero B (std b_std), so it visibly changes the model's outputs."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=target_modules or ALL_LORA_TARGETS,
+                        lora_dropout=0.0, use_rslora=use_rslora, init_lora_weights=False, task_type="CAUSAL_LM")
+    model = get_peft_model(base, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * (b_std if "lora_B" in name else 0.3))
+                param.data = param.data.to(dtype)
+    model.save_pretrained(str(dst))
+    return str(dst)
+
+
+def load_hf_peft(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike) -> Any:
+    """transformers + PEFT: the base model with the adapter, fp32, eval mode (cached per pair)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    key = f"{base_dir}|{adapter_dir}"
+    if key not in _HF_MODEL_CACHE:
+        base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+        model = PeftModel.from_pretrained(base, str(adapter_dir))
+        model.float().eval()
+        _HF_MODEL_CACHE[key] = model
+    return _HF_MODEL_CACHE[key]
+
+
+@torch.no_grad()
+def hf_peft_greedy(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike | None, prompt_ids: list[int],
+                   max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """(greedy new ids, logits at every generated position [max_new_tokens, vocab]) of transformers + PEFT
+    (adapter_dir None: the base model), by repeated full forward passes (no cache: the plainest oracle)."""
+    model = load_hf_peft(base_dir, adapter_dir) if adapter_dir is not None else load_hf(base_dir)
+    ids = list(prompt_ids)
+    logits = []
+    for _ in range(max_new_tokens):
+        out = model(input_ids=torch.tensor([ids], dtype=torch.long)).logits[0, -1].float()
+        logits.append(out)
+        ids.append(int(out.argmax()))
+    return ids[len(prompt_ids):], torch.stack(logits)

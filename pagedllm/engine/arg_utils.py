@@ -59,6 +59,11 @@ class EngineArgs:
     quantization_group_size: int | None = None
     # Disaggregated prefill: a KVTransferConfig, its dict, or its JSON text (kv_role is required)
     kv_transfer_config: Any = None
+    # Multi-LoRA serving (vLLM's names): PEFT adapters named per request by a LoRARequest
+    enable_lora: bool = False
+    max_loras: int = 1          # adapters on the device at once, and the most distinct ones in one step
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept read in CPU memory (default: max_loras)
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -141,6 +146,13 @@ class EngineArgs:
         check(self.kv_transfer_config is None or self.tensor_parallel_size == 1,
               "kv_transfer_config needs tensor_parallel_size=1: each rank would serve its own shard of the "
               "blocks, and the connector moves one rank's.")
+        if self.enable_lora:
+            from pagedllm.lora.config import LoRAConfig
+
+            LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # a ValueError naming the field
+            check(self.quantization is None,
+                  f"enable_lora cannot be combined with quantization={self.quantization!r}: adapters apply to "
+                  "full-precision projections only.")
         check(self.kv_transfer_config is None or not self.calculate_kv_scales,
               "kv_transfer_config cannot be combined with calculate_kv_scales=True: each instance would take "
               "its per-layer scales from its own first batch, so one instance's codes would not decode on the "
@@ -217,6 +229,10 @@ class EngineArgs:
             "engine_id, kv_buffer_size, kv_connector_extra_config.transfer_timeout_s / staging_ttl_s)")
         add("--quantization-group-size", type=int, default=None,
             help="with --quantization int8: one scale per this many input channels instead of per row")
+        add("--enable-lora", action="store_true", help="serve PEFT LoRA adapters on the base model")
+        add("--max-loras", type=int, default=1, help="adapters on the device at once (and in one step)")
+        add("--max-lora-rank", type=int, default=16, help="highest adapter rank r accepted")
+        add("--max-cpu-loras", type=int, default=None, help="adapters kept in CPU memory (default: --max-loras)")
         return parser
 
     @classmethod

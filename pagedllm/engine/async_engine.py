@@ -30,6 +30,7 @@ from pagedllm.engine.core_client import CoreClient, InprocCoreClient, MPCoreClie
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.llm_engine import load_tokenizer
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.platform import freeze_gc_heap
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -226,7 +227,8 @@ class AsyncLLMEngine:
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
                           arrival_time: float | None = None, queue: OutputQueue | None = None,
-                          on_started: Callable[[], None] | None = None) -> RequestStream:
+                          on_started: Callable[[], None] | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Check a request and hand it to the core.
 
         Raises ValueError for an invalid prompt or parameters (before any output), so the server can
@@ -243,7 +245,7 @@ class AsyncLLMEngine:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use.")
             text, core_request = self.input_processor.process(request_id, prompt, params,
-                                                              arrival_time or time.time())
+                                                              arrival_time or time.time(), lora_request)
         except BaseException:
             stream.started()
             stream.finished = True
@@ -255,9 +257,10 @@ class AsyncLLMEngine:
         return stream
 
     async def generate(self, prompt: Any, params: SamplingParams, request_id: str,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       arrival_time: float | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """The RequestOutputs of one request (as its output_kind says); leaving the loop early aborts it."""
-        stream = await self.add_request(request_id, prompt, params, arrival_time)
+        stream = await self.add_request(request_id, prompt, params, arrival_time, lora_request=lora_request)
         async for output in stream:
             yield output
 

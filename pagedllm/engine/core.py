@@ -24,6 +24,7 @@ from pagedllm.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerOut
 from pagedllm.executor.abstract import Executor, ExecutorDeadError
 from pagedllm.kv_cache.manager import KVCacheManager
 from pagedllm.kv_cache.snapshot import KVCacheSnapshot
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.reader import Counter, Gauge, Histogram, Metric
 from pagedllm.outputs import PositionLogprobs, RequestMetrics
 from pagedllm.platform import configure_threads, freeze_gc_heap
@@ -48,6 +49,7 @@ class EngineCoreRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
+    lora_request: LoRARequest | None = None
 
     __reduce__ = _compact_reduce
 
@@ -211,10 +213,15 @@ class EngineCore:
         params = request.sampling_params
         if request.request_id in self.scheduler.requests or request.request_id in self._num_samples:
             raise ValueError(f"request_id {request.request_id!r} is already in use.")
+        if request.lora_request is not None:
+            # Read into every rank's CPU cache now, not in the step that first runs it (a ValueError for a
+            # bad adapter fails this request alone)
+            self.model_executor.collective_rpc("add_lora", (request.lora_request,))
         core_request = Request(request.request_id, request.prompt_token_ids, params,
                                arrival_time=request.arrival_time,
                                defer_outputs=(self.defer_final_outputs and not params.stop
-                                              and params.output_kind is RequestOutputKind.FINAL_ONLY))
+                                              and params.output_kind is RequestOutputKind.FINAL_ONLY),
+                               lora_request=request.lora_request)
         if params.n > 1:
             self._num_samples[request.request_id] = params.n
         self.scheduler.add_request(core_request)

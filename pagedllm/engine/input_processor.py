@@ -13,6 +13,8 @@ from pagedllm.config import ModelConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import EngineCoreRequest
 from pagedllm.kv_cache.manager import cdiv
+from pagedllm.lora.peft import validate_adapter
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import StructuredOutputManager
 
@@ -31,6 +33,7 @@ class InputProcessor:
         # (an in-process core shares its manager, so its cache of compiled grammars serves both)
         self.structured_output_manager = structured_output_manager or StructuredOutputManager(
             tokenizer, model_config.vocab_size, model_config.eos_token_ids)
+        self._valid_loras: set[tuple[int, str]] = set()  # (lora_int_id, lora_path) checked already
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -49,8 +52,9 @@ class InputProcessor:
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
-                arrival_time: float) -> tuple[str | None, EngineCoreRequest]:
+                arrival_time: float, lora_request: LoRARequest | None = None) -> tuple[str | None, EngineCoreRequest]:
         """(the prompt's text if it had one, the request for the core); ValueError for bad input."""
+        self.validate_lora(lora_request)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
@@ -62,7 +66,23 @@ class InputProcessor:
         # As vLLM: the model's EOS ids (generation_config's included) are among the ids min_tokens masks
         # even with ignore_eos, which only stops EOS from ending the request.
         params.all_stop_token_ids = set(params.stop_token_ids) | set(self.model_config.eos_token_ids)
-        return text, EngineCoreRequest(request_id, token_ids, params, arrival_time)
+        return text, EngineCoreRequest(request_id, token_ids, params, arrival_time, lora_request)
+
+    def validate_lora(self, lora_request: LoRARequest | None) -> None:
+        """The adapter's config and tensor shapes against the model (its header only: the engine core reads
+        the weights), each adapter once."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}.")
+        lora_config = self.model_config.lora_config
+        if lora_config is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r}: LoRA is not enabled; start the engine "
+                             "with enable_lora=True (--enable-lora).")
+        key = (lora_request.lora_int_id, lora_request.lora_path)
+        if key not in self._valid_loras:
+            validate_adapter(lora_request.lora_path, lora_config, self.model_config)
+            self._valid_loras.add(key)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         max_len = self.model_config.max_model_len

@@ -24,6 +24,7 @@ from pagedllm.engine.scheduler import Scheduler
 from pagedllm.executor.abstract import Executor
 from pagedllm.kv_cache.manager import KVCacheManager
 from pagedllm.kv_cache.snapshot import KVCacheSnapshot
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.reader import Metric
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -108,6 +109,11 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     if model_config.quantization is not None and parallel_config.world_size > 1:
         raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet: the quantized "
                          "projections are not sharded; use tensor_parallel_size=1.")
+    if args.enable_lora:
+        from pagedllm.lora.config import LoRAConfig
+
+        model_config.lora_config = LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
+        scheduler_config.max_loras = args.max_loras
     speculative_config = SpeculativeConfig.from_engine_args(args, model_config)
     if speculative_config is not None and args.async_scheduling:
         raise ValueError("async_scheduling=True cannot be combined with speculative decoding yet: each step's "
@@ -227,10 +233,11 @@ class LLMEngine:
         return self.input_processor.tokenize(prompt)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
         if request_id in self.output_processor.states:
             raise ValueError(f"request_id {request_id!r} is already in use.")
-        text, core_request = self.input_processor.process(request_id, prompt, params, arrival_time or time.time())
+        text, core_request = self.input_processor.process(request_id, prompt, params, arrival_time or time.time(),
+                                                          lora_request)
         self.engine_core.add_request(core_request)
         self.output_processor.add_request(request_id, text, core_request.prompt_token_ids,
                                           core_request.sampling_params, core_request.arrival_time)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.kv_cache.hashing import BlockHash
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import PositionLogprobs, RequestMetrics
 from pagedllm.sampling_params import SamplingParams
 
@@ -53,6 +54,8 @@ class Request:
     # Nobody reads its tokens before it ends (see EngineCore.defer_final_outputs): the core sends its
     # output once, when it finishes, instead of a delta every step.
     defer_outputs: bool = False
+    # The PEFT adapter it runs under (None: the base model); its id keys its prefix-cache blocks
+    lora_request: LoRARequest | None = None
     # The rest is the request's state, declared here for the slots (a slotted object keeps its attributes in
     # itself, which the per-step loops over every running request reach with fewer cache misses than an
     # attribute dict); those derived from the fields above are set in __post_init__.
@@ -142,7 +145,8 @@ def make_child(parent: Request, index: int) -> Request:
         params.seed = (params.seed + index + 2**63) % 2**64 - 2**63  # stays a valid torch seed
     child = Request(request_id=f"{index}_{parent.request_id}", prompt_token_ids=parent.prompt_token_ids,
                     sampling_params=params, arrival_time=parent.arrival_time, prompt=parent.prompt,
-                    parent_id=parent.request_id, index=index, defer_outputs=parent.defer_outputs)
+                    parent_id=parent.request_id, index=index, defer_outputs=parent.defer_outputs,
+                    lora_request=parent.lora_request)
     child.block_hashes = list(parent.block_hashes)
     child.metrics = parent.metrics
     child.prompt_logprobs = parent.prompt_logprobs

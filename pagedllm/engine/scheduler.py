@@ -260,8 +260,16 @@ class Scheduler:
             budget -= num_new
 
         # Admit waiting requests, unless this step had to preempt (memory is short).
+        max_loras = self.config.max_loras
+        running_loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request} if max_loras else set()
         while self.waiting and budget > 0 and not preempted and not self.needs_sync:
             request = self._next_waiting()
+            if max_loras and not self._lora_fits(request, running_loras):
+                # Its adapter would be one more than the slots: it waits for one to free, and the first
+                # request that fits goes ahead of it
+                request = next((r for r in self.waiting if self._lora_fits(r, running_loras)), None)
+                if request is None:
+                    break
             if ahead and (request.is_fork_parent or request.sampling_params.guided_decoding is not None):
                 # Admitted by a plan made after the step in flight (see can_schedule_ahead): ask for one,
                 # or it (and everyone queued behind it) would wait until the running requests all end.
@@ -298,6 +306,8 @@ class Scheduler:
             self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
+            if request.lora_request is not None and max_loras:
+                running_loras.add(request.lora_request.lora_int_id)
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
@@ -418,6 +428,11 @@ class Scheduler:
         block_ids = self.kv.get_block_ids(request.request_id) if self.connector is not None else ()
         return ScheduledRequest(request, num_new, start, block_ids, reaches_end and not request.is_fork_parent,
                                 list(spec) if spec else [])
+
+    def _lora_fits(self, request: Request, running_loras: set[int]) -> bool:
+        """Whether admitting `request` keeps the running requests within max_loras distinct adapters."""
+        lora = request.lora_request
+        return lora is None or lora.lora_int_id in running_loras or len(running_loras) < self.config.max_loras
 
     def _next_waiting(self) -> Request:
         if self.config.scheduling_policy == "lpm" and len(self.waiting) > 1:

@@ -87,7 +87,11 @@ class KVCacheManager:
 
     def _update_hashes(self, request: CacheableRequest) -> None:
         if self.enable_caching:
-            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+            # A block computed under a LoRA adapter holds that adapter's KV: its id keys the hash, so it is
+            # never a hit for another adapter or the base model
+            lora = getattr(request, "lora_request", None)
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                                ("lora", lora.lora_int_id) if lora is not None else ())
 
     def get_computed_blocks(self, request: CacheableRequest, max_cached_tokens: int
                             ) -> tuple[list[KVCacheBlock], int]:

@@ -133,6 +133,13 @@ class ModelRunner:
                                         self.kv_dtype, device, self.block_size,
                                         calculate_kv_scales=cache_config.calculate_kv_scales)
         self.model = load_model(model_config, self.backend, device, tp_rank, tp_size, batch_invariant)
+        # Multi-LoRA: wraps the projections with the batched adapter delta; each step sets its token slots
+        self.lora_manager = None
+        if model_config.lora_config is not None:
+            from pagedllm.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(self.model, model_config, model_config.lora_config, device,
+                                            tp_rank, tp_size)
         # A one-byte cache with a checkpoint's per-layer k_scale / v_scale (vLLM's fp8 KV checkpoints).
         self.checkpoint_kv_scales = None
         if is_quantized(self.kv_dtype) and not model_config.is_mla and not cache_config.calculate_kv_scales:
@@ -167,6 +174,11 @@ class ModelRunner:
             from pagedllm.spec_decode.spec_decoder import SpecDecoder  # the drafter holds a ModelRunner itself
 
             self.spec_decoder = SpecDecoder(speculative_config, self, seed=seed)
+
+    def require_lora_manager(self):  # -> LoRAManager
+        if self.lora_manager is None:
+            raise ValueError("lora_request: LoRA is not enabled; start the engine with enable_lora=True.")
+        return self.lora_manager
 
     # ---- KV cache ----
     def kv_cache_bytes_per_block(self) -> int:
@@ -435,6 +447,9 @@ class ModelRunner:
                 token_ids.extend(s.spec_token_ids[:end - len(known)])
             argmax_decode = argmax_decode and s.sample and request.always_argmax
         argmax_decode = argmax_decode and len(token_ids) == len(order)
+        if self.lora_manager is not None:
+            # each token's adapter slot (a continued decode keeps the last step's: same requests, one token each)
+            self.lora_manager.prepare_step([s.request.lora_request for s in order], query_lens)
         rows = self.block_tables.rows(request_ids)
         entry_start_pos, entry_query_lens, entry_rows = start_pos, query_lens, rows
         if len(token_ids) > len(order) and any(s.spec_token_ids for s in order):

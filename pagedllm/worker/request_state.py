@@ -20,6 +20,7 @@ import torch
 
 from pagedllm.distributed.kv_transfer.base import KVConnectorMetadata
 from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import GrammarBitmask
 
@@ -29,6 +30,7 @@ class NewRequestData:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -93,6 +95,7 @@ class CachedRequestState:
     all_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None   # created by the runner on first use when seeded
     num_prompt_logprobs_computed: int = 0
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         self.always_argmax = self.sampling_params.always_argmax  # as Request's
@@ -125,7 +128,8 @@ class SchedulerOutputEncoder:
             request_id = request.request_id
             sent = num_sent_tokens.get(request_id)
             if sent is None:
-                new_requests.append(NewRequestData(request_id, request.prompt_token_ids, request.sampling_params))
+                new_requests.append(NewRequestData(request_id, request.prompt_token_ids, request.sampling_params,
+                                                   request.lora_request))
                 sent = request.num_prompt_tokens
             # With async scheduling the worker appends the tokens it samples itself: those of steps still
             # running (placeholders here) are the worker's already, and are never sent.
@@ -159,7 +163,8 @@ class RequestStates:
             self.requests.pop(request_id, None)
         for new in message.new_requests:
             self.requests[new.request_id] = CachedRequestState(
-                new.request_id, new.prompt_token_ids, new.sampling_params, list(new.prompt_token_ids))
+                new.request_id, new.prompt_token_ids, new.sampling_params, list(new.prompt_token_ids),
+                lora_request=new.lora_request)
         scheduled = []
         columns = message.scheduled
         requests = self.requests

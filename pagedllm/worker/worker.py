@@ -51,6 +51,17 @@ class Worker:
         self.num_computed_tokens = 0  # tokens run through the model, for per-token communication figures
         self.num_continued_decodes = 0  # steps built from the last one's arrays (execute_model_remote)
 
+    def add_lora(self, lora_request) -> bool:  # a pagedllm.lora.request.LoRARequest
+        """Read an adapter into this rank's CPU cache (ValueError if it is bad)."""
+        self.model_runner.require_lora_manager().add_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.model_runner.require_lora_manager().remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.model_runner.require_lora_manager().list_loras()
+
     def determine_num_blocks(self) -> int:
         return self.model_runner.determine_num_blocks()
 
