@@ -178,3 +178,39 @@ def test_chat_takes_a_lora_request(lora_setup: dict) -> None:
     tokens = [tuple(llm.chat(messages, PARAMS, use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids)
               for lora in (None, requests["all"])]
     assert tokens[0] != tokens[1]
+
+
+MIXED_NAMES = ["all", None, "attn", "mlp"]
+
+
+def _mixed(lora_setup: dict) -> tuple[list[list[int]], list[LoRARequest | None]]:
+    # repetitive prompts, so that n-gram proposals fire
+    prompts = [p * 3 for p in random_prompts(len(MIXED_NAMES), 512, [6, 4, 9, 5], seed=11)]
+    return prompts, [lora_setup["requests"][n] if n else None for n in MIXED_NAMES]
+
+
+@pytest.mark.parametrize("engine", ["tp2", "async_scheduling", "ngram", "draft_model"])
+def test_adapters_under_tp_speculation_and_async_scheduling(lora_setup: dict, engine: str, tmp_path) -> None:
+    """Tensor parallelism (A replicated or column-split, B split as its layer), speculative decoding (the
+    draft proposes without the adapter, the target verifies with it) and a worker process with async
+    scheduling (the adapter travels with the request) give the plain engine's adapter tokens."""
+    from tiny_models import perturbed_copy
+
+    base = lora_setup["base"]
+    prompts, loras = _mixed(lora_setup)
+    want = [list(o.outputs[0].token_ids) for o in make_llm(base).generate(prompts, PARAMS, use_tqdm=False,
+                                                                             lora_request=loras)]
+    extra = {"tp2": dict(tensor_parallel_size=2),
+             "async_scheduling": dict(async_scheduling=True),
+             "ngram": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                               "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+             "draft_model": dict(speculative_model=perturbed_copy(base, tmp_path / "draft", noise=0.03),
+                                 num_speculative_tokens=3)}[engine]
+    llm = make_llm(base, **extra)
+    try:
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=loras)]
+        assert got == want
+        if engine in ("ngram", "draft_model"):
+            assert metric_values(llm)["pagedllm:spec_decode_num_draft_tokens"] > 0  # verification ran
+    finally:
+        llm.shutdown()
