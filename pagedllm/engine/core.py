@@ -188,6 +188,7 @@ class EngineCore:
                                    self.structured_output_manager, connector=self.kv_connector)
         self.num_prompt_tokens = 0
         self.finished_reasons: TallyCounter[str] = TallyCounter()
+        self.lora_requests: TallyCounter[str] = TallyCounter()  # requests per LoRA adapter name
         # user request id -> the exception that ended it in the last step (see step())
         self.failed_requests: dict[str, Exception] = {}
         # user request id -> n, for requests with parallel samples (their scheduler ids differ)
@@ -216,7 +217,8 @@ class EngineCore:
         if request.lora_request is not None:
             # Read into every rank's CPU cache now, not in the step that first runs it (a ValueError for a
             # bad adapter fails this request alone)
-            self.model_executor.collective_rpc("add_lora", (request.lora_request,))
+            self.add_lora(request.lora_request)
+            self.lora_requests[request.lora_request.lora_name] += 1
         core_request = Request(request.request_id, request.prompt_token_ids, params,
                                arrival_time=request.arrival_time,
                                defer_outputs=(self.defer_final_outputs and not params.stop
@@ -421,6 +423,34 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
+    # ---- LoRA adapters (each rank's CPU cache; the device slots follow the steps) ----
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        if not self.scheduler_config.max_loras:
+            raise ValueError(f"lora_request {lora_request.lora_name!r}: LoRA is not enabled; start the engine "
+                             "with enable_lora=True (--enable-lora).")
+        self.model_executor.collective_rpc("add_lora", (lora_request,))
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return all(self.model_executor.collective_rpc("remove_lora", (lora_int_id,)))
+
+    def list_loras(self) -> list[int]:
+        return self.model_executor.collective_rpc("list_loras")[0]
+
+    def _lora_metrics(self) -> list[Metric]:
+        """vLLM's lora_requests_info (its value the time of the reading, the adapters in its labels) and
+        a count of requests per adapter."""
+        def names(requests: Iterable[Request]) -> str:
+            return ",".join(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
+
+        metrics: list[Metric] = [Gauge("pagedllm:lora_requests_info", time.time(), {
+            "running_lora_adapters": names(self.scheduler.running),
+            "waiting_lora_adapters": names(self.scheduler.waiting),
+            "max_lora": str(self.scheduler_config.max_loras)})]
+        metrics += [Counter("pagedllm:lora_requests", count, {"lora_name": name})
+                    for name, count in sorted(self.lora_requests.items())]
+        return metrics
+
     def get_kv_cache_snapshot(self) -> KVCacheSnapshot:
         """Every KV block and every request's block table as of now (GET /kv-cache/state). Call it
         between steps; it only copies numbers, the JSON is built by the snapshot elsewhere."""
@@ -446,6 +476,8 @@ class EngineCore:
         for reason in ("stop", "length", "abort"):
             metrics.append(Counter("pagedllm:request_success", self.finished_reasons[reason],
                                    {"finished_reason": reason}))
+        if self.scheduler_config.max_loras:
+            metrics.extend(self._lora_metrics())
         if self.speculative_config is not None:
             metrics.extend(self.model_executor.collective_rpc("spec_decode_metrics")[0])
         if self.kv_connector is not None:

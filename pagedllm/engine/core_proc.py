@@ -47,7 +47,8 @@ from pagedllm.metrics.stat_logger import LoggingStatLogger
 logger = logging.getLogger(__name__)
 
 # what a ("call", ...) message may run on the core
-UTILITY_METHODS = frozenset({"get_metrics", "get_kv_cache_snapshot", "reset_prefix_cache"})
+UTILITY_METHODS = frozenset({"get_metrics", "get_kv_cache_snapshot", "reset_prefix_cache", "add_lora",
+                             "remove_lora", "list_loras"})
 # Steps whose outputs the API process has not acknowledged yet before the core waits for it: the core
 # may run ahead of a slower API process (detokenizing, JSON) by this much, not without bound, so what
 # waits for delivery stays small and a client that hangs up is still heard while its request runs.

@@ -81,6 +81,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="do not log throughput, running/waiting requests and KV usage every 5 s")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters served as models (needs --enable-lora): NAME=PATH, or JSON "
+                             "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="accept POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run_server)
     return parser
@@ -121,6 +126,18 @@ def run_server(args: argparse.Namespace) -> int:
         if value is not None and value < low:
             print(f"pagedllm serve: --{flag.replace('_', '-')} must be "
                   f"{'>= 0' if low == 0 else 'positive'}", file=sys.stderr)
+            return 2
+    if args.lora_modules or args.allow_runtime_lora_updating:
+        from pagedllm.entrypoints.openai.serving_lora import parse_lora_modules
+
+        if not args.enable_lora:
+            print("pagedllm serve: --lora-modules and --allow-runtime-lora-updating need --enable-lora",
+                  file=sys.stderr)
+            return 2
+        try:
+            parse_lora_modules(args.lora_modules)
+        except ValueError as error:
+            print(f"pagedllm serve: {error}", file=sys.stderr)
             return 2
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.model = model

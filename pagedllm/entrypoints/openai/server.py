@@ -59,6 +59,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     error_body,
     internal_error,
 )
+from pagedllm.entrypoints.openai.serving_lora import LoRARegistry, lora_router, parse_lora_modules
 from pagedllm.metrics.reader import Gauge
 from pagedllm.version import __version__
 
@@ -85,6 +86,8 @@ class ServerConfig:
     write_timeout: float = DEFAULT_WRITE_TIMEOUT_S
     tokenize_timeout: float = DEFAULT_TOKENIZE_TIMEOUT_S
     log_requests: bool = False  # one INFO line per request (`pagedllm serve` turns it on)
+    lora_modules: list[str] | None = None  # --lora-modules: NAME=PATH or JSON, served as models
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     @classmethod
     def from_args(cls, args: argparse.Namespace | ServerConfig | None, model_path: str) -> ServerConfig:
@@ -111,6 +114,8 @@ class ServerConfig:
             write_timeout=float(arg("write_timeout", DEFAULT_WRITE_TIMEOUT_S)),
             tokenize_timeout=float(arg("tokenize_timeout", DEFAULT_TOKENIZE_TIMEOUT_S)),
             log_requests=args is not None and not getattr(args, "disable_log_requests", False),
+            lora_modules=getattr(args, "lora_modules", None),
+            allow_runtime_lora_updating=bool(getattr(args, "allow_runtime_lora_updating", False)),
         )
 
 
@@ -294,6 +299,10 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | 
                              trust_request_chat_template=config.trust_request_chat_template,
                              log_requests=config.log_requests,
                              default_sampling_params=_default_sampling_params(engine))
+    lora_registry = LoRARegistry(engine, config.served_model_names)
+    for module in parse_lora_modules(config.lora_modules):
+        lora_registry.add(module.name, module.path, module.base_model_name)  # a bad one stops start-up
+    context.lora_registry = lora_registry
     completions = OpenAIServingCompletion(context)
     chat = OpenAIServingChat(context)
 
@@ -349,7 +358,10 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | 
     async def list_models() -> ModelList:
         return ModelList(data=[
             ModelCard(id=name, root=name, max_model_len=context.max_model_len)
-            for name in config.served_model_names])
+            for name in config.served_model_names] + [
+            ModelCard(id=lora.lora_name, root=lora.lora_path, parent=lora.base_model_name,
+                      max_model_len=context.max_model_len)
+            for lora in lora_registry.adapters.values()])
 
     @api.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
@@ -383,5 +395,6 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | 
         return DetokenizeResponse(prompt=await context.run_tokenizer(lambda tok: tok.decode(tokens), "tokens"))
 
     app.include_router(api)
+    app.include_router(lora_router(lora_registry, config.allow_runtime_lora_updating, verify_api_key))
     app.include_router(kv_cache_router(engine, verify_api_key, config.served_model_names[0]))
     return app

@@ -166,7 +166,8 @@ class OpenAIServingChat:
         # a stream takes what is new each step (DELTA); a plain request one output at the end
         params.output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         request_id = random_id("chatcmpl")
-        streams, queue = await context.submit(request_id, [prompt_ids], params, request, renames)
+        streams, queue = await context.submit(request_id, [prompt_ids], params, request, renames,
+                                              lora_request=context.lora_request_for(model_name))
         created = int(time.time())
         if request.stream:
             return stream_response(lambda: self._stream(request, request_id, created, model_name,

@@ -90,7 +90,8 @@ class OpenAIServingCompletion:
         params.guided_decoding = guided_decoding_params(request)
         params.output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         request_id = random_id("cmpl")
-        streams, queue = await context.submit(request_id, prompts, params, request)
+        streams, queue = await context.submit(request_id, prompts, params, request,
+                                              lora_request=context.lora_request_for(model_name))
         created = int(time.time())
         if request.stream:
             return stream_response(lambda: self._stream(request, request_id, created, model_name, prompts,

@@ -35,6 +35,7 @@ from pagedllm.engine.async_engine import (
 from pagedllm.entrypoints.openai.protocol import (
     SamplingRequestFields,
 )
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -175,6 +176,8 @@ class ServingContext:
     log_requests: bool = False
     # SamplingParams fields from the model's generation config ({} with --generation-config vllm)
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
+    # LoRA adapters a request's `model` may name (serving_lora.LoRARegistry; None: LoRA off)
+    lora_registry: Any = None
     vocab_size: int = field(init=False)
     num_waiting_sequences: int = field(init=False, default=0)
     peak_waiting_sequences: int = field(init=False, default=0)
@@ -189,9 +192,13 @@ class ServingContext:
         """The model name to answer with; 404 for a name this server does not serve."""
         if name is None or name == "":
             return self.served_model_names[0]
-        if name not in self.served_model_names:
+        if name not in self.served_model_names and self.lora_request_for(name) is None:
             raise APIError(404, f"The model `{name}` does not exist.", param="model")
         return name
+
+    def lora_request_for(self, model_name: str) -> LoRARequest | None:
+        """The adapter a `model` name selects (None: the base model)."""
+        return self.lora_registry.get(model_name) if self.lora_registry is not None else None
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         for token_id in token_ids:
@@ -284,7 +291,7 @@ class ServingContext:
 
     async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                      request: SamplingRequestFields, renames: dict[str, str] | None = None,
-                     ) -> tuple[list[RequestStream], OutputQueue]:
+                     lora_request: LoRARequest | None = None) -> tuple[list[RequestStream], OutputQueue]:
         """One engine request per prompt, all feeding one queue; 400 if the engine refuses one."""
         admission = self.admit(len(prompts) * params.n, "n" if params.n > 1 else "prompt", params.n)
         if self.log_requests:
@@ -295,7 +302,7 @@ class ServingContext:
         # all prompts go to the engine in one iteration, so they start together
         tasks = [asyncio.ensure_future(self.engine.add_request(
             f"{request_id}-{index}" if len(prompts) > 1 else request_id, prompt, params,
-            arrival_time=arrival_time, queue=queue, on_started=admission.started_one))
+            arrival_time=arrival_time, queue=queue, on_started=admission.started_one, lora_request=lora_request))
             for index, prompt in enumerate(prompts)]
         try:
             results = await asyncio.gather(*tasks, return_exceptions=True)
