@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 from typing import Any
 
@@ -113,6 +114,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     throughput.add_argument("--output-json")
     throughput.add_argument("--disable-tqdm", action="store_true")
+    throughput.add_argument(
+        "--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+        help="PEFT LoRA adapters: run the requests on the plain base model, then spread round-robin over "
+        "these adapters on one engine (--max-loras defaults to their number), and print the ratio and each "
+        "adapter's load time and bytes",
+    )
+    throughput.add_argument("--num-random-loras", type=int, default=0,
+                            help="as --lora-modules, with this many random adapters written to a temporary directory")
+    throughput.add_argument("--lora-rank", type=int, default=16, help="rank of the --num-random-loras adapters")
     _add_engine_args(throughput)
     throughput.set_defaults(func=run_throughput_cmd)
 
@@ -268,6 +278,8 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     from pagedllm.benchmarks.datasets import get_requests
     from pagedllm.benchmarks.throughput import format_results, run_hf_fresh_process, run_pagedllm, throughput_report
 
+    if getattr(args, "lora_modules", None) or getattr(args, "num_random_loras", 0):
+        return run_lora_throughput_cmd(args)
     try:
         model = _resolve_model(args)
         if args.hf_batch_size < 1:
@@ -327,6 +339,75 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     report = throughput_report(results, config)
     if profiler is not None:
         report["profile"] = profiler.to_dict()
+    write_json(args.output_json, report)
+    return 0
+
+
+def run_lora_throughput_cmd(args: argparse.Namespace) -> int:
+    """The same requests on the plain base model, then spread over LoRA adapters on one engine (see
+    pagedllm.benchmarks.lora); the first table row is the adapters', so its ratio reads LoRA / base."""
+    import tempfile
+
+    from pagedllm.benchmarks import lora as lora_bench
+    from pagedllm.benchmarks.datasets import get_requests
+    from pagedllm.benchmarks.throughput import format_results, run_pagedllm, throughput_report
+
+    try:
+        model = _resolve_model(args)
+        modules = lora_bench.parse_modules(args.lora_modules)
+        if args.num_random_loras < 0 or (args.num_random_loras and modules):
+            raise ValueError("give --lora-modules or a positive --num-random-loras, not both")
+        if args.compare:
+            raise ValueError("--compare hf does not apply to a LoRA run (its baseline is the base model)")
+        args.enable_lora = False
+        base_llm = _build_llm(args, model)
+        model_config = base_llm.llm_engine.model_config
+        requests = get_requests(args.dataset, base_llm.get_tokenizer(), args.num_prompts, args.input_len,
+                                args.output_len, seed=args.seed, max_model_len=model_config.max_model_len)
+    except ValueError as exc:
+        return fail(str(exc))
+    base = run_pagedllm(base_llm, requests, use_tqdm=not args.disable_tqdm, detokenize=not args.disable_detokenize,
+                        backend="pagedllm base model")
+    del base_llm  # its weights and KV cache go before the LoRA engine loads its own
+    gc.collect()
+    with tempfile.TemporaryDirectory(prefix="pagedllm-loras-") as tmp:
+        for i in range(args.num_random_loras):
+            path = lora_bench.write_random_adapter(model_config, os.path.join(tmp, f"lora{i}"), args.lora_rank,
+                                                   args.seed + i, model_config.dtype)
+            modules.append((f"lora{i}", path))
+        ranks = [lora_bench.read_rank(path) for _, path in modules]
+        args.enable_lora = True
+        args.max_loras = max(args.max_loras, len(modules))
+        args.max_cpu_loras = max(args.max_cpu_loras or 0, args.max_loras)
+        args.max_lora_rank = max(args.max_lora_rank, *ranks)
+        try:
+            llm = _build_llm(args, model)
+            lora_requests, loads = lora_bench.load_adapters(llm, modules)
+        except ValueError as exc:
+            return fail(str(exc))
+        profiler = None
+        if args.profile:
+            from pagedllm.benchmarks.profile import StepProfiler
+
+            profiler = StepProfiler()
+        with_loras = run_pagedllm(llm, requests, use_tqdm=not args.disable_tqdm, profiler=profiler,
+                                  detokenize=not args.disable_detokenize, lora_requests=lora_requests,
+                                  backend=f"pagedllm {len(modules)} LoRA adapters")
+        slot_bytes = llm.llm_engine.model_runner.lora_manager.slot_bytes()
+    results = [with_loras, base]
+    print(f"{args.dataset}: {len(requests)} prompts over {len(modules)} adapters (round-robin), "
+          f"{str(model_config.dtype).removeprefix('torch.')}, max_loras {args.max_loras}, "
+          f"max_lora_rank {args.max_lora_rank}")
+    print(format_results(results))
+    print(lora_bench.format_loads(loads, slot_bytes))
+    if profiler is not None:
+        print(profiler.format())
+    config = {"model": model, "dataset": args.dataset, "num_prompts": len(requests), "input_len": args.input_len,
+              "output_len": args.output_len, "dtype": str(model_config.dtype).removeprefix("torch."),
+              "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank, "seed": args.seed,
+              "lora_modules": [name for name, _ in modules], "random_loras": args.num_random_loras}
+    report = throughput_report(results, config)
+    report["lora"] = lora_bench.loads_report(loads, slot_bytes)
     write_json(args.output_json, report)
     return 0
 

@@ -55,14 +55,22 @@ class ThroughputResult:
 
 
 def run_pagedllm(llm: Any, requests: list[SampleRequest], use_tqdm: bool = False,
-                 profiler: StepProfiler | None = None, detokenize: bool = True) -> ThroughputResult:
+                 profiler: StepProfiler | None = None, detokenize: bool = True,
+                 lora_requests: list[Any] | None = None, backend: str = "pagedllm") -> ThroughputResult:
     """Time one LLM.generate call over every request (after a short warm-up outside the timing); with a
     profiler, split the timed run's step time into phases. Outputs are detokenized, as a user's are,
-    unless `detokenize` is False (vLLM's --disable-detokenize)."""
+    unless `detokenize` is False (vLLM's --disable-detokenize). lora_requests: request i runs under
+    lora_requests[i % len] (the warm-up touches every adapter, so each is in a slot before the timing)."""
     from pagedllm import SamplingParams
 
-    warmup = [{"prompt_token_ids": r.prompt_token_ids} for r in requests[:2]]
-    llm.generate(warmup, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    num_warmup = max(2, len(lora_requests or []))
+    warmup = [{"prompt_token_ids": requests[i % len(requests)].prompt_token_ids} for i in range(num_warmup)]
+    loras = None
+    if lora_requests:
+        loras = [lora_requests[i % len(lora_requests)] for i in range(len(requests))]
+    llm.generate(warmup, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False,
+                 lora_request=[lora_requests[i % len(lora_requests)] for i in range(num_warmup)]
+                 if lora_requests else None)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [
         SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, detokenize=detokenize)
@@ -72,13 +80,13 @@ def run_pagedllm(llm: Any, requests: list[SampleRequest], use_tqdm: bool = False
         profiler.attach(llm.llm_engine)
     try:
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm, lora_request=loras)
         elapsed = time.perf_counter() - start
     finally:
         if profiler is not None:
             profiler.detach()
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return ThroughputResult("pagedllm", len(requests), elapsed, sum(r.prompt_len for r in requests), output_tokens)
+    return ThroughputResult(backend, len(requests), elapsed, sum(r.prompt_len for r in requests), output_tokens)
 
 
 def run_hf_fresh_process(

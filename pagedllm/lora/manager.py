@@ -41,8 +41,9 @@ class _Target:
     layer: int
     module: ColumnParallelLinear | RowParallelLinear
     parts: tuple[str, ...]
-    a: torch.Tensor   # [slots, parts * rank, in]
-    b: torch.Tensor   # [out, slots, parts * rank]
+    a: torch.Tensor   # [parts, slots, rank, in]
+    b: torch.Tensor   # [out, slots, rank]
+    matmul: LoRAMatmul
 
 
 def _projections(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
@@ -65,7 +66,7 @@ class LoRAManager:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.dtype = lora_config.lora_dtype or model_config.dtype
         num_slots, rank = lora_config.max_loras, lora_config.max_lora_rank
-        self.context = LoRAStepContext(num_slots, self.dtype, device)
+        self.context = LoRAStepContext(num_slots, rank, self.dtype, device)
         self.targets: list[_Target] = []
         projections = _projections(model)
         if not projections:
@@ -78,16 +79,16 @@ class LoRAManager:
                 raise ValueError("enable_lora cannot be combined with quantization: adapters apply to "
                                  "full-precision projections only.")
             parts = FUSED_PARTS[name]
-            width = len(parts) * rank
             if isinstance(module, RowParallelLinear):  # o_proj, down_proj: back into the residual stream
-                in_features, out_features = module.input_size_per_rank, model_config.hidden_size
+                in_features, part_sizes = module.input_size_per_rank, [model_config.hidden_size]
             else:
-                in_features, out_features = model_config.hidden_size, sum(module.shard_sizes)
-            a = torch.zeros(num_slots, width, in_features, dtype=self.dtype, device=device)
-            b = torch.zeros(out_features, num_slots, width, dtype=self.dtype, device=device)
-            module.matmul = LoRAMatmul(module.matmul, a.view(num_slots * width, in_features),
-                                       b.view(out_features, num_slots * width), self.context)
-            self.targets.append(_Target(layer, module, parts, a, b))
+                in_features, part_sizes = model_config.hidden_size, list(module.shard_sizes)
+            a = torch.zeros(len(parts), num_slots, rank, in_features, dtype=self.dtype, device=device)
+            b = torch.zeros(sum(part_sizes), num_slots, rank, dtype=self.dtype, device=device)
+            matmul = LoRAMatmul(module.matmul, a.view(-1, in_features), b.view(sum(part_sizes), -1), part_sizes,
+                                self.context)
+            module.matmul = matmul
+            self.targets.append(_Target(layer, module, parts, a, b, matmul))
         self.cpu_loras: OrderedDict[int, LoRAModel] = OrderedDict()   # LRU: least recent first
         self.slot_of: OrderedDict[int, int] = OrderedDict()           # lora_int_id -> slot, LRU order
         self.requests: dict[int, LoRARequest] = {}
@@ -140,11 +141,16 @@ class LoRAManager:
             return  # the same mix as the last step (a decode run): the same token slots
         wanted = {lora.lora_int_id: lora for lora in loras if lora is not None}
         assert len(wanted) <= self.lora_config.max_loras, "the scheduler ran more adapters than max_loras"
+        changed = False
         for lora_id, lora in wanted.items():
             if lora_id in self.slot_of:
                 self.slot_of.move_to_end(lora_id)
             else:
                 self._activate(lora, set(wanted))
+                changed = True
+        if changed:
+            for target in self.targets:
+                target.matmul.repack()
         if not wanted:
             self.context.set_token_slots(None)
         else:
@@ -166,15 +172,12 @@ class LoRAManager:
         self._fill_slot(slot, model)
         self.slot_of[lora.lora_int_id] = slot
 
-    def _clear_slot(self, slot: int) -> None:
-        for target in self.targets:
-            target.a[slot].zero_()
-            target.b[:, slot].zero_()
-
     def _fill_slot(self, slot: int, model: LoRAModel) -> None:
-        rank = self.lora_config.max_lora_rank
-        self._clear_slot(slot)
+        """Copy the adapter into `slot` of every wrapped projection (zeros where it has no weights, and past
+        its rank); the caller repacks the kernels' copies."""
         for target in self.targets:
+            target.a[:, slot].zero_()
+            target.b[:, slot].zero_()
             module = target.module
             out_offset = 0
             for p, part in enumerate(target.parts):
@@ -184,13 +187,13 @@ class LoRAManager:
                     if pair is not None:
                         a, b = pair
                         r = a.shape[0]
-                        target.a[slot, p * rank:p * rank + r].copy_(a)
+                        target.a[p, slot, :r].copy_(a)
                         rows = b[index * size:(index + 1) * size].float() * model.scaling
-                        target.b[out_offset:out_offset + size, slot, p * rank:p * rank + r].copy_(rows)
+                        target.b[out_offset:out_offset + size, slot, :r].copy_(rows)
                     out_offset += size
                 elif pair is not None:  # row-parallel: this rank's input columns of A
                     a, b = pair
                     r = a.shape[0]
                     n = module.input_size_per_rank
-                    target.a[slot, :r].copy_(a[:, self.tp_rank * n:(self.tp_rank + 1) * n])
+                    target.a[0, slot, :r].copy_(a[:, self.tp_rank * n:(self.tp_rank + 1) * n])
                     target.b[:, slot, :r].copy_(b.float() * model.scaling)
