@@ -167,6 +167,8 @@ def test_lora_request_needs_enable_lora(lora_setup: dict) -> None:
         llm.generate([[5, 6]], PARAMS, use_tqdm=False, lora_request=lora_setup["requests"]["all"])
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("x", 0, "/nowhere")
+    # vLLM's older spelling, in its positional place
+    assert LoRARequest("x", 3, "", "/some/dir").lora_path == "/some/dir"
     with pytest.raises(ValueError, match="max_cpu_loras"):
         LLM(lora_setup["base"], enable_lora=True, max_loras=4, max_cpu_loras=2)
 

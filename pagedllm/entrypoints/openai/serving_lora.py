@@ -81,7 +81,8 @@ class LoRARegistry:
             raise ValueError("LoRA adapters need the server started with --enable-lora.")
         if name in self.adapters or name in self.base_model_names:
             raise ValueError(f"The lora adapter '{name}' has already been loaded.")
-        request = LoRARequest(name, next(self._ids), path, base_model_name or self.base_model_names[0])
+        request = LoRARequest(name, next(self._ids), path,
+                              base_model_name=base_model_name or self.base_model_names[0])
         self.engine.input_processor.validate_lora(request)
         self.adapters[name] = request
         return request
