@@ -216,3 +216,15 @@ def test_adapters_under_tp_speculation_and_async_scheduling(lora_setup: dict, en
             assert metric_values(llm)["pagedllm:spec_decode_num_draft_tokens"] > 0  # verification ran
     finally:
         llm.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run where a GPU is lent)")
+def test_mixed_batch_on_cuda_matches_peft(lora_setup: dict) -> None:
+    """The same mixed batch on a GPU: slots, masks and the shrink/expand live on the device."""
+    base, requests, adapters = lora_setup["base"], lora_setup["requests"], lora_setup["adapters"]
+    llm = make_llm(base, device="cuda")
+    names = ["all", None, "attn", "mlp"]
+    prompts = random_prompts(len(names), 512, [3, 20, 41, 9], seed=12)
+    outputs = llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=[requests[n] if n else None for n in names])
+    for name, prompt, out in zip(names, prompts, outputs):
+        check_against_peft(base, adapters[name] if name else None, prompt, out.outputs[0])

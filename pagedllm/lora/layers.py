@@ -103,9 +103,10 @@ class LoRAMatmul:
         if num_parts == 1:
             b, matmul = self.b_packed[0]
             return y.add_(matmul(shrink, b))
-        width = shrink.shape[1] // num_parts
+        # each part's columns as one contiguous block: one copy, not one per part
+        by_part = shrink.view(shrink.shape[0], num_parts, -1).transpose(0, 1).contiguous()
         offset = 0
-        for p, (size, (b, matmul)) in enumerate(zip(self.part_sizes, self.b_packed)):
-            y[:, offset:offset + size] += matmul(shrink[:, p * width:(p + 1) * width].contiguous(), b)
+        for shrunk, size, (b, matmul) in zip(by_part, self.part_sizes, self.b_packed):
+            y[:, offset:offset + size].add_(matmul(shrunk, b))
             offset += size
         return y
