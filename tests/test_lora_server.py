@@ -60,6 +60,9 @@ def test_server_serves_adapters_by_model_name(models: dict[str, str], tmp_path: 
         got = {name: complete(client, model) for name, model in ((None, "tiny"), ("sql", "sql"), ("chat", "chat"))}
         assert got == {k: want[k] for k in got}  # the offline engine's text under the same adapter
         assert len(set(got.values())) > 1  # adapters change the output
+        chat = client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "Hello"}],
+                                              max_tokens=4, temperature=0.0)
+        assert chat.model == "chat" and chat.choices[0].message.content is not None
 
         # runtime load / unload, and the refusals, OpenAI-shaped
         bad = server.post("/v1/load_lora_adapter", {"lora_name": "nope", "lora_path": str(tmp_path / "missing")})
