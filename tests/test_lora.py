@@ -228,3 +228,24 @@ def test_mixed_batch_on_cuda_matches_peft(lora_setup: dict) -> None:
     outputs = llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=[requests[n] if n else None for n in names])
     for name, prompt, out in zip(names, prompts, outputs):
         check_against_peft(base, adapters[name] if name else None, prompt, out.outputs[0])
+
+
+def test_phi3_adapter_on_fused_checkpoint_projections(tmp_path) -> None:
+    """Phi-3 stores q|k|v and gate|up fused, and PEFT targets them as qkv_proj and gate_up_proj: one A over
+    the input, one B over the fused output, split here by part as the projection is."""
+    base = build_model(tmp_path / "phi3", "phi3", seed=47)
+    adapter = build_lora_adapter(base, tmp_path / "phi3_lora", r=8, seed=4,
+                                 target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    llm = make_llm(base)
+    prompts = random_prompts(2, 512, [7, 30], seed=13)
+    loras = [LoRARequest("phi", 1, adapter), None]
+    outputs = llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=loras)
+    for prompt, out, lora in zip(prompts, outputs, loras):
+        check_against_peft(base, adapter if lora else None, prompt, out.outputs[0])
+    # under tensor parallelism each rank takes its rows of every part of the fused B
+    tp = make_llm(base, tensor_parallel_size=2)
+    try:
+        got = tp.generate(prompts, PARAMS, use_tqdm=False, lora_request=loras)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in outputs]
+    finally:
+        tp.shutdown()

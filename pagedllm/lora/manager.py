@@ -26,7 +26,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.lora.layers import LoRAMatmul, LoRAStepContext
-from pagedllm.lora.peft import LoRAModel, load_adapter
+from pagedllm.lora.peft import LoRAModel, load_adapter, projection_shapes
 from pagedllm.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -39,8 +39,10 @@ FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",)
 @dataclass
 class _Target:
     layer: int
+    name: str         # our fused projection's name, which is also a fused checkpoint's (Phi-3)
     module: ColumnParallelLinear | RowParallelLinear
     parts: tuple[str, ...]
+    full_sizes: list[int]  # each part's unsharded output features
     a: torch.Tensor   # [parts, slots, rank, in]
     b: torch.Tensor   # [out, slots, rank]
     matmul: LoRAMatmul
@@ -88,7 +90,8 @@ class LoRAManager:
             matmul = LoRAMatmul(module.matmul, a.view(-1, in_features), b.view(sum(part_sizes), -1), part_sizes,
                                 self.context)
             module.matmul = matmul
-            self.targets.append(_Target(layer, module, parts, a, b, matmul))
+            full_sizes = [projection_shapes(model_config)[part][0] for part in parts]
+            self.targets.append(_Target(layer, name, module, parts, full_sizes, a, b, matmul))
         self.cpu_loras: OrderedDict[int, LoRAModel] = OrderedDict()   # LRU: least recent first
         self.slot_of: OrderedDict[int, int] = OrderedDict()           # lora_int_id -> slot, LRU order
         self.requests: dict[int, LoRARequest] = {}
@@ -179,18 +182,24 @@ class LoRAManager:
             target.a[:, slot].zero_()
             target.b[:, slot].zero_()
             module = target.module
-            out_offset = 0
+            out_offset = full_offset = 0
+            # an adapter of a fused checkpoint: its one A serves every part, its B's rows split by part
+            fused = model.weights.get((target.layer, target.name)) if len(target.parts) > 1 else None
             for p, part in enumerate(target.parts):
                 pair = model.weights.get((target.layer, part))
                 if isinstance(module, ColumnParallelLinear):
                     size, index = module.shard_sizes[p], module.shard_indices[p]
+                    start = index * size
+                    if pair is None and fused is not None:
+                        pair, start = fused, full_offset + index * size
                     if pair is not None:
                         a, b = pair
                         r = a.shape[0]
                         target.a[p, slot, :r].copy_(a)
-                        rows = b[index * size:(index + 1) * size].float() * model.scaling
+                        rows = b[start:start + size].float() * model.scaling
                         target.b[out_offset:out_offset + size, slot, :r].copy_(rows)
                     out_offset += size
+                    full_offset += target.full_sizes[p]
                 elif pair is not None:  # row-parallel: this rank's input columns of A
                     a, b = pair
                     r = a.shape[0]

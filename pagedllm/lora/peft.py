@@ -22,8 +22,10 @@ from pagedllm.lora.config import LoRAConfig
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 
-# Hugging Face projection name -> where it lives in a decoder layer
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Hugging Face projection names an adapter may target; qkv_proj and gate_up_proj are the fused ones of
+# checkpoints that store them fused (Phi-3): one A over the input, one B over the fused output
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                  "gate_up_proj")
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -33,7 +35,8 @@ def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     kv = config.num_key_value_heads * config.head_dim
     h, i = config.hidden_size, config.intermediate_size
     return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),
+            "qkv_proj": (q + 2 * kv, h), "gate_up_proj": (2 * i, h)}
 
 
 @dataclass
