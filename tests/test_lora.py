@@ -249,3 +249,16 @@ def test_phi3_adapter_on_fused_checkpoint_projections(tmp_path) -> None:
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in outputs]
     finally:
         tp.shutdown()
+
+
+def test_mlp_adapter_on_a_mixture_of_experts_is_refused_by_name(lora_setup: dict, tmp_path) -> None:
+    """A Mixtral's MLP is experts, with no gate_proj / up_proj / down_proj to adapt: an adapter holding
+    them is refused, naming target_modules; attention-only adapters still run."""
+    moe = build_model(tmp_path / "mixtral", "mixtral", seed=48)
+    llm = make_llm(moe)
+    with pytest.raises(ValueError, match="target_modules"):
+        llm.generate([[5, 6, 7]], PARAMS, use_tqdm=False,
+                     lora_request=LoRARequest("all", 1, lora_setup["adapters"]["all"]))
+    attn = build_lora_adapter(moe, tmp_path / "moe_attn", r=8, target_modules=["q_proj", "v_proj"], seed=5)
+    out = llm.generate([[5, 6, 7]], PARAMS, use_tqdm=False, lora_request=LoRARequest("attn", 2, attn))[0]
+    check_against_peft(moe, attn, [5, 6, 7], out.outputs[0])

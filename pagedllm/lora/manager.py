@@ -92,6 +92,8 @@ class LoRAManager:
             module.matmul = matmul
             full_sizes = [projection_shapes(model_config)[part][0] for part in parts]
             self.targets.append(_Target(layer, name, module, parts, full_sizes, a, b, matmul))
+        # (layer, Hugging Face module) pairs an adapter may hold weights for
+        self._wrapped = {(t.layer, part) for t in self.targets for part in (*t.parts, t.name)}
         self.cpu_loras: OrderedDict[int, LoRAModel] = OrderedDict()   # LRU: least recent first
         self.slot_of: OrderedDict[int, int] = OrderedDict()           # lora_int_id -> slot, LRU order
         self.requests: dict[int, LoRARequest] = {}
@@ -114,6 +116,10 @@ class LoRAManager:
             return model
         model = load_adapter(lora_id, lora_request.lora_name, lora_request.lora_path, self.lora_config,
                              self.model_config, self.dtype)
+        missing = sorted({module for layer, module in model.weights if (layer, module) not in self._wrapped})
+        if missing:  # e.g. an MLP adapter on a mixture-of-experts model, whose experts have no such projection
+            raise ValueError(f"lora_path {lora_request.lora_path!r}: target_modules {missing} do not exist in "
+                             f"this {self.model_config.architecture} model.")
         self.requests[lora_id] = lora_request
         while len(self.cpu_loras) >= self.lora_config.max_cpu_loras:
             evicted, _ = self.cpu_loras.popitem(last=False)
