@@ -359,7 +359,8 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | 
         return ModelList(data=[
             ModelCard(id=name, root=name, max_model_len=context.max_model_len)
             for name in config.served_model_names] + [
-            ModelCard(id=lora.lora_name, root=lora.lora_path, parent=lora.base_model_name,
+            # root: the adapter's name, not its path (a client never sees the server's filesystem)
+            ModelCard(id=lora.lora_name, root=lora.lora_name, parent=lora.base_model_name,
                       max_model_len=context.max_model_len)
             for lora in lora_registry.adapters.values()])
 
