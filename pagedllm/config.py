@@ -146,7 +146,10 @@ class ModelConfig:
 
         gguf_file = resolve_gguf_file(model)
         if gguf_file is not None:
-            model, hf, generation = gguf_file, read_hf_config(gguf_file), {}
+            # a GGUF file carries no sampling defaults: a generation_config.json beside it gives them
+            generation = _read_json(os.path.join(os.path.dirname(os.path.abspath(gguf_file)),
+                                                 "generation_config.json"))
+            model, hf = gguf_file, read_hf_config(gguf_file)
         else:
             if not os.path.isdir(model):
                 raise ValueError(_not_a_directory(model))

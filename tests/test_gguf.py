@@ -177,3 +177,11 @@ def test_gemma3_global_rope_scaling_and_local_base_come_from_the_metadata(models
     global_rope, local_rope = gemma3_rope_configs(ModelConfig.from_pretrained(path).hf_config)
     assert global_rope.scaling == {"rope_type": "linear", "factor": 8.0} and local_rope.theta == 20000.0
     assert local_rope.scaling is None
+
+
+def test_a_generation_config_beside_the_file_gives_its_default_sampling(models, tmp_path):
+    path = write_gguf(models["llama"], str(tmp_path / "tiny-F32.gguf"), "F32")
+    assert LLM(model=path, dtype="float32").get_default_sampling_params().max_tokens == 16  # none: vLLM's
+    (tmp_path / "generation_config.json").write_text('{"do_sample": false, "max_new_tokens": 7}')
+    params = LLM(model=path, dtype="float32").get_default_sampling_params()
+    assert params.temperature == 0.0 and params.max_tokens == 7

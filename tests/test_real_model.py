@@ -59,9 +59,14 @@ def test_real_model_greedy_chat_equals_transformers_on_the_same_file(model_file)
 
 @pytest.mark.slow
 def test_real_model_answers_in_bf16_and_names_itself(model_file):
+    from pagedllm.config import ModelConfig
     from pagedllm.entrypoints.openai.server import default_served_model_name
 
     assert default_served_model_name(model_file) == "SmolLM2-135M-Instruct.Q4_1"
+    # the default model's generation config (written beside the file): greedy, replies of up to 512 tokens
+    config = ModelConfig.from_pretrained(model_file, max_model_len=256)
+    assert config.get_diff_sampling_param() == {"temperature": 0.0, "max_tokens": 512}
+    assert DEFAULT_MODEL.generation_config == {"do_sample": False, "max_new_tokens": 512}
     llm = LLM(model=model_file, dtype="bfloat16", max_model_len=512)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)

