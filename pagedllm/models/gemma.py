@@ -25,14 +25,12 @@ from pagedllm.layers.linear import (
     GetSlice,
     LoadLinear,
     ParallelLMHead,
-    QKVParallelLinear,
-    RowParallelLinear,
     VocabParallelEmbedding,
 )
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.layers.sampler import argmax_rows
-from pagedllm.models.llama import LlamaMLP
+from pagedllm.models.llama import LlamaAttention, LlamaMLP
 
 
 def gemma3_rope_configs(hf: dict) -> tuple[RopeConfig, RopeConfig]:
@@ -51,42 +49,17 @@ def gemma3_rope_configs(hf: dict) -> tuple[RopeConfig, RopeConfig]:
             RopeConfig(theta=float(hf.get("rope_local_base_freq", 10_000.0))))
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(LlamaAttention):
+    """Llama's attention with Gemma's scale (`query_pre_attn_scalar`), optional q/k norm, an o_proj bias
+    wherever the q/k/v projection has one, and Gemma 2's attention logit soft-capping."""
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding, layer_idx: int,
                  qk_norm: bool, logits_soft_cap: float | None, tp_rank: int = 0, tp_size: int = 1):
-        super().__init__()
-        hf = config.hf_config
-        dtype = config.dtype
-        self.head_dim = config.head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, config.qkv_bias, dtype, tp_rank, tp_size)
-        self.num_heads = self.qkv_proj.num_heads
-        self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = float(hf.get("query_pre_attn_scalar") or self.head_dim) ** -0.5
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                        config.qkv_bias, dtype, tp_rank, tp_size)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
-        self.backend = backend
-        self.rotary = rotary
-        self.sliding_window = config.layer_sliding_window(layer_idx)
+        super().__init__(config, backend, rotary, tp_rank, tp_size, layer_idx, o_bias=config.qkv_bias)
+        self.scale = float(config.hf_config.get("query_pre_attn_scalar") or self.head_dim) ** -0.5
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.dtype) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.dtype) if qk_norm else None
         self.logits_soft_cap = logits_soft_cap
-
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split_with_sizes([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary.apply(cos_sin, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale, self.sliding_window,
-                                   self.logits_soft_cap)
-        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class GemmaDecoderLayer(nn.Module):

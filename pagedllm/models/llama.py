@@ -29,7 +29,7 @@ from pagedllm.layers.rotary import RotaryEmbedding
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding,
-                 tp_rank: int = 0, tp_size: int = 1, layer_idx: int = 0):
+                 tp_rank: int = 0, tp_size: int = 1, layer_idx: int = 0, o_bias: bool = False):
         super().__init__()
         dtype = config.dtype
         self.head_dim = config.head_dim
@@ -40,13 +40,14 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, False,
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, o_bias,
                                         dtype, tp_rank, tp_size)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.backend = backend
         self.rotary = rotary
         self.sliding_window = config.layer_sliding_window(layer_idx)
+        self.logits_soft_cap: float | None = None
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -58,7 +59,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary.apply(cos_sin, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale, self.sliding_window)
+        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale, self.sliding_window,
+                                   self.logits_soft_cap)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
