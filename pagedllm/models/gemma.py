@@ -30,7 +30,7 @@ from pagedllm.layers.linear import (
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.layers.sampler import argmax_rows
-from pagedllm.models.llama import LlamaAttention, LlamaMLP
+from pagedllm.models.llama import LlamaAttention, LlamaMLP, load_decoder_weights
 
 
 def gemma3_rope_configs(hf: dict) -> tuple[RopeConfig, RopeConfig]:
@@ -157,29 +157,9 @@ class Gemma2ForCausalLM(nn.Module):
     quantizable_weights = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
 
     def load_weights(self, get_slice: GetSlice, names: set[str], load_linear: LoadLinear | None = None) -> None:
-        def norm(dst: torch.Tensor, name: str) -> None:  # Gemma's norms scale by (1 + weight)
-            dst.copy_(get_slice(name)[:].float() + 1.0)
-
-        self.embed_tokens.load(get_slice, "model.embed_tokens.weight")
-        norm(self.norm.weight, "model.norm.weight")
-        if not self.config.tie_word_embeddings:
-            self.lm_head.load(get_slice, "lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight")
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            attn = layer.self_attn
-            attn.qkv_proj.load(get_slice, [f"{p}self_attn.{x}_proj.weight" for x in "qkv"],
-                               [f"{p}self_attn.{x}_proj.bias" for x in "qkv"], load_linear)
-            attn.o_proj.load(get_slice, f"{p}self_attn.o_proj.weight", f"{p}self_attn.o_proj.bias",
-                             load_linear=load_linear)
-            if attn.q_norm is not None:
-                norm(attn.q_norm.weight, f"{p}self_attn.q_norm.weight")
-                norm(attn.k_norm.weight, f"{p}self_attn.k_norm.weight")
-            layer.mlp.gate_up_proj.load(get_slice, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"],
-                                        load_linear=load_linear)
-            layer.mlp.down_proj.load(get_slice, f"{p}mlp.down_proj.weight", load_linear=load_linear)
-            for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                         "post_feedforward_layernorm"):
-                norm(getattr(layer, name).weight, f"{p}{name}.weight")
+        load_decoder_weights(self, get_slice, names, load_linear, norm_offset=1.0,  # norms scale by (1 + weight)
+                             layer_norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                                          "post_feedforward_layernorm"))
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

@@ -146,27 +146,38 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, get_slice: GetSlice, names: set[str],
                      load_linear: LoadLinear | None = None) -> None:
         """`load_linear(param, checkpoint names)` may install a quantized projection in param's place."""
-        def copy(dst: torch.Tensor, name: str) -> None:  # replicated on every rank
-            dst.copy_(get_slice(name)[:])
+        load_decoder_weights(self, get_slice, names, load_linear)
 
-        self.embed_tokens.load(get_slice, "model.embed_tokens.weight")
-        copy(self.norm.weight, "model.norm.weight")
-        if not self.config.tie_word_embeddings:
-            self.lm_head.load(get_slice, "lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight")
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            attn = layer.self_attn
-            attn.qkv_proj.load(get_slice, [f"{p}self_attn.{x}_proj.weight" for x in "qkv"],
-                               [f"{p}self_attn.{x}_proj.bias" for x in "qkv"], load_linear)
-            attn.o_proj.load(get_slice, f"{p}self_attn.o_proj.weight", load_linear=load_linear)
-            if attn.q_norm is not None:
-                copy(attn.q_norm.weight, f"{p}self_attn.q_norm.weight")
-                copy(attn.k_norm.weight, f"{p}self_attn.k_norm.weight")
-            if hasattr(layer.mlp, "load_weights"):  # a mixture of experts (pagedllm.models.moe) loads itself
-                layer.mlp.load_weights(lambda name: get_slice(name)[:], names, p)
-            else:
-                layer.mlp.gate_up_proj.load(get_slice, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"],
-                                            load_linear=load_linear)
-                layer.mlp.down_proj.load(get_slice, f"{p}mlp.down_proj.weight", load_linear=load_linear)
-            copy(layer.input_layernorm.weight, f"{p}input_layernorm.weight")
-            copy(layer.post_attention_layernorm.weight, f"{p}post_attention_layernorm.weight")
+
+def load_decoder_weights(model: nn.Module, get_slice: GetSlice, names: set[str], load_linear: LoadLinear | None,
+                         layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm"),
+                         norm_offset: float = 0.0) -> None:
+    """Hugging Face names -> the fused, sharded parameters of a Llama-shaped decoder (embeddings, q|k|v and
+    o, an optional q/k norm, gate|up and down or a mixture of experts, the layer norms named in
+    `layer_norms`, the final norm, the LM head). `norm_offset` is added to every RMSNorm weight as it is read
+    (Gemma stores w for a (1 + w) scale)."""
+    def norm(dst: torch.Tensor, name: str) -> None:  # replicated on every rank
+        src = get_slice(name)[:]
+        dst.copy_(src.float() + norm_offset if norm_offset else src)
+
+    model.embed_tokens.load(get_slice, "model.embed_tokens.weight")
+    norm(model.norm.weight, "model.norm.weight")
+    if not model.config.tie_word_embeddings:
+        model.lm_head.load(get_slice, "lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight")
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        attn = layer.self_attn
+        attn.qkv_proj.load(get_slice, [f"{p}self_attn.{x}_proj.weight" for x in "qkv"],
+                           [f"{p}self_attn.{x}_proj.bias" for x in "qkv"], load_linear)
+        attn.o_proj.load(get_slice, f"{p}self_attn.o_proj.weight", f"{p}self_attn.o_proj.bias", load_linear)
+        if attn.q_norm is not None:
+            norm(attn.q_norm.weight, f"{p}self_attn.q_norm.weight")
+            norm(attn.k_norm.weight, f"{p}self_attn.k_norm.weight")
+        if hasattr(layer.mlp, "load_weights"):  # a mixture of experts (pagedllm.models.moe) loads itself
+            layer.mlp.load_weights(lambda name: get_slice(name)[:], names, p)
+        else:
+            layer.mlp.gate_up_proj.load(get_slice, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"],
+                                        load_linear=load_linear)
+            layer.mlp.down_proj.load(get_slice, f"{p}mlp.down_proj.weight", load_linear=load_linear)
+        for name in layer_norms:
+            norm(getattr(layer, name).weight, f"{p}{name}.weight")
