@@ -276,8 +276,9 @@ def test_plan_and_answer_travel_compact_and_arrive_whole() -> None:
     """What crosses the pipe to a worker: a plan's columns that say nothing travel as None, and its request
     ids as None when they are the previous plan's; a one-token-per-request answer travels as bare tokens.
     The worker rebuilds the same plan, and the engine the same output, either way."""
+    from pagedllm.core_types.model_runner_output import ModelRunnerOutput
+    from pagedllm.core_types.scheduler_output import ScheduledRequest, SchedulerOutput
     from pagedllm.engine.request import Request
-    from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
     from pagedllm.outputs import Logprob
     from pagedllm.worker.request_state import RequestStates, SchedulerOutputEncoder, pack_output, unpack_output
 

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from pagedllm import LLM, RequestOutputKind, SamplingParams
+from pagedllm.core_types.engine_core import EngineCoreOutputs
 from pagedllm.engine.async_engine import OutputQueue
-from pagedllm.engine.core import EngineCoreOutputs
 from pagedllm.engine.core_proc import dumps
 from pagedllm.outputs import CompletionOutput, RequestOutput
 

@@ -25,8 +25,8 @@ import pytest
 from tiny_models import build_model, metric_values, random_prompts
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.core_types.scheduler_output import SchedulerOutput
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.kv_cache.hashing import extend_block_hashes
 from pagedllm.kv_cache.manager import cdiv
 

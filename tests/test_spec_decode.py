@@ -309,7 +309,7 @@ def test_draft_catch_up_after_unverified_proposals(same_llm: LLM) -> None:
     itself: the draft already has KV for that token but must still feed it for its logits. This crashed
     the catch-up (`assert num_new >= 1`) when an LLM with a draft model was reused."""
     from pagedllm.layers.sampler import SamplingRow
-    from pagedllm.spec_decode.spec_decoder import DraftRequest
+    from pagedllm.spec_decode.proposer import DraftRequest
 
     engine = same_llm.llm_engine
     proposer = engine.spec_decoder.proposer

@@ -115,7 +115,7 @@ def test_suffix_tree_remove_frees_every_node() -> None:
 
 
 def test_global_tree_is_bounded_and_shared_across_requests() -> None:
-    from pagedllm.spec_decode.spec_decoder import DraftRequest
+    from pagedllm.spec_decode.proposer import DraftRequest
 
     params = SamplingParams()
     proposer = SuffixProposer(max_tree_depth=6, max_cached_requests=2)

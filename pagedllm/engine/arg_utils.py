@@ -1,4 +1,5 @@
-"""EngineArgs: every engine knob of `LLM(...)`, also as command-line flags with vLLM's spelling."""
+"""EngineArgs: every engine knob of `LLM(...)`, also as command-line flags with vLLM's spelling; and the
+validated configs built from them (create_engine_config)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,11 @@ import argparse
 import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+import torch
+
+from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, resolve_device
+from pagedllm.spec_decode import SpeculativeConfig
 
 
 @dataclass
@@ -239,3 +245,60 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in fields(cls)}
         return cls(**{name: value for name, value in vars(args).items() if name in names})
+
+
+@dataclass
+class EngineConfig:
+    device: torch.device
+    model_config: ModelConfig
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+    parallel_config: ParallelConfig
+    speculative_config: SpeculativeConfig | None
+
+
+def create_engine_config(args: EngineArgs) -> EngineConfig:
+    """Every config the engine and its workers run with, validated (the same on every node)."""
+    if args.model is None:
+        raise ValueError("model must be given: a local Hugging Face model directory.")
+    device = resolve_device(args.device)
+    model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.max_model_len, device,
+                                               args.quantization, args.quantization_group_size,
+                                               trust_remote_code=args.trust_remote_code,
+                                               generation_config=args.generation_config)
+    max_model_len = model_config.max_model_len
+    max_num_batched_tokens = args.max_num_batched_tokens
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = 2048 if args.enable_chunked_prefill else max(2048, max_model_len)
+    elif not args.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_model_len "
+                         f"({max_model_len}) when chunked prefill is disabled.")
+    scheduler_config = SchedulerConfig(
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+        scheduling_policy=args.scheduling_policy, async_scheduling=args.async_scheduling)
+    cache_config = CacheConfig(
+        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
+        enable_prefix_caching=args.enable_prefix_caching,
+        attention_backend=args.attention_backend, kv_transfer_config=args.kv_transfer_config)
+    parallel_config = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                     distributed_executor_backend=args.distributed_executor_backend or "uni",
+                                     nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
+    parallel_config.verify_with_model_config(model_config)
+    if model_config.quantization is not None and parallel_config.world_size > 1:
+        raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet: the quantized "
+                         "projections are not sharded; use tensor_parallel_size=1.")
+    if args.enable_lora:
+        from pagedllm.lora.config import LoRAConfig
+
+        model_config.lora_config = LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
+        scheduler_config.max_loras = args.max_loras
+    speculative_config = SpeculativeConfig.from_engine_args(args, model_config)
+    if speculative_config is not None and args.async_scheduling:
+        raise ValueError("async_scheduling=True cannot be combined with speculative decoding yet: each step's "
+                         "proposals depend on the tokens the previous step accepted.")
+    if speculative_config is not None:
+        scheduler_config.num_speculative_tokens = speculative_config.num_speculative_tokens
+    return EngineConfig(device, model_config, scheduler_config, cache_config, parallel_config, speculative_config)

@@ -24,16 +24,16 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Protocol
 
+from pagedllm.core_types.engine_core import EngineCoreOutput, EngineCoreOutputs, merge_core_outputs
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core import EngineCoreOutput, EngineCoreOutputs, merge_core_outputs
 from pagedllm.engine.core_client import CoreClient, InprocCoreClient, MPCoreClient
 from pagedllm.engine.input_processor import InputProcessor
-from pagedllm.engine.llm_engine import load_tokenizer
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.platform import freeze_gc_heap
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

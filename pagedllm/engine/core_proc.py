@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from pagedllm.engine.core import EngineCore, EngineCoreOutputs
+from pagedllm.core_types.engine_core import EngineCoreOutputs
+from pagedllm.engine.core import EngineCore
 from pagedllm.executor.abstract import ExecutorDeadError
 from pagedllm.metrics.stat_logger import LoggingStatLogger
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.config import ModelConfig
+from pagedllm.core_types.engine_core import EngineCoreRequest
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core import EngineCoreRequest
 from pagedllm.kv_cache.manager import cdiv
 from pagedllm.lora.peft import validate_adapter
 from pagedllm.lora.request import LoRARequest

@@ -1,22 +1,16 @@
 """LLMEngine: the one loop, in-process. `step()` = schedule, run the model, update requests (EngineCore),
-then make outputs (OutputProcessor). Also the engine's configuration (create_engine_config)."""
+then make outputs (OutputProcessor)."""
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import os
 import time
 from collections import Counter as TallyCounter
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, resolve_device
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs, create_engine_config
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
@@ -28,99 +22,12 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.reader import Metric
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.spec_decode import SpeculativeConfig
 from pagedllm.structured_output import StructuredOutputManager
+from pagedllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineConfig", "LLMEngine", "PromptType", "create_engine_config", "load_tokenizer", "run_worker_node"]
-
-
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    """The model's tokenizer; as in vLLM, one whose class ships as code in the model directory (auto_map in
-    tokenizer_config.json) loads only with trust_remote_code=True."""
-    from transformers import AutoTokenizer
-
-    from pagedllm.models.gguf import load_gguf_tokenizer, resolve_gguf_file
-
-    gguf_file = resolve_gguf_file(path)
-    if gguf_file is not None:  # built from the file's own metadata, as transformers' gguf_file= does
-        return load_gguf_tokenizer(gguf_file)
-    if not trust_remote_code and "AutoTokenizer" in _read_auto_map(path):
-        # checked here: transformers would otherwise ask on a terminal whether to run the code
-        raise ValueError(f"the tokenizer in {path!r} is custom code from the model directory (auto_map in "
-                         "tokenizer_config.json); pass trust_remote_code=True (--trust-remote-code) to run it.")
-    try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError) as exc:
-        logger.warning("No tokenizer loaded from %s (%s); only token-id prompts will work.", path, exc)
-        return None
-
-
-def _read_auto_map(path: str) -> dict[str, Any]:
-    try:
-        with open(os.path.join(path, "tokenizer_config.json")) as f:
-            auto_map = json.load(f).get("auto_map")
-    except (OSError, ValueError, AttributeError):
-        return {}
-    return auto_map if isinstance(auto_map, dict) else {}
-
-
-@dataclass
-class EngineConfig:
-    device: torch.device
-    model_config: ModelConfig
-    scheduler_config: SchedulerConfig
-    cache_config: CacheConfig
-    parallel_config: ParallelConfig
-    speculative_config: SpeculativeConfig | None
-
-
-def create_engine_config(args: EngineArgs) -> EngineConfig:
-    """Every config the engine and its workers run with, validated (the same on every node)."""
-    if args.model is None:
-        raise ValueError("model must be given: a local Hugging Face model directory.")
-    device = resolve_device(args.device)
-    model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.max_model_len, device,
-                                               args.quantization, args.quantization_group_size,
-                                               trust_remote_code=args.trust_remote_code,
-                                               generation_config=args.generation_config)
-    max_model_len = model_config.max_model_len
-    max_num_batched_tokens = args.max_num_batched_tokens
-    if max_num_batched_tokens is None:
-        max_num_batched_tokens = 2048 if args.enable_chunked_prefill else max(2048, max_model_len)
-    elif not args.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
-        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_model_len "
-                         f"({max_model_len}) when chunked prefill is disabled.")
-    scheduler_config = SchedulerConfig(
-        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-        scheduling_policy=args.scheduling_policy, async_scheduling=args.async_scheduling)
-    cache_config = CacheConfig(
-        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_gpu_blocks_override=args.num_gpu_blocks_override,
-        kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
-        enable_prefix_caching=args.enable_prefix_caching,
-        attention_backend=args.attention_backend, kv_transfer_config=args.kv_transfer_config)
-    parallel_config = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
-                                     distributed_executor_backend=args.distributed_executor_backend or "uni",
-                                     nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
-    parallel_config.verify_with_model_config(model_config)
-    if model_config.quantization is not None and parallel_config.world_size > 1:
-        raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet: the quantized "
-                         "projections are not sharded; use tensor_parallel_size=1.")
-    if args.enable_lora:
-        from pagedllm.lora.config import LoRAConfig
-
-        model_config.lora_config = LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
-        scheduler_config.max_loras = args.max_loras
-    speculative_config = SpeculativeConfig.from_engine_args(args, model_config)
-    if speculative_config is not None and args.async_scheduling:
-        raise ValueError("async_scheduling=True cannot be combined with speculative decoding yet: each step's "
-                         "proposals depend on the tokens the previous step accepted.")
-    if speculative_config is not None:
-        scheduler_config.num_speculative_tokens = speculative_config.num_speculative_tokens
-    return EngineConfig(device, model_config, scheduler_config, cache_config, parallel_config, speculative_config)
+__all__ = ["LLMEngine", "PromptType", "run_worker_node"]
 
 
 def run_worker_node(args: EngineArgs) -> None:

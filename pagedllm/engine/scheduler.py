@@ -12,68 +12,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.distributed.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler
+from pagedllm.core_types.model_runner_output import ModelRunnerOutput
+from pagedllm.core_types.scheduler_output import ScheduledRequest, SchedulerOutput
+from pagedllm.distributed.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
 from pagedllm.engine.request import Request, RequestStatus, make_child
 from pagedllm.kv_cache.manager import KVCacheManager
 from pagedllm.kv_cache.snapshot import KVCacheSnapshot, RequestBlocks
-from pagedllm.outputs import PositionLogprobs
-from pagedllm.structured_output import GrammarBitmask, StructuredOutputManager
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int      # tokens whose KV is computed this step, speculative ones included
-    start_pos: int           # num_computed_tokens before this step
-    # The request's block table, for the KV connector's saves (empty without one: nothing else reads it;
-    # the runner keeps its own copy from SchedulerOutput.block_table_changes).
-    block_ids: Sequence[int]
-    sample: bool             # this step reaches the last known token, so it yields new tokens
-    spec_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    num_batched_tokens: int
-    blocks_to_copy: list[tuple[int, int]]
-    preempted_ids: list[str]
-    # Requests that left the engine since the last step: workers in other processes drop their copies.
-    finished_req_ids: set[str] = field(default_factory=set)
-    # Allowed tokens of the rows that sample under a grammar (None when no scheduled request has one).
-    grammar_bitmask: GrammarBitmask | None = None
-    # The KV connector's loads and saves for this step (None without a connector).
-    kv_connector_metadata: KVConnectorMetadata | None = None
-    # Block tables written since the last plan (KVCacheManager.take_table_changes): the runner's copy
-    # of the tables is kept from these, not from each ScheduledRequest's block_ids.
-    block_table_changes: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
-    # Made by Scheduler._steady_decodes: every request decodes one token, so update() takes its short loop.
-    steady_decode: bool = False
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.blocks_to_copy
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What one forward pass produced, per request id."""
-
-    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)  # accepted + bonus tokens
-    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
-    sampled_logprobs: dict[str, list[float]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
-    num_draft_tokens: dict[str, int] = field(default_factory=dict)
-    num_accepted_tokens: dict[str, int] = field(default_factory=dict)
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals for the next step
-    kv_connector_output: KVConnectorOutput | None = None
-    # Seconds the model's forward pass and LM head took on the sampling rank: what a profile of the engine
-    # needs when the model runs in another process (the rest of a step is overhead).
-    forward_s: float = 0.0
+from pagedllm.structured_output import StructuredOutputManager
 
 
 class Scheduler:

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from pagedllm.engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core_types.model_runner_output import ModelRunnerOutput
+from pagedllm.core_types.scheduler_output import SchedulerOutput
 from pagedllm.spec_decode import SpeculativeConfig
 
 logger = logging.getLogger(__name__)

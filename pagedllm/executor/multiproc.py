@@ -45,7 +45,8 @@ from typing import Any
 import torch
 
 from pagedllm import envs
-from pagedllm.engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core_types.model_runner_output import ModelRunnerOutput
+from pagedllm.core_types.scheduler_output import SchedulerOutput
 from pagedllm.executor.abstract import Executor, ExecutorDeadError
 from pagedllm.platform import freeze_gc_heap
 from pagedllm.worker.request_state import SchedulerOutputEncoder, unpack_output

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core_types.model_runner_output import ModelRunnerOutput
+from pagedllm.core_types.scheduler_output import SchedulerOutput
 from pagedllm.executor.abstract import Executor
 from pagedllm.worker.worker import Worker
 

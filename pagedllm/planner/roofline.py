@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.config import kv_elements_per_token_per_layer, sliding_window_layers
+from pagedllm.spec_decode.adaptive import speculative_tokens_per_pass  # noqa: F401  (the planner's API too)
 
 # Bytes per element for the dtypes people pass as --dtype / --kv-cache-dtype.
 DTYPE_BYTES: dict[str, float] = {
@@ -449,18 +450,6 @@ def prefill_flops(spec: ModelSpec, prompt_len: int) -> float:
 def prefill_bound_tokens_per_s(spec: ModelSpec, prompt_len: int, peak_flops: float, tp: int = 1) -> float:
     """Prompt tokens per second if prefill ran at peak FLOP/s (it is compute-bound at any useful length)."""
     return prompt_len * peak_flops * tp / prefill_flops(spec, prompt_len)
-
-
-def speculative_tokens_per_pass(acceptance_rate: float, num_speculative_tokens: int) -> float:
-    """Expected tokens per target forward pass when each of gamma draft tokens is accepted independently
-    with probability alpha (Leviathan et al. 2023): (1 - alpha^(gamma+1)) / (1 - alpha)."""
-    if not 0.0 <= acceptance_rate <= 1.0:
-        raise ValueError(f"acceptance_rate must be in [0, 1], got {acceptance_rate}")
-    if num_speculative_tokens < 0:
-        raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
-    if acceptance_rate == 1.0:
-        return float(num_speculative_tokens + 1)
-    return (1 - acceptance_rate ** (num_speculative_tokens + 1)) / (1 - acceptance_rate)
 
 
 # --- tensor-parallel communication ---------------------------------------------------------------

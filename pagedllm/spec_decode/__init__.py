@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pagedllm.config import ModelConfig
-
-if TYPE_CHECKING:
-    from pagedllm.engine.arg_utils import EngineArgs
 
 METHODS = ("draft_model", "ngram", "suffix")
 SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
@@ -28,6 +25,14 @@ CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min",
 MODEL_FREE_METHODS = ("ngram", "suffix")
 # vLLM's default when neither bound is given: look up 5-grams only.
 DEFAULT_PROMPT_LOOKUP = 5
+
+
+class SpeculativeArgs(Protocol):
+    """The engine arguments speculative decoding reads (EngineArgs has them)."""
+
+    speculative_config: dict[str, Any] | None
+    speculative_model: str | None
+    num_speculative_tokens: int | None
 
 
 @dataclass
@@ -49,7 +54,7 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, target: ModelConfig) -> SpeculativeConfig | None:
+    def from_engine_args(cls, args: SpeculativeArgs, target: ModelConfig) -> SpeculativeConfig | None:
         raw: dict[str, Any]
         if args.speculative_config:
             if not isinstance(args.speculative_config, dict):

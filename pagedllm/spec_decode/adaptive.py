@@ -122,3 +122,15 @@ def allocate_speculative_tokens(alphas: list[float], max_tokens: list[int], num_
         if ks[i] < max_tokens[i]:
             heapq.heappush(heap, (-gain * alphas[i], i))
     return ks
+
+
+def speculative_tokens_per_pass(acceptance_rate: float, num_speculative_tokens: int) -> float:
+    """Expected tokens per target forward pass when each of gamma draft tokens is accepted independently
+    with probability alpha (Leviathan et al. 2023): (1 - alpha^(gamma+1)) / (1 - alpha)."""
+    if not 0.0 <= acceptance_rate <= 1.0:
+        raise ValueError(f"acceptance_rate must be in [0, 1], got {acceptance_rate}")
+    if num_speculative_tokens < 0:
+        raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+    if acceptance_rate == 1.0:
+        return float(num_speculative_tokens + 1)
+    return (1 - acceptance_rate ** (num_speculative_tokens + 1)) / (1 - acceptance_rate)

@@ -1,7 +1,8 @@
 """The draft-model proposer: a small model with its own paged KV cache proposes k tokens per request.
 
-The draft has its own ModelRunner and its own block pool, managed by the same KVCacheManager logic as the
-target's (block tables, slots, trim). Each engine step it runs, batched over every request that proposes:
+The draft has its own runner (a DraftRunner, made by the target's worker) and its own block pool,
+managed by the same KVCacheManager logic as the target's (block tables, slots, trim). Each engine step
+it runs, batched over every request that proposes:
 
   1. a catch-up pass: the tokens the draft has not seen yet (the whole prompt for a new request; after a
      verification, the accepted drafts it had not fed plus the target's correction or bonus token),
@@ -19,20 +20,15 @@ It runs unsharded (TP 1) inside rank 0's model runner: its layers never communic
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
-from pagedllm.engine.scheduler import ScheduledRequest
+from pagedllm.core_types.scheduler_output import ScheduledRequest
 from pagedllm.kv_cache.hashing import BlockHash
 from pagedllm.kv_cache.manager import KVCacheManager
 from pagedllm.layers.sampler import SamplingRow, adjusted_logits, argmax_rows, exponential_noise, holds_back_stops
+from pagedllm.spec_decode.proposer import DraftRequest, DraftRunner
 from pagedllm.spec_decode.rejection_sampler import request_probs, row_with_drafts
-from pagedllm.worker.model_runner import ModelRunner
-
-if TYPE_CHECKING:
-    from pagedllm.spec_decode.spec_decoder import DraftRequest
 
 
 @dataclass(eq=False)
@@ -57,16 +53,9 @@ class DraftSeq:
 
 
 class DraftModelProposer:
-    def __init__(self, model_config: ModelConfig, block_size: int, scheduler_config: SchedulerConfig,
-                 device: torch.device, seed: int, enable_prefix_caching: bool = True,
-                 attention_backend: str | None = None):
-        # The target's attention backend too (None: the environment's or the device's default, as for it)
-        cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-                                   attention_backend=attention_backend)
-        # Not batch-invariant: proposals are verified by the target, so the draft's rounding never
-        # reaches an output, and its small projections may take the faster plain matmul.
-        self.runner = ModelRunner(model_config, cache_config, scheduler_config, device, seed=seed,
-                                  batch_invariant=False)
+    def __init__(self, runner: DraftRunner):
+        # The draft's runner, made by the target's worker (spec_decode/ does not import the worker).
+        self.runner = runner
         self.kv: KVCacheManager | None = None
         self.seqs: dict[str, DraftSeq] = {}
 

@@ -15,7 +15,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 if TYPE_CHECKING:
-    from pagedllm.spec_decode.spec_decoder import DraftRequest
+    from pagedllm.spec_decode.proposer import DraftRequest
 
 # Look back at most this many tokens: a bounded cost per step even for very long contexts.
 MAX_LOOKUP_TOKENS = 8192

@@ -20,23 +20,23 @@ positions they are sent, and only rank 0, which gathers the logits, verifies.
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest
+from pagedllm.config import SchedulerConfig
+from pagedllm.core_types.model_runner_output import ModelRunnerOutput
+from pagedllm.core_types.scheduler_output import ScheduledRequest
 from pagedllm.layers.sampler import SamplingRow, argmax_rows, exponential_noise, processed_probs
 from pagedllm.metrics.reader import Counter, Gauge, Metric
 from pagedllm.outputs import position_logprobs
-from pagedllm.planner.roofline import speculative_tokens_per_pass as expected_tokens_per_pass
-from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode import SpeculativeConfig
 from pagedllm.spec_decode.adaptive import AcceptanceEstimate, StepCostModel, allocate_speculative_tokens
+from pagedllm.spec_decode.adaptive import speculative_tokens_per_pass as expected_tokens_per_pass
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.ngram import NgramProposer
+from pagedllm.spec_decode.proposer import DraftRequest, DraftRunner
 from pagedllm.spec_decode.rejection_sampler import (
     RejectionResult,
     adjusted_logits,
@@ -46,10 +46,6 @@ from pagedllm.spec_decode.rejection_sampler import (
 )
 from pagedllm.spec_decode.suffix import SuffixProposer
 from pagedllm.structured_output import GrammarBitmask
-
-if TYPE_CHECKING:
-    from pagedllm.worker.model_runner import ModelRunner
-
 
 # Model-free adaptive k: a request that has not speculated for this many steps proposes only every
 # PROBE_EVERY_STEPS steps (see SpecDecoder._idles).
@@ -144,25 +140,16 @@ class SpecDecodeStats:
         return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-@dataclass
-class DraftRequest:
-    """A request as the proposers see it at the end of a step: its tokens with this step's sampled ones."""
-
-    request_id: str
-    all_token_ids: list[int]
-    sampling_params: SamplingParams
-    num_prompt_tokens: int = 0
-
-
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, target_runner: ModelRunner, seed: int = 0):
+    def __init__(self, config: SpeculativeConfig, scheduler_config: SchedulerConfig, generator: torch.Generator,
+                 target_num_layers: int, target_weight_bytes: int, draft_runner: DraftRunner | None = None):
+        """generator: the target sampler's (rejection sampling draws from it); the target's layers and
+        weight bytes price a draft token; draft_runner: the draft model's, made by the worker (method
+        draft_model only)."""
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
-        # The runner owns this decoder: a strong reference back would be a cycle, and the engine's objects
-        # are frozen out of the garbage collector (platform.freeze_gc_heap), so a dropped engine would
-        # never be freed, KV cache and all.
-        self.target_runner = weakref.proxy(target_runner)
-        self.scheduler_config = target_runner.scheduler_config
+        self.scheduler_config = scheduler_config
+        self.generator = generator
         self.proposer: NgramProposer | SuffixProposer | DraftModelProposer
         if config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -172,11 +159,8 @@ class SpecDecoder:
                                            config.suffix_decoding_max_spec_factor,
                                            config.suffix_decoding_min_token_prob)
         else:
-            assert config.draft_model_config is not None
-            self.proposer = DraftModelProposer(config.draft_model_config, target_runner.block_size,
-                                               self.scheduler_config, target_runner.device, seed,
-                                               target_runner.cache_config.enable_prefix_caching,
-                                               target_runner.cache_config.attention_backend)
+            assert draft_runner is not None, "method draft_model needs the draft's runner"
+            self.proposer = DraftModelProposer(draft_runner)
         # q of the current proposals, per request (draft model, non-greedy requests only).
         self.draft_probs: dict[str, torch.Tensor] = {}
         self.adaptive = config.adaptive_num_speculative_tokens
@@ -186,9 +170,8 @@ class SpecDecoder:
         # per torch call dominate) and part weight reads (in proportion to bytes): take the geometric mean
         # of the two ratios (on the demo pair it is 0.19; measured here 0.15-0.2).
         if isinstance(self.proposer, DraftModelProposer):
-            layer_ratio = (self.proposer.runner.model_config.num_hidden_layers
-                           / target_runner.model_config.num_hidden_layers)
-            byte_ratio = self.proposer.runner.weight_bytes() / self.target_runner.weight_bytes()
+            layer_ratio = self.proposer.runner.model_config.num_hidden_layers / target_num_layers
+            byte_ratio = self.proposer.runner.weight_bytes() / target_weight_bytes
             self.draft_cost_per_token = (layer_ratio * byte_ratio) ** 0.5
         else:
             self.draft_cost_per_token = 0.0
@@ -356,13 +339,12 @@ class SpecDecoder:
         return kept
 
     # ---- called by the target runner with the logits of the k+1 positions of every verified request ----
-    def verify(self, verify: list[tuple[ScheduledRequest, int]], logits: torch.Tensor,
+    def verify(self, verify: list[tuple[ScheduledRequest, int]], base_rows: list[SamplingRow], logits: torch.Tensor,
                output: ModelRunnerOutput, grammar_bitmask: GrammarBitmask | None = None) -> None:
-        runner = self.target_runner
+        """base_rows[i]: the target runner's sampling row of verify[i]'s request."""
         rows = []
-        for s, _ in verify:
-            k = len(s.spec_token_ids)
-            rows.extend(rows_with_drafts(runner.sampling_row(s.request), s.spec_token_ids, k + 1))
+        for (s, _), base_row in zip(verify, base_rows):
+            rows.extend(rows_with_drafts(base_row, s.spec_token_ids, len(s.spec_token_ids) + 1))
         # Under a grammar p is the masked target distribution at every position, so a draft token the
         # grammar refuses has p = 0 and is rejected, and the output stays a sample of the constrained target.
         token_bitmask = None
@@ -399,7 +381,7 @@ class SpecDecoder:
                 if isinstance(self.proposer, DraftModelProposer):
                     assert q is not None and q.shape[0] >= k, "a sampled draft must come with its q"
                     q = q[:k]
-                result = rejection_sample(probs[offset:offset + k + 1], spec, q, runner.sampler.generator)
+                result = rejection_sample(probs[offset:offset + k + 1], spec, q, self.generator)
             self.stats.record(k, result.num_accepted)
             if self.adaptive:
                 self._record_acceptance(request.request_id, k, result.num_accepted)

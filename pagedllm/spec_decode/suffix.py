@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagedllm.spec_decode.spec_decoder import DraftRequest
+    from pagedllm.spec_decode.proposer import DraftRequest
 
 # vLLM's defaults for suffix decoding.
 DEFAULT_MAX_TREE_DEPTH = 24

@@ -13,8 +13,8 @@ import torch
 from pagedllm.sampling_params import GuidedDecodingParams
 
 if TYPE_CHECKING:
+    from pagedllm.core_types.scheduler_output import ScheduledRequest
     from pagedllm.engine.request import Request
-    from pagedllm.engine.scheduler import ScheduledRequest
     from pagedllm.layers.sampler import TokenBitmask
 
 logger = logging.getLogger(__name__)

@@ -22,20 +22,20 @@ from pagedllm import envs
 from pagedllm.attention.backend import AttentionMetadata, PrefillSeq
 from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
-from pagedllm.engine.request import Request
-from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedllm.core_types.model_runner_output import ModelRunnerOutput
+from pagedllm.core_types.scheduler_output import RunnerRequest, ScheduledRequest, SchedulerOutput
 from pagedllm.kv_cache.quant import KV_CACHE_DTYPES, is_quantized, resolve_kv_cache_dtype  # noqa: F401
 from pagedllm.layers.sampler import Sampler, SamplingRow, argmax_rows
 from pagedllm.models.loader import load_model
 from pagedllm.outputs import PositionLogprobs, position_logprobs
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.spec_decoder import SpecDecoder
 from pagedllm.structured_output import GrammarBitmask
 from pagedllm.worker.block_table import BlockTables
 from pagedllm.worker.step_inputs import StepInputs, decode_step_inputs, step_inputs
 
 if TYPE_CHECKING:
     from pagedllm.spec_decode import SpeculativeConfig
-    from pagedllm.spec_decode.spec_decoder import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -170,10 +170,20 @@ class ModelRunner:
         # Speculative decoding: verifies the k+1 positions of each request and drafts the next proposals.
         # Rank 0 only: it alone sees the logits, and the draft runs there unsharded.
         self.spec_decoder: SpecDecoder | None = None
+        self.draft_runner: ModelRunner | None = None
         if speculative_config is not None and tp_rank == 0:
-            from pagedllm.spec_decode.spec_decoder import SpecDecoder  # the drafter holds a ModelRunner itself
-
-            self.spec_decoder = SpecDecoder(speculative_config, self, seed=seed)
+            if speculative_config.method == "draft_model":
+                assert speculative_config.draft_model_config is not None
+                # The target's block size, prefix caching and attention backend. Not batch-invariant:
+                # proposals are verified by the target, so the draft's rounding never reaches an output,
+                # and its small projections may take the faster plain matmul.
+                draft_cache_config = CacheConfig(block_size=self.block_size,
+                                                 enable_prefix_caching=cache_config.enable_prefix_caching,
+                                                 attention_backend=cache_config.attention_backend)
+                self.draft_runner = ModelRunner(speculative_config.draft_model_config, draft_cache_config,
+                                                scheduler_config, device, seed=seed, batch_invariant=False)
+            self.spec_decoder = SpecDecoder(speculative_config, scheduler_config, self.sampler.generator,
+                                            model_config.num_hidden_layers, self.weight_bytes(), self.draft_runner)
 
     def require_lora_manager(self):  # -> LoRAManager
         if self.lora_manager is None:
@@ -189,7 +199,7 @@ class ModelRunner:
 
     def draft_bytes(self) -> int:
         """The draft model's weights and KV pool on this rank (0 without one)."""
-        runner = getattr(self.spec_decoder.proposer, "runner", None) if self.spec_decoder is not None else None
+        runner = self.draft_runner
         if runner is None:
             return 0
         return runner.weight_bytes() + sum(c.numel() * c.element_size() for c in runner.kv_caches)
@@ -663,14 +673,14 @@ class ModelRunner:
             self._last_decode = self._decode_run(batch, token_tensor, token_ids, argmax=always_argmax)
         if verify:
             assert self.spec_decoder is not None
-            self.spec_decoder.verify(verify, all_logits[num_sample:num_sample + num_verify], output,
-                                     grammar_bitmask)
+            self.spec_decoder.verify(verify, [self.sampling_row(s.request) for s, _ in verify],
+                                     all_logits[num_sample:num_sample + num_verify], output, grammar_bitmask)
         offset = num_sample + num_verify
         for s, _, count in prompt_lp:
             output.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(s, all_logits[offset:offset + count])
             offset += count
 
-    def sampling_row(self, request: Request) -> SamplingRow:
+    def sampling_row(self, request: RunnerRequest) -> SamplingRow:
         params = request.sampling_params
         if request.generator is None and params.seed is not None:
             request.generator = torch.Generator(device=self.device)
@@ -691,7 +701,7 @@ class ModelRunner:
                 zip(targets.tolist(), chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist())]
 
 
-def _takes_argmax(params: SamplingParams, request: Request) -> bool:
+def _takes_argmax(params: SamplingParams, request: RunnerRequest) -> bool:
     """Greedy with no logprobs, penalties or min_tokens still holding back a stop token: the sampler would
     return the argmax of the raw logits."""
     return (params.greedy and params.logprobs is None and not params.has_penalties

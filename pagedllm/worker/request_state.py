@@ -18,71 +18,16 @@ from itertools import repeat
 
 import torch
 
-from pagedllm.distributed.kv_transfer.base import KVConnectorMetadata
-from pagedllm.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedllm.core_types.model_runner_output import ModelRunnerOutput
+from pagedllm.core_types.scheduler_output import (
+    NewRequestData,
+    ScheduledRequest,
+    ScheduledRequestsData,
+    SchedulerOutput,
+    WorkerSchedulerOutput,
+)
 from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output import GrammarBitmask
-
-
-@dataclass
-class NewRequestData:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    lora_request: LoRARequest | None = None
-
-
-@dataclass
-class ScheduledRequestsData:
-    """The step's scheduled requests as columns, entry i for request i: one object to pickle instead of
-    one per request (unpickling 64 per-request objects cost the worker ~0.2 ms a step, on its critical
-    path under async scheduling). A column that says nothing (every entry empty, zero or True) travels as
-    None, and request_ids as None when they are the previous plan's, in its order: a steady decode step's
-    plan is then two lists of ints (SchedulerOutputEncoder.encode, RequestStates.apply)."""
-
-    request_ids: list[str] | None = field(default_factory=list)
-    new_token_ids: list[list[int]] | None = field(default_factory=list)  # appended since the worker last saw it
-    num_new_tokens: list[int] = field(default_factory=list)
-    start_pos: list[int] = field(default_factory=list)
-    sample: list[bool] | None = field(default_factory=list)
-    spec_token_ids: list[list[int]] | None = field(default_factory=list)
-    num_prompt_logprobs_computed: list[int] | None = field(default_factory=list)
-
-    def compact(self, previous_request_ids: list[str] | None) -> None:
-        if self.request_ids == previous_request_ids:
-            self.request_ids = None
-        if not any(self.new_token_ids):  # type: ignore[arg-type]
-            self.new_token_ids = None
-        if all(self.sample):  # type: ignore[arg-type]
-            self.sample = None
-        if not any(self.spec_token_ids):  # type: ignore[arg-type]
-            self.spec_token_ids = None
-        if not any(self.num_prompt_logprobs_computed):  # type: ignore[arg-type]
-            self.num_prompt_logprobs_computed = None
-
-
-@dataclass
-class WorkerSchedulerOutput:
-    new_requests: list[NewRequestData]
-    scheduled: ScheduledRequestsData
-    blocks_to_copy: list[tuple[int, int]]
-    finished_req_ids: set[str]
-    preempted_ids: list[str]
-    grammar_bitmask: GrammarBitmask | None
-    kv_connector_metadata: KVConnectorMetadata | None = None
-    block_table_changes: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
-
-    def continues_decode(self) -> bool:
-        """Whether the plan runs the last plan's requests, in its order, given nothing new (no tokens from
-        the engine, proposals, prompt logprobs, grammar, KV transfers, block copies, requests that came or
-        went): a steady decode step under async scheduling (ModelRunner.execute_continued_decode checks
-        the rest)."""
-        columns = self.scheduled
-        return (columns.request_ids is None and columns.new_token_ids is None and columns.sample is None
-                and columns.spec_token_ids is None and columns.num_prompt_logprobs_computed is None
-                and not self.new_requests and not self.finished_req_ids and not self.preempted_ids
-                and not self.blocks_to_copy and self.grammar_bitmask is None and self.kv_connector_metadata is None)
 
 
 @dataclass(eq=False)
@@ -180,7 +125,7 @@ class RequestStates:
             if new_token_ids:
                 state.all_token_ids.extend(new_token_ids)
             state.num_prompt_logprobs_computed = num_prompt_lp
-            scheduled.append(ScheduledRequest(state, num_new, start, [], sample,  # type: ignore[arg-type]
+            scheduled.append(ScheduledRequest(state, num_new, start, [], sample,
                                               spec if spec is not None else []))
         self.scheduled_states = states
         return SchedulerOutput(scheduled=scheduled, num_batched_tokens=sum(columns.num_new_tokens),

@@ -14,13 +14,14 @@ from typing import Any
 import torch
 
 from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedllm.core_types.model_runner_output import ModelRunnerOutput
+from pagedllm.core_types.scheduler_output import SchedulerOutput, WorkerSchedulerOutput
 from pagedllm.distributed.parallel_state import broadcast_object, collective_bytes, init_distributed_environment
-from pagedllm.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from pagedllm.metrics.reader import Metric
 from pagedllm.platform import configure_cpu_allocator
 from pagedllm.spec_decode import SpeculativeConfig
 from pagedllm.worker.model_runner import ModelRunner
-from pagedllm.worker.request_state import RequestStates, WorkerSchedulerOutput, pack_output
+from pagedllm.worker.request_state import RequestStates, pack_output
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,133 @@
+"""The scheduler's plan for one step (SchedulerOutput), and its compact form for workers in other
+processes (WorkerSchedulerOutput: new requests whole, the others as deltas, as vLLM V1's
+NewRequestData / CachedRequestData)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from pagedllm.distributed.kv_transfer.base import KVConnectorMetadata
+from pagedllm.lora.request import LoRARequest
+from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedllm.structured_output import GrammarBitmask
+
+
+class RunnerRequest(Protocol):
+    """What the model runner reads of a scheduled request: the engine's Request in one process, the
+    worker's CachedRequestState in another. `generator` is the runner's to create (seeded sampling)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    all_token_ids: list[int]
+    sampling_params: SamplingParams
+    lora_request: LoRARequest | None
+    num_prompt_logprobs_computed: int
+    always_argmax: bool
+    generator: torch.Generator | None
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: RunnerRequest
+    num_new_tokens: int      # tokens whose KV is computed this step, speculative ones included
+    start_pos: int           # num_computed_tokens before this step
+    # The request's block table, for the KV connector's saves (empty without one: nothing else reads it;
+    # the runner keeps its own copy from SchedulerOutput.block_table_changes).
+    block_ids: Sequence[int]
+    sample: bool             # this step reaches the last known token, so it yields new tokens
+    spec_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    blocks_to_copy: list[tuple[int, int]]
+    preempted_ids: list[str]
+    # Requests that left the engine since the last step: workers in other processes drop their copies.
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Allowed tokens of the rows that sample under a grammar (None when no scheduled request has one).
+    grammar_bitmask: GrammarBitmask | None = None
+    # The KV connector's loads and saves for this step (None without a connector).
+    kv_connector_metadata: KVConnectorMetadata | None = None
+    # Block tables written since the last plan (KVCacheManager.take_table_changes): the runner's copy
+    # of the tables is kept from these, not from each ScheduledRequest's block_ids.
+    block_table_changes: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    # Made by Scheduler._steady_decodes: every request decodes one token, so update() takes its short loop.
+    steady_decode: bool = False
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_copy
+
+
+@dataclass
+class NewRequestData:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    lora_request: LoRARequest | None = None
+
+
+@dataclass
+class ScheduledRequestsData:
+    """The step's scheduled requests as columns, entry i for request i: one object to pickle instead of
+    one per request (unpickling 64 per-request objects cost the worker ~0.2 ms a step, on its critical
+    path under async scheduling). A column that says nothing (every entry empty, zero or True) travels as
+    None, and request_ids as None when they are the previous plan's, in its order: a steady decode step's
+    plan is then two lists of ints (SchedulerOutputEncoder.encode, RequestStates.apply)."""
+
+    request_ids: list[str] | None = field(default_factory=list)
+    new_token_ids: list[list[int]] | None = field(default_factory=list)  # appended since the worker last saw it
+    num_new_tokens: list[int] = field(default_factory=list)
+    start_pos: list[int] = field(default_factory=list)
+    sample: list[bool] | None = field(default_factory=list)
+    spec_token_ids: list[list[int]] | None = field(default_factory=list)
+    num_prompt_logprobs_computed: list[int] | None = field(default_factory=list)
+
+    def compact(self, previous_request_ids: list[str] | None) -> None:
+        if self.request_ids == previous_request_ids:
+            self.request_ids = None
+        if not any(self.new_token_ids):  # type: ignore[arg-type]
+            self.new_token_ids = None
+        if all(self.sample):  # type: ignore[arg-type]
+            self.sample = None
+        if not any(self.spec_token_ids):  # type: ignore[arg-type]
+            self.spec_token_ids = None
+        if not any(self.num_prompt_logprobs_computed):  # type: ignore[arg-type]
+            self.num_prompt_logprobs_computed = None
+
+
+@dataclass
+class WorkerSchedulerOutput:
+    new_requests: list[NewRequestData]
+    scheduled: ScheduledRequestsData
+    blocks_to_copy: list[tuple[int, int]]
+    finished_req_ids: set[str]
+    preempted_ids: list[str]
+    grammar_bitmask: GrammarBitmask | None
+    kv_connector_metadata: KVConnectorMetadata | None = None
+    block_table_changes: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+
+    def continues_decode(self) -> bool:
+        """Whether the plan runs the last plan's requests, in its order, given nothing new (no tokens from
+        the engine, proposals, prompt logprobs, grammar, KV transfers, block copies, requests that came or
+        went): a steady decode step under async scheduling (ModelRunner.execute_continued_decode checks
+        the rest)."""
+        columns = self.scheduled
+        return (columns.request_ids is None and columns.new_token_ids is None and columns.sample is None
+                and columns.spec_token_ids is None and columns.num_prompt_logprobs_computed is None
+                and not self.new_requests and not self.finished_req_ids and not self.preempted_ids
+                and not self.blocks_to_copy and self.grammar_bitmask is None and self.kv_connector_metadata is None)
