@@ -11,29 +11,36 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.cpu_kernels import cpu_ops_available
+from pagedllm.layers.custom_op import CustomOp
 
 
-class RMSNorm(torch.nn.Module):
+class RMSNorm(CustomOp):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x); or, with the residual stream, (norm(x + residual), x + residual), taking x and
-        residual over in place where it can."""
+    # forward(x, residual=None) -> norm(x); or, with the residual stream, (norm(x + residual), x + residual)
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return self._norm(x)
-        if x.dim() == 2 and x.is_contiguous() and residual.is_contiguous() and cpu_ops_available(x):
+            return torch_rms_norm(x, self.weight, self.eps)
+        residual = x + residual
+        return torch_rms_norm(residual, self.weight, self.eps), residual
+
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As forward_native, taking x and residual over in place where the layout allows."""
+        if residual is None:
+            return self._norm_cpu(x)
+        if x.dim() == 2 and x.is_contiguous() and residual.is_contiguous():
             torch.ops.pagedllm_cpu_layers.fused_add_rms_norm(x, residual, self.weight, self.eps)
             return x, residual
         residual = x + residual
-        return self._norm(residual), residual
+        return self._norm_cpu(residual), residual
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.stride(1) == 1 and x.dtype == self.weight.dtype and cpu_ops_available(x):
+    def _norm_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.stride(1) == 1 and x.dtype == self.weight.dtype:
             return torch.ops.pagedllm_cpu_layers.rms_norm(x, self.weight, self.eps)
         return torch_rms_norm(x, self.weight, self.eps)
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
 from pagedllm.config import RopeConfig
-from pagedllm.cpu_kernels import cpu_ops_available
+from pagedllm.layers.custom_op import CustomOp
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
@@ -102,7 +103,7 @@ def rope_attention_factor(rope: RopeConfig) -> float:
     return yarn_mscale(factor)
 
 
-class RotaryEmbedding(torch.nn.Module):
+class RotaryEmbedding(CustomOp):
     """Precomputes cos/sin for every position once; applying it is two gathers and four multiplies.
     rotary_dim < head_dim (partial rotary, Phi-4-mini): only the first rotary_dim features rotate."""
 
@@ -122,21 +123,30 @@ class RotaryEmbedding(torch.nn.Module):
         return (self.cos_cache.index_select(0, positions).unsqueeze(1),
                 self.sin_cache.index_select(0, positions).unsqueeze(1))
 
-    @staticmethod
-    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, Hq, D], k: [T, Hkv, D]; rotate-half (non-interleaved) layout, as in Llama.
+    # forward(cos_sin, q, k) -> (q, k) rotated; q: [T, Hq, D], k: [T, Hkv, D]; rotate-half
+    # (non-interleaved) layout, as in Llama.
+    def dispatch(self, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        return super().dispatch(cos_sin[0])
+
+    def forward_native(self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cos_sin
         rotary_dim = cos.shape[-1]
         if rotary_dim != q.shape[-1]:  # partial rotary: the rest passes through
             return (torch.cat((_apply(q[..., :rotary_dim], cos, sin), q[..., rotary_dim:]), dim=-1),
                     torch.cat((_apply(k[..., :rotary_dim], cos, sin), k[..., rotary_dim:]), dim=-1))
-        if q.dtype == cos.dtype == k.dtype and q.stride(-1) == 1 and k.stride(-1) == 1 and cpu_ops_available(q):
+        return _apply(q, cos, sin), _apply(k, cos, sin)
+
+    def forward_cpu(self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos_sin
+        if (cos.shape[-1] == q.shape[-1] and q.dtype == cos.dtype == k.dtype and q.stride(-1) == 1
+                and k.stride(-1) == 1):
             # One C++ call rotates q and k in place with the same rounding (the callers own both: they
             # are views of this step's qkv projection), instead of eight torch ops each.
             torch.ops.pagedllm_cpu_layers.rotary_embedding(q, k, cos, sin)
             return q, k
-        return _apply(q, cos, sin), _apply(k, cos, sin)
+        return self.forward_native(cos_sin, q, k)
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -15,11 +15,12 @@ token the grammar forbids set to -inf, in one batched fill, before anything else
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from pagedllm.cpu_kernels import cpu_ops_available
+from pagedllm.layers.custom_op import uses_cpu_kernels
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -60,10 +61,24 @@ class TokenBitmask:
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) of a 2-D tensor (the first of tied maxima). On CPU through a C++ op: torch's row
-    argmax compares one element at a time, 0.30 ms for [64, 8192] fp32 here, ten times a max pass."""
-    if x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1 and x.stride(0) == x.shape[1] and cpu_ops_available(x):
-        return torch.ops.pagedllm_cpu_layers.argmax_rows(x)
+    argmax compares one element at a time, where the op scans a row at memory speed."""
+    if x.is_cpu and x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1 and x.stride(0) == x.shape[1]:
+        return _cpu_argmax_rows(x)
     return x.argmax(dim=-1)
+
+
+def _torch_argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
+def _choose_cpu_argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """The first CPU call decides, once, between the C++ op and torch (CustomOp's choice for a function)."""
+    global _cpu_argmax_rows
+    _cpu_argmax_rows = torch.ops.pagedllm_cpu_layers.argmax_rows if uses_cpu_kernels(x) else _torch_argmax_rows
+    return _cpu_argmax_rows(x)
+
+
+_cpu_argmax_rows: Callable[[torch.Tensor], torch.Tensor] = _choose_cpu_argmax_rows
 
 
 _BIT_POSITIONS = torch.arange(32, dtype=torch.int32)
@@ -344,10 +359,10 @@ class Sampler:
     def _categorical(self, probs: torch.Tensor) -> torch.Tensor:
         """One draw per row from `probs`, each row a distribution (its sum may differ from 1 by rounding):
         the first index whose cumulative sum passes a uniform in [0, row sum), one uniform per row. The
-        exponential race, argmax(p / q) with q ~ Exp(1), draws the same distribution from a random number
-        and a log per vocabulary entry: 3.4 vs 0.5 ms at [64, 8192] on one CPU thread, 121 vs 26 ms at
-        [64, 151936]. The sums are taken in float64 (monotone, so a zero-probability entry adds no step and
-        is never drawn), and the uniform stays below the row's total, so every draw lands on an entry."""
+        exponential race, argmax(p / q) with q ~ Exp(1), draws the same distribution but needs a random
+        number and a log per vocabulary entry, several times the work. The sums are taken in float64
+        (monotone, so a zero-probability entry adds no step and is never drawn), and the uniform stays
+        below the row's total, so every draw lands on an entry."""
         cdf = probs.cumsum(dim=-1, dtype=torch.float64)
         total = cdf[:, -1:]
         u = torch.rand(total.shape, dtype=torch.float64, device=probs.device, generator=self.generator) * total

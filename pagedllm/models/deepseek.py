@@ -118,7 +118,7 @@ class DeepseekMLAAttention(nn.Module):
         if self.interleaved:
             q_pe = torch.cat([q_pe[..., 0::2], q_pe[..., 1::2]], dim=-1)
             k_pe = torch.cat([k_pe[..., 0::2], k_pe[..., 1::2]], dim=-1)
-        q_pe, k_pe = self.rotary.apply(cos_sin, q_pe, k_pe)
+        q_pe, k_pe = self.rotary(cos_sin, q_pe, k_pe)
         out = self.mla.forward_mla(q_nope, q_pe, torch.cat([latent, k_pe.squeeze(1)], dim=-1), kv_cache, metadata,
                                    self.scale, self.kv_b_weight, self.v_head_dim)
         return F.linear(out.reshape(-1, self.num_heads * self.v_head_dim), self.o_weight)

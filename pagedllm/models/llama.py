@@ -58,7 +58,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary.apply(cos_sin, q, k)
+        q, k = self.rotary(cos_sin, q, k)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale, self.sliding_window,
                                    self.logits_soft_cap)
         return self.o_proj(out.reshape(-1, self.q_size))
