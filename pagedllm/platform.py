@@ -115,9 +115,9 @@ def configure_cpu_allocator() -> bool:
     By default glibc serves every allocation above a threshold (at most 32 MiB) with its own mmap and
     unmaps it on free, so a prefill's large activations (a 2,048-token chunk through a 4,864-wide MLP
     is 40 MB in bf16) arrive as fresh pages every layer, each page faulted in and zeroed by the kernel.
-    Serving everything from the heap and trimming it only past 2 GiB of free space at its top made a
-    2,048-token bf16 prefill of a 386M model 1.3-1.45x faster here (3.6-3.9 s against 5.1-6.2 s);
-    decode steps are unchanged. The cost is that the process keeps its peak heap. This is the process
+    Serving everything from the heap and trimming it only past 2 GiB of free space at its top makes
+    long prefills faster and leaves decode steps as they are (docs/performance/index.md). The cost is
+    that the process keeps its peak heap. This is the process
     that runs the model, as vLLM's CPU backend gets the same effect by preloading tcmalloc.
     PAGEDLLM_CPU_MALLOC_TUNING=0 leaves glibc's defaults; other C libraries are left alone.
     """
@@ -148,10 +148,10 @@ def freeze_gc_heap() -> None:
     as vLLM does once its engine has started.
 
     The collector's oldest generation scans every tracked object in the process, and after torch,
-    transformers and a model are loaded there are about 340,000 of them: one such collection took 149 ms
-    here, and a batch of 64 decoding requests allocates enough to trigger one about every 150 steps,
-    i.e. about 1 ms of every 8-10 ms step on average, arriving as one long stall. Frozen objects are never
-    scanned again; objects made later (requests, outputs) are collected as before, and what was frozen is
+    transformers and a model are loaded there are hundreds of thousands of them: a decoding batch
+    triggers such a collection every few hundred steps, each one a stall of many steps' length.
+    Frozen objects are never scanned again; objects made later (requests, outputs) are collected as
+    usual, and what was frozen is
     still freed by reference counting (an engine that is dropped goes away whole: it holds no cycles
     through its model or KV cache). Call it in each process that runs the engine loop, once it is built.
     At exit everything is handed back to the collector, so the interpreter's last collection still
@@ -174,9 +174,8 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     """An uint8 CPU tensor of `nbytes` that Linux may back with 2 MiB transparent huge pages.
 
     For weights read front to back every decode step. With 4 KiB pages the CPU's prefetchers stop at every
-    page boundary and every page costs a TLB walk: on a Zen 4 host, reading the 386M Qwen2's 96 packed
-    projection weights (775 MB) ran at 20-23 GB/s from ordinary pages and 28-29 GB/s from huge ones, the
-    bandwidth of one large copy. The buffer is its own private anonymous mapping, aligned to 2 MiB and
+    page boundary and every page costs a TLB walk; from huge pages a weight read runs at the bandwidth
+    of one large copy (docs/performance/index.md). The buffer is its own private anonymous mapping, aligned to 2 MiB and
     advised MADV_HUGEPAGE before its first touch (THP is often 'madvise' only). Elsewhere, when THP is
     off, or with PAGEDLLM_CPU_HUGE_PAGES=0, it is a plain torch.empty.
     """

@@ -84,10 +84,10 @@ class NewRequestData:
 @dataclass
 class ScheduledRequestsData:
     """The step's scheduled requests as columns, entry i for request i: one object to pickle instead of
-    one per request (unpickling 64 per-request objects cost the worker ~0.2 ms a step, on its critical
-    path under async scheduling). A column that says nothing (every entry empty, zero or True) travels as
-    None, and request_ids as None when they are the previous plan's, in its order: a steady decode step's
-    plan is then two lists of ints (SchedulerOutputEncoder.encode, RequestStates.apply)."""
+    one per request (unpickling is on the worker's critical path under async scheduling). A column that
+    says nothing (every entry empty, zero or True) travels as None, and request_ids as None when they are
+    the previous plan's, in its order: a steady decode step's plan is then two lists of ints
+    (SchedulerOutputEncoder.encode, RequestStates.apply)."""
 
     request_ids: list[str] | None = field(default_factory=list)
     new_token_ids: list[list[int]] | None = field(default_factory=list)  # appended since the worker last saw it

@@ -101,9 +101,9 @@ class EngineCore:
         # user request id -> n, for requests with parallel samples (their scheduler ids differ)
         self._num_samples: dict[str, int] = {}
         # Set by an in-process LLMEngine: a FINAL_ONLY request without stop strings then gets one output,
-        # when it ends, rather than a delta every step that only waits in the output processor (for 64
-        # decoding requests a step's outputs cost about as much as its scheduling). The server leaves it
-        # off: its metrics observe every step's tokens (per-token latencies), whatever the output_kind.
+        # when it ends, rather than a delta every step that only waits in the output processor (making
+        # a step's outputs costs about as much as scheduling it). The server leaves it off: its metrics
+        # observe every step's tokens (per-token latencies), whatever the output_kind.
         self.defer_final_outputs = False
         # Async scheduling: the plans sent to the worker whose tokens have not come back, oldest first
         # (at most two: the step running and the one planned behind it).

@@ -5,7 +5,7 @@ difference, holding text back while it ends in an incomplete UTF-8 sequence. The
 few prompt tokens so tokenizers that drop a leading space at the start of a decode (SentencePiece)
 produce the same text as decoding everything at once. Where the tokenizer's Rust backend decodes for it,
 the same algorithm runs inside `tokenizers` (DecodeStream): one call per token instead of two decodes and
-the bookkeeping in Python (measured: 1.5 vs 3.3 us a token).
+the bookkeeping in Python.
 
 Tokens that arrive together (a final-only output decoded once its request ends, a verified draft) give
 exactly the text that feeding them one by one would. Where the decoder is byte-level (GPT-2's, Llama 3's,
@@ -30,8 +30,8 @@ _UNSTARTED = object()  # IncrementalDetokenizer._stream to be started at the nex
 def backend_decoder(tokenizer):
     """The `tokenizers.Tokenizer` under a transformers fast tokenizer, when decoding through it directly
     gives exactly what `tokenizer.decode` gives; else None. transformers' decode wraps that one Rust call
-    in about 5 us of Python per call (argument conversion, kwargs, the clean-up check), more than the
-    decode itself of the few tokens an incremental step looks at, twice per token of every request."""
+    in Python (argument conversion, kwargs, the clean-up check) that costs more than the decode itself of
+    the few tokens an incremental step looks at, twice per token of every request."""
     from transformers import PreTrainedTokenizerBase
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
@@ -51,9 +51,8 @@ _BACKENDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _cached_backend_decoder(tokenizer):
-    """(backend_decoder, whether its decoder is byte-level), worked out once per tokenizer: a detokenizer
-    is made for every sample (the two took 3-4 us each time, in a step that ends a batch of requests at
-    once)."""
+    """(backend_decoder, whether its decoder is byte-level), worked out once per tokenizer, not for every
+    sample's detokenizer (a step that ends a batch of requests makes many at once)."""
     try:
         return _BACKENDS[tokenizer]
     except (KeyError, TypeError):  # TypeError: an object without weak references (a test double)

@@ -278,9 +278,9 @@ class Scheduler:
         """The plan when every running request decodes one token and nothing waits: the general pass
         below would give each request the same one token (decodes first, in running order, each reaching
         its last known token), but looks at each through a dozen checks that only other steps need. At
-        batch 64 this is most steps, and each check a cache miss after the forward pass. None (having
-        changed nothing but idempotent slot allocations) where nothing runs or any request needs more: the
-        caller takes the general pass."""
+        a large batch this is most steps, and each check touches memory the forward pass left cold. None
+        (having changed nothing but idempotent slot allocations) where nothing runs or any request needs
+        more: the caller takes the general pass."""
         running = self.running
         # (Not with speculative decoding: blocks that accepted proposals fill are registered in the prefix
         # cache at the next allocation, which the pass below makes only at block boundaries.)

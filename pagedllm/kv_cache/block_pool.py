@@ -28,9 +28,7 @@ class FreeBlockQueue:
     """The free blocks, least recently freed first: a doubly linked list threaded through the blocks
     themselves (vLLM's FreeKVCacheBlockQueue), between two sentinels. Taking the head, appending at the tail
     and taking a block out of the middle (a prefix-cache hit on an idle block) touch only that block and
-    its neighbours. An OrderedDict keyed by block id did the same through its hash table, one cache miss
-    into a table of every block per operation: freeing the 64 requests that end a batch took 0.23 ms of
-    the step with a pool of 32,769 blocks."""
+    its neighbours, never a table of every block (a cache miss per operation in a large pool)."""
 
     def __init__(self, blocks: list[KVCacheBlock]):
         self._head = KVCacheBlock(-1)

@@ -168,7 +168,7 @@ class SpecDecoder:
         # Cost of one draft token relative to a target pass (draft model), fixed at start-up. A small
         # model's step is part per-operator overhead (in proportion to layers: at these sizes microseconds
         # per torch call dominate) and part weight reads (in proportion to bytes): take the geometric mean
-        # of the two ratios (on the demo pair it is 0.19; measured here 0.15-0.2).
+        # of the two ratios.
         if isinstance(self.proposer, DraftModelProposer):
             layer_ratio = self.proposer.runner.model_config.num_hidden_layers / target_num_layers
             byte_ratio = self.proposer.runner.weight_bytes() / target_weight_bytes

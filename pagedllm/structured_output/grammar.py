@@ -1,10 +1,9 @@
 """Constraint specs -> llguidance grammars: validation without a tokenizer, compilation with one.
 
-llguidance was picked over xgrammar and outlines-core on the demo tokenizer (byte-level BPE, 8,192
-tokens, one thread): a nested JSON schema compiled in 1.1 ms (xgrammar 7.8 ms, outlines-core 38 ms) and a
-token mask took 31 us at the median (xgrammar 54 us, outlines-core 32 us); it installs without pulling
-triton (xgrammar's wheel depends on it, about 1 GB), it reads Lark and GBNF grammars, and its parser runs
-on bounded "fuel" per step, so no schema or regex can make a step hang.
+llguidance: it compiled schemas and built token masks fastest of the three libraries compared (with
+xgrammar and outlines-core; docs/performance/index.md), installs without pulling triton (xgrammar's
+wheel depends on it), reads Lark and GBNF grammars, and its parser runs on bounded "fuel" per step, so
+no schema or regex can make a step hang.
 """
 
 from __future__ import annotations
@@ -16,13 +15,11 @@ from typing import Any
 import llguidance
 
 # A spec longer than this is refused before any parsing (the library's own limits bound the work per
-# grammar and per step; this bounds the time one request can ask for up front: a 37 KB schema of 500
-# patterned properties took 0.9 s to check here).
+# grammar and per step; this bounds the time one request can ask for up front).
 MAX_SPEC_CHARS = 64 * 1024
-# The grammar library's resource bounds: its defaults, except the fuel for building the lexer, cut from
-# 1,000,000 to 100,000 because "(a{1000}){1000}" then took 6.9 s before its first mask (0.3 s now), and
-# ordinary schemas need far less (the nested test schema: 2 ms). Per-step lexer fuel (about 14 ms of
-# work) and Earley items bound every later step.
+# The grammar library's resource bounds: its defaults, except the fuel for building the lexer, cut
+# tenfold so a pathological pattern ("(a{1000}){1000}") fails fast while ordinary schemas stay far
+# below it. Per-step lexer fuel and Earley items bound every later step.
 PARSER_LIMITS = dict(initial_lexer_fuel=100_000, step_lexer_fuel=200_000, step_max_items=50_000,
                      max_grammar_size=500_000)
 

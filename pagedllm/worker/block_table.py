@@ -2,9 +2,8 @@
 
 The KV cache manager reports which tables it wrote since the last step (`take_table_changes`: per
 request, the first index written and the ids from there on); the plan carries that, and the runner
-writes just those entries here. A step's tables are then one gather of rows instead of a rebuild from
-Python lists: at batch 64 and a few hundred tokens each, that rebuild was the largest single part of
-preparing a decode step's inputs.
+writes just those entries here. A step's tables are then one gather of rows, not a rebuild from Python
+lists whose cost grows with every request's length.
 
 Entries past a request's current length may be stale (a trim only shortens a table); readers take the
 first ceil(seq_len / block_size) entries of a row, which are always exact.

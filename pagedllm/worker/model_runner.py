@@ -338,8 +338,8 @@ class ModelRunner:
     # ---- one step ----
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step, in inference mode. The engine's own loops (LLM.generate's, the engine-core and worker
-        processes') run in it for their whole life: entering it costs 50-80 us of cold Python code after a
-        forward pass, so a step enters it only when its caller has not."""
+        processes') run in it for their whole life, and entering it runs cold Python code after each forward
+        pass, so a step enters it only when its caller has not."""
         if torch.is_inference_mode_enabled():
             return self._execute(scheduler_output)
         with torch.inference_mode():
@@ -350,7 +350,7 @@ class ModelRunner:
         last, self._last_decode = self._last_decode, None
         if self.spec_decoder is not None:
             self.spec_decoder.free_requests(scheduler_output.finished_req_ids | set(scheduler_output.preempted_ids))
-        # (each guarded: most decode steps have none of these, and a call costs microseconds here)
+        # each guarded: most decode steps have none of these
         if scheduler_output.finished_req_ids:
             self.block_tables.drop(scheduler_output.finished_req_ids)
         if scheduler_output.block_table_changes:
@@ -386,8 +386,8 @@ class ModelRunner:
         with nothing else to do (WorkerSchedulerOutput.continues_decode). When the last step was a
         plain-greedy decode of those requests and each now computes one token, one position further on,
         that token is the one the last step sampled: the step's inputs come from the last step's sampled
-        tokens and block-table rows, without the per-request objects (apply and prepare cost ~0.15-0.2 ms
-        of Python at batch 64, on the critical path). Returns the sampled tokens in the plan's order and
+        tokens and block-table rows, without the per-request objects (their Python is on the critical path
+        under async scheduling). Returns the sampled tokens in the plan's order and
         the forward pass's seconds (with the LM head); None, having changed nothing, where the plan does
         not continue such a step (the caller takes the general path)."""
         last = self._last_decode

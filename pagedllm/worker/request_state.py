@@ -150,7 +150,7 @@ class RequestStates:
 def pack_output(output: ModelRunnerOutput, request_ids: list[str]) -> ModelRunnerOutput | tuple[list[int], float]:
     """A step's answer on its way back. When every request of the plan took exactly one token and nothing
     else came out (the common decode step), the tokens alone, in the plan's order, and the forward's
-    seconds: 64 ints to pickle on the worker's critical path instead of 64 ids and 64 lists."""
+    seconds: one int per request to pickle on the worker's critical path instead of an id and a list."""
     sampled = output.sampled_token_ids
     if (len(sampled) == len(request_ids) and output.kv_connector_output is None
             and not (output.logprobs or output.sampled_logprobs or output.prompt_logprobs or output.spec_token_ids

@@ -39,7 +39,7 @@ class StepInputs(NamedTuple):
 def step_inputs(token_ids: list[int], start_pos: list[int], query_lens: list[int], rows: list[int],
                 table: torch.Tensor, block_size: int, zero_pad: bool) -> StepInputs:
     """`table`: the runner's block tables, an int64 CPU tensor (BlockTables.tensor, which shares the
-    numpy array's memory: wrapping the array anew each step was one more cold torch call)."""
+    numpy array's memory, so no step wraps the array anew)."""
     if load_cpu_kernels():
         return StepInputs(*torch.ops.pagedllm_cpu_step.step_inputs(
             token_ids, start_pos, query_lens, rows, table, block_size, zero_pad))
