@@ -1,8 +1,8 @@
 """The sampler's filters: min-p before top-k/top-p (vLLM V1's order) and one tie rule (a filter never
 separates tokens of equal logit). The top-k/top-p over a candidate set (issue 14) is exact: the same kept
 tokens as the rule written out, the full sort wherever the candidates may not hold the kept set, and
-unseeded rows (which race over the candidates only, with one shared draw) sample the filtered
-distribution (chi-square)."""
+unseeded rows (which race over the candidates only, with one shared draw) and seeded rows (a Gumbel race
+whose noise is a hash of seed, position and token id) sample the filtered distribution (chi-square)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ from pagedllm.layers.sampler import (
     Sampler,
     SamplingRow,
     apply_top_k_top_p_min_p,
+    exponential_noise,
+    processed_probs,
+    seeded_gumbel,
+    seeded_sample,
 )
 
 VOCAB = 4 * TOP_CANDIDATES
@@ -100,7 +104,7 @@ def test_unseeded_rows_sample_the_filtered_distribution(params: dict, scale: flo
     draws = 3000
     logits = peaked_logits(1, scale, seed=7)
     sp = SamplingParams(max_tokens=1, **params)
-    rows = [SamplingRow(sp, [1], [], None, []) for _ in range(draws)]
+    rows = [SamplingRow(sp, [1], [], []) for _ in range(draws)]
     tokens = Sampler(torch.Generator().manual_seed(3))(logits.expand(draws, -1).contiguous(), rows, 0).token_ids
     t = torch.tensor([sp.temperature])
     filtered = reference(logits / t, torch.tensor([sp.top_k]), torch.tensor([sp.top_p]), torch.tensor([sp.min_p]))
@@ -163,3 +167,42 @@ def test_min_p_applies_before_top_p() -> None:
     # Top-p first would need three (0.32 + 0.30 < 0.66), and min-p afterwards would keep them.
     got = apply_top_k_top_p_min_p(logits, torch.tensor([0]), torch.tensor([0.66]), torch.tensor([0.5]))
     assert torch.isfinite(got[0]).nonzero().flatten().tolist() == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("params", "scale"),
+    [
+        (dict(temperature=0.8, top_k=40, top_p=0.9), 3.0),  # kept set within the candidates
+        (dict(temperature=1.0, top_p=0.95), 0.5),            # flat: the full-vocabulary race
+        (dict(temperature=1.2), 2.0),                        # no filter
+    ],
+    ids=["candidates", "full_sort", "plain"],
+)
+def test_seeded_rows_sample_the_filtered_distribution(params: dict, scale: float) -> None:
+    """One draw per seed (and per position) from the same logits: the draws follow the filtered softmax."""
+    logits = peaked_logits(1, scale, seed=11)
+    rows = [SamplingRow(SamplingParams(max_tokens=1, seed=seed, **params), [1], [], [], output_index=position)
+            for seed in range(300) for position in range(10)]
+    tokens = seeded_sample(logits.expand(len(rows), -1).contiguous(), rows)
+    sp = rows[0].params
+    filtered = reference(logits / torch.tensor([sp.temperature]), torch.tensor([sp.top_k]),
+                         torch.tensor([sp.top_p]), torch.tensor([sp.min_p]))
+    counts = torch.bincount(tokens, minlength=VOCAB).double()
+    assert chi_square_p_value(counts, filtered.double().softmax(dim=-1)[0]) > P_VALUE_FLOOR
+
+
+def test_seeded_noise_is_per_token_and_the_candidate_race_is_the_full_race() -> None:
+    """A token's noise is the same whichever tokens are looked at beside it, so the race over the
+    candidates picks what argmax(p / Exp noise) over the whole vocabulary picks (spec verification and
+    a draft model's coupled draws use the latter), and the draw changes with seed and position."""
+    rows = [SamplingRow(SamplingParams(seed=seed, temperature=0.7, top_p=0.9), [1], [], [], output_index=pos)
+            for seed in (0, 1, 2**40 + 3) for pos in (0, 1, 500)]
+    vocab = torch.arange(VOCAB).expand(len(rows), VOCAB)
+    full = seeded_gumbel(rows, vocab)
+    subset = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:50].expand(len(rows), 50)
+    assert torch.equal(seeded_gumbel(rows, subset), full.gather(1, subset))
+    assert len({tuple(r.tolist()) for r in full[:, :8]}) == len(rows)
+    logits = peaked_logits(len(rows), 4.0, seed=5)
+    probs = processed_probs(logits, rows)
+    noise = exponential_noise(tuple(probs.shape), rows, probs.device, None)
+    assert torch.equal(seeded_sample(logits, rows), (probs / noise).argmax(dim=-1))

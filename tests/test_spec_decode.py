@@ -317,7 +317,7 @@ def test_draft_catch_up_after_unverified_proposals(same_llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
 
     def propose(request_id: str, output: list[int]) -> list[int]:
-        row = SamplingRow(params, prompt, output, None, [])
+        row = SamplingRow(params, prompt, output, [])
         return proposer.propose([DraftRequest(request_id, prompt + output, params)], [K], [row])[request_id][0]
 
     first = propose("dropped", [])

@@ -13,14 +13,13 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    import torch
 
     from pagedllm.structured_output import GrammarBitmask
 
 
 class RunnerRequest(Protocol):
     """What the model runner reads of a scheduled request: the engine's Request in one process, the
-    worker's CachedRequestState in another. `generator` is the runner's to create (seeded sampling)."""
+    worker's CachedRequestState in another."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -29,7 +28,6 @@ class RunnerRequest(Protocol):
     lora_request: LoRARequest | None
     num_prompt_logprobs_computed: int
     always_argmax: bool
-    generator: torch.Generator | None
 
     @property
     def num_prompt_tokens(self) -> int: ...

@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from pagedllm.kv_cache.hashing import BlockHash
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import PositionLogprobs, RequestMetrics
@@ -49,8 +47,6 @@ class Request:
     # Parallel sampling: the parent computes the shared prompt, then forks into `n` samples.
     parent_id: str | None = None
     index: int = 0
-    # Set by the model runner on first use when the request is seeded.
-    generator: torch.Generator | None = None
     # Nobody reads its tokens before it ends (see EngineCore.defer_final_outputs): the core sends its
     # output once, when it finishes, instead of a delta every step.
     defer_outputs: bool = False

@@ -1,12 +1,13 @@
 """The sampler: logits of one row per request -> next token, with vLLM's sampling parameters.
 
 Order: penalties, min_tokens suppression, then greedy rows take the argmax and random rows divide by
-temperature, apply min-p, top-k and top-p (vLLM V1's order; ties rule below), and sample with the exponential-race trick
-(argmax(p / q), q ~ Exp(1)). A seeded row draws one exponential per vocabulary entry from a generator
-seeded by (seed, output position) alone, so it samples the same tokens alone or in any batch, and under
-speculative decoding whatever was proposed (see position_seed). Unseeded rows share one draw from the
-engine's generator, and where their top-k/top-p set lies within the best TOP_CANDIDATES tokens (found by
-torch.topk, not a full sort) they race over those candidates only; both are exact in distribution.
+temperature, apply min-p, top-k and top-p (vLLM V1's order; ties rule below) and draw. A seeded row races
+its kept tokens: argmax of logit / T + g, g a Gumbel variable computed by hashing (seed, output position,
+token id) (seeded_gumbel). Its tokens are a function of those alone: the same alone or in any batch, and
+under speculative decoding whatever was proposed; and since a token's noise does not depend on which other
+tokens are looked at, the race runs over the best TOP_CANDIDATES tokens (found by torch.topk, not a full
+sort) where the kept set lies within them. Unseeded rows share one draw from the engine's generator, over
+the same candidates where they suffice. Both are exact in distribution.
 Logprobs are reported from the raw model distribution, as vLLM does by default (top-k logprobs and ranks only
 when a request asks for them).
 Structured outputs arrive as a TokenBitmask (a tensor, never a grammar): the rows it names have every
@@ -29,11 +30,14 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None  # seeded requests only; re-seeded for every token (see position_seed)
     stop_token_ids: list[int]  # eos (even with ignore_eos) + stop_token_ids, masked before min_tokens
     # Index of the output token this row draws; None: len(output_token_ids). Set where output_token_ids
     # does not hold the draft tokens before this position (speculative rows that need no history).
     output_index: int | None = None
+
+    @property
+    def seeded(self) -> bool:
+        return self.params.seed is not None
 
     @property
     def position(self) -> int:
@@ -267,33 +271,92 @@ def processed_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 
 
 _MASK64 = 2**64 - 1
+_GOLDEN = 0x9E3779B97F4A7C15
 
 
 def position_seed(seed: int, position: int) -> int:
-    """The generator seed of output token `position` of a request seeded with `seed` (splitmix64 of the
+    """The 64-bit key of output token `position` of a request seeded with `seed` (splitmix64 of the
     pair, so neighbouring seeds and positions get unrelated streams).
 
     A seeded request's noise is a function of (seed, position) alone, never of how many draws came
     before it: its tokens are the same alone or in any batch, under any token budget or chunking, and
     with or without speculative decoding, where the number of tokens proposed and verified per step
     depends on all of those."""
-    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = (seed + (position + 1) * _GOLDEN) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
 
 
+def _int64(x: int) -> int:
+    """A 64-bit pattern as the signed value an int64 tensor holds (its arithmetic wraps modulo 2**64)."""
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> extends the sign)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _seeded_uniform(rows: list[SamplingRow], token_ids: torch.Tensor) -> torch.Tensor:
+    """[N, C] float64 uniforms in (0, 1): splitmix64 of (row's position key, token id), vectorized."""
+    keys = torch.tensor([_int64(position_seed(r.params.seed, r.position)) for r in rows], dtype=torch.int64,
+                        device=token_ids.device)
+    z = keys.unsqueeze(1) + (token_ids + 1) * _int64(_GOLDEN)
+    z = (z ^ _shift_right(z, 30)) * _int64(0xBF58476D1CE4E5B9)
+    z = (z ^ _shift_right(z, 27)) * _int64(0x94D049BB133111EB)
+    z = z ^ _shift_right(z, 31)
+    return (_shift_right(z, 11).to(torch.float64) + 0.5) * 2.0 ** -53
+
+
+def seeded_gumbel(rows: list[SamplingRow], token_ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise [N, C] of each seeded row's tokens `token_ids` [N, C]: -log(E), E ~ Exp(1), a
+    function of (seed, position, token id) only, so any subset of a row's tokens gets the noise it would
+    get within the whole vocabulary."""
+    return -(-_seeded_uniform(rows, token_ids).log()).log()
+
+
 def exponential_noise(shape: tuple[int, ...], rows: list[SamplingRow], device: torch.device,
                       default_generator: torch.Generator | None) -> torch.Tensor:
-    """Exp(1) noise, one row per SamplingRow: a seeded row's from (seed, position) alone, the others' from
-    the engine's generator."""
+    """Exp(1) noise over the whole vocabulary, one row per SamplingRow: a seeded row's the exponentials
+    behind its seeded_gumbel, the others' from the engine's generator. argmax(p / noise) draws from p."""
     noise = torch.empty(shape, dtype=torch.float32, device=device)
+    seeded = [i for i, row in enumerate(rows) if row.seeded]
     for i, row in enumerate(rows):
-        generator = row.generator
-        if generator is not None:
-            generator.manual_seed(position_seed(row.params.seed, row.position))
-        noise[i].exponential_(generator=generator if generator is not None else default_generator)
+        if not row.seeded:
+            noise[i].exponential_(generator=default_generator)
+    if seeded:
+        vocab = torch.arange(shape[1], device=device).expand(len(seeded), shape[1])
+        noise[seeded] = (-_seeded_uniform([rows[i] for i in seeded], vocab).log()).to(torch.float32)
     return noise
+
+
+def seeded_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """[N] token ids of seeded random rows from their (adjusted) logits: the Gumbel-max race over the
+    tokens that temperature, min-p, top-k and top-p keep. Rows whose kept set lies within the candidates
+    race over those only; the race over the whole row picks the same token (the noise is per token)."""
+    temperature, top_k, top_p, min_p = _filter_params(rows, logits.dtype, logits.device, logits.shape[-1])
+    scaled = apply_min_p(logits / temperature.unsqueeze(1), min_p)
+    vocab = logits.shape[-1]
+    token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    full = ~(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+    if not bool(full.all()):
+        rows_f = (~full).nonzero().flatten()
+        values, ids, exact = top_k_top_p_candidates(scaled[rows_f], top_k[rows_f], top_p[rows_f])
+        full[rows_f[~exact]] = True
+        rows_c = exact.nonzero().flatten()
+        if len(rows_c):
+            sub_rows = [rows[i] for i in rows_f[rows_c].tolist()]
+            race = values[rows_c].to(torch.float64) + seeded_gumbel(sub_rows, ids[rows_c])
+            token_ids[rows_f[rows_c]] = ids[rows_c].gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)
+    if bool(full.any()):
+        rows_v = full.nonzero().flatten()
+        kept = apply_top_k_top_p_min_p(scaled[rows_v], top_k[rows_v], top_p[rows_v],
+                                       torch.zeros_like(min_p[rows_v]))  # min-p already applied
+        vocab_ids = torch.arange(vocab, device=logits.device).expand(len(rows_v), vocab)
+        race = kept.to(torch.float64) + seeded_gumbel([rows[i] for i in rows_v.tolist()], vocab_ids)
+        token_ids[rows_v] = race.argmax(dim=-1)
+    return token_ids
 
 
 class Sampler:
@@ -305,16 +368,11 @@ class Sampler:
         raw_logits = logits
         logits = adjusted_logits(logits, rows, token_bitmask)
         token_ids = argmax_rows(logits)  # what greedy rows take
-        seeded = [i for i, r in enumerate(rows) if not r.params.greedy and r.generator is not None]
-        unseeded = [i for i, r in enumerate(rows) if not r.params.greedy and r.generator is None]
+        seeded = [i for i, r in enumerate(rows) if not r.params.greedy and r.seeded]
+        unseeded = [i for i, r in enumerate(rows) if not r.params.greedy and not r.seeded]
         if seeded:
-            # A seeded row draws one exponential per vocabulary entry from (seed, position), so its tokens
-            # depend neither on this optimisation nor on the batch; speculative verification of a seeded
-            # request uses the very same noise (spec_decoder.py).
-            sub_rows = [rows[i] for i in seeded]
-            probs = processed_probs(logits[seeded], sub_rows)
-            noise = exponential_noise(tuple(probs.shape), sub_rows, probs.device, self.generator)
-            token_ids[seeded] = argmax_rows(probs / noise)
+            # Speculative verification of a seeded request draws with the very same function (spec_decoder.py).
+            token_ids[seeded] = seeded_sample(logits[seeded], [rows[i] for i in seeded])
         if unseeded:
             token_ids[unseeded] = self._sample_unseeded(logits[unseeded], [rows[i] for i in unseeded])
         if max_logprobs < 0 or all(r.params.logprobs is None for r in rows):

@@ -184,7 +184,7 @@ class DraftModelProposer:
             for j, i in enumerate(stepping):
                 request, seq = requests[i], seqs[i]
                 drafts[i].append(token_ids[j])
-                if q is not None and not rows[j].params.greedy and rows[j].generator is None:
+                if q is not None and not rows[j].params.greedy and not rows[j].seeded:
                     probs[i].append(q[j])  # a seeded request's drafts are verified without q
                 seq.all_token_ids.append(token_ids[j])  # fed to the next pass, or rolled back later
                 params = request.sampling_params

@@ -44,7 +44,7 @@ class DraftRunner(Protocol):
     block_size: int
     block_tables: DraftBlockTables
     model: Any         # argmax_logits(hidden) and compute_logits(hidden)
-    sampler: Any       # its seeded `generator`
+    sampler: Any       # its `generator` (unseeded random draws)
     kv_caches: list[torch.Tensor]
 
     def allocate_kv_cache(self, num_blocks: int) -> None: ...

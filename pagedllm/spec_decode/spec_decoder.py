@@ -28,7 +28,7 @@ import torch
 from pagedllm.config import SchedulerConfig
 from pagedllm.core_types.model_runner_output import ModelRunnerOutput
 from pagedllm.core_types.scheduler_output import ScheduledRequest
-from pagedllm.layers.sampler import SamplingRow, argmax_rows, exponential_noise, processed_probs
+from pagedllm.layers.sampler import SamplingRow, argmax_rows, processed_probs, seeded_sample
 from pagedllm.metrics.reader import Counter, Gauge, Metric
 from pagedllm.outputs import position_logprobs
 from pagedllm.spec_decode import SpeculativeConfig
@@ -247,7 +247,7 @@ class SpecDecoder:
             candidates.append(DraftRequest(request.request_id, all_token_ids, request.sampling_params,
                                            request.num_prompt_tokens))
             base_rows.append(SamplingRow(request.sampling_params, request.prompt_token_ids,
-                                         request.output_token_ids + new_tokens, request.generator,
+                                         request.output_token_ids + new_tokens,
                                          list(request.sampling_params.all_stop_token_ids)))
             num_spec_tokens.append(k)
         # A draft model computes each prompt chunk in the step the target does (its catch-up when the
@@ -355,8 +355,16 @@ class SpecDecoder:
             token_bitmask = grammar_bitmask.select((s.request.request_id, start, len(s.spec_token_ids) + 1)
                                                    for (s, _), start in zip(verify, starts))
         adjusted = adjusted_logits(logits, rows, token_bitmask)
-        probs = None if all(r.params.greedy for r in rows) else processed_probs(adjusted, rows)
-        target_ids = argmax_rows(adjusted if probs is None else probs).tolist()
+        target_ids = argmax_rows(adjusted)  # what greedy rows take
+        # Seeded rows: the target's own sample at each position, drawn as plain sampling draws it there, so
+        # the output never depends on what was proposed (rejection_sampler.py). Unseeded random rows are
+        # verified by rejection sampling against the target's distribution.
+        seeded = [i for i, r in enumerate(rows) if not r.params.greedy and r.seeded]
+        if seeded:
+            target_ids[seeded] = seeded_sample(adjusted[seeded], [rows[i] for i in seeded])
+        unseeded = [i for i, r in enumerate(rows) if not r.params.greedy and not r.seeded]
+        probs = processed_probs(adjusted, rows) if unseeded else None
+        target_ids = target_ids.tolist()
 
         self.stats.num_target_passes += 1
         emitted: list[tuple[ScheduledRequest, RejectionResult, int]] = []
@@ -367,14 +375,9 @@ class SpecDecoder:
             k = len(spec)
             if request.sampling_params.greedy:
                 result = greedy_accept(target_ids[offset:offset + k + 1], spec)
-            elif request.generator is not None:
-                # Seeded: the target's own sample at each position, with the noise plain sampling uses
-                # there, so the output never depends on what was proposed (rejection_sampler.py).
-                assert probs is not None
+            elif request.sampling_params.seed is not None:
                 self.draft_probs.pop(request.request_id, None)
-                noise = exponential_noise((k + 1, probs.shape[1]), rows[offset:offset + k + 1], probs.device,
-                                          None)
-                result = greedy_accept(argmax_rows(probs[offset:offset + k + 1] / noise).tolist(), spec)
+                result = greedy_accept(target_ids[offset:offset + k + 1], spec)
             else:
                 assert probs is not None
                 q = self.draft_probs.pop(request.request_id, None)

@@ -682,10 +682,7 @@ class ModelRunner:
 
     def sampling_row(self, request: RunnerRequest) -> SamplingRow:
         params = request.sampling_params
-        if request.generator is None and params.seed is not None:
-            request.generator = torch.Generator(device=self.device)
-            request.generator.manual_seed(params.seed)
-        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids, request.generator,
+        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids,
                            list(params.all_stop_token_ids))
 
     def _prompt_logprobs(self, s: ScheduledRequest, logits: torch.Tensor) -> list[PositionLogprobs]:

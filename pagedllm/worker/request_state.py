@@ -1,7 +1,7 @@
 """A SchedulerOutput on its way to workers in other processes, and the request copies they keep.
 
 The scheduler's plan refers to the engine's Request objects. A worker process keeps its own copy of each
-live request (CachedRequestState: token ids, sampling params, its seeded generator) and each step receives
+live request (CachedRequestState: token ids, sampling params) and each step receives
 only what changed, as vLLM V1 does (NewRequestData / CachedRequestData): a request seen for the first
 time comes whole, later steps bring just the tokens appended since (sampled tokens, by rank 0 a step
 ago; with async scheduling the worker appends its own sampled tokens instead, see append_sampled)
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import repeat
-
-import torch
 
 from pagedllm.core_types.model_runner_output import ModelRunnerOutput
 from pagedllm.core_types.scheduler_output import (
@@ -38,7 +36,6 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     all_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None   # created by the runner on first use when seeded
     num_prompt_logprobs_computed: int = 0
     lora_request: LoRARequest | None = None
 
