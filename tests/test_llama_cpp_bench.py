@@ -199,3 +199,31 @@ def test_real_llama_bench_report_parses() -> None:
     run = llama_cpp.run_llama_bench(command)
     assert run.num_threads == 1
     assert run.prompt_tokens_per_s > 0 and run.decode_tokens_per_s > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _BUILT.convert_script.is_file(), reason="llama.cpp's source is not unpacked here")
+def test_converter_writes_a_file_pagedllm_reads(tmp_path: Path) -> None:
+    """llama.cpp's own converter on a random model whose tokenizer it does not know: written, with the
+    same weights, and read back by pagedllm's GGUF loader as the same architecture."""
+    pytest.importorskip("sentencepiece")
+    from tests.tiny_models import build_model
+
+    # an embedding larger than the tokenizer, as the 386M benchmark model has (the converter asserts it
+    # is at least as large as the tokenizer's ids, special tokens included)
+    tiny_qwen2_dir = build_model(tmp_path / "qwen2", "qwen2", tie_word_embeddings=True, vocab_size=1024, seed=1)
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from pagedllm.models.gguf import read_hf_config
+
+    path = llama_cpp.ensure_gguf(tiny_qwen2_dir, "F32", _BUILT, output_dir=tmp_path / "gguf")
+    config = read_hf_config(str(path))
+    hf = json.loads((Path(tiny_qwen2_dir) / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        assert config[key] == hf[key]
+    embedding = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "token_embd.weight")
+    expected = load_file(str(Path(tiny_qwen2_dir) / "model.safetensors"))["model.embed_tokens.weight"]
+    np.testing.assert_array_equal(np.asarray(embedding.data).reshape(expected.shape), expected)
