@@ -130,7 +130,7 @@ def test_ensure_gguf_reuses_an_existing_file_without_building(cache_dir: Path, t
     target.parent.mkdir()
     target.write_bytes(b"GGUF")
     assert llama_cpp.ensure_gguf(model, "Q4_K_M", output_dir=tmp_path / "out") == target
-    with pytest.raises(ValueError, match="neither a .gguf file nor"):
+    with pytest.raises(ValueError, match="not a Hugging Face model directory"):
         llama_cpp.ensure_gguf(tmp_path, "BF16")
 
 
@@ -179,6 +179,24 @@ def test_bench_latency_compare_llama_cpp_alternates_on_the_same_file(
     assert report["llama_cpp"]["llama_cpp_decode_tokens_per_s"] == pytest.approx(recorded.decode_tokens_per_s)
     assert report["llama_cpp"]["num_threads"] == report["num_threads"] == 1
     assert report["llama_cpp"]["decode_ratio"] > 0 and "flags" in report["cpu"]
+
+
+def test_failing_llama_bench_is_one_error_line(
+    cache_dir: Path, tmp_path: Path, tiny_qwen2_dir: str, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pagedllm.benchmarks import latency
+    from pagedllm.entrypoints.cli import main
+
+    monkeypatch.setattr(latency, "measure_memory_bandwidth", lambda **_: 20e9)
+    build = _fake_build(cache_dir, RECORDED_JSON.read_text(), tmp_path / "calls")
+    build.llama_bench.write_text("#!/bin/sh\necho 'error: failed to load model' >&2\nexit 1\n")
+    model = write_gguf(tiny_qwen2_dir, str(tmp_path / "tiny.gguf"), "F32")
+    argv = ["bench", "latency", "--model", model, "--compare", "llama.cpp", "--input-len", "8", "--output-len", "4",
+            "--num-iters", "1", "--num-iters-warmup", "0", "--num-threads", "1", "--max-model-len", "64"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "llama-bench failed (exit 1)" in err and "failed to load model" in err
 
 
 def test_gguf_type_needs_compare(capsys: pytest.CaptureFixture[str], tiny_qwen2_dir: str) -> None:

@@ -449,6 +449,7 @@ def _llama_cpp_model(model: str, args: argparse.Namespace) -> tuple[str, Any]:
 def run_latency_cmd(args: argparse.Namespace) -> int:
     from pagedllm.benchmarks.datasets import get_requests
     from pagedllm.benchmarks.latency import format_latency, run_latency
+    from pagedllm.benchmarks.llama_cpp import LlamaCppError
 
     comparing = getattr(args, "compare", None) == "llama.cpp"
     try:
@@ -461,7 +462,7 @@ def run_latency_cmd(args: argparse.Namespace) -> int:
             model, llama_build = _llama_cpp_model(model, args)
         llm = _build_llm(args, model)
         prompt = get_requests("random", llm.get_tokenizer(), 1, args.input_len, args.output_len, seed=args.seed)[0]
-    except (ValueError, RuntimeError) as exc:
+    except (ValueError, LlamaCppError) as exc:
         return fail(str(exc))
     between_runs, baseline_runs = None, []
     if comparing:
@@ -475,8 +476,11 @@ def run_latency_cmd(args: argparse.Namespace) -> int:
         def between_runs() -> None:
             baseline_runs.append(llama_cpp.run_llama_bench(llama_command))
 
-    result = run_latency(llm, model, prompt.prompt_token_ids, args.output_len, args.num_iters, args.num_iters_warmup,
-                         between_runs=between_runs)
+    try:
+        result = run_latency(llm, model, prompt.prompt_token_ids, args.output_len, args.num_iters,
+                             args.num_iters_warmup, between_runs=between_runs)
+    except LlamaCppError as exc:  # llama-bench failed: its command and stderr say why
+        return fail(str(exc))
     tp_summary = tensor_parallel_summary(llm)
     print(format_latency(result))
     print(format_tensor_parallel(tp_summary))

@@ -5,7 +5,7 @@ llama.cpp is the batch-1 mark on a CPU, so `pagedllm bench latency --compare lla
 runs so that a shared host's drift hits both alike. The source is the package registry's
 `llama-cpp-python` source distribution (it vendors llama.cpp under vendor/llama.cpp): pip fetches it
 through its ordinary client, cmake builds `llama-bench` and `llama-quantize` with -march=native
-(GGML_NATIVE), no CUDA, no network code, all under pagedllm's cache directory and keyed by the CPU's
+(GGML_NATIVE), no CUDA, no curl or HTTPS client, all under pagedllm's cache directory and keyed by the CPU's
 flags, so a second call reuses the build. Nothing here is part of the engine or its default install
 (cmake and sentencepiece come with the `bench` extra).
 
@@ -59,6 +59,10 @@ CONVERT_TYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 QUANTIZE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S",
                   "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS")
 GGUF_TYPES = tuple(CONVERT_TYPES) + QUANTIZE_TYPES
+
+
+class LlamaCppError(RuntimeError):
+    """A download, build, conversion or llama-bench run that failed; the message carries its output."""
 
 
 def cache_root() -> Path:
@@ -163,7 +167,8 @@ def _run_logged(command: list[str], log_path: Path, what: str) -> None:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         tail = log_path.read_text(errors="replace").splitlines()[-15:]
-        raise RuntimeError(f"{what} failed (exit {done.returncode}); the last lines of {log_path}:\n" + "\n".join(tail))
+        raise LlamaCppError(f"{what} failed (exit {done.returncode}); the last lines of {log_path}:\n"
+                            + "\n".join(tail))
 
 
 def _fetch_source(version: str, root: Path, say: Callable[[str], None]) -> None:
@@ -177,7 +182,7 @@ def _fetch_source(version: str, root: Path, say: Callable[[str], None]) -> None:
         done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                                f"llama-cpp-python=={version}", "-d", str(root)], capture_output=True, text=True)
         if done.returncode != 0 or not sdist.is_file():
-            raise RuntimeError(f"pip download of llama-cpp-python=={version} failed:\n{done.stderr[-2000:]}")
+            raise LlamaCppError(f"pip download of llama-cpp-python=={version} failed:\n{done.stderr[-2000:]}")
     staging = root / f".unpack-{version}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     with tarfile.open(sdist) as tar:
@@ -210,7 +215,7 @@ def ensure_built(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2, say: Ca
         _run_logged(cmake_build_command(build, jobs), log, "cmake build of llama.cpp")
         build.stamp.write_text(" ".join(CMAKE_FLAGS))
     if not build.is_built():
-        raise RuntimeError(f"the llama.cpp build finished without {', '.join(BINARIES)} in {build.build_dir / 'bin'}")
+        raise LlamaCppError(f"the llama.cpp build finished without {', '.join(BINARIES)} in {build.build_dir / 'bin'}")
     return build
 
 
@@ -284,7 +289,7 @@ def _run_to(command: list[str], target: Path, what: str) -> None:
     partial = target.with_name(target.name + ".partial")
     if done.returncode != 0 or not partial.is_file():
         partial.unlink(missing_ok=True)
-        raise RuntimeError(f"{what} failed (exit {done.returncode}):\n{(done.stderr or done.stdout)[-3000:]}")
+        raise LlamaCppError(f"{what} failed (exit {done.returncode}):\n{(done.stderr or done.stdout)[-3000:]}")
     for line in done.stderr.splitlines():
         if line.startswith("pagedllm:"):
             print(line)
@@ -298,7 +303,7 @@ def ensure_gguf(model_dir: str | Path, gguf_type: str = "BF16", build: LlamaCppB
     converter, then quantized by llama-quantize for a block type; each file made once."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
-        raise ValueError(f"--model {str(model_dir)!r} is neither a .gguf file nor a Hugging Face model directory")
+        raise ValueError(f"--model {str(model_dir)!r} is not a Hugging Face model directory (no config.json)")
     gguf_type = normalize_gguf_type(gguf_type)
     target = gguf_path(model_dir, gguf_type, output_dir)
     if target.is_file():
@@ -373,7 +378,7 @@ def parse_llama_bench_json(text: str) -> LlamaBenchRun:
 def run_llama_bench(command: list[str]) -> LlamaBenchRun:
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"llama-bench failed (exit {done.returncode}): {' '.join(command)}\n{done.stderr[-2000:]}")
+        raise LlamaCppError(f"llama-bench failed (exit {done.returncode}): {' '.join(command)}\n{done.stderr[-2000:]}")
     return parse_llama_bench_json(done.stdout)
 
 
@@ -483,6 +488,6 @@ def run_cmd(args: argparse.Namespace) -> int:
         for gguf_type in types:
             path = ensure_gguf(args.model, gguf_type, build, args.output_dir, args.num_threads)
             print(f"{gguf_type}: {path} ({path.stat().st_size / 2**20:,.1f} MiB)")
-    except (ValueError, RuntimeError) as exc:
+    except (ValueError, LlamaCppError) as exc:
         return fail(str(exc))
     return 0
