@@ -136,6 +136,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     latency.add_argument("--output-len", type=int, default=128)
     latency.add_argument("--num-iters", type=int, default=5)
     latency.add_argument("--num-iters-warmup", type=int, default=1)
+    latency.add_argument(
+        "--compare",
+        choices=["llama.cpp"],
+        help="also run llama.cpp's llama-bench on the same GGUF file with the same thread count, alternating "
+        "with pagedllm's runs, and print both and the ratio (builds llama.cpp on first use: pagedllm[bench])",
+    )
+    latency.add_argument(
+        "--gguf-type",
+        default=None,
+        help="with --compare llama.cpp and a Hugging Face model directory: the GGUF type both engines read "
+        "(BF16 by default; F32, F16, or a llama-quantize type such as Q8_0 or Q4_K_M), converted once and cached",
+    )
     latency.add_argument("--output-json")
     _add_engine_args(latency)
     latency.set_defaults(func=run_latency_cmd)
@@ -223,6 +235,12 @@ OTHER_BENCHMARKS = {
         "add_cli_args",
         "run_cmd",
         "cost of the /kv-cache/state snapshot at a 100,000-block pool against a plain decode step",
+    ),
+    "gguf": (
+        "pagedllm.benchmarks.llama_cpp",
+        "add_cli_args",
+        "run_cmd",
+        "a Hugging Face model as GGUF files (BF16, Q8_0, Q4_K_M...) by llama.cpp's converter, for --compare llama.cpp",
     ),
     "structured-output": (
         "pagedllm.benchmarks.structured_output",
@@ -412,23 +430,67 @@ def run_lora_throughput_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _llama_cpp_model(model: str, args: argparse.Namespace) -> tuple[str, Any]:
+    """The GGUF file both engines read, and the llama.cpp build: the model itself when it is a .gguf
+    file, else its directory converted (and quantized) by llama.cpp's own tools."""
+    from pagedllm.benchmarks import llama_cpp
+    from pagedllm.models.gguf import resolve_gguf_file
+
+    gguf_file = resolve_gguf_file(model)
+    if gguf_file is not None and args.gguf_type is not None:
+        raise ValueError(f"--gguf-type applies to a Hugging Face model directory; {model!r} is already a GGUF file")
+    build = llama_cpp.ensure_built()
+    if gguf_file is None:
+        gguf_file = str(llama_cpp.ensure_gguf(model, args.gguf_type or "BF16", build,
+                                              num_threads=args.num_threads or 2))
+    return gguf_file, build
+
+
 def run_latency_cmd(args: argparse.Namespace) -> int:
     from pagedllm.benchmarks.datasets import get_requests
     from pagedllm.benchmarks.latency import format_latency, run_latency
+    from pagedllm.benchmarks.llama_cpp import LlamaCppError
 
+    comparing = getattr(args, "compare", None) == "llama.cpp"
     try:
         model = _resolve_model(args)
         if args.num_iters < 1 or args.num_iters_warmup < 0:
             raise ValueError("--num-iters must be >= 1 and --num-iters-warmup >= 0")
+        if getattr(args, "gguf_type", None) is not None and not comparing:
+            raise ValueError("--gguf-type applies to --compare llama.cpp only")
+        if comparing:
+            model, llama_build = _llama_cpp_model(model, args)
         llm = _build_llm(args, model)
         prompt = get_requests("random", llm.get_tokenizer(), 1, args.input_len, args.output_len, seed=args.seed)[0]
-    except ValueError as exc:
+    except (ValueError, LlamaCppError) as exc:
         return fail(str(exc))
-    result = run_latency(llm, model, prompt.prompt_token_ids, args.output_len, args.num_iters, args.num_iters_warmup)
+    between_runs, baseline_runs = None, []
+    if comparing:
+        import torch
+
+        from pagedllm.benchmarks import llama_cpp
+
+        llama_command = llama_cpp.llama_bench_command(llama_build, model, torch.get_num_threads(),
+                                                      len(prompt.prompt_token_ids), args.output_len)
+
+        def between_runs() -> None:
+            baseline_runs.append(llama_cpp.run_llama_bench(llama_command))
+
+    try:
+        result = run_latency(llm, model, prompt.prompt_token_ids, args.output_len, args.num_iters,
+                             args.num_iters_warmup, between_runs=between_runs)
+    except LlamaCppError as exc:  # llama-bench failed: its command and stderr say why
+        return fail(str(exc))
     tp_summary = tensor_parallel_summary(llm)
     print(format_latency(result))
     print(format_tensor_parallel(tp_summary))
-    write_json(args.output_json, {**result.to_dict(), "tensor_parallel": tp_summary})
+    report = {**result.to_dict(), "tensor_parallel": tp_summary}
+    if comparing:
+        comparison = llama_cpp.compare(model, result.num_threads, result.decode_tokens_per_s_all, result.ttft_all_s,
+                                       result.input_len, baseline_runs, llama_command)
+        print(llama_cpp.format_comparison(comparison))
+        report.update(cpu=comparison.cpu, llama_cpp=comparison.to_dict())
+    write_json(args.output_json, report)
     return 0
 
 

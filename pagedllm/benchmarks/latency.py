@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -106,8 +107,11 @@ def _one_run(llm: Any, prompt_ids: list[int], output_len: int) -> tuple[float, f
 
 
 def run_latency(
-    llm: Any, model: str, prompt_ids: list[int], output_len: int, num_iters: int = 5, num_warmup: int = 1
+    llm: Any, model: str, prompt_ids: list[int], output_len: int, num_iters: int = 5, num_warmup: int = 1,
+    between_runs: Callable[[], None] | None = None,
 ) -> LatencyResult:
+    """`num_iters` timed runs after `num_warmup` short ones; `between_runs` (a baseline such as llama.cpp)
+    is called after each timed run, so that the two alternate and a drifting host slows both alike."""
     engine = llm.llm_engine
     model_config = engine.model_config
     weight_dtype = _dtype_name(model_config.dtype)
@@ -126,6 +130,8 @@ def run_latency(
     for _ in range(num_iters):
         bandwidths.append(measure_memory_bandwidth(device="cuda" if on_cuda else "cpu"))
         runs.append(_one_run(llm, prompt_ids, output_len))
+        if between_runs is not None:
+            between_runs()
     ttfts, decode_rates, e2es = zip(*runs)
     bandwidth = statistics.median(bandwidths)
 
