@@ -1,32 +1,9 @@
 """pagedllm: paged-attention LLM inference with vLLM's API."""
 
-import os
+from pagedllm.openmp import configure_wait_policy
 
-
-def _openmp_wait_policy() -> None:
-    """How torch's OpenMP threads wait between parallel regions; read once, when torch loads its OpenMP
-    runtime, so it must be set here, before any import of torch. An explicit OMP_WAIT_POLICY or
-    GOMP_SPINCOUNT in the environment wins.
-
-    A thread that finishes a region early either spins, ready for the next one, or sleeps and is woken.
-    On a machine shared with other jobs spinning competes with them: measured on 2 cores with one
-    busy-loop competitor (32 prompts x 128 tokens, output tok/s), 2 torch threads gave 58, 46 and three
-    300 s timeouts with GNU OpenMP's default spin, 601/404/634/115/236/103 sleeping (PASSIVE). On an
-    idle machine sleeping costs a wake-up per region, and a decode step is a hundred regions: 2-thread
-    batch-1 decode of a 386M model ran 43-45 tok/s (bf16) sleeping against 62-64 with a bounded spin
-    of 1,000,000 iterations (a few milliseconds) before sleeping. So: sleep when the 1-minute load
-    average says other work is running (the default thread count then leaves those CPUs alone too,
-    see platform.default_num_threads), else spin briefly."""
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
-        return
-    busy = int(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 1
-    if busy >= 1:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    else:
-        os.environ["GOMP_SPINCOUNT"] = "1000000"
-
-
-_openmp_wait_policy()
+# Before anything imports torch: its OpenMP runtime reads the wait policy once, when it loads.
+configure_wait_policy()
 
 from pagedllm.llm import LLM  # noqa: E402
 from pagedllm.logger import configure_logging  # noqa: E402

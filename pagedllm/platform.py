@@ -15,6 +15,7 @@ import platform
 import torch
 
 from pagedllm import envs
+from pagedllm.openmp import wait_policy
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,8 @@ def configure_threads(num_threads: int | None) -> int:
                         "to choose.", num_threads, why)
     if num_threads is not None and torch.get_num_threads() != num_threads:
         torch.set_num_threads(num_threads)
+    if torch.get_num_threads() > 1:
+        logger.info("Idle torch threads: %s", wait_policy())
     return torch.get_num_threads()
 
 

@@ -153,22 +153,33 @@ def test_default_num_threads_leaves_busy_cores_alone(monkeypatch: pytest.MonkeyP
         torch.set_num_threads(before)
 
 
-def test_openmp_threads_sleep_on_a_busy_machine_and_spin_briefly_on_an_idle_one() -> None:
+def test_openmp_threads_spin_briefly_whatever_the_load_and_the_environment_wins() -> None:
+    """The wait policy is a bounded spin decided inside the process: the load average (which still counts
+    work that ended a minute ago) no longer moves it. A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins, and
+    the policy says who chose it."""
     import os
     import subprocess
     import sys
 
+    from pagedllm.openmp import DEFAULT_SPINCOUNT
+
     def policy(load: float, **extra: str) -> str:
         code = (f"import os; os.getloadavg = lambda: ({load}, 0.0, 0.0); import pagedllm; "
-                "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))")
+                "from pagedllm.openmp import wait_policy; "
+                "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), '|', wait_policy())")
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
         return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
                               check=True).stdout.strip()
 
-    assert policy(1.5) == "PASSIVE None"
-    assert policy(0.2) == "None 1000000"
-    assert policy(0.2, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE None"   # the environment wins
-    assert policy(1.5, GOMP_SPINCOUNT="10") == "None 10"
+    idle, busy = policy(0.2), policy(1.5)
+    assert idle == busy
+    assert idle.startswith(f"None {DEFAULT_SPINCOUNT} |") and "pagedllm's default" in idle
+    assert policy(1.5, OMP_WAIT_POLICY="ACTIVE").startswith("ACTIVE None | spin without bound (from the environment")
+    assert policy(0.2, GOMP_SPINCOUNT="10").startswith("None 10 | spin 10 iterations, then sleep (from the environment")
+    code = "import torch, pagedllm; from pagedllm.openmp import wait_policy; print(wait_policy())"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    late = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert "torch was imported before pagedllm" in late  # too late to choose: the line says so
 
 
 def test_chat_prompt_and_continue_final_message(tiny_llama_dir: str) -> None:
