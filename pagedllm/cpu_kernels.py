@@ -35,14 +35,41 @@ _SOURCES = [os.path.join(_ROOT, "attention", "csrc", "paged_attention_cpu.cpp"),
 _INCLUDE = os.path.join(_ROOT, "csrc")  # headers both share (fast_exp.h)
 
 
-def _cache_dir(source_digest: str) -> str:
+def cache_root() -> str:
+    """Where compiled kernels (and the measured kernel table, layers/linear_tuning.py) live."""
     root = envs.value("PAGEDLLM_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
+    return os.path.join(root, "kernels")
+
+
+def _cache_dir(source_digest: str) -> str:
     # -march=native binaries are only valid on CPUs with the same flags: key the build by them.
     from pagedllm.platform import _cpu_flags
 
     machine = hashlib.sha256(" ".join(sorted(_cpu_flags())).encode() + platform.machine().encode()).hexdigest()[:12]
-    return os.path.join(root, "kernels", f"cpu_ops-{torch.__version__}-{source_digest}-{machine}")
+    return os.path.join(cache_root(), f"cpu_ops-{torch.__version__}-{source_digest}-{machine}")
+
+
+def _build_flags() -> tuple[list[str], bool]:
+    """(compiler flags, whether OpenMP is on). -fopenmp turns at::parallel_for into torch's OpenMP pool
+    (without it the header's parallel_for runs serially); on Linux the extension links libgomp.so.1, which
+    resolves to the copy torch has loaded. Elsewhere (Apple's clang has no -fopenmp) the ops build without
+    it and run on one thread."""
+    openmp = platform.system() == "Linux"
+    flags = ["-O3", "-fopenmp" if openmp else "-fopenmp-simd", "-std=c++17"]
+    if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
+        flags.append("-march=native")
+    return flags, openmp
+
+
+@functools.cache
+def sources_digest() -> str:
+    """The C++ sources and compiler flags, hashed: a change of either is a new build (and a new kernel table)."""
+    digest = hashlib.sha256(" ".join(_build_flags()[0]).encode())
+    for path in _SOURCES + sorted(os.path.join(_INCLUDE, name) for name in os.listdir(_INCLUDE)):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:12]
 
 
 def _copy_sources(build_dir: str) -> tuple[list[str], str]:
@@ -73,18 +100,8 @@ def load_cpu_kernels() -> bool:
     try:
         from torch.utils import cpp_extension
 
-        # -fopenmp turns at::parallel_for into torch's OpenMP pool (without it the header's parallel_for
-        # runs serially); on Linux the extension links libgomp.so.1, which resolves to the copy torch has
-        # loaded. Elsewhere (Apple's clang has no -fopenmp) the ops build without it and run on one thread.
-        openmp = platform.system() == "Linux"
-        flags = ["-O3", "-fopenmp" if openmp else "-fopenmp-simd", "-std=c++17"]
-        if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
-            flags.append("-march=native")
-        sources = hashlib.sha256(" ".join(flags).encode())  # a change of flags is a new build too
-        for path in _SOURCES + sorted(os.path.join(_INCLUDE, name) for name in os.listdir(_INCLUDE)):
-            with open(path, "rb") as f:
-                sources.update(f.read())
-        build_dir = _cache_dir(sources.hexdigest()[:12])
+        flags, openmp = _build_flags()
+        build_dir = _cache_dir(sources_digest())
         os.makedirs(build_dir, exist_ok=True)
         build_sources, build_include = _copy_sources(build_dir)
         start = time.perf_counter()
