@@ -10,7 +10,7 @@ from typing import Any
 
 from pagedllm.assets import demo_model_path
 from pagedllm.benchmarks.datasets import DATASETS
-from pagedllm.benchmarks.reporting import fail, write_json
+from pagedllm.benchmarks.reporting import cpu_kernel_summary, fail, format_cpu_kernels, write_json
 
 # Engine flags used when the engine's own EngineArgs cannot be imported (they mirror its spelling).
 _FALLBACK_ENGINE_FLAGS: dict[str, tuple[type, Any]] = {
@@ -303,6 +303,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     results = [run_pagedllm(llm, requests, use_tqdm=not args.disable_tqdm, profiler=profiler,
                             detokenize=not args.disable_detokenize)]
     tp_summary = tensor_parallel_summary(llm)
+    cpu_summary = cpu_kernel_summary(llm)
     dtype = model_config.dtype
     device = str(getattr(model_config, "device", None) or getattr(llm.llm_engine, "device", "cpu"))
     # the most requests our engine can run at once here: transformers also runs at that static batch
@@ -320,6 +321,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     )
     print(format_results(results))
     print(format_tensor_parallel(tp_summary))
+    print(format_cpu_kernels(cpu_summary))
     if profiler is not None:
         print(profiler.format())
     config = {
@@ -335,6 +337,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
         "mean_prompt_len": mean_prompt,
         "mean_output_len": mean_output,
         "tensor_parallel": tp_summary,
+        "cpu_kernels": cpu_summary,
     }
     report = throughput_report(results, config)
     if profiler is not None:
@@ -426,9 +429,11 @@ def run_latency_cmd(args: argparse.Namespace) -> int:
         return fail(str(exc))
     result = run_latency(llm, model, prompt.prompt_token_ids, args.output_len, args.num_iters, args.num_iters_warmup)
     tp_summary = tensor_parallel_summary(llm)
+    cpu_summary = cpu_kernel_summary(llm)
     print(format_latency(result))
     print(format_tensor_parallel(tp_summary))
-    write_json(args.output_json, {**result.to_dict(), "tensor_parallel": tp_summary})
+    print(format_cpu_kernels(cpu_summary))
+    write_json(args.output_json, {**result.to_dict(), "tensor_parallel": tp_summary, "cpu_kernels": cpu_summary})
     return 0
 
 
