@@ -132,7 +132,7 @@ def test_num_threads(tiny_llama_dir: str) -> None:
 
 def test_default_num_threads_leaves_busy_cores_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without num_threads or OMP_NUM_THREADS the engine takes the usable CPUs other processes do not
-    keep busy (1-minute load average), never more than torch's own count and never fewer than one."""
+    keep busy now, never more than torch's own count and never fewer than one."""
     from pagedllm import platform
 
     before = torch.get_num_threads()
@@ -140,11 +140,11 @@ def test_default_num_threads_leaves_busy_cores_alone(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(platform, "usable_cpus", lambda: 8)
     try:
         torch.set_num_threads(4)
-        for load, expected in ((0.0, 4), (5.5, 3), (7.9, 1), (30.0, 1)):
-            monkeypatch.setattr(platform.os, "getloadavg", lambda load=load: (load, load, load))
-            assert platform.default_num_threads()[0] == expected, load
+        for busy, expected in ((0, 4), (5, 3), (7, 1), (30, 1)):
+            monkeypatch.setattr(platform, "busy_cpus", lambda busy=busy: busy)
+            assert platform.default_num_threads()[0] == expected, busy
         torch.set_num_threads(4)
-        assert platform.configure_threads(None) == 1  # still the load of 30
+        assert platform.configure_threads(None) == 1  # still 30 busy
         monkeypatch.setenv("OMP_NUM_THREADS", "4")
         torch.set_num_threads(4)
         assert platform.configure_threads(None) == 4  # OMP_NUM_THREADS said
@@ -180,6 +180,21 @@ def test_openmp_threads_spin_briefly_whatever_the_load_and_the_environment_wins(
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     late = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert "torch was imported before pagedllm" in late  # too late to choose: the line says so
+
+
+def test_busy_cpus_counts_runnable_tasks_now_not_the_load_average(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load average of 30 left by work that has ended does not count: only tasks runnable now, less the
+    thread asking; without /proc/stat, the load average is all there is."""
+    from pagedllm import platform
+
+    monkeypatch.setattr(platform.os, "getloadavg", lambda: (30.0, 30.0, 30.0))
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  1 2 3 4\nprocs_running 3\nprocs_blocked 0\n")
+    assert platform.busy_cpus(samples=2, interval_s=0.0, stat_path=str(stat)) == 2
+    stat.write_text("procs_running 1\n")
+    assert platform.busy_cpus(samples=1, stat_path=str(stat)) == 0
+    assert platform.busy_cpus(samples=1, stat_path=str(tmp_path / "missing")) == 30
 
 
 def test_chat_prompt_and_continue_final_message(tiny_llama_dir: str) -> None:
