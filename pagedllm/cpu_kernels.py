@@ -7,8 +7,10 @@ tensors (worker/csrc/step_inputs.cpp, torch.ops.pagedllm_cpu_step).
 They are built with `-march=native` for the machine that runs them (AVX2 or AVX-512, whichever the CPU
 has), so they are compiled here rather than shipped: `torch.utils.cpp_extension.load` builds one
 extension into a cache directory keyed by the sources, the torch version and the CPU's flags, once per
-machine. With no compiler (or a failed build) one line is logged and every caller runs its plain-torch
-path: correct, slower. PAGEDLLM_DISABLE_CPU_KERNELS=1 forces that path.
+machine. `pip install` builds them into that cache (setup.py); the first use builds them where it did not
+(a wheel moved to another machine, a fresh virtualenv). With no compiler (or a failed build) one warning
+says so and what it costs, and every caller runs its plain-torch path: correct, slower.
+PAGEDLLM_DISABLE_CPU_KERNELS=1 forces that path.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ _SOURCES = [os.path.join(_ROOT, "attention", "csrc", "paged_attention_cpu.cpp"),
             os.path.join(_ROOT, "layers", "csrc", "cpu_linear.cpp"),
             os.path.join(_ROOT, "worker", "csrc", "step_inputs.cpp")]
 _INCLUDE = os.path.join(_ROOT, "csrc")  # headers both share (fast_exp.h)
+
+# What running without the ops costs, for the line that says so: batch-1 decode of the real SmolLM2-135M
+# (bf16, one thread, 128-token prompt) ran 1.50x and 1.58x slower with PAGEDLLM_DISABLE_CPU_KERNELS=1 in
+# two interleaved pairs on a shared 2-core Zen 4 (`pagedllm bench latency` both ways re-measures it).
+FALLBACK_COST = "about 1.5x slower at batch-1 decode"
 
 
 def cache_root() -> str:
@@ -96,6 +103,8 @@ def _copy_sources(build_dir: str) -> tuple[list[str], str]:
 def load_cpu_kernels() -> bool:
     """Build (first time on this machine) and load the C++ ops; False, with one log line, if impossible."""
     if envs.value("PAGEDLLM_DISABLE_CPU_KERNELS"):
+        logger.info("PAGEDLLM_DISABLE_CPU_KERNELS=1: torch ops instead of pagedllm's C++ CPU ops (%s)",
+                    FALLBACK_COST)
         return False
     try:
         from torch.utils import cpp_extension
@@ -121,8 +130,11 @@ def load_cpu_kernels() -> bool:
             logger.info("Built the CPU kernels in %.0f s (cached in %s)", elapsed, build_dir)
         return True
     except Exception as exc:  # no compiler, no headers, a failed build: all mean "use the torch path"
-        logger.warning("CPU kernels unavailable (%s: %s); using the pure-torch paths",
-                       type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+        lines = str(exc).strip().splitlines()
+        logger.warning("pagedllm's C++ CPU ops could not be built (%s%s): falling back to torch ops, %s; "
+                       "PAGEDLLM_LOGGING_LEVEL=DEBUG shows the compiler's output", type(exc).__name__,
+                       f": {lines[-1]}" if lines else "", FALLBACK_COST)
+        logger.debug("CPU kernel build failure", exc_info=True)
         return False
 
 
