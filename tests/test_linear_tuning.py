@@ -155,3 +155,13 @@ def test_tune_command_measures_again(tiny_llama_dir: str, tuning: Path, capsys: 
     assert main(["tune", "--model", tiny_llama_dir, "--num-threads", str(torch.get_num_threads()),
                  "--max-model-len", "128"]) == 0
     assert "float32 linears:" in capsys.readouterr().out and load_table(str(path), table_key())
+
+
+def test_a_disturbed_measurement_is_used_once_and_not_cached(tuning: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cell where one row took far longer than 256 (another process had the CPU) is timed again; if it
+    stays so, this start uses the table but does not cache it."""
+    monkeypatch.setattr(linear_tuning, "_time", lambda matmul, x: 1.0 if x.shape[0] == 1 else 1e-3)
+    choice = choose_linear_kernel(SHAPES, torch.float32)
+    assert "disturbed by other work" in choice.source and choice.bucket_ms
+    assert load_table(table_path(table_key()), table_key()) == {}
+    assert linear_tuning.implausible_buckets({"1": 1.0, "2-4": 0.6, "5-16": 0.2}) == ["2-4"]

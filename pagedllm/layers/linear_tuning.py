@@ -7,7 +7,8 @@ on the model's own weight shapes, at one row count per bucket (1, 2-4, 5-16, 17-
 for a bounded time (TUNE_BUDGET_S, a progress bar on stderr), and the times are cached as JSON beside
 the compiled kernels, keyed by the CPU model name, its flags, the thread count, the torch version and
 the kernels' sources. Later starts, and other models with the same shapes, read the table. `pagedllm
-tune` measures again.
+tune` measures again. A measurement another process disturbed (fewer rows timed far slower than more) is
+timed again, and if it stays so, used for this start but not cached.
 
 One path serves every bucket of a dtype. Each candidate computes a row the same way whatever else is in
 the batch, but not the same way as another candidate (another summation order), so a path per bucket
@@ -195,13 +196,30 @@ def measure(dtype: torch.dtype, shapes: Iterable[Shape], paths: list[str],
             cells = table.setdefault(shape_key(dtype, shape), {}).setdefault(path, {})
             weight = (torch.randn(shape, generator=generator) * 0.02).to(dtype)
             matmul = _matmul(path, weight)
-            for bucket, rows in BUCKETS.items():
+            inputs = {bucket: torch.randn(rows, shape[1], generator=generator).to(dtype)
+                      for bucket, rows in BUCKETS.items()}
+            for bucket in BUCKETS:
                 if time.perf_counter() > deadline:
                     return table
                 if bucket not in cells:
-                    cells[bucket] = _time(matmul, torch.randn(rows, shape[1], generator=generator).to(dtype))
+                    cells[bucket] = _time(matmul, inputs[bucket])
                 bar.update()
+            # Fewer rows never take longer: where they seem to, another process took the CPU during that
+            # cell (the tables would keep the accident), so time it again and keep the faster.
+            for _ in range(2):
+                disturbed = implausible_buckets(cells)
+                if not disturbed or time.perf_counter() > deadline:
+                    break
+                for bucket in disturbed:
+                    cells[bucket] = min(cells[bucket], _time(matmul, inputs[bucket]))
     return table
+
+
+def implausible_buckets(cells: dict[str, float]) -> list[str]:
+    """Buckets timed more than twice as slow as the next bucket's larger row count: not a kernel's own
+    shape (a matrix-vector path slower than a small matrix one stays within that), an interruption."""
+    names = [bucket for bucket in BUCKETS if bucket in cells]
+    return [small for small, large in zip(names, names[1:]) if cells[small] > 2.0 * cells[large]]
 
 
 def _bucket_ms(table: dict[str, dict[str, dict[str, float]]], dtype: torch.dtype,
@@ -237,8 +255,8 @@ def _static_default(paths: list[str]) -> str:
     return "blocked" if "blocked" in paths else "onednn" if "onednn" in paths else "plain"
 
 
-def choose_linear_kernel(shapes: Iterable[Shape], dtype: torch.dtype, batch_invariant: bool = True,
-                         retune: bool = False) -> LinearKernelChoice:
+def choose_linear_kernel(shapes: Iterable[Shape], dtype: torch.dtype, batch_invariant: bool = True
+                         ) -> LinearKernelChoice:
     """The path for a model's linears of this dtype (their (out, in) shapes, one per layer), by the rules
     in this module's docstring; measures the shapes the cached table lacks unless told not to."""
     forced = str(envs.value("PAGEDLLM_CPU_PREPACK_WEIGHTS")).strip().lower()
@@ -261,19 +279,25 @@ def choose_linear_kernel(shapes: Iterable[Shape], dtype: torch.dtype, batch_inva
     shape_counts = collections.Counter(shapes)
     key = table_key()
     path = table_path(key)
-    table = {} if retune else load_table(path, key)
+    table = load_table(path, key)
     complete = all(len(table.get(shape_key(dtype, shape), {}).get(p, {})) == len(BUCKETS)
                    for shape in shape_counts for p in paths)
     source = f"measured on this CPU, cached in {path}"
     if not complete:
         start = time.perf_counter()
         table = measure(dtype, shape_counts, paths, known=table)
+        source = f"measured on this CPU in {time.perf_counter() - start:.1f} s, cached in {path}"
+        disturbed = [name for name, by_path in table.items() for cells in by_path.values()
+                     if implausible_buckets(cells)]
+        cached = {name: by_path for name, by_path in table.items() if name not in disturbed}
+        if disturbed:  # used for this start only: a later, quieter one measures them again
+            source = (f"measured on this CPU in {time.perf_counter() - start:.1f} s, disturbed by other work "
+                      f"(not cached: measured again next start, or run `pagedllm tune` on a quiet machine)")
         try:
-            save_table(path, key, table)
+            save_table(path, key, cached)
         except OSError as error:
             logger.warning("Could not cache the linear kernel table in %s (%s); it is measured again next start",
                            path, error)
-        source = f"measured on this CPU in {time.perf_counter() - start:.1f} s, cached in {path}"
     bucket_ms = _bucket_ms(table, dtype, shape_counts, paths)
     chosen = _pick(bucket_ms, candidates)
     if chosen is None:
