@@ -7,8 +7,10 @@ tensors (worker/csrc/step_inputs.cpp, torch.ops.pagedllm_cpu_step).
 They are built with `-march=native` for the machine that runs them (AVX2 or AVX-512, whichever the CPU
 has), so they are compiled here rather than shipped: `torch.utils.cpp_extension.load` builds one
 extension into a cache directory keyed by the sources, the torch version and the CPU's flags, once per
-machine. With no compiler (or a failed build) one line is logged and every caller runs its plain-torch
-path: correct, slower. PAGEDLLM_DISABLE_CPU_KERNELS=1 forces that path.
+machine. `pip install` builds them into that cache (setup.py); the first use builds them where it did not
+(a wheel moved to another machine, a fresh virtualenv). With no compiler (or a failed build) one warning
+says so and what it costs, and every caller runs its plain-torch path: correct, slower.
+PAGEDLLM_DISABLE_CPU_KERNELS=1 forces that path.
 """
 
 from __future__ import annotations
@@ -34,15 +36,47 @@ _SOURCES = [os.path.join(_ROOT, "attention", "csrc", "paged_attention_cpu.cpp"),
             os.path.join(_ROOT, "worker", "csrc", "step_inputs.cpp")]
 _INCLUDE = os.path.join(_ROOT, "csrc")  # headers both share (fast_exp.h)
 
+# What running without the ops costs, for the line that says so: batch-1 decode of the real SmolLM2-135M
+# (bf16, one thread, 128-token prompt) ran 1.50x and 1.58x slower with PAGEDLLM_DISABLE_CPU_KERNELS=1 in
+# two interleaved pairs on a shared 2-core Zen 4 (`pagedllm bench latency` both ways re-measures it).
+FALLBACK_COST = "about 1.5x slower at batch-1 decode"
 
-def _cache_dir(source_digest: str) -> str:
+
+def cache_root() -> str:
+    """Where compiled kernels (and the measured kernel table, layers/linear_tuning.py) live."""
     root = envs.value("PAGEDLLM_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
+    return os.path.join(root, "kernels")
+
+
+def _cache_dir(source_digest: str) -> str:
     # -march=native binaries are only valid on CPUs with the same flags: key the build by them.
     from pagedllm.platform import _cpu_flags
 
     machine = hashlib.sha256(" ".join(sorted(_cpu_flags())).encode() + platform.machine().encode()).hexdigest()[:12]
-    return os.path.join(root, "kernels", f"cpu_ops-{torch.__version__}-{source_digest}-{machine}")
+    return os.path.join(cache_root(), f"cpu_ops-{torch.__version__}-{source_digest}-{machine}")
+
+
+def _build_flags() -> tuple[list[str], bool]:
+    """(compiler flags, whether OpenMP is on). -fopenmp turns at::parallel_for into torch's OpenMP pool
+    (without it the header's parallel_for runs serially); on Linux the extension links libgomp.so.1, which
+    resolves to the copy torch has loaded. Elsewhere (Apple's clang has no -fopenmp) the ops build without
+    it and run on one thread."""
+    openmp = platform.system() == "Linux"
+    flags = ["-O3", "-fopenmp" if openmp else "-fopenmp-simd", "-std=c++17"]
+    if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
+        flags.append("-march=native")
+    return flags, openmp
+
+
+@functools.cache
+def sources_digest() -> str:
+    """The C++ sources and compiler flags, hashed: a change of either is a new build (and a new kernel table)."""
+    digest = hashlib.sha256(" ".join(_build_flags()[0]).encode())
+    for path in _SOURCES + sorted(os.path.join(_INCLUDE, name) for name in os.listdir(_INCLUDE)):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:12]
 
 
 def _copy_sources(build_dir: str) -> tuple[list[str], str]:
@@ -69,22 +103,14 @@ def _copy_sources(build_dir: str) -> tuple[list[str], str]:
 def load_cpu_kernels() -> bool:
     """Build (first time on this machine) and load the C++ ops; False, with one log line, if impossible."""
     if envs.value("PAGEDLLM_DISABLE_CPU_KERNELS"):
+        logger.info("PAGEDLLM_DISABLE_CPU_KERNELS=1: torch ops instead of pagedllm's C++ CPU ops (%s)",
+                    FALLBACK_COST)
         return False
     try:
         from torch.utils import cpp_extension
 
-        # -fopenmp turns at::parallel_for into torch's OpenMP pool (without it the header's parallel_for
-        # runs serially); on Linux the extension links libgomp.so.1, which resolves to the copy torch has
-        # loaded. Elsewhere (Apple's clang has no -fopenmp) the ops build without it and run on one thread.
-        openmp = platform.system() == "Linux"
-        flags = ["-O3", "-fopenmp" if openmp else "-fopenmp-simd", "-std=c++17"]
-        if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
-            flags.append("-march=native")
-        sources = hashlib.sha256(" ".join(flags).encode())  # a change of flags is a new build too
-        for path in _SOURCES + sorted(os.path.join(_INCLUDE, name) for name in os.listdir(_INCLUDE)):
-            with open(path, "rb") as f:
-                sources.update(f.read())
-        build_dir = _cache_dir(sources.hexdigest()[:12])
+        flags, openmp = _build_flags()
+        build_dir = _cache_dir(sources_digest())
         os.makedirs(build_dir, exist_ok=True)
         build_sources, build_include = _copy_sources(build_dir)
         start = time.perf_counter()
@@ -104,8 +130,11 @@ def load_cpu_kernels() -> bool:
             logger.info("Built the CPU kernels in %.0f s (cached in %s)", elapsed, build_dir)
         return True
     except Exception as exc:  # no compiler, no headers, a failed build: all mean "use the torch path"
-        logger.warning("CPU kernels unavailable (%s: %s); using the pure-torch paths",
-                       type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+        lines = str(exc).strip().splitlines()
+        logger.warning("pagedllm's C++ CPU ops could not be built (%s%s): falling back to torch ops, %s; "
+                       "PAGEDLLM_LOGGING_LEVEL=DEBUG shows the compiler's output", type(exc).__name__,
+                       f": {lines[-1]}" if lines else "", FALLBACK_COST)
+        logger.debug("CPU kernel build failure", exc_info=True)
         return False
 
 

@@ -33,11 +33,16 @@ ENV_VARS: dict[str, EnvVar] = {var.name: var for var in [
     EnvVar("PAGEDLLM_API_KEY", str, None, "the server's API key when --api-key is not given"),
     EnvVar("PAGEDLLM_ATTENTION_BACKEND", str, None,
            "attention backend when attention_backend is not given: TORCH_SDPA, TORCH_FLASH, CPU_FLASH, TRITON"),
+    EnvVar("PAGEDLLM_SKIP_KERNEL_BUILD", bool, False,
+           "`pip install` leaves the C++ CPU ops to be compiled at first use instead of now (setup.py)"),
     EnvVar("PAGEDLLM_DISABLE_CPU_KERNELS", bool, False,
            "never build or load the C++ CPU ops: every op runs its plain-torch path"),
     EnvVar("PAGEDLLM_CPU_PREPACK_WEIGHTS", str, "1",
-           "CPU weight layout: 1 the fastest this CPU's ops support, onednn oneDNN's blocked layout, 0 plain "
-           "F.linear"),
+           "CPU linear kernel: 1 the fastest measured on this CPU (layers/linear_tuning.py), blocked "
+           "pagedllm's blocked kernel, onednn oneDNN's prepacked layout, 0 plain F.linear"),
+    EnvVar("PAGEDLLM_CPU_TUNE", bool, True,
+           "time the CPU linear kernels on a model's shapes at its first start (at most 8 s, cached beside "
+           "the compiled kernels); 0 takes the static default (the blocked kernel where it runs) untimed"),
     EnvVar("PAGEDLLM_CPU_HUGE_PAGES", bool, True, "advise 2 MiB transparent huge pages for packed CPU weights"),
     EnvVar("PAGEDLLM_CPU_MALLOC_TUNING", bool, True,
            "keep freed memory in glibc's heap (no fresh mmap per large activation)"),

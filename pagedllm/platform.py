@@ -11,10 +11,12 @@ import logging
 import mmap
 import os
 import platform
+import time
 
 import torch
 
 from pagedllm import envs
+from pagedllm.openmp import wait_policy
 
 logger = logging.getLogger(__name__)
 
@@ -58,19 +60,38 @@ def usable_cpus() -> int:
     return cpus
 
 
+def busy_cpus(samples: int = 5, interval_s: float = 0.005, stat_path: str = "/proc/stat") -> int:
+    """CPUs other processes keep busy now: the runnable tasks Linux counts (/proc/stat's procs_running)
+    less the thread asking, the least of a few samples milliseconds apart, so that a moment's burst is not
+    taken for a steady load. Elsewhere the 1-minute load average, which still counts work that ended a
+    minute ago (right after a compile it made a 2-core machine look busy)."""
+    counts = []
+    for sample in range(samples):
+        try:
+            with open(stat_path) as f:
+                counts += [int(line.split()[1]) - 1 for line in f if line.startswith("procs_running")]
+        except (OSError, ValueError, IndexError):
+            break
+        if sample + 1 < samples:
+            time.sleep(interval_s)
+    if counts:
+        return max(0, min(counts))
+    return int(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
+
+
 def default_num_threads() -> tuple[int, str]:
     """(threads, why) when neither num_threads nor OMP_NUM_THREADS says: torch's default (one per
     physical core), lowered to the usable CPUs not already kept busy by other processes.
 
     OpenMP threads meet at a barrier after every operator, so one thread that the OS has parked behind
     another process stalls all of them: with other jobs on a 2-core machine, 2 threads ran decode 5-20x
-    slower than 1. The 1-minute load average is the count of CPUs other processes keep busy (ours has
-    only just started). Never raises torch's own count (a caller may have lowered it already)."""
+    slower than 1. `busy_cpus()` counts the CPUs other processes keep busy (ours has only just started).
+    Never raises torch's own count (a caller may have lowered it already)."""
     current = torch.get_num_threads()
     cpus = usable_cpus()
-    busy = int(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
+    busy = busy_cpus()
     threads = max(1, min(current, cpus - busy))
-    return threads, f"{cpus} usable CPUs, load average {busy}, torch default {current}"
+    return threads, f"{cpus} usable CPUs, {busy} kept busy by other processes now, torch default {current}"
 
 
 def configure_threads(num_threads: int | None) -> int:
@@ -89,6 +110,8 @@ def configure_threads(num_threads: int | None) -> int:
                         "to choose.", num_threads, why)
     if num_threads is not None and torch.get_num_threads() != num_threads:
         torch.set_num_threads(num_threads)
+    if torch.get_num_threads() > 1:
+        logger.info("Idle torch threads: %s", wait_policy())
     return torch.get_num_threads()
 
 

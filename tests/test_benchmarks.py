@@ -128,7 +128,10 @@ def test_bench_throughput_against_transformers(
     table = capsys.readouterr().out
     assert "pagedllm" in table and "transformers" in table and "ratio" in table and "output tok/s" in table
     assert "engine overhead" in table and "sampling" in table
+    # how the CPU work ran: the wait policy, and the linear kernel that served every row bucket
+    assert "idle torch threads: " in table and "linear kernel: float32 linears: " in table
     report = json.loads(out.read_text())
+    assert report["config"]["cpu_kernels"]["linear_kernel"] in ("blocked", "onednn")
     # transformers at the usual static batch (4) and at ours (all 6 requests at once)
     ours, hf, hf_same = report["results"]
     assert hf["backend"] == "transformers (static batch 4)" and hf_same["backend"] == "transformers (static batch 6)"
@@ -178,7 +181,9 @@ def test_bench_latency_reports_roofline_fraction(
         "bytes per token (planner)",
     ):
         assert needle in table
+    assert "idle torch threads: " in table and "serves every row bucket" in table
     report = json.loads(out.read_text())
+    assert report["cpu_kernels"]["wait_policy"] and report["cpu_kernels"]["linear_kernel"] in ("blocked", "onednn")
     assert report["num_iters"] == 2 and len(report["ttft_all_s"]) == 2 and report["dtype"] == "float32"
     assert report["ttft_s"] > 0 and report["decode_tokens_per_s"] > 0 and report["memory_bandwidth_bytes_per_s"] > 0
     # each timed run is set against the bandwidth probed right before it; the report gives their median

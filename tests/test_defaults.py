@@ -132,7 +132,7 @@ def test_num_threads(tiny_llama_dir: str) -> None:
 
 def test_default_num_threads_leaves_busy_cores_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without num_threads or OMP_NUM_THREADS the engine takes the usable CPUs other processes do not
-    keep busy (1-minute load average), never more than torch's own count and never fewer than one."""
+    keep busy now, never more than torch's own count and never fewer than one."""
     from pagedllm import platform
 
     before = torch.get_num_threads()
@@ -140,11 +140,11 @@ def test_default_num_threads_leaves_busy_cores_alone(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(platform, "usable_cpus", lambda: 8)
     try:
         torch.set_num_threads(4)
-        for load, expected in ((0.0, 4), (5.5, 3), (7.9, 1), (30.0, 1)):
-            monkeypatch.setattr(platform.os, "getloadavg", lambda load=load: (load, load, load))
-            assert platform.default_num_threads()[0] == expected, load
+        for busy, expected in ((0, 4), (5, 3), (7, 1), (30, 1)):
+            monkeypatch.setattr(platform, "busy_cpus", lambda busy=busy: busy)
+            assert platform.default_num_threads()[0] == expected, busy
         torch.set_num_threads(4)
-        assert platform.configure_threads(None) == 1  # still the load of 30
+        assert platform.configure_threads(None) == 1  # still 30 busy
         monkeypatch.setenv("OMP_NUM_THREADS", "4")
         torch.set_num_threads(4)
         assert platform.configure_threads(None) == 4  # OMP_NUM_THREADS said
@@ -153,22 +153,48 @@ def test_default_num_threads_leaves_busy_cores_alone(monkeypatch: pytest.MonkeyP
         torch.set_num_threads(before)
 
 
-def test_openmp_threads_sleep_on_a_busy_machine_and_spin_briefly_on_an_idle_one() -> None:
+def test_openmp_threads_spin_briefly_whatever_the_load_and_the_environment_wins() -> None:
+    """The wait policy is a bounded spin decided inside the process: the load average (which still counts
+    work that ended a minute ago) no longer moves it. A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins, and
+    the policy says who chose it."""
     import os
     import subprocess
     import sys
 
+    from pagedllm.openmp import DEFAULT_SPINCOUNT
+
     def policy(load: float, **extra: str) -> str:
         code = (f"import os; os.getloadavg = lambda: ({load}, 0.0, 0.0); import pagedllm; "
-                "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))")
+                "from pagedllm.openmp import wait_policy; "
+                "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), '|', wait_policy())")
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
         return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
                               check=True).stdout.strip()
 
-    assert policy(1.5) == "PASSIVE None"
-    assert policy(0.2) == "None 1000000"
-    assert policy(0.2, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE None"   # the environment wins
-    assert policy(1.5, GOMP_SPINCOUNT="10") == "None 10"
+    idle, busy = policy(0.2), policy(1.5)
+    assert idle == busy
+    assert idle.startswith(f"None {DEFAULT_SPINCOUNT} |") and "pagedllm's default" in idle
+    assert policy(1.5, OMP_WAIT_POLICY="ACTIVE").startswith("ACTIVE None | spin without bound (from the environment")
+    assert policy(0.2, GOMP_SPINCOUNT="10").startswith("None 10 | spin 10 iterations, then sleep (from the environment")
+    code = "import torch, pagedllm; from pagedllm.openmp import wait_policy; print(wait_policy())"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    late = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert "torch was imported before pagedllm" in late  # too late to choose: the line says so
+
+
+def test_busy_cpus_counts_runnable_tasks_now_not_the_load_average(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load average of 30 left by work that has ended does not count: only tasks runnable now, less the
+    thread asking; without /proc/stat, the load average is all there is."""
+    from pagedllm import platform
+
+    monkeypatch.setattr(platform.os, "getloadavg", lambda: (30.0, 30.0, 30.0))
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  1 2 3 4\nprocs_running 3\nprocs_blocked 0\n")
+    assert platform.busy_cpus(samples=2, interval_s=0.0, stat_path=str(stat)) == 2
+    stat.write_text("procs_running 1\n")
+    assert platform.busy_cpus(samples=1, stat_path=str(stat)) == 0
+    assert platform.busy_cpus(samples=1, stat_path=str(tmp_path / "missing")) == 30
 
 
 def test_chat_prompt_and_continue_final_message(tiny_llama_dir: str) -> None:

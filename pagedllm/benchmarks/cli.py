@@ -10,7 +10,7 @@ from typing import Any
 
 from pagedllm.assets import demo_model_path
 from pagedllm.benchmarks.datasets import DATASETS
-from pagedllm.benchmarks.reporting import fail, write_json
+from pagedllm.benchmarks.reporting import cpu_kernel_summary, fail, format_cpu_kernels, write_json
 
 # Engine flags used when the engine's own EngineArgs cannot be imported (they mirror its spelling).
 _FALLBACK_ENGINE_FLAGS: dict[str, tuple[type, Any]] = {
@@ -321,6 +321,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     results = [run_pagedllm(llm, requests, use_tqdm=not args.disable_tqdm, profiler=profiler,
                             detokenize=not args.disable_detokenize)]
     tp_summary = tensor_parallel_summary(llm)
+    cpu_summary = cpu_kernel_summary(llm)
     dtype = model_config.dtype
     device = str(getattr(model_config, "device", None) or getattr(llm.llm_engine, "device", "cpu"))
     # the most requests our engine can run at once here: transformers also runs at that static batch
@@ -338,6 +339,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     )
     print(format_results(results))
     print(format_tensor_parallel(tp_summary))
+    print(format_cpu_kernels(cpu_summary))
     if profiler is not None:
         print(profiler.format())
     config = {
@@ -353,6 +355,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
         "mean_prompt_len": mean_prompt,
         "mean_output_len": mean_output,
         "tensor_parallel": tp_summary,
+        "cpu_kernels": cpu_summary,
     }
     report = throughput_report(results, config)
     if profiler is not None:
@@ -482,9 +485,11 @@ def run_latency_cmd(args: argparse.Namespace) -> int:
     except LlamaCppError as exc:  # llama-bench failed: its command and stderr say why
         return fail(str(exc))
     tp_summary = tensor_parallel_summary(llm)
+    cpu_summary = cpu_kernel_summary(llm)
     print(format_latency(result))
     print(format_tensor_parallel(tp_summary))
-    report = {**result.to_dict(), "tensor_parallel": tp_summary}
+    print(format_cpu_kernels(cpu_summary))
+    report = {**result.to_dict(), "tensor_parallel": tp_summary, "cpu_kernels": cpu_summary}
     if comparing:
         comparison = llama_cpp.compare(model, result.num_threads, result.decode_tokens_per_s_all, result.ttft_all_s,
                                        result.input_len, baseline_runs, llama_command)

@@ -11,7 +11,6 @@ them from cache, not DRAM, and the report says the roofline then means nothing (
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.openmp import wait_policy
 from pagedllm.planner import roofline as rl
 from pagedllm.planner.hardware import measure_cpu, measure_memory_bandwidth
 
@@ -170,7 +170,7 @@ def run_latency(
         planner_bound_tokens_per_s=bound.tokens_per_s,
         planner_limited_by=bound.limited_by,
         num_threads=torch.get_num_threads(),
-        openmp_wait=openmp_wait_policy(),
+        openmp_wait=wait_policy(),
         plan_command=f"pagedllm plan --model {model} --hardware {'cpu' if not on_cuda else '<gpu preset>'} "
         f"--context {mean_context} --batch 1 --dtype {weight_dtype} --kv-cache-dtype {kv_dtype}"
         + (f" --quantization {quantization.method}" if quantization is not None else ""),
@@ -181,14 +181,6 @@ def run_latency(
         weight_bytes=rl.weight_bytes(spec, wb),
         last_level_cache_bytes=None if on_cuda else last_level_cache_bytes(),
     )
-
-
-def openmp_wait_policy() -> str:
-    """How idle OpenMP threads wait in this process, from the variables GNU OpenMP read at start-up."""
-    if os.environ.get("GOMP_SPINCOUNT"):
-        return f"spin {os.environ['GOMP_SPINCOUNT']} iterations, then sleep"
-    policy = os.environ.get("OMP_WAIT_POLICY", "").upper()
-    return {"PASSIVE": "sleep at once", "ACTIVE": "spin"}.get(policy, "spin a while (OpenMP's default)")
 
 
 def format_latency(r: LatencyResult) -> str:

@@ -29,7 +29,7 @@ from pagedllm.benchmarks.reporting import fail, int_list, set_num_threads, write
 from pagedllm.layers.linear import PREPACK_ENV, blocked_layout_available
 
 # the PAGEDLLM_CPU_PREPACK_WEIGHTS value each engine loads under
-VARIANTS = {"plain": "0", "onednn": "onednn", "blocked": "1"}
+VARIANTS = {"plain": "0", "onednn": "onednn", "blocked": "blocked"}
 
 
 def _load(model: str, flag: str, **kwargs: Any) -> Any:

@@ -55,3 +55,23 @@ def set_num_threads(num_threads: int | None) -> int | None:
 
     torch.set_num_threads(num_threads)
     return None
+
+
+def cpu_kernel_summary(llm: Any) -> dict[str, Any]:
+    """How the engine's CPU work ran: the OpenMP wait policy and which linear kernel served each row bucket
+    (None where the model is not in this process, or has no full-precision CPU linears)."""
+    from pagedllm.openmp import wait_policy
+
+    runner = getattr(llm.llm_engine, "model_runner", None)  # AttributeError: in worker processes
+    choice = getattr(getattr(runner, "model", None), "linear_kernel_choice", None)
+    return {"wait_policy": wait_policy(),
+            "linear_kernels": choice.describe() if choice is not None else None,
+            "linear_kernel": choice.path if choice is not None else None,
+            "linear_kernel_bucket_ms": choice.bucket_ms if choice is not None else None}
+
+
+def format_cpu_kernels(summary: dict[str, Any]) -> str:
+    lines = [f"idle torch threads: {summary['wait_policy']}"]
+    if summary["linear_kernels"] is not None:
+        lines.append(f"linear kernel: {summary['linear_kernels']}")
+    return "\n".join(lines)

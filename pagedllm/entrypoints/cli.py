@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "plan": "pagedllm.planner.cli",
     "bench": "pagedllm.benchmarks.cli",
     "quantize": "pagedllm.entrypoints.quantize_cmd",
+    "tune": "pagedllm.entrypoints.tune_cmd",
     "router": "pagedllm.entrypoints.router",
 }
 

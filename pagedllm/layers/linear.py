@@ -31,6 +31,7 @@ from torch import nn
 
 from pagedllm import envs
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce, tensor_model_parallel_gather
+from pagedllm.layers.linear_tuning import choose_linear_kernel
 from pagedllm.layers.quantization import linear
 from pagedllm.layers.sampler import argmax_rows
 from pagedllm.platform import huge_page_buffer, release_free_heap_memory
@@ -209,15 +210,17 @@ class ParallelLMHead(VocabParallelEmbedding):
 # - "blocked" (pagedllm's own kernel, layers/csrc/cpu_linear.cpp; fp32 with AVX-512 or AVX2 + FMA, bf16
 #   with AVX512-BF16): 64 (AVX2: 16) output features at a time stored k-major, so a batch-1 decode step
 #   reads each weight as one sequential stream.
-# - "onednn" (`torch.ops.mkldnn._reorder_linear_weight`), elsewhere: bf16 bit-identical to F.linear.
-# Which is faster depends on the CPU (the performance pages per CPU kind; `pagedllm bench prepack` runs
-# each in turn on one model).
+# - "onednn" (`torch.ops.mkldnn._reorder_linear_weight`): bf16 bit-identical to F.linear; on CPUs with
+#   AMX it uses the matrix tiles.
+# Which is faster depends on the CPU (3x either way at batch 16), so it is measured on this CPU, on the
+# model's own shapes, and cached (layers/linear_tuning.py); PAGEDLLM_CPU_PREPACK_WEIGHTS=blocked|onednn|0
+# forces one, and `pagedllm bench prepack` runs each in turn on one model.
 #
 # Both compute a row the same way whatever else is in the batch; F.linear does not (the BLAS takes another
 # path for one or two rows, about 1e-5 apart), so a model whose logits reach the outputs stays packed. A
 # draft model's numerics never reach them (its proposals are verified by the target); with oneDNN, small
 # fp32 weights stay plain there, since oneDNN's per-call cost exceeds F.linear's on shapes under 1 MiB.
-PREPACK_ENV = "PAGEDLLM_CPU_PREPACK_WEIGHTS"  # 0: plain F.linear; onednn: oneDNN's layout only; else the best
+PREPACK_ENV = "PAGEDLLM_CPU_PREPACK_WEIGHTS"  # 0: plain F.linear; blocked / onednn: that one; else measured
 PREPACK_DTYPES = (torch.float32, torch.bfloat16)
 PLAIN_FP32_MAX_NUMEL = 1 << 18  # 1 MiB of fp32
 
@@ -246,15 +249,16 @@ def is_prepacked(matmul: Callable[..., torch.Tensor] | None) -> bool:
 def prepack_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """CPU, fp32 or bf16, oneDNN built in, and not turned off by PAGEDLLM_CPU_PREPACK_WEIGHTS=0."""
     return (device.type == "cpu" and dtype in PREPACK_DTYPES and torch.backends.mkldnn.is_available()
-            and envs.value(PREPACK_ENV) != "0")
+            and str(envs.value(PREPACK_ENV)).strip().lower() not in ("0", "plain"))
 
 
 def blocked_layout_available(dtype: torch.dtype) -> bool:
     """pagedllm's blocked kernel runs this dtype on this CPU (its C++ ops built; fp32 needs AVX2 + FMA or
-    AVX-512, bf16 AVX512-BF16), and PAGEDLLM_CPU_PREPACK_WEIGHTS does not ask for oneDNN."""
+    AVX-512, bf16 AVX512-BF16), and PAGEDLLM_CPU_PREPACK_WEIGHTS does not ask for another path. (With
+    the default, the measured table may still choose oneDNN; PAGEDLLM_CPU_TUNE=0 keeps the blocked one.)"""
     from pagedllm.cpu_kernels import load_cpu_kernels
 
-    return (envs.value(PREPACK_ENV) != "onednn" and load_cpu_kernels()
+    return (str(envs.value(PREPACK_ENV)).strip().lower() not in ("onednn", "0", "plain") and load_cpu_kernels()
             and bool(torch.ops.pagedllm_cpu_linear.blocked_linear_supports(dtype)))
 
 
@@ -304,26 +308,30 @@ def prepack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.
     blocked kernel is both, so it takes every weight."""
     if not prepack_enabled(device, dtype):
         return 0
-    blocked = blocked_layout_available(dtype)
-
-    def keep_plain(weight: torch.Tensor) -> bool:
-        return (not blocked and not batch_invariant and dtype == torch.float32
-                and weight.numel() <= PLAIN_FP32_MAX_NUMEL)
-
-    targets: list[nn.Module] = []  # in the order the forward pass reads them
-    num_plain = 0
+    candidates: list[nn.Module] = []  # in the order the forward pass reads them
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             weight = module.weight
             if not isinstance(weight, torch.Tensor) or weight.dtype != dtype or is_prepacked(module.matmul):
                 continue  # a QuantizedWeight, or already packed (a module reached twice)
-            if keep_plain(weight):
-                num_plain += 1
-            else:
-                targets.append(module)
-        elif isinstance(module, ParallelLMHead) and module.packed_weight is None \
-                and module.weight.dtype == dtype and not keep_plain(module.weight):
-            targets.append(module)
+            candidates.append(module)
+        elif isinstance(module, ParallelLMHead) and module.packed_weight is None and module.weight.dtype == dtype:
+            candidates.append(module)
+    if not candidates:
+        return 0
+    choice = choose_linear_kernel([tuple(module.weight.shape) for module in candidates], dtype, batch_invariant)
+    model.linear_kernel_choice = choice  # what the benchmarks print
+    logger.info("Linear kernel: %s", choice.describe())
+    if choice.path == "plain":
+        return 0
+    blocked = choice.path == "blocked"
+
+    def keep_plain(weight: torch.Tensor) -> bool:
+        return (not blocked and not batch_invariant and dtype == torch.float32
+                and weight.numel() <= PLAIN_FP32_MAX_NUMEL)
+
+    targets = [module for module in candidates if not keep_plain(module.weight)]
+    num_plain = len(candidates) - len(targets)
     if not targets:
         return 0
     arena = _PackedArena([module.weight for module in targets]) if blocked else None
@@ -349,7 +357,8 @@ def prepack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.
         return 0
     if arena is not None:
         release_free_heap_memory()
-    logger.info("Prepacked %d linear weights (%s, %s layout)%s%s; %s=0 turns it off, =onednn picks oneDNN's",
+    logger.info("Prepacked %d linear weights (%s, %s layout)%s%s; %s=0 turns it off, =blocked / =onednn "
+                "force a layout",
                 len(targets), str(dtype).removeprefix("torch."), "blocked" if blocked else "oneDNN",
                 f", plus a {extra_bytes / 2**20:.1f} MiB LM head copy" if extra_bytes else "",
                 f"; {num_plain} small ones stay plain (not batch-invariant: a draft)" if num_plain else "",
