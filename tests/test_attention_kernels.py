@@ -298,3 +298,36 @@ def test_kernel_result_does_not_depend_on_the_thread_count(dtype: torch.dtype) -
         torch.set_num_threads(threads)
     for other in outputs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(outputs[0], other))
+
+
+# Long contexts for few sequences: fewer (sequence, KV head) pairs than threads would leave a thread idle,
+# so each context is cut into 512-token partitions (flash-decoding) that the threads share and a
+# log-sum-exp reduction merges. Shapes: the 386M Qwen2's heads (14/2, d 64: 7 query rows per KV head)
+# and the demo model's (8/4, d 32); 4 query tokens as in speculative verification.
+LONG_STEPS = [(1, 5000, 1, (14, 2, 64)), (2, 3001, 1, (8, 4, 32)), (1, 2100, 4, (8, 2, 64))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("sliding_window", [None, 700])
+def test_partitioned_long_context_matches_the_reference_backend(dtype: torch.dtype, num_threads: int,
+                                                                sliding_window: int | None) -> None:
+    from pagedllm.attention.selector import get_attn_backend
+    from pagedllm.benchmarks.attention import _step
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(num_threads)
+        for seed, (batch, context, query_len, (heads, kv_heads, head_dim)) in enumerate(LONG_STEPS):
+            query, new_kv, kv_cache, _, metadata = _step(context, batch, query_len, 16, heads, kv_heads, head_dim,
+                                                         dtype, seed=seed)
+            outputs = []
+            for name in ("TORCH_SDPA", "CPU_FLASH"):
+                backend = get_attn_backend(name, heads, kv_heads, head_dim, dtype, dtype, torch.device("cpu"),
+                                           block_size=16)
+                backend.prepare_metadata(metadata)
+                outputs.append(backend.forward(query, new_kv, new_kv, kv_cache, metadata, head_dim ** -0.5,
+                                               sliding_window=sliding_window).float())
+            torch.testing.assert_close(outputs[1], outputs[0], **TOL[dtype])
+    finally:
+        torch.set_num_threads(threads)

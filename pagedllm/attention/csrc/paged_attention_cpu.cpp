@@ -138,17 +138,9 @@ inline void transpose_to_float(const cache_t* src, float* dst, int64_t j0, int64
 }
 
 #if defined(__AVX512F__)
-// The 16 scores q.k_j of a whole 16-key block, k as stored ([16][D], D a multiple of 16), in one vector
-// pass: 16 product vectors, then a transpose-and-add tree (8 + 4 + 2 + 1 vector adds) instead of 16
-// horizontal reductions. For decode's few rows per KV head this is most of the kernel's arithmetic.
-inline void scores16(const float* __restrict q, const float* __restrict k, int64_t D, float* __restrict s) {
-  __m512 p[16];
-  for (int j = 0; j < 16; ++j) p[j] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) {
-    const __m512 qd = _mm512_loadu_ps(q + d);
-    for (int j = 0; j < 16; ++j) p[j] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + j * D + d), p[j]);
-  }
-  // Each level halves the vectors; afterwards lane j of the last one holds the sum of p[j].
+// Lane j of the result is the sum of p[j]'s 16 lanes: a transpose-and-add tree (8 + 4 + 2 + 1 vector adds)
+// instead of 16 horizontal reductions. Each level halves the vectors.
+inline __m512 sum16(const __m512* p) {
   __m512 a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)  // within 128-bit lanes: (p0_0+p0_2, p1_0+p1_2, p0_1+p0_3, p1_1+p1_3)
     a[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
@@ -157,7 +149,105 @@ inline void scores16(const float* __restrict q, const float* __restrict k, int64
   for (int i = 0; i < 2; ++i)  // across 128-bit lanes, pairwise
     c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
                          _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  _mm512_storeu_ps(s, _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+// The 16 scores q.k_j of a whole 16-key block, k as stored ([16][D], D a multiple of 16), in one vector
+// pass. For decode's few rows per KV head this is most of the kernel's arithmetic.
+inline void scores16(const float* __restrict q, const float* __restrict k, int64_t D, float* __restrict s) {
+  __m512 p[16];
+  for (int j = 0; j < 16; ++j) p[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 qd = _mm512_loadu_ps(q + d);
+    for (int j = 0; j < 16; ++j) p[j] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + j * D + d), p[j]);
+  }
+  _mm512_storeu_ps(s, sum16(p));
+}
+
+// 16 elements of a cache row as fp32, widened in registers.
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Decode's fast path, for a 16-key chunk of a block that every query row of the item sees whole: K and V
+// are read straight from the cache (no fp32 copy of the tile), so a decode step is one pass over the
+// bytes it must read. Scores of one row: q (scaled, fp32) against the 16 keys; or, where the CPU has
+// AVX512-BF16 and both query and cache are bf16, the unscaled bf16 query q_bf16 (null otherwise,
+// D a multiple of 32) with `_mm512_dpbf16_ps` (bf16 pairs multiplied exactly, summed in fp32), then
+// scaled: the bf16 K row needs no widening at all.
+template <typename cache_t>
+inline __m512 chunk_scores(const float* q, const uint16_t* q_bf16, const cache_t* k, int64_t D, float scale) {
+  __m512 p[16];
+  for (int j = 0; j < 16; ++j) p[j] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
+    if (q_bf16 != nullptr) {
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512bh qd = (__m512bh)_mm512_loadu_si512(q_bf16 + d);
+        for (int j = 0; j < 16; ++j) p[j] = _mm512_dpbf16_ps(p[j], qd, (__m512bh)_mm512_loadu_si512(k + j * D + d));
+      }
+      return _mm512_mul_ps(sum16(p), _mm512_set1_ps(scale));
+    }
+  }
+#endif
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 qd = _mm512_loadu_ps(q + d);
+    for (int j = 0; j < 16; ++j) p[j] = _mm512_fmadd_ps(qd, load16(k + j * D + d), p[j]);
+  }
+  return sum16(p);
+}
+
+// acc[r] = acc[r] * alpha[r] + sum_j probs[r][j] v_j for R rows, 16 columns at a time: each V vector is
+// loaded (and widened) once for all R rows, whose accumulators stay in registers.
+template <typename cache_t, int R>
+inline void chunk_values(const cache_t* v, int64_t D, const float* probs, const float* alpha, float* acc) {
+  for (int64_t d = 0; d < D; d += 16) {
+    __m512 a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), _mm512_set1_ps(alpha[r]));
+    for (int j = 0; j < 16; ++j) {
+      const __m512 vj = load16(v + j * D + d);
+      for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(probs[r * 16 + j]), vj, a[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * D + d, a[r]);
+  }
+}
+
+// One 16-key chunk for all `rows` rows: scores and the online-softmax update row by row, then V for all.
+// probs [rows][16] and alpha [rows] are scratch.
+template <typename cache_t>
+inline void decode_chunk(const float* q, const uint16_t* q_bf16, const cache_t* k, const cache_t* v, int64_t rows,
+                         int64_t D, float scale, float soft_cap, float* row_max, float* row_sum, float* acc,
+                         float* probs, float* alpha) {
+  for (int64_t m = 0; m < rows; ++m) {
+    __m512 s = chunk_scores(q + m * D, q_bf16 != nullptr ? q_bf16 + m * D : nullptr, k, D, scale);
+    float* pm = probs + m * 16;
+    if (soft_cap > 0.f) {  // as in update_row_impl: s / cap, tanh, * cap
+      _mm512_storeu_ps(pm, s);
+      for (int j = 0; j < 16; ++j) pm[j] = std::tanh(pm[j] / soft_cap) * soft_cap;
+      s = _mm512_loadu_ps(pm);
+    }
+    const float new_max = std::max(row_max[m], _mm512_reduce_max_ps(s));
+    alpha[m] = std::exp(row_max[m] - new_max);  // exp(-inf) = 0 on the row's first block
+    _mm512_storeu_ps(pm, _mm512_sub_ps(s, _mm512_set1_ps(new_max)));
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < 16; ++j) {
+      pm[j] = pagedllm::fast_exp(pm[j]);
+      sum += pm[j];
+    }
+    row_sum[m] = row_sum[m] * alpha[m] + sum;
+    row_max[m] = new_max;
+  }
+  int64_t m = 0;
+  for (; m + 4 <= rows; m += 4) chunk_values<cache_t, 4>(v, D, probs + m * 16, alpha + m, acc + m * D);
+  switch (rows - m) {
+    case 3: return chunk_values<cache_t, 3>(v, D, probs + m * 16, alpha + m, acc + m * D);
+    case 2: return chunk_values<cache_t, 2>(v, D, probs + m * 16, alpha + m, acc + m * D);
+    case 1: return chunk_values<cache_t, 1>(v, D, probs + m * 16, alpha + m, acc + m * D);
+    default: return;
+  }
 }
 #endif
 
@@ -348,7 +438,7 @@ struct WorkItem {
   int64_t q_end;
   int64_t k_begin;    // context range of this split
   int64_t k_end;
-  int64_t partial;    // index of this split's partial result, or -1 when the item writes the output
+  int64_t partial;    // first row of this split's partial result, or -1 when the item writes the output
 };
 
 // Element strides of the cache (and of its scales): K/V part, KV head, block. A block's [block_size,
@@ -379,7 +469,8 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
   const int64_t group = num_heads / num_kv_heads;
   const int64_t rows = (w.q_end - w.q_begin) * group;  // row m = (query position - q_begin) * group + g
   const int64_t D = head_dim;
-  scratch.resize(rows * D * 2 + rows * block_size + 2 * rows + 2 * block_size * D);
+  // q_bf16 holds rows * D 16-bit values, i.e. rows * D / 2 floats' room (rounded up).
+  scratch.resize(rows * D * 2 + rows * block_size + 2 * rows + 2 * block_size * D + rows * 17 + (rows * D + 1) / 2);
   float* q = scratch.data();
   float* acc = q + rows * D;
   float* scores = acc + rows * D;
@@ -387,11 +478,29 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
   float* row_sum = row_max + rows;
   float* k_tile = row_sum + rows;
   float* v_tile = k_tile + block_size * D;
+  float* probs = v_tile + block_size * D;  // [rows][16], decode_chunk's scratch
+  float* alpha = probs + rows * 16;
+  uint16_t* q_bf16 = reinterpret_cast<uint16_t*>(alpha + rows);
+  const bool transpose = rows >= 16;
+  // Decode's fast path (decode_chunk) reads plain fp32/bf16 tiles in place; other caches and prefill
+  // tiles take the generic path below, which widens each tile to fp32 first.
+  bool read_in_place = false;
+#if defined(__AVX512F__)
+  read_in_place = (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16>) &&
+                  kv_scales == nullptr && !transpose && block_size % 16 == 0 && D % 16 == 0;
+#endif
+  bool dot_bf16 = false;
+#if defined(__AVX512BF16__)
+  dot_bf16 = read_in_place && std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16> &&
+             D % 32 == 0;
+#endif
 
   for (int64_t t = w.q_begin; t < w.q_end; ++t) {
     for (int64_t g = 0; g < group; ++g) {
       const int64_t m = (t - w.q_begin) * group + g;
-      to_float(query + ((q_row0 + t) * num_heads + w.kv_head * group + g) * D, q + m * D, D);
+      const scalar_t* q_src = query + ((q_row0 + t) * num_heads + w.kv_head * group + g) * D;
+      if (dot_bf16) std::memcpy(q_bf16 + m * D, q_src, D * sizeof(uint16_t));
+      to_float(q_src, q + m * D, D);
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) q[m * D + d] *= scale;
     }
@@ -406,8 +515,8 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
   const int64_t first_pos = seq_len - query_len + w.q_begin;
   const int64_t k_stop = std::min(w.k_end, seq_len - query_len + w.q_end);
   const int64_t k_first = window > 0 ? std::max(w.k_begin, first_pos - window + 1) : w.k_begin;
+  const int64_t last_pos = seq_len - query_len + w.q_end - 1;
   const int64_t tile_elems = block_size * D;  // a tile's elements (its scales follow closely)
-  const bool transpose = rows >= 16;
   for (int64_t kb = k_first; kb < k_stop; kb = (kb / block_size + 1) * block_size) {
     const int64_t logical = kb / block_size;
     const int64_t block_start = logical * block_size;
@@ -425,6 +534,20 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
       prefetch_tile(kv_cache + w.kv_head * cs.head + block_table[logical + kPrefetchBlocks] * cs.block, cs.part,
                     tile_elems);
     }
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16>) {
+      // Every row sees the whole block: its first row sees the block's last key, and its last row's
+      // window reaches the block's first key.
+      if (read_in_place && j0 == 0 && j1 == block_size && first_pos >= block_start + block_size - 1 &&
+          (window == 0 || block_start > last_pos - window)) {
+        for (int64_t c = 0; c < block_size; c += 16) {
+          decode_chunk(q, dot_bf16 ? q_bf16 : nullptr, k_src + c * D, v_src + c * D, rows, D, scale, soft_cap,
+                       row_max, row_sum, acc, probs, alpha);
+        }
+        continue;
+      }
+    }
+#endif
     // K transposed to [head_dim][block_size]: scores of one row are then FMAs across the block's keys
     // (one vector per d), with no horizontal reductions. V stays [block_size][head_dim].
     const float* v;
@@ -465,7 +588,7 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
     const int64_t t = w.q_begin + m / group;
     const int64_t head = w.kv_head * group + m % group;
     if (w.partial >= 0) {
-      const int64_t slot = w.partial * kQueryTile * group + m;
+      const int64_t slot = w.partial + m;
       std::memcpy(partial_acc + slot * D, acc + m * D, D * sizeof(float));
       partial_max[slot] = row_max[m];
       partial_sum[slot] = row_sum[m];
@@ -505,10 +628,9 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, c
 
   // Decode-like sequences (one query tile) get one item per split; longer chunks one item per tile.
   std::vector<WorkItem> items;
-  struct Merge { int64_t seq, kv_head, first_partial, num_splits, query_len; };
+  struct Merge { int64_t seq, kv_head, first_row, num_splits, query_len; };
   std::vector<Merge> merges;
-  int64_t num_partials = 0;
-  const int64_t partial_rows = kQueryTile * group;
+  int64_t num_partial_rows = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t query_len = starts[s + 1] - starts[s];
     const int64_t seq_len = lens[s];
@@ -525,10 +647,11 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, c
         query_len <= kQueryTile ? (seq_len + kSplitTokens - 1) / kSplitTokens - first_split : 1;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       if (num_splits > 1) {
-        merges.push_back({s, h, num_partials, num_splits, query_len});
+        merges.push_back({s, h, num_partial_rows, num_splits, query_len});
         for (int64_t p = first_split; p < first_split + num_splits; ++p) {
           items.push_back({s, h, 0, query_len, std::max(p * kSplitTokens, first_key(seq_len - query_len)),
-                           std::min(seq_len, (p + 1) * kSplitTokens), num_partials++});
+                           std::min(seq_len, (p + 1) * kSplitTokens), num_partial_rows});
+          num_partial_rows += query_len * group;
         }
       } else {
         for (int64_t t = 0; t < query_len; t += kQueryTile) {
@@ -538,10 +661,20 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, c
       }
     }
   }
-  // Partial results: [partial][kQueryTile * group rows][head_dim], of which a sequence uses its rows.
-  std::vector<float> partial_acc(num_partials * partial_rows * head_dim);
-  std::vector<float> partial_max(num_partials * partial_rows);
-  std::vector<float> partial_sum(num_partials * partial_rows);
+  // Partial results, split after split: [query_len * group rows][head_dim] each. Every row is written
+  // before the merge reads it, so the buffers are kept from call to call (per calling thread) and never
+  // cleared: fresh, zeroed megabytes every layer cost page faults and a memset comparable to the reads.
+  // (The references are bound here: inside the lambdas below, a thread_local's name would mean the
+  // worker thread's own copy.)
+  thread_local std::vector<float> partial_buffers[3];
+  std::vector<float>& partial_acc = partial_buffers[0];
+  std::vector<float>& partial_max = partial_buffers[1];
+  std::vector<float>& partial_sum = partial_buffers[2];
+  if (static_cast<int64_t>(partial_max.size()) < num_partial_rows) {
+    partial_max.resize(num_partial_rows);
+    partial_sum.resize(num_partial_rows);
+  }
+  if (static_cast<int64_t>(partial_acc.size()) < num_partial_rows * head_dim) partial_acc.resize(num_partial_rows * head_dim);
 
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
   const cache_t* cache_ptr = reinterpret_cast<const cache_t*>(kv_cache.data_ptr());
@@ -575,11 +708,11 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, c
       for (int64_t m = 0; m < rows; ++m) {
         float global_max = kNegInf;
         for (int64_t p = 0; p < mg.num_splits; ++p)
-          global_max = std::max(global_max, partial_max[(mg.first_partial + p) * partial_rows + m]);
+          global_max = std::max(global_max, partial_max[mg.first_row + p * rows + m]);
         std::fill(merged.begin(), merged.end(), 0.f);
         float total = 0.f;
         for (int64_t p = 0; p < mg.num_splits; ++p) {
-          const int64_t slot = (mg.first_partial + p) * partial_rows + m;
+          const int64_t slot = mg.first_row + p * rows + m;
           if (partial_sum[slot] == 0.f) continue;  // a split wholly after this row's position
           const float w = std::exp(partial_max[slot] - global_max);
           total += partial_sum[slot] * w;
