@@ -158,11 +158,29 @@ def test_cpu_kernel_is_compiled_here() -> None:
     assert cpu_flash.load_cpu_kernels()
 
 
+def test_decode_path_follows_the_cpu_flags() -> None:
+    # -march=native: a CPU with AVX512-BF16 (Zen 4, Xeons with AMX) gets the bf16 dot products, one with
+    # AVX-512 only the fp32 path, any other the compiler-vectorised loops.
+    from pagedllm.platform import _cpu_flags
+
+    flags = _cpu_flags()
+    expected = "avx512_bf16" if "avx512_bf16" in flags else "avx512" if "avx512f" in flags else "generic"
+    assert cpu_flash.decode_path() == expected
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_cpu_kernel_reads_half_and_fp8_caches(cache_dtype: torch.dtype) -> None:
     step = random_step([40, 700], [1, 4], 16, 2, 4, 128, torch.bfloat16, seed=3, cache_dtype=cache_dtype)
     expected = naive_attention(*step, 0.1)  # reads the same stored values, widened to float64
     torch.testing.assert_close(cpu_flash.paged_attention(*step, 0.1).double(), expected, **TOL[torch.bfloat16])
+
+
+def test_fp32_query_over_a_bf16_cache() -> None:
+    # The decode path widens bf16 K/V rows in registers for an fp32 query (no bf16 dot products: the
+    # query would be rounded); decode and verification rows over contexts past a split.
+    step = random_step([700, 1500], [1, 3], 16, 2, 4, 64, torch.float32, seed=4, cache_dtype=torch.bfloat16)
+    expected = naive_attention(*step, 0.125)
+    torch.testing.assert_close(cpu_flash.paged_attention(*step, 0.125).double(), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_split_kv_result_does_not_depend_on_batch() -> None:

@@ -77,6 +77,8 @@ class AttentionBenchResult:
     head_dim: int
     block_size: int
     memory_bandwidth_bytes_per_s: float
+    # CPU_FLASH's decode path as compiled for this CPU (attention/cpu_flash.decode_path); "" elsewhere
+    decode_path: str = ""
     kernels: list[KernelRow] = field(default_factory=list)
     e2e: list[E2ERow] = field(default_factory=list)
 
@@ -226,7 +228,8 @@ def format_result(result: AttentionBenchResult) -> str:
     head = (f"attention backend {result.backend} vs {REFERENCE}: heads {result.num_heads}/{result.num_kv_heads}, "
             f"head_dim {result.head_dim}, block {result.block_size}, {result.dtype}, {result.device}, "
             f"{result.num_threads} thread(s), {result.clock} clock, memory bandwidth "
-            f"{result.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s (copy)")
+            f"{result.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s (copy)"
+            + (f", decode path {result.decode_path}" if result.decode_path else ""))
     cols = (f"{'per layer':<28} {'KV MiB':>9} {'ref ms':>10} {'new ms':>10} {'speedup':>8} "
             f"{'ref BW':>7} {'new BW':>7}")
     lines = [head, cols] + [format_kernel_row(r) for r in result.kernels]
@@ -293,6 +296,10 @@ def run_cmd(args: argparse.Namespace) -> int:
         num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, block_size=args.block_size,
         memory_bandwidth_bytes_per_s=measure_memory_bandwidth(args.bandwidth_mib * 2**20, device=device,
                                                               clock=CLOCKS[args.clock]))
+    if backend == "CPU_FLASH":
+        from pagedllm.attention.cpu_flash import decode_path
+
+        result.decode_path = decode_path()
     print(format_result(result), flush=True)
     run_kernels(result, args.contexts, args.batch_sizes, tuple(args.prefill), dtype, args.num_iters)
     if not args.skip_e2e:

@@ -21,8 +21,12 @@
 // so a sequence's output is the same whatever else is in the batch and however many threads run.
 //
 // Vectorisation: the inner loops run over head_dim with `#pragma omp simd` and are compiled with
-// -O3 -march=native on the machine that runs them (AVX2 or AVX-512, whichever it has). Threads come
-// from at::parallel_for, i.e. torch's own OpenMP pool and torch.set_num_threads.
+// -O3 -march=native on the machine that runs them (AVX2 or AVX-512, whichever it has). With AVX-512,
+// decode-like items (fewer than 16 query rows per KV head) read fp32/bf16 blocks that all their rows
+// see whole in place (decode_chunk): a decode step is then one pass over the K/V bytes it needs, and
+// with AVX512-BF16 bf16 scores come from `_mm512_dpbf16_ps` on the stored pairs. Which path a build
+// has: the paged_attention_isa op. Threads come from at::parallel_for, i.e. torch's own OpenMP pool
+// and torch.set_num_threads.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -39,6 +43,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -51,6 +56,7 @@ namespace {
 constexpr int64_t kQueryTile = 16;     // query positions per work item (times the group's heads)
 constexpr int64_t kSplitTokens = 512;  // context tokens per split of a decode-like sequence
 constexpr int64_t kPrefetchBlocks = 4;
+constexpr int64_t kKeptPartialFloats = int64_t{4} << 20;  // 16 MiB of flash-decoding partials kept per thread
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Element -> fp32. bf16 is the top half of an fp32, so it widens with a shift the compiler vectorises.
@@ -138,9 +144,13 @@ inline void transpose_to_float(const cache_t* src, float* dst, int64_t j0, int64
 }
 
 #if defined(__AVX512F__)
+// The decode path's helpers pass vectors and small arrays of them: out of line (GCC's inliner leaves
+// sum16 and decode_chunk as calls), those go through the stack on every block.
+#define PAGEDLLM_ALWAYS_INLINE inline __attribute__((always_inline))
+
 // Lane j of the result is the sum of p[j]'s 16 lanes: a transpose-and-add tree (8 + 4 + 2 + 1 vector adds)
 // instead of 16 horizontal reductions. Each level halves the vectors.
-inline __m512 sum16(const __m512* p) {
+PAGEDLLM_ALWAYS_INLINE __m512 sum16(const __m512* p) {
   __m512 a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)  // within 128-bit lanes: (p0_0+p0_2, p1_0+p1_2, p0_1+p0_3, p1_1+p1_3)
     a[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
@@ -165,8 +175,8 @@ inline void scores16(const float* __restrict q, const float* __restrict k, int64
 }
 
 // 16 elements of a cache row as fp32, widened in registers.
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const c10::BFloat16* x) {
+PAGEDLLM_ALWAYS_INLINE __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+PAGEDLLM_ALWAYS_INLINE __m512 load16(const c10::BFloat16* x) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
@@ -178,7 +188,7 @@ inline __m512 load16(const c10::BFloat16* x) {
 // D a multiple of 32) with `_mm512_dpbf16_ps` (bf16 pairs multiplied exactly, summed in fp32), then
 // scaled: the bf16 K row needs no widening at all.
 template <typename cache_t>
-inline __m512 chunk_scores(const float* q, const uint16_t* q_bf16, const cache_t* k, int64_t D, float scale) {
+PAGEDLLM_ALWAYS_INLINE __m512 chunk_scores(const float* q, const uint16_t* q_bf16, const cache_t* k, int64_t D, float scale) {
   __m512 p[16];
   for (int j = 0; j < 16; ++j) p[j] = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
@@ -202,7 +212,7 @@ inline __m512 chunk_scores(const float* q, const uint16_t* q_bf16, const cache_t
 // acc[r] = acc[r] * alpha[r] + sum_j probs[r][j] v_j for R rows, 16 columns at a time: each V vector is
 // loaded (and widened) once for all R rows, whose accumulators stay in registers.
 template <typename cache_t, int R>
-inline void chunk_values(const cache_t* v, int64_t D, const float* probs, const float* alpha, float* acc) {
+PAGEDLLM_ALWAYS_INLINE void chunk_values(const cache_t* v, int64_t D, const float* probs, const float* alpha, float* acc) {
   for (int64_t d = 0; d < D; d += 16) {
     __m512 a[R];
     for (int r = 0; r < R; ++r) a[r] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), _mm512_set1_ps(alpha[r]));
@@ -217,7 +227,7 @@ inline void chunk_values(const cache_t* v, int64_t D, const float* probs, const 
 // One 16-key chunk for all `rows` rows: scores and the online-softmax update row by row, then V for all.
 // probs [rows][16] and alpha [rows] are scratch.
 template <typename cache_t>
-inline void decode_chunk(const float* q, const uint16_t* q_bf16, const cache_t* k, const cache_t* v, int64_t rows,
+PAGEDLLM_ALWAYS_INLINE void decode_chunk(const float* q, const uint16_t* q_bf16, const cache_t* k, const cache_t* v, int64_t rows,
                          int64_t D, float scale, float soft_cap, float* row_max, float* row_sum, float* acc,
                          float* probs, float* alpha) {
   for (int64_t m = 0; m < rows; ++m) {
@@ -664,9 +674,13 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, c
   // Partial results, split after split: [query_len * group rows][head_dim] each. Every row is written
   // before the merge reads it, so the buffers are kept from call to call (per calling thread) and never
   // cleared: fresh, zeroed megabytes every layer cost page faults and a memset comparable to the reads.
-  // (The references are bound here: inside the lambdas below, a thread_local's name would mean the
-  // worker thread's own copy.)
-  thread_local std::vector<float> partial_buffers[3];
+  // A step needing more than kKeptPartialFloats (hundreds of long sequences) gets buffers for this call
+  // only, so that one such step does not pin them for the process's life. (The references are bound
+  // here: inside the lambdas below, a thread_local's name would mean the worker thread's own copy.)
+  thread_local std::vector<float> kept_buffers[3];
+  std::vector<float> call_buffers[3];
+  std::vector<float>* partial_buffers =
+      num_partial_rows * (head_dim + 2) <= kKeptPartialFloats ? kept_buffers : call_buffers;
   std::vector<float>& partial_acc = partial_buffers[0];
   std::vector<float>& partial_max = partial_buffers[1];
   std::vector<float>& partial_sum = partial_buffers[2];
@@ -969,9 +983,22 @@ void write_kv_quant(const at::Tensor& key, const at::Tensor& value, at::Tensor c
   }
 }
 
+// Which decode path this build has, for benchmarks and logs: it is fixed at compile time by
+// -march=native, i.e. by the flags of the CPU that built it.
+std::string paged_attention_isa() {
+#if defined(__AVX512BF16__)
+  return "avx512_bf16";  // bf16 query and cache: _mm512_dpbf16_ps; fp32: AVX-512 FMAs
+#elif defined(__AVX512F__)
+  return "avx512";
+#else
+  return "generic";  // the compiler's vectorisation of the omp simd loops (AVX2 where the CPU has it)
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedllm_cpu, m) {
+  m.def("paged_attention_isa() -> str", &paged_attention_isa);
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, float scale, Tensor(a!) out, Tensor? kv_scales=None, int sliding_window=0, "
         "float logits_soft_cap=0.0) -> ()");
