@@ -161,8 +161,10 @@ def test_prefix_caching_and_speculative_decoding_with_int8(tiny_llama_dir: str) 
 # ---- bad input ----
 
 def test_unknown_or_misplaced_quantization_is_refused(tiny_llama_dir: str) -> None:
-    with pytest.raises(ValueError, match=r"quantization must be one of \['int8', 'fp8', 'compressed-tensors'\]"):
-        EngineArgs(model=tiny_llama_dir, quantization="int4")
+    with pytest.raises(ValueError, match=r"must be one of \['int8', 'fp8', 'int4', 'compressed-tensors'\]"):
+        EngineArgs(model=tiny_llama_dir, quantization="int3")
+    with pytest.raises(ValueError, match="quantization_group_size for int4 must be one of"):
+        EngineArgs(model=tiny_llama_dir, quantization="int4", quantization_group_size=48)
     with pytest.raises(ValueError, match="quantization_group_size"):
         EngineArgs(model=tiny_llama_dir, quantization="fp8", quantization_group_size=32)
     with pytest.raises(ValueError, match="quantization_group_size must be a positive integer"):
