@@ -33,6 +33,9 @@ ENV_VARS: dict[str, EnvVar] = {var.name: var for var in [
     EnvVar("PAGEDLLM_API_KEY", str, None, "the server's API key when --api-key is not given"),
     EnvVar("PAGEDLLM_ATTENTION_BACKEND", str, None,
            "attention backend when attention_backend is not given: TORCH_SDPA, TORCH_FLASH, CPU_FLASH, TRITON"),
+    EnvVar("PAGEDLLM_GGUF_DEQUANTIZE", bool, False,
+           "GGUF files: dequantize every block type into the model dtype on load, none kept packed "
+           "(Q8_0, Q4_0, Q4_1, Q4_K); the reference the packed kernels are checked against"),
     EnvVar("PAGEDLLM_DISABLE_CPU_KERNELS", bool, False,
            "never build or load the C++ CPU ops: every op runs its plain-torch path"),
     EnvVar("PAGEDLLM_CPU_PREPACK_WEIGHTS", str, "1",
