@@ -181,7 +181,7 @@ def test_unknown_or_misplaced_quantization_is_refused(tiny_llama_dir: str) -> No
 @pytest.mark.parametrize("field,value,message", [
     ("quant_method", "gptq", "quantization_config.quant_method"),
     ("format", "marlin-24", "quantization_config.format"),
-    ("weights.num_bits", 4, r"quantization_config.config_groups.group_0.weights.num_bits"),
+    ("weights.num_bits", 2, r"quantization_config.config_groups.group_0.weights.num_bits"),
     ("weights.symmetric", False, r"weights.symmetric: asymmetric"),
     ("weights.strategy", "block", r"weights.strategy"),
     ("input_activations", {"num_bits": 8}, r"group_0.input_activations"),
