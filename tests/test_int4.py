@@ -278,3 +278,32 @@ def test_w4a16_checkpoint_loads_packed_and_is_as_faithful_as_its_dequantized_cop
     dense_top1, dense_lp = _teacher_forced(LLM(model=str(dequantized_dir), dtype="bfloat16"), sequences, 1)
     got_top1, got_lp = _teacher_forced(packed_llm, sequences, 1)
     _assert_as_faithful((got_top1, got_lp), (dense_top1, dense_lp), (want_top1, want_lp))
+
+
+def test_quantize_command_writes_w4a16_the_library_reads(llama256, tmp_path):
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from safetensors.torch import load_file
+
+    from pagedllm.entrypoints.cli import main
+
+    out = tmp_path / "int4"
+    assert main(["quantize", llama256, str(out), "--quantization", "int4", "--group-size", "128"]) == 0
+    import json
+
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    weights = config["config_groups"]["group_0"]["weights"]
+    assert (config["format"], weights["num_bits"], weights["group_size"], weights["symmetric"]) == \
+        ("pack-quantized", 4, 128, False)
+    original, written = load_file(f"{llama256}/model.safetensors"), load_file(str(out / "model.safetensors"))
+    llm = LLM(model=str(out), dtype="bfloat16")
+    down = llm.llm_engine.model_runner.model.layers[0].mlp.down_proj.weight
+    assert isinstance(down, Int4Weight) and down.group_size == 128
+    prefix = "model.layers.0.mlp.down_proj"
+    tensors = {key.removeprefix(prefix + "."): value for key, value in written.items() if key.startswith(prefix + ".")}
+    want = PackedQuantizationCompressor.decompress(tensors, _w4a16_scheme(False, 128))["weight"].float()
+    full = original[f"{prefix}.weight"].float()
+    step = tensors["weight_scale"].float().repeat_interleave(128, dim=1)
+    assert ((want - full).abs() <= 0.5 * step * 1.01 + 1e-6).all()  # within half a step of the original
+    assert ((down.dequantize() - want).abs() <= 2 * BF16_UNIT_ROUNDOFF * (want.abs() + 8 * step)).all()
+    out_text = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out_text[0].outputs[0].token_ids) == 4

@@ -37,6 +37,8 @@ class QuantizationConfig:
         if self.method not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} (or None), "
                              f"got {self.method!r}.")
+        if self.method == "int4" and self.group_size is None:
+            self.group_size = 128  # int4 is always grouped: 16 levels per row would lose too much
         if self.group_size is not None:
             if self.method not in GROUPED_METHODS:
                 raise ValueError(f"quantization_group_size applies to quantization in {list(GROUPED_METHODS)} "

@@ -31,7 +31,7 @@ import torch
 from pagedllm.layers.quantization.base import QuantizationConfig, QuantizationMethod, QuantizedWeight
 
 QUANT_METHOD = "compressed-tensors"
-FORMATS = {"int8": "pack-quantized", "fp8": "float-quantized"}
+FORMATS = {"int8": "pack-quantized", "fp8": "float-quantized", "int4": "pack-quantized"}
 _READABLE_FORMATS = {"int": ("pack-quantized", "int-quantized", "naive-quantized"),
                      "float": ("float-quantized", "naive-quantized")}
 # The Llama family's linear projections (what `ignore: ["lm_head"]` leaves quantized).
@@ -128,6 +128,28 @@ def _unpack_int4(packed: torch.Tensor, rows: int, cols: int, packed_dim: int = 1
     return values.t().contiguous() if packed_dim == 0 else values.contiguous()
 
 
+def _pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """uint8 [rows, cols] in 0..15, cols a multiple of 8 -> int32 [rows, cols / 8], lowest bits first."""
+    rows, cols = values.shape
+    nibbles = values.to(torch.int32).view(rows, cols // 8, 8)
+    packed = torch.zeros(rows, cols // 8, dtype=torch.int32)
+    for i in range(8):
+        packed |= nibbles[:, :, i] << (4 * i)
+    return packed
+
+
+def write_int4(prefix: str, weight: torch.Tensor, group_size: int, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One full-precision projection as compressed-tensors W4A16 tensors (asymmetric, per group)."""
+    from pagedllm.layers.quantization.int4 import quantize_groups
+
+    q, scales, zero_points = quantize_groups(weight, group_size, scale_dtype)
+    n, k = q.shape
+    return {f"{prefix}.weight_packed": _pack_int4(q),
+            f"{prefix}.weight_scale": scales.contiguous(),
+            f"{prefix}.weight_zero_point": _pack_int4((zero_points + 8).to(torch.uint8).t()).t().contiguous(),
+            f"{prefix}.weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+
+
 def read_int4(prefix: str, get_tensor: Callable[[str], torch.Tensor],
               names: set[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One W4A16 projection as (q [N, K] in 0..15, scale, offset [N, K / G] fp32), w = q * scale + offset:
@@ -150,9 +172,11 @@ def read_int4(prefix: str, get_tensor: Callable[[str], torch.Tensor],
 
 def build_quantization_config(config: QuantizationConfig) -> dict[str, Any]:
     """The `quantization_config` that `pagedllm quantize` writes into config.json."""
-    is_int = config.method == "int8"
+    is_int = config.method in ("int8", "int4")
+    is_int4 = config.method == "int4"
     weights = {
-        "num_bits": 8, "type": "int" if is_int else "float", "symmetric": True, "dynamic": False,
+        "num_bits": 4 if is_int4 else 8, "type": "int" if is_int else "float", "symmetric": not is_int4,
+        "dynamic": False,
         "strategy": "group" if config.group_size else "channel", "group_size": config.group_size,
         "actorder": None, "block_structure": None, "observer": "minmax", "observer_kwargs": {},
     }
@@ -271,7 +295,11 @@ def quantize_checkpoint(model_dir: str, out_dir: str, config: QuantizationConfig
                 tensor = handle.get_tensor(name)
                 if is_projection_weight(name) and tensor.dim() == 2:
                     full_bytes += tensor.numel() * tensor.element_size()
-                    written = write_quantized(name.removesuffix(".weight"), method.quantize(tensor, scale_dtype))
+                    prefix = name.removesuffix(".weight")
+                    if config.method == "int4":  # integer zero points, straight from the full weight
+                        written = write_int4(prefix, tensor, method.group_size, scale_dtype)
+                    else:
+                        written = write_quantized(prefix, method.quantize(tensor, scale_dtype))
                     num_quantized += 1
                 else:
                     written = {name: tensor}

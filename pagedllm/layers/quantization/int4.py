@@ -66,6 +66,28 @@ def unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return q.view(n, k)
 
 
+def quantize_groups(weight: torch.Tensor, group_size: int,
+                    scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max quantization with integer zero points, as compressed-tensors and GPTQ store it:
+    w ~ (q - 8 - zero_point) * scale, q in 0..15 (uint8 [N, K]), scale [N, K / G] in `scale_dtype`,
+    zero_point in -8..7 (int8 [N, K / G]); q is chosen against the scale as stored."""
+    w = weight.detach().to(torch.float32)
+    n, k = w.shape
+    if not int4_supports(n, k, group_size):
+        raise ValueError(f"quantization='int4' needs weights whose input size is a multiple of "
+                         f"quantization_group_size={group_size} and whose output size is a multiple of "
+                         f"{OUT_FEATURES_MULTIPLE}; got a [{n}, {k}] weight.")
+    groups = w.view(n, k // group_size, group_size)
+    low = groups.amin(-1).clamp(max=0)  # the range holds 0, so an all-positive group keeps zero exact
+    high = groups.amax(-1).clamp(min=0)
+    scales = ((high - low) / (INT4_LEVELS - 1)).clamp(min=torch.finfo(torch.float32).tiny).to(scale_dtype)
+    s = scales.to(torch.float32)
+    zero_points = torch.round(-low / s).sub_(INT4_ZERO).clamp_(-INT4_ZERO, INT4_ZERO - 1)
+    q = torch.round(groups / s.unsqueeze(-1)) + (zero_points + INT4_ZERO).unsqueeze(-1)
+    q = q.clamp_(0, INT4_LEVELS - 1).to(torch.uint8).view(n, k)
+    return q, scales, zero_points.to(torch.int8)
+
+
 class Int4Weight(QuantizedWeight):
     """`qweight`: the kernel's packed bytes; `scales`: scales_and_zeros [K / G, N, 2] in bf16."""
 
@@ -121,22 +143,10 @@ class Int4WeightOnlyMethod(QuantizationMethod):
         return Int4Weight(pack_int4(q), scales_and_zeros, self, k)
 
     def quantize(self, weight: torch.Tensor, scale_dtype: torch.dtype) -> Int4Weight:
-        """Asymmetric min/max quantization per group of `group_size` input channels."""
-        w = weight.detach().to(torch.float32)
-        n, k = w.shape
-        if not int4_supports(n, k, self.group_size):
-            raise ValueError(f"quantization='int4' needs weights whose input size is a multiple of "
-                             f"quantization_group_size={self.group_size} and whose output size is a multiple of "
-                             f"{OUT_FEATURES_MULTIPLE}; got a [{n}, {k}] weight.")
-        groups = w.view(n, k // self.group_size, self.group_size)
-        low, high = groups.amin(-1), groups.amax(-1)
-        scales = ((high - low) / (INT4_LEVELS - 1)).clamp(min=torch.finfo(torch.float32).tiny)
-        # The bf16 scale and zero the kernel will read, so q is chosen against the values it multiplies by.
-        scales = scales.to(KERNEL_DTYPE).to(torch.float32)
-        zeros = (low + INT4_ZERO * scales).to(KERNEL_DTYPE).to(torch.float32)
-        q = torch.round((groups - (zeros - INT4_ZERO * scales).unsqueeze(-1)) / scales.unsqueeze(-1))
-        q = q.clamp_(0, INT4_LEVELS - 1).to(torch.uint8).view(n, k)
-        return self.create(q, scales, zeros - INT4_ZERO * scales)
+        """Asymmetric min/max quantization per group of `group_size` input channels (quantize_groups)."""
+        q, scales, zero_points = quantize_groups(weight, self.group_size, scale_dtype)
+        s = scales.to(torch.float32)
+        return self.create(q, s, -(INT4_ZERO + zero_points.to(torch.float32)) * s)
 
     def dequantize(self, weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         assert isinstance(weight, Int4Weight)
