@@ -322,7 +322,7 @@ def test_bench_quantization_reports_each_method_against_the_baseline(
     base, int8 = rows[0], rows[1]
     assert base["speedup_vs_unquantized"] == 1.0 and int8["bytes_per_step"] < 0.6 * base["bytes_per_step"]
     with pytest.raises(SystemExit):  # argparse refuses an unknown method
-        main(["bench", "quantization", "--methods", "bf16,int4"])
+        main(["bench", "quantization", "--methods", "bf16,int3"])
 
 
 def test_quantized_weights_with_an_fp8_kv_cache(tiny_llama_dir: str) -> None:
