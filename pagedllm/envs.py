@@ -35,6 +35,9 @@ ENV_VARS: dict[str, EnvVar] = {var.name: var for var in [
            "attention backend when attention_backend is not given: TORCH_SDPA, TORCH_FLASH, CPU_FLASH, TRITON"),
     EnvVar("PAGEDLLM_SKIP_KERNEL_BUILD", bool, False,
            "`pip install` leaves the C++ CPU ops to be compiled at first use instead of now (setup.py)"),
+    EnvVar("PAGEDLLM_GGUF_DEQUANTIZE", bool, False,
+           "GGUF files: dequantize every block type into the model dtype on load, none kept packed "
+           "(Q8_0, Q4_0, Q4_1, Q4_K); the reference the packed kernels are checked against"),
     EnvVar("PAGEDLLM_DISABLE_CPU_KERNELS", bool, False,
            "never build or load the C++ CPU ops: every op runs its plain-torch path"),
     EnvVar("PAGEDLLM_CPU_PREPACK_WEIGHTS", str, "1",

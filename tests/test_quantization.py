@@ -161,8 +161,10 @@ def test_prefix_caching_and_speculative_decoding_with_int8(tiny_llama_dir: str) 
 # ---- bad input ----
 
 def test_unknown_or_misplaced_quantization_is_refused(tiny_llama_dir: str) -> None:
-    with pytest.raises(ValueError, match=r"quantization must be one of \['int8', 'fp8', 'compressed-tensors'\]"):
-        EngineArgs(model=tiny_llama_dir, quantization="int4")
+    with pytest.raises(ValueError, match=r"must be one of \['int8', 'fp8', 'int4', 'compressed-tensors'\]"):
+        EngineArgs(model=tiny_llama_dir, quantization="int3")
+    with pytest.raises(ValueError, match="quantization_group_size for int4 must be one of"):
+        EngineArgs(model=tiny_llama_dir, quantization="int4", quantization_group_size=48)
     with pytest.raises(ValueError, match="quantization_group_size"):
         EngineArgs(model=tiny_llama_dir, quantization="fp8", quantization_group_size=32)
     with pytest.raises(ValueError, match="quantization_group_size must be a positive integer"):
@@ -179,7 +181,7 @@ def test_unknown_or_misplaced_quantization_is_refused(tiny_llama_dir: str) -> No
 @pytest.mark.parametrize("field,value,message", [
     ("quant_method", "gptq", "quantization_config.quant_method"),
     ("format", "marlin-24", "quantization_config.format"),
-    ("weights.num_bits", 4, r"quantization_config.config_groups.group_0.weights.num_bits"),
+    ("weights.num_bits", 2, r"quantization_config.config_groups.group_0.weights.num_bits"),
     ("weights.symmetric", False, r"weights.symmetric: asymmetric"),
     ("weights.strategy", "block", r"weights.strategy"),
     ("input_activations", {"num_bits": 8}, r"group_0.input_activations"),
@@ -320,7 +322,7 @@ def test_bench_quantization_reports_each_method_against_the_baseline(
     base, int8 = rows[0], rows[1]
     assert base["speedup_vs_unquantized"] == 1.0 and int8["bytes_per_step"] < 0.6 * base["bytes_per_step"]
     with pytest.raises(SystemExit):  # argparse refuses an unknown method
-        main(["bench", "quantization", "--methods", "bf16,int4"])
+        main(["bench", "quantization", "--methods", "bf16,int3"])
 
 
 def test_quantized_weights_with_an_fp8_kv_cache(tiny_llama_dir: str) -> None:

@@ -225,16 +225,18 @@ class EngineArgs:
             help="let a tokenizer whose class ships as code in the model directory (auto_map) load, as in "
                  "vLLM; models always run pagedllm's own implementations, and one whose architecture exists "
                  "only as such code is refused")
-        add("--quantization", "-q", default=None, choices=["int8", "fp8", "compressed-tensors"],
+        add("--quantization", "-q", default=None, choices=["int8", "fp8", "int4", "compressed-tensors"],
             help="weight-only quantization of the linear layers, applied as the weights load (int8: "
-            "symmetric per output channel; fp8: e4m3 per output channel); a checkpoint with a "
-            "compressed-tensors quantization_config is read as stored")
+            "symmetric per output channel; fp8: e4m3 per output channel; int4: 4-bit with a scale and "
+            "an offset per group of --quantization-group-size, 128 by default, bf16 models on CPU); "
+            "a checkpoint with a compressed-tensors quantization_config is read as stored")
         add("--kv-transfer-config", default=None,
             help='disaggregated prefill: JSON such as \'{"kv_role": "kv_producer", "kv_port": 14579}\' '
             "(kv_role: kv_producer, kv_consumer or kv_both; optional: kv_connector, kv_ip, kv_port, "
             "engine_id, kv_buffer_size, kv_connector_extra_config.transfer_timeout_s / staging_ttl_s)")
         add("--quantization-group-size", type=int, default=None,
-            help="with --quantization int8: one scale per this many input channels instead of per row")
+            help="with --quantization int8: one scale per this many input channels instead of per row; "
+                 "with int4: the group size (32, 64, 128 or 256)")
         add("--enable-lora", action="store_true", help="serve PEFT LoRA adapters on the base model")
         add("--max-loras", type=int, default=1, help="adapters on the device at once (and in one step)")
         add("--max-lora-rank", type=int, default=16, help="highest adapter rank r accepted")

@@ -1,4 +1,4 @@
-"""`pagedllm quantize MODEL_DIR OUT_DIR --quantization int8|fp8`: a weight-only quantized checkpoint in the
+"""`pagedllm quantize MODEL_DIR OUT_DIR --quantization int8|fp8|int4`: a weight-only quantized checkpoint in the
 compressed-tensors layout (vLLM reads it too), which `LLM(OUT_DIR)` loads without full-precision weights."""
 
 from __future__ import annotations
@@ -8,13 +8,14 @@ import sys
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("quantize", help="write a weight-only quantized checkpoint (int8, fp8)",
+    parser = subparsers.add_parser("quantize", help="write a weight-only quantized checkpoint (int8, fp8, int4)",
                                    description=__doc__)
     parser.add_argument("model_dir", help="full-precision Hugging Face model directory")
     parser.add_argument("out_dir", help="where to write the quantized checkpoint")
-    parser.add_argument("--quantization", "-q", required=True, choices=["int8", "fp8"])
-    parser.add_argument("--quantization-group-size", type=int, default=None,
-                        help="int8 only: one scale per this many input channels instead of per row")
+    parser.add_argument("--quantization", "-q", required=True, choices=["int8", "fp8", "int4"])
+    parser.add_argument("--quantization-group-size", "--group-size", type=int, default=None,
+                        help="int8: one scale per this many input channels instead of per row; int4 (W4A16, "
+                             "asymmetric with zero points): the group size, 32, 64, 128 (default) or 256")
     parser.set_defaults(func=run)
 
 

@@ -5,8 +5,10 @@ tokenizer are built from its metadata by transformers (`from_pretrained(dir, ggu
 does. The model then loads through the same `load_weights(get_slice, names)` as a safetensors checkpoint:
 `get_slice` answers Hugging Face names from the file's tensors (gguf's own name map), with llama.cpp's
 permutation of the Llama q/k rows undone. F32/F16/BF16 tensors load as they are; a block type with a
-packed weight kernel (Q8_0: int8 with one scale per 32 weights) stays packed; every other block type is
-dequantized into the model dtype on load.
+packed weight kernel stays packed (Q8_0: int8 with one scale per 32 weights; in bf16 models, Q4_0, Q4_1
+and Q4_K: int4 with a scale and an offset per 32 weights, layers/quantization/int4.py); every other block
+type (Q5_K, Q6_K, ...), and every one under PAGEDLLM_GGUF_DEQUANTIZE=1, is dequantized into the model
+dtype on load.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ import os
 import re
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+from pagedllm import envs
 
 logger = logging.getLogger(__name__)
 
@@ -169,27 +174,112 @@ def _field(reader, key: str) -> Any:
 
 # ---- weights ----
 
-# A packed block type -> a function (raw rows [N, bytes] uint8, logical shape [N, K], model dtype, the
-# model's methods by name) -> QuantizedWeight, for block types a weight kernel reads without dequantizing.
-# Weights of one kind share one QuantizationMethod (it owns the model's scratch buffers).
-PackedReader = Callable[[np.ndarray, tuple[int, int], torch.dtype, dict[str, Any]], Any]
+# A packed block type -> a function (raw rows [N, bytes] uint8, logical shape [N, K]) -> the weight in a
+# form its kernel's weight is built from (PackedParts), for block types read without dequantizing.
+# The parts of a fused projection are concatenated along the output rows before the weight is built.
+
+
+@dataclass
+class PackedParts:
+    """A block-quantized weight, losslessly re-laid: `q` [N, K] integers, and per group of 32 weights a
+    `scale` and (int4) an `offset`, so that w = q * scale + offset exactly as llama.cpp dequantizes it."""
+
+    kind: str  # "int8" or "int4"
+    q: torch.Tensor
+    scale: torch.Tensor  # [N, K / 32]: fp16 (Q8_0) or fp32 (int4: products of fp16 and 6-bit scales)
+    offset: torch.Tensor | None = None
+
+    @staticmethod
+    def cat(parts: list[PackedParts]) -> PackedParts:
+        if len(parts) == 1:
+            return parts[0]
+        offsets = [p.offset for p in parts]
+        return PackedParts(parts[0].kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                           None if offsets[0] is None else torch.cat(offsets))  # type: ignore[arg-type]
+
+    def build(self, dtype: torch.dtype, methods: dict[str, Any]):
+        """The QuantizedWeight; weights of one kind share one method (it owns the model's scratch buffers)."""
+        from pagedllm.layers.quantization import QuantizedWeight
+
+        if self.kind == "int8":
+            from pagedllm.layers.quantization.int8 import Int8WeightOnlyMethod
+
+            method = methods.setdefault("int8-g32", Int8WeightOnlyMethod(group_size=32))
+            return QuantizedWeight(self.q, self.scale.to(dtype), method)
+        from pagedllm.layers.quantization.int4 import Int4WeightOnlyMethod
+
+        assert self.offset is not None
+        return methods.setdefault("int4-g32", Int4WeightOnlyMethod(group_size=32)).create(
+            self.q, self.scale, self.offset)
+
+
+PackedReader = Callable[[np.ndarray, tuple[int, int]], PackedParts]
 PACKED_TYPES: dict[str, PackedReader] = {}
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 
-def _read_q8_0(data: np.ndarray, shape: tuple[int, int], dtype: torch.dtype, methods: dict[str, Any]):
+def _blocks(data: np.ndarray, n: int, num_blocks: int, block_bytes: int) -> np.ndarray:
+    return np.asarray(data).reshape(n, num_blocks, block_bytes)
+
+
+def _fp16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian fp16 fields [..., 2] uint8 -> float32 [...] (exact)."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles_of_32(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes of 32 weights, byte j holding weight j (low nibble) and j + 16 (high) -> [..., 32]."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _read_q8_0(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
     """Q8_0 blocks (an fp16 scale, then 32 int8 weights) as int8 with one scale per group of 32."""
-    from pagedllm.layers.quantization import QuantizedWeight
-    from pagedllm.layers.quantization.int8 import Int8WeightOnlyMethod
-
     n, k = shape
     blocks = torch.from_numpy(np.array(data)).view(n, k // 32, 34)  # a copy: the file is mapped read-only
     scales = blocks[:, :, :2].contiguous().view(torch.float16).view(n, k // 32)
     qweight = blocks[:, :, 2:].contiguous().view(torch.int8).view(n, k)
-    method = methods.setdefault("int8-g32", Int8WeightOnlyMethod(group_size=32))
-    return QuantizedWeight(qweight, scales.to(dtype), method)
+    return PackedParts("int8", qweight, scales)
 
 
-PACKED_TYPES["Q8_0"] = _read_q8_0
+def _read_q4_0(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
+    """Q4_0 blocks (an fp16 d, 16 bytes of nibbles): w = (q - 8) * d."""
+    n, k = shape
+    blocks = _blocks(data, n, k // 32, 18)
+    d = _fp16(blocks[:, :, 0:2])
+    q = _nibbles_of_32(blocks[:, :, 2:]).reshape(n, k)
+    return PackedParts("int4", torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(-8 * d))
+
+
+def _read_q4_1(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
+    """Q4_1 blocks (fp16 d and m, 16 bytes of nibbles): w = q * d + m."""
+    n, k = shape
+    blocks = _blocks(data, n, k // 32, 20)
+    d, m = _fp16(blocks[:, :, 0:2]), _fp16(blocks[:, :, 2:4])
+    q = _nibbles_of_32(blocks[:, :, 4:]).reshape(n, k)
+    return PackedParts("int4", torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
+
+
+def _read_q4_k(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
+    """Q4_K super-blocks of 256 (fp16 d and dmin, 12 bytes of 6-bit scales and mins for 8 groups of 32,
+    128 bytes of nibbles, each 32 bytes holding 64 weights: the first 32 in the low nibbles):
+    w = q * (d * sc) - dmin * m. Both products are exact in fp32 (11-bit and 6-bit mantissas)."""
+    n, k = shape
+    blocks = _blocks(data, n, k // 256, 144)
+    d, dmin = _fp16(blocks[:, :, 0:2]), _fp16(blocks[:, :, 2:4])
+    packed = blocks[:, :, 4:16].astype(np.uint8)
+    low, high = packed[..., 0:4], packed[..., 4:8]  # groups 0-3: 6 bits each; 4-7 split across bytes
+    last = packed[..., 8:12]
+    sc = np.concatenate([low & 63, (last & 0x0F) | ((low >> 6) << 4)], axis=-1)
+    mins = np.concatenate([high & 63, (last >> 4) | ((high >> 6) << 4)], axis=-1)
+    qs = blocks[:, :, 16:].reshape(n, k // 256, 4, 32)
+    q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k)  # per 64: 32 low nibbles, then 32 high
+    scale = (d[..., None] * sc).reshape(n, k // 32)
+    offset = (-(dmin[..., None] * mins)).reshape(n, k // 32)
+    return PackedParts("int4", torch.from_numpy(q), torch.from_numpy(scale.astype(np.float32)),
+                       torch.from_numpy(offset.astype(np.float32)))
+
+
+PACKED_TYPES.update(Q8_0=_read_q8_0, Q4_0=_read_q4_0, Q4_1=_read_q4_1, Q4_K=_read_q4_k)
 
 
 class GGUFTensor:
@@ -314,22 +404,33 @@ class GGUFCheckpoint:
     def load_linear(self, dst: torch.Tensor, srcs: tuple[str, ...]) -> bool:
         """The models' `load_linear` hook: keeps a projection packed when every part of it is stored in
         one block type that a weight kernel reads (PACKED_TYPES); otherwise the model copies it dense."""
+        if envs.value("PAGEDLLM_GGUF_DEQUANTIZE"):
+            return False
         views = [self.get_slice(name) for name in srcs]
         kinds = {v.type_name for v in views if isinstance(v, GGUFTensor)}
         if len(kinds) != 1 or len(views) != len(srcs) or next(iter(kinds)) not in PACKED_TYPES:
             return False
         kind = kinds.pop()
-        parts = [PACKED_TYPES[kind](v.rows(), v.shape, dst.dtype, self._methods) for v in views]
-        weight = parts[0] if len(parts) == 1 else type(parts[0])(
-            torch.cat([p.qweight.data for p in parts]), torch.cat([p.scales.data for p in parts]), parts[0].method)
-        if tuple(weight.shape) != tuple(dst.shape):
-            raise ValueError(f"GGUF weights {list(srcs)} have shape {tuple(weight.shape)}, "
-                             f"expected {tuple(dst.shape)}.")
+        shape = (sum(v.shape[0] for v in views), views[0].shape[-1])
+        if shape != tuple(dst.shape):
+            raise ValueError(f"GGUF weights {list(srcs)} have shape {shape}, expected {tuple(dst.shape)}.")
+        if kind in INT4_TYPES and not self._int4_ok(shape, dst):
+            return False
+        weight = PackedParts.cat([PACKED_TYPES[kind](v.rows(), v.shape) for v in views]).build(dst.dtype,
+                                                                                            self._methods)
         module, attr = self._slots[id(dst)]
         del module._parameters[attr]  # frees the (never written) full-precision parameter
         setattr(module, attr, weight)
-        self.kept_packed[kind] += len(parts)
+        self.kept_packed[kind] += len(views)
         return True
+
+    @staticmethod
+    def _int4_ok(shape: tuple[int, int], dst: torch.Tensor) -> bool:
+        """The int4 kernel takes bf16 activations on CPU (an fp32 or fp16 model would lose bits in it),
+        and output sizes in multiples of 16."""
+        from pagedllm.layers.quantization.int4 import int4_supports
+
+        return dst.dtype == torch.bfloat16 and dst.device.type == "cpu" and int4_supports(*shape, 32)
 
     def log_summary(self, dtype: torch.dtype) -> None:
         stored = Counter(t.tensor_type.name for t in self.reader.tensors)

@@ -21,7 +21,8 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import ModelConfig
 from pagedllm.layers.linear import prepack_linear_weights
 from pagedllm.layers.quantization import QuantizationConfig, QuantizedWeight
-from pagedllm.layers.quantization.compressed_tensors import has_quantized, read_quantized
+from pagedllm.layers.quantization.compressed_tensors import has_quantized, read_int4, read_quantized
+from pagedllm.layers.quantization.int4 import Int4WeightOnlyMethod
 from pagedllm.models.gguf import GGUFCheckpoint, is_gguf_path
 from pagedllm.models.registry import get_model_class
 
@@ -76,11 +77,15 @@ class QuantizedLinearLoader:
                 return False  # left in full precision by the checkpoint's `ignore` list
             if not all(stored):
                 raise ValueError(f"checkpoint quantizes only some of {prefixes}, which this model fuses.")
-            parts = [read_quantized(p, self.get_tensor, self.names, self.method, self.model_dtype)
-                     for p in prefixes]
-            qweight = QuantizedWeight(torch.cat([p.qweight.data for p in parts]),
-                                      torch.cat([p.scales.data for p in parts]), self.method) \
-                if len(parts) > 1 else parts[0]
+            if isinstance(self.method, Int4WeightOnlyMethod):  # fused parts joined before packing
+                int4_parts = [read_int4(p, self.get_tensor, self.names) for p in prefixes]
+                qweight = self.method.create(*(torch.cat(tensors) for tensors in zip(*int4_parts)))
+            else:
+                parts = [read_quantized(p, self.get_tensor, self.names, self.method, self.model_dtype)
+                         for p in prefixes]
+                qweight = QuantizedWeight(torch.cat([p.qweight.data for p in parts]),
+                                          torch.cat([p.scales.data for p in parts]), self.method) \
+                    if len(parts) > 1 else parts[0]
         else:
             full = torch.cat([self.get_tensor(n) for n in srcs]) if len(srcs) > 1 else self.get_tensor(srcs[0])
             if tuple(full.shape) != tuple(dst.shape):

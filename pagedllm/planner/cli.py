@@ -320,7 +320,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--batch", type=int, default=PlanInputs.batch, help="concurrent sequences")
     parser.add_argument("--dtype", default="auto", help="weight dtype (auto = the model's)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (= activation dtype), bfloat16, fp8, ...")
-    parser.add_argument("--quantization", choices=["int8", "fp8"], default=None,
+    parser.add_argument("--quantization", choices=["int8", "fp8", "int4"], default=None,
                         help="weight-only quantization of the linear projections (embeddings and LM head stay "
                         "in --dtype)")
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)

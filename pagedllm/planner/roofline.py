@@ -245,16 +245,20 @@ def quantized_weight_dtype_bytes(
 ) -> float:
     """Average bytes per weight when the linear projections are weight-only quantized (1 byte each, plus
     one scale per output channel, or per group of group_size weights: in the model dtype for int8, fp32
-    for fp8) and everything else stays at weight_dtype_bytes. A drop-in weight_dtype_bytes for the
-    functions here: decode=True averages over the weights a decode step reads, False over all of them."""
-    if quantization not in ("int8", "fp8"):
-        raise ValueError(f"quantization must be 'int8' or 'fp8', got {quantization!r}")
+    for fp8; int4: half a byte each and a bf16 scale and zero per group, 128 unless given) and everything
+    else stays at weight_dtype_bytes. A drop-in weight_dtype_bytes for the functions here: decode=True
+    averages over the weights a decode step reads, False over all of them."""
+    if quantization not in ("int8", "fp8", "int4"):
+        raise ValueError(f"quantization must be 'int8', 'fp8' or 'int4', got {quantization!r}")
     linear, rows = linear_weight_params(spec)
-    scale_bytes = weight_dtype_bytes if quantization == "int8" else 4
+    if quantization == "int4":
+        group_size = group_size or 128
+    scale_bytes = {"int8": weight_dtype_bytes, "fp8": 4, "int4": 4}[quantization]
     scales = (linear / group_size if group_size else rows) * scale_bytes
     assert spec.num_params is not None
     total = decode_weight_params(spec, 1) if decode else spec.num_params
-    return (linear + scales + (total - linear) * weight_dtype_bytes) / total
+    per_weight = 0.5 if quantization == "int4" else 1
+    return (linear * per_weight + scales + (total - linear) * weight_dtype_bytes) / total
 
 
 # --- KV cache ----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Weight-only quantization of the linear projections (int8, fp8), vLLM-style.
+"""Weight-only quantization of the linear projections (int8, fp8, int4), vLLM-style.
 
 `linear(x, weight, bias)` is the one call every quantizable projection makes: `F.linear` for a plain
 tensor, the method's kernel for a QuantizedWeight.
@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.quantization.base import (
+    GROUPED_METHODS,
     QUANTIZATION_METHODS,
     QuantizationConfig,
     QuantizationMethod,
@@ -33,10 +34,10 @@ def validate_quantization(quantization: Any, group_size: Any) -> None:
     if quantization is not None and quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {list(QUANTIZATION_CHOICES)} or None, got {quantization!r}.")
     if group_size is not None:
-        if quantization != "int8":
-            raise ValueError("quantization_group_size needs quantization='int8' (fp8 scales are per output "
-                             f"channel), got quantization={quantization!r}.")
-        QuantizationConfig("int8", group_size)
+        if quantization not in GROUPED_METHODS:
+            raise ValueError(f"quantization_group_size needs quantization in {list(GROUPED_METHODS)} (fp8 scales "
+                             f"are per output channel), got quantization={quantization!r}.")
+        QuantizationConfig(quantization, group_size)
 
 
 def resolve_quantization(quantization: str | None, group_size: int | None,

@@ -14,15 +14,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-QUANTIZATION_METHODS = ("int8", "fp8")
+QUANTIZATION_METHODS = ("int8", "fp8", "int4")
+GROUPED_METHODS = ("int8", "int4")  # methods with per-group scales (fp8: per output channel)
 
 
 @dataclass
 class QuantizationConfig:
     """Which method quantizes the linear projections, and how.
 
-    `method` is "int8" (symmetric integer, 127 levels either side) or "fp8" (float8_e4m3fn). Scales are
-    per output channel, or per group of `group_size` input channels (int8 only). `from_checkpoint` is
+    `method` is "int8" (symmetric integer, 127 levels either side), "fp8" (float8_e4m3fn) or "int4"
+    (16 levels with a scale and an offset per group, group 128 unless given). Scales are per output
+    channel, or per group of `group_size` input channels (int8, int4). `from_checkpoint` is
     True when the checkpoint already holds quantized tensors (compressed-tensors layout), False when
     full-precision weights are quantized as they load.
     """
@@ -35,18 +37,30 @@ class QuantizationConfig:
         if self.method not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} (or None), "
                              f"got {self.method!r}.")
+        if self.method == "int4" and self.group_size is None:
+            self.group_size = 128  # int4 is always grouped: 16 levels per row would lose too much
         if self.group_size is not None:
-            if self.method != "int8":
-                raise ValueError(f"quantization_group_size applies to quantization='int8' only; "
-                                 f"{self.method} scales are per output channel.")
+            if self.method not in GROUPED_METHODS:
+                raise ValueError(f"quantization_group_size applies to quantization in {list(GROUPED_METHODS)} "
+                                 f"only; {self.method} scales are per output channel.")
             if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 1:
                 raise ValueError(f"quantization_group_size must be a positive integer, got {self.group_size!r}.")
+            if self.method == "int4":
+                from pagedllm.layers.quantization.int4 import GROUP_SIZES
+
+                if self.group_size not in GROUP_SIZES:
+                    raise ValueError(f"quantization_group_size for int4 must be one of {list(GROUP_SIZES)}, "
+                                     f"got {self.group_size}.")
 
     def get_method(self) -> QuantizationMethod:
         if self.method == "int8":
             from pagedllm.layers.quantization.int8 import Int8WeightOnlyMethod
 
             return Int8WeightOnlyMethod(self.group_size)
+        if self.method == "int4":
+            from pagedllm.layers.quantization.int4 import Int4WeightOnlyMethod
+
+            return Int4WeightOnlyMethod(self.group_size)
         from pagedllm.layers.quantization.fp8 import Fp8WeightOnlyMethod
 
         return Fp8WeightOnlyMethod()

@@ -12,8 +12,12 @@ model dtype). Per quantized projection `<prefix>` (e.g. model.layers.0.self_attn
 - fp8, format "float-quantized": `<prefix>.weight` float8_e4m3fn [N, K], `<prefix>.weight_scale`
   float32 [N, 1] (a per-tensor [1] scale is read too).
 
-Asymmetric schemes (`weight_zero_point`), activation quantization and other bit widths are refused with
-the field named.
+- int4 (W4A16), format "pack-quantized", strategy "group": `<prefix>.weight_packed` int32 [N, K / 8], eight
+  values offset by +8 per int32, the first in the lowest bits; `<prefix>.weight_scale` [N, K / G];
+  `<prefix>.weight_zero_point` (asymmetric only) int32 [N / 8, K / G], packed the same way down the
+  rows; `<prefix>.weight_shape`. Read into the int4 kernel's layout (layers/quantization/int4.py).
+
+Asymmetric 8-bit schemes, activation quantization and other bit widths are refused with the field named.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 from pagedllm.layers.quantization.base import QuantizationConfig, QuantizationMethod, QuantizedWeight
 
 QUANT_METHOD = "compressed-tensors"
-FORMATS = {"int8": "pack-quantized", "fp8": "float-quantized"}
+FORMATS = {"int8": "pack-quantized", "fp8": "float-quantized", "int4": "pack-quantized"}
 _READABLE_FORMATS = {"int": ("pack-quantized", "int-quantized", "naive-quantized"),
                      "float": ("float-quantized", "naive-quantized")}
 # The Llama family's linear projections (what `ignore: ["lm_head"]` leaves quantized).
@@ -66,11 +70,14 @@ def parse_quantization_config(qc: Any) -> QuantizationConfig:
         if other != weights:
             raise _fail(other_field, f"differs from {field}; one scheme for every layer is supported.")
     wfield = f"{field}.weights"
-    if weights.get("num_bits") != 8:
-        raise _fail(f"{wfield}.num_bits", f"{weights.get('num_bits')!r} is not supported (8 only).")
+    num_bits = weights.get("num_bits")
+    if num_bits not in (8, 4):
+        raise _fail(f"{wfield}.num_bits", f"{num_bits!r} is not supported (8, or 4 for W4A16).")
     kind = weights.get("type")
     if kind not in _READABLE_FORMATS:
         raise _fail(f"{wfield}.type", f"{kind!r} is not supported ('int' or 'float').")
+    if num_bits == 4:
+        return _parse_w4a16(qc, weights, wfield)
     if weights.get("symmetric") is not True:
         raise _fail(f"{wfield}.symmetric", "asymmetric weights (weight_zero_point) are not supported.")
     if weights.get("dynamic") not in (None, False):
@@ -90,11 +97,86 @@ def parse_quantization_config(qc: Any) -> QuantizationConfig:
     return QuantizationConfig("int8" if kind == "int" else "fp8", group_size, from_checkpoint=True)
 
 
+def _parse_w4a16(qc: dict[str, Any], weights: dict[str, Any], wfield: str) -> QuantizationConfig:
+    """4-bit integers packed eight to an int32, per group, symmetric or with packed zero points."""
+    from pagedllm.layers.quantization.int4 import GROUP_SIZES
+
+    if weights.get("type") != "int":
+        raise _fail(f"{wfield}.type", "4-bit weights must be 'int'.")
+    if weights.get("dynamic") not in (None, False):
+        raise _fail(f"{wfield}.dynamic", "dynamic weight quantization is not supported.")
+    if weights.get("strategy") != "group":
+        raise _fail(f"{wfield}.strategy", f"{weights.get('strategy')!r} is not supported for 4-bit weights ('group').")
+    group_size = weights.get("group_size")
+    if group_size not in GROUP_SIZES:
+        raise _fail(f"{wfield}.group_size", f"{group_size!r} is not supported for 4-bit weights {list(GROUP_SIZES)}.")
+    if weights.get("actorder") not in (None, False):
+        raise _fail(f"{wfield}.actorder", "activation-ordered groups (g_idx) are not supported.")
+    if qc.get("format") != "pack-quantized":
+        raise _fail("format", f"{qc.get('format')!r} is not supported for 4-bit weights ('pack-quantized').")
+    return QuantizationConfig("int4", group_size, from_checkpoint=True)
+
+
+def _unpack_int4(packed: torch.Tensor, rows: int, cols: int, packed_dim: int = 1) -> torch.Tensor:
+    """int32 holding eight 4-bit values each, lowest bits first, offset by +8 -> uint8 0..15 [rows, cols]
+    (packed_dim 0: the eight values run down a column, as zero points are packed)."""
+    assert packed.dtype == torch.int32
+    packed = packed.t() if packed_dim == 0 else packed
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    values = ((packed.unsqueeze(-1) >> shifts) & 15).to(torch.uint8).flatten(-2)
+    values = values[:, :rows if packed_dim == 0 else cols]
+    return values.t().contiguous() if packed_dim == 0 else values.contiguous()
+
+
+def _pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """uint8 [rows, cols] in 0..15, cols a multiple of 8 -> int32 [rows, cols / 8], lowest bits first."""
+    rows, cols = values.shape
+    nibbles = values.to(torch.int32).view(rows, cols // 8, 8)
+    packed = torch.zeros(rows, cols // 8, dtype=torch.int32)
+    for i in range(8):
+        packed |= nibbles[:, :, i] << (4 * i)
+    return packed
+
+
+def write_int4(prefix: str, weight: torch.Tensor, group_size: int, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One full-precision projection as compressed-tensors W4A16 tensors (asymmetric, per group)."""
+    from pagedllm.layers.quantization.int4 import quantize_groups
+
+    q, scales, zero_points = quantize_groups(weight, group_size, scale_dtype)
+    n, k = q.shape
+    return {f"{prefix}.weight_packed": _pack_int4(q),
+            f"{prefix}.weight_scale": scales.contiguous(),
+            f"{prefix}.weight_zero_point": _pack_int4((zero_points + 8).to(torch.uint8).t()).t().contiguous(),
+            f"{prefix}.weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+
+
+def read_int4(prefix: str, get_tensor: Callable[[str], torch.Tensor],
+              names: set[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One W4A16 projection as (q [N, K] in 0..15, scale, offset [N, K / G] fp32), w = q * scale + offset:
+    compressed-tensors' w = (q_signed - zero_point) * scale with q = q_signed + 8."""
+    from pagedllm.layers.quantization.int4 import int4_supports
+
+    n, k = (int(v) for v in get_tensor(f"{prefix}.weight_shape").tolist())
+    q = _unpack_int4(get_tensor(f"{prefix}.weight_packed"), n, k)
+    scale = get_tensor(f"{prefix}.weight_scale").to(torch.float32)
+    groups = scale.shape[1]
+    if scale.shape[0] != n or k % groups or not int4_supports(n, k, k // groups):
+        raise ValueError(f"checkpoint tensor {prefix}.weight_scale has shape {tuple(scale.shape)} for a [{n}, {k}] "
+                         f"weight; the int4 kernel needs whole groups of 32-256 and output sizes in multiples of 16.")
+    zero_point = torch.zeros_like(scale)
+    if f"{prefix}.weight_zero_point" in names:
+        zero_point = _unpack_int4(get_tensor(f"{prefix}.weight_zero_point"), n, groups, packed_dim=0)
+        zero_point = zero_point.to(torch.float32) - 8
+    return q, scale, -(8 + zero_point) * scale
+
+
 def build_quantization_config(config: QuantizationConfig) -> dict[str, Any]:
     """The `quantization_config` that `pagedllm quantize` writes into config.json."""
-    is_int = config.method == "int8"
+    is_int = config.method in ("int8", "int4")
+    is_int4 = config.method == "int4"
     weights = {
-        "num_bits": 8, "type": "int" if is_int else "float", "symmetric": True, "dynamic": False,
+        "num_bits": 4 if is_int4 else 8, "type": "int" if is_int else "float", "symmetric": not is_int4,
+        "dynamic": False,
         "strategy": "group" if config.group_size else "channel", "group_size": config.group_size,
         "actorder": None, "block_structure": None, "observer": "minmax", "observer_kwargs": {},
     }
@@ -213,7 +295,11 @@ def quantize_checkpoint(model_dir: str, out_dir: str, config: QuantizationConfig
                 tensor = handle.get_tensor(name)
                 if is_projection_weight(name) and tensor.dim() == 2:
                     full_bytes += tensor.numel() * tensor.element_size()
-                    written = write_quantized(name.removesuffix(".weight"), method.quantize(tensor, scale_dtype))
+                    prefix = name.removesuffix(".weight")
+                    if config.method == "int4":  # integer zero points, straight from the full weight
+                        written = write_int4(prefix, tensor, method.group_size, scale_dtype)
+                    else:
+                        written = write_quantized(prefix, method.quantize(tensor, scale_dtype))
                     num_quantized += 1
                 else:
                     written = {name: tensor}
