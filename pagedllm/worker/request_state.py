@@ -71,7 +71,7 @@ class WorkerSchedulerOutput:
     preempted_ids: list[str]
     grammar_bitmask: GrammarBitmask | None
     kv_connector_metadata: KVConnectorMetadata | None = None
-    block_table_changes: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    block_table_changes: list[dict[str, tuple[int, list[int]]]] = field(default_factory=list)  # per KV cache group
 
     def continues_decode(self) -> bool:
         """Whether the plan runs the last plan's requests, in its order, given nothing new (no tokens from
