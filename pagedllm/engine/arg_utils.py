@@ -27,6 +27,9 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     # One-byte caches only: one static scale per layer for K and V, computed from the first batch (vLLM's)
     calculate_kv_scales: bool = False
+    # Every layer attends over the whole context and keeps all its KV, as if the model had no sliding
+    # window (outputs change): to measure what the window saves in KV blocks and decode time.
+    ignore_sliding_window: bool = False
     attention_backend: str | None = None
     seed: int = 0
     device: str = "auto"
@@ -182,6 +185,9 @@ class EngineArgs:
                  "token and KV head")
         add("--calculate-kv-scales", action=bool_flag, default=False,
             help="one-byte KV caches: one static scale per layer from the first batch instead of per token")
+        add("--ignore-sliding-window", action="store_true",
+            help="treat every layer as full attention (whole context, every KV block kept) although the model "
+                 "has a sliding window; outputs change: for measuring what the window saves")
         add("--attention-backend", default=None,
             choices=["auto", "TORCH_SDPA", "TORCH_FLASH", "CPU_FLASH", "TRITON"],
             help="attention kernels (default: PAGEDLLM_ATTENTION_BACKEND, else CPU_FLASH on CPU, TRITON on CUDA)")

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, resolve_device
+from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, kv_cache_groups, resolve_device
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
@@ -23,6 +23,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.executor.abstract import Executor
 from pagedllm.kv_cache.manager import KVCacheManager
+from pagedllm.kv_cache.quant import KV_CACHE_DTYPES, ONE_BYTE_DTYPES
 from pagedllm.kv_cache.snapshot import KVCacheSnapshot
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.reader import Metric
@@ -76,6 +77,26 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None
 
 
+def choose_kv_cache_groups(model_config: ModelConfig, cache_config: CacheConfig,
+                           speculative_config: SpeculativeConfig | None) -> list[tuple[int | None, list[int]]] | None:
+    """Separate KV cache groups for full and sliding layers (kv_cache/manager.py), where the model mixes
+    them and nothing needs one table for all layers: not with speculative decoding (rejected tokens move a
+    request back into blocks a window gave up), a KV connector (it ships one table per request) or a
+    one-byte cache (its static scales are looked up per cache tensor, which groups share)."""
+    groups = kv_cache_groups(model_config.sliding_window, model_config.layer_types)
+    if groups is None:
+        return None
+    why = ("speculative decoding" if speculative_config is not None
+           else "a KV connector" if cache_config.kv_transfer_config is not None
+           else "a one-byte kv_cache_dtype" if KV_CACHE_DTYPES.get(cache_config.kv_cache_dtype) in ONE_BYTE_DTYPES
+           else None)
+    if why is not None:
+        logger.info("sliding window %d on some layers: every KV block is kept for every layer (%s needs one "
+                    "block table for all layers)", model_config.sliding_window, why)
+        return None
+    return groups
+
+
 def create_engine_config(args: EngineArgs) -> EngineConfig:
     """Every config the engine and its workers run with, validated (the same on every node)."""
     if args.model is None:
@@ -85,6 +106,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                                                args.quantization, args.quantization_group_size,
                                                trust_remote_code=args.trust_remote_code,
                                                generation_config=args.generation_config)
+    if args.ignore_sliding_window:
+        model_config.sliding_window = model_config.layer_types = None
     max_model_len = model_config.max_model_len
     max_num_batched_tokens = args.max_num_batched_tokens
     if max_num_batched_tokens is None:
@@ -120,6 +143,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                          "proposals depend on the tokens the previous step accepted.")
     if speculative_config is not None:
         scheduler_config.num_speculative_tokens = speculative_config.num_speculative_tokens
+    cache_config.kv_cache_groups = choose_kv_cache_groups(model_config, cache_config, speculative_config)
     return EngineConfig(device, model_config, scheduler_config, cache_config, parallel_config, speculative_config)
 
 
