@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -305,6 +306,23 @@ def sliding_window_layers(hf: dict[str, Any]) -> tuple[int | None, list[str] | N
     return window, layer_types
 
 
+def kv_cache_groups(sliding_window: int | None, layer_types: list[str] | None
+                    ) -> list[tuple[int | None, list[int]]] | None:
+    """The KV cache groups of a model that mixes full and sliding layers (see kv_cache/manager.py), as
+    (window or None, layer indices): every group has g = gcd(full layers, sliding layers) layers, so a
+    physical block holds one block of each of g layers for whichever group holds it, and nothing is
+    padded. None when every layer is alike (one group of all layers)."""
+    if sliding_window is None or layer_types is None:
+        return None
+    sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+    full = [i for i, t in enumerate(layer_types) if t != "sliding_attention"]
+    if not sliding or not full:
+        return None
+    size = math.gcd(len(full), len(sliding))
+    return ([(None, full[i:i + size]) for i in range(0, len(full), size)]
+            + [(sliding_window, sliding[i:i + size]) for i in range(0, len(sliding), size)])
+
+
 def kv_elements_per_token_per_layer(num_kv_heads: int, head_dim: int, kv_lora_rank: int | None = None,
                                     qk_rope_head_dim: int = 0) -> int:
     """Cache elements one token takes in one layer; the one formula behind the engine's KV sizing, its
@@ -355,6 +373,9 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"
+    # KV cache groups (config.kv_cache_groups): (sliding window or None, layer indices) per group, all of
+    # one size; None: one group of every layer. Decided at start-up (create_engine_config).
+    kv_cache_groups: list[tuple[int | None, list[int]]] | None = None
     # One-byte caches: per-layer static scales from each layer's first batch instead of a scale per row
     calculate_kv_scales: bool = False
     enable_prefix_caching: bool = True

@@ -18,6 +18,9 @@ Checked after every operation:
 - every request's blocks hold its own computed tokens, and every cached block holds its hash's tokens;
 - allocation takes free blocks least-recently-freed first; a refused allocation changes nothing.
 
+HybridKVCacheMachine runs them with two KV cache groups in one pool, one full and one sliding (a model
+mixing full and sliding layers): every check below holds per group, and a hit is valid in both.
+
 SlidingKVCacheMachine runs the same operations (less speculation, which keeps every block) with a
 sliding window: blocks wholly before a request's window go back to the pool and the null block takes
 their place. There, too: a request holds at most ceil(window / block_size) + 1 blocks after a decode
@@ -35,8 +38,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedllm.kv_cache.block_pool import BlockPool
-from pagedllm.kv_cache.hashing import BlockHash
-from pagedllm.kv_cache.manager import KVCacheManager, cdiv
+from pagedllm.kv_cache.hashing import NONE_HASH, BlockHash
+from pagedllm.kv_cache.manager import KVCacheManager, cdiv, group_block_hash
 
 # A few stems so that prompts share prefixes at every alignment; tokens from {0, 1, 2}.
 STEMS = ((0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2), (0, 1, 2, 0, 1, 2, 2, 2), (1, 1, 1, 1, 1, 1, 1, 1, 1))
@@ -72,6 +75,7 @@ def free_ids(pool: BlockPool) -> list[int]:
 
 class KVCacheMachine(RuleBasedStateMachine):
     SLIDING = False  # SlidingKVCacheMachine: the manager gets the drawn sliding window
+    HYBRID = False  # HybridKVCacheMachine: a full and a sliding KV cache group (in drawn order) in one pool
 
     def __init__(self) -> None:
         super().__init__()
@@ -84,10 +88,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.runner_tables: dict[str, list[int]] = {}
 
     @initialize(num_blocks=st.integers(2, 16), block_size=st.sampled_from([1, 2, 3, 4]),
-                enable_caching=st.booleans(), window=st.integers(1, 9))
-    def setup(self, num_blocks: int, block_size: int, enable_caching: bool, window: int) -> None:
-        self.window = window if self.SLIDING else None
-        self.kv = KVCacheManager(num_blocks, block_size, enable_caching, sliding_window=self.window)
+                enable_caching=st.booleans(), window=st.integers(1, 9), full_first=st.booleans())
+    def setup(self, num_blocks: int, block_size: int, enable_caching: bool, window: int, full_first: bool) -> None:
+        if self.HYBRID:
+            self.window = None
+            self.windows: list[int | None] = [None, window] if full_first else [window, None]
+            self.kv = KVCacheManager(num_blocks, block_size, enable_caching, kv_cache_groups=self.windows)
+        else:
+            self.window = window if self.SLIDING else None
+            self.windows = [self.window]
+            self.kv = KVCacheManager(num_blocks, block_size, enable_caching, sliding_window=self.window)
         self.null_id = self.kv.null_block.block_id if self.kv.null_block is not None else None
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -98,7 +108,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         pool = self.kv.pool
         return ([(b.ref_cnt, b.block_hash) for b in pool.blocks], free_ids(pool),
                 {h: dict(holders) for h, holders in pool.cached_blocks.items()},
-                {r: [b.block_id for b in bs] for r, bs in self.kv.req_to_blocks.items()},
+                [{r: [b.block_id for b in bs] for r, bs in g.req_to_blocks.items()} for g in self.kv.groups],
                 list(self.kv.pending_copies))
 
     def _pick(self, index: int) -> FakeRequest:
@@ -108,20 +118,22 @@ class KVCacheMachine(RuleBasedStateMachine):
     def _schedule(self, request: FakeRequest, num_new: int, cached_blocks: list | None = None,
                   num_cacheable: int | None = None) -> bool:
         """allocate_slots, then (on success) do what the model runner does: copy blocks, write KV."""
-        if self.window is not None and request.request_id in self.kv.req_to_blocks:
+        if self.null_id is not None and request.request_id in self.kv.req_to_blocks:
             # allocate_slots begins with this (giving back blocks out of the window), refused or not
             self.kv.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         before = self._snapshot()
         free_order = free_ids(self.kv.pool)
         touched = {b.block_id for b in cached_blocks or ()}
-        old_table = {b.block_id for b in self.kv.req_to_blocks.get(request.request_id, ())} | {self.null_id}
+        old_table = {b.block_id for g in self.kv.groups for b in g.req_to_blocks.get(request.request_id, ())}
+        old_table.add(self.null_id)
         ok = self.kv.allocate_slots(request, num_new, cached_blocks, num_cacheable_tokens=num_cacheable)
         if not ok:
             assert self._snapshot() == before, "a refused allocation must change nothing"
             return False
-        table = self.kv.req_to_blocks[request.request_id]
-        # New blocks come from the head of the free queue (least recently freed first).
-        taken = [b.block_id for b in table if b.block_id not in old_table and b.block_id not in touched]
+        tables = [g.req_to_blocks[request.request_id] for g in self.kv.groups]
+        # New blocks come from the head of the free queue (least recently freed first), in every group.
+        taken = [b.block_id for table in tables for b in table
+                 if b.block_id not in old_table and b.block_id not in touched]
         expected_order = [i for i in free_order if i not in touched]
         assert sorted(taken) == sorted(expected_order[:len(taken)]), "allocation must evict LRU first"
         for block_id in taken:  # a reused block lost its old hash
@@ -129,22 +141,25 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert block.block_hash is None or self.kv.pool.cached_blocks[block.block_hash].get(block_id) is block
         copies = self.kv.take_pending_copies()
         for src, dst in copies:
-            assert dst in {b.block_id for b in table}, "a copy lands in the writer's own table"
+            assert dst in {b.block_id for table in tables for b in table}, "a copy lands in the writer's own table"
             assert self.kv.pool.blocks[src].ref_cnt >= 1, "the source stays alive for its other holders"
             self.slots[dst] = list(self.slots[src])
-        start = request.num_computed_tokens + len(cached_blocks or ()) * self.block_size
+        start = request.num_computed_tokens + len(cached_blocks or ()) // len(self.windows) * self.block_size
         written = request.tokens + request.spec_token_ids
-        for pos in range(start, start + num_new):
-            block = table[pos // self.block_size]
-            assert block.block_id != self.null_id, f"writing position {pos} into the null block"
-            assert block.ref_cnt == 1, f"writing position {pos} into shared block {block.block_id}"
-            self.slots[block.block_id][pos % self.block_size] = tuple(written[:pos + 1])
+        for table in tables:  # each group's layers write their own KV of the same positions
+            for pos in range(start, start + num_new):
+                block = table[pos // self.block_size]
+                assert block.block_id != self.null_id, f"writing position {pos} into the null block"
+                assert block.ref_cnt == 1, f"writing position {pos} into shared block {block.block_id}"
+                self.slots[block.block_id][pos % self.block_size] = tuple(written[:pos + 1])
         request.num_computed_tokens = start + num_new
         self._record_hashes(request)
-        if self.window is not None and num_new == 1 and not cached_blocks:
-            # A decode step: what the window lets a request hold, whatever its length.
-            live = self.kv.num_live_blocks(request.request_id)
-            assert live <= cdiv(self.window, self.block_size) + 1, f"{live} blocks for window {self.window}"
+        if num_new == 1 and not cached_blocks:
+            # A decode step: what the window lets a request hold in a sliding group, whatever its length.
+            for group, window in enumerate(self.windows):
+                if window is not None:
+                    live = self.kv.num_live_blocks(request.request_id, group)
+                    assert live <= cdiv(window, self.block_size) + 1, f"{live} blocks for window {window}"
         return True
 
     def _record_hashes(self, request: FakeRequest) -> None:
@@ -164,13 +179,17 @@ class KVCacheMachine(RuleBasedStateMachine):
         request = FakeRequest(f"r{self.next_id}", tokens)
         self.next_id += 1
         cached, num_cached = self.kv.get_computed_blocks(request, request.num_tokens - 1) if use_cache else ([], 0)
-        assert num_cached == len(cached) * self.block_size < request.num_tokens
+        num_hit = len(cached) // len(self.windows)  # the hit's blocks come group after group, as many each
+        assert num_cached == num_hit * self.block_size < request.num_tokens
+        assert len(cached) == num_hit * len(self.windows)
         self._record_hashes(request)
-        for i, block in enumerate(cached):  # a hit is a block holding exactly this prefix
+        for j, block in enumerate(cached):  # a hit is a block holding exactly this prefix
+            group, i = divmod(j, num_hit)
+            window = self.windows[group]
             if block.block_id == self.null_id:  # (a window's hit: a block no query will read)
-                assert self.window is not None and i < num_cached - self.window + 1
+                assert window is not None and i < (num_cached - window + 1) // self.block_size
                 continue
-            assert block.block_hash == request.block_hashes[i]
+            assert block.block_hash == group_block_hash(request.block_hashes[i], group)
             assert self.slots[block.block_id][-1] == tuple(tokens[:(i + 1) * self.block_size])
         num_new = min(chunk, request.num_tokens - num_cached)
         if self._schedule(request, num_new, cached):
@@ -192,7 +211,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         if request.num_computed_tokens == request.num_tokens:
             request.tokens.append(token)
 
-    @precondition(lambda self: self.requests and self.window is None)
+    @precondition(lambda self: self.requests and self.null_id is None)
     @rule(index=st.integers(0, 99), drafts=st.lists(TOKEN, min_size=1, max_size=4), num_accepted=st.integers(0, 4),
           bonus=TOKEN)
     def speculate(self, index: int, drafts: list[int], num_accepted: int, bonus: int) -> None:
@@ -232,12 +251,12 @@ class KVCacheMachine(RuleBasedStateMachine):
     def free(self, index: int, then_reset: bool) -> None:
         """Finish a request; then maybe reset the prefix cache (refused unless every block is free)."""
         request = self._pick(index)
-        blocks = list(self.kv.req_to_blocks.get(request.request_id, ()))
+        tables = [list(g.req_to_blocks.get(request.request_id, ())) for g in self.kv.groups]
         queue_before = free_ids(self.kv.pool)
         self.kv.free(request.request_id)
         del self.requests[request.request_id]
-        # Freed blocks join the tail (most recent), the request's tail block first.
-        newly_free = [b.block_id for b in reversed(blocks) if b.ref_cnt == 0]
+        # Freed blocks join the tail (most recent), group by group, the request's tail block first.
+        newly_free = [b.block_id for blocks in tables for b in reversed(blocks) if b.ref_cnt == 0]
         assert free_ids(self.kv.pool) == queue_before + newly_free
         if then_reset:
             self._reset_prefix_cache()
@@ -253,6 +272,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         else:
             assert self._snapshot() == before
 
+    def teardown(self) -> None:
+        """Every request finishing or aborted gives back every block of every group: nothing leaks."""
+        if not hasattr(self, "kv"):
+            return
+        for request_id in list(self.requests):
+            self.kv.free(request_id)
+        assert self.kv.pool.num_free_blocks == self.kv.pool.num_usable_blocks
+        assert all(not g.req_to_blocks and not g.num_skipped_blocks for g in self.kv.groups)
+
     # ---- invariants ----
     @invariant()
     def block_invariants(self) -> None:
@@ -262,18 +290,20 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert pool.num_blocks == self.num_blocks == len(pool.blocks)
         assert [b.block_id for b in pool.blocks] == list(range(self.num_blocks))
         holders = [0] * self.num_blocks
-        # the id tables the scheduler hands out are the block tables, kept in step
-        assert self.kv.req_to_block_ids == {request_id: [b.block_id for b in blocks]
-                                            for request_id, blocks in self.kv.req_to_blocks.items()}
-        for request_id, blocks in self.kv.req_to_blocks.items():
-            num_skipped = self.kv.num_skipped_blocks.get(request_id, 0)
-            assert all(b.block_id == self.null_id for b in blocks[:num_skipped])
-            blocks = blocks[num_skipped:]
-            ids = [b.block_id for b in blocks]
-            assert len(ids) == len(set(ids)), "a block appears twice in one block table"
-            for block in blocks:
-                assert pool.blocks[block.block_id] is block and block.block_id != self.null_id
-                holders[block.block_id] += 1
+        for group in self.kv.groups:
+            # the id tables the scheduler hands out are the block tables, kept in step
+            assert group.req_to_block_ids == {request_id: [b.block_id for b in blocks]
+                                              for request_id, blocks in group.req_to_blocks.items()}
+            assert set(group.req_to_blocks) == set(self.kv.req_to_blocks), "a request has a table in every group"
+            for request_id, blocks in group.req_to_blocks.items():
+                num_skipped = group.num_skipped_blocks.get(request_id, 0)
+                assert all(b.block_id == self.null_id for b in blocks[:num_skipped])
+                blocks = blocks[num_skipped:]
+                ids = [b.block_id for b in blocks]
+                assert len(ids) == len(set(ids)), "a block appears twice in one block table"
+                for block in blocks:
+                    assert pool.blocks[block.block_id] is block and block.block_id != self.null_id
+                    holders[block.block_id] += 1
         if self.null_id is not None:  # held by the pool alone, never hashed
             holders[self.null_id] = 1
             assert pool.blocks[self.null_id].block_hash is None
@@ -300,12 +330,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         """Applying each take_table_changes() to a copy keeps every live table's entries exact."""
         if not hasattr(self, "kv"):
             return
-        for request_id, (first, block_ids) in self.kv.take_table_changes().items():
-            row = self.runner_tables.setdefault(request_id, [])
-            row.extend([-1] * max(0, first + len(block_ids) - len(row)))
-            row[first:first + len(block_ids)] = block_ids
-        for request_id, block_ids in self.kv.req_to_block_ids.items():
-            assert self.runner_tables.get(request_id, [])[:len(block_ids)] == block_ids
+        changes = self.kv.take_table_changes() or [{}] * len(self.windows)
+        assert len(changes) == len(self.windows)
+        for group, group_changes in enumerate(changes):
+            for request_id, (first, block_ids) in group_changes.items():
+                row = self.runner_tables.setdefault((request_id, group), [])
+                row.extend([-1] * max(0, first + len(block_ids) - len(row)))
+                row[first:first + len(block_ids)] = block_ids
+        for group, tables in enumerate(self.kv.groups):
+            for request_id, block_ids in tables.req_to_block_ids.items():
+                assert self.runner_tables.get((request_id, group), [])[:len(block_ids)] == block_ids
 
     @invariant()
     def contents(self) -> None:
@@ -315,15 +349,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         bs = self.block_size
         assert set(self.kv.req_to_blocks) == set(self.requests)
         for request in self.requests.values():
-            table = self.kv.req_to_blocks.get(request.request_id, [])
-            assert len(table) == cdiv(request.num_computed_tokens, bs)
-            # With a window, the positions the next query (at num_computed_tokens) can see.
-            first = 0 if self.window is None else max(0, request.num_computed_tokens - self.window + 1)
-            for pos in range(first, request.num_computed_tokens):
-                got = self.slots[table[pos // bs].block_id][pos % bs]
-                assert got == tuple(request.tokens[:pos + 1]), f"{request.request_id} position {pos}"
+            for group, window in zip(self.kv.groups, self.windows):
+                table = group.req_to_blocks.get(request.request_id, [])
+                assert len(table) == cdiv(request.num_computed_tokens, bs)
+                # With a window, the positions the next query (at num_computed_tokens) can see.
+                first = 0 if window is None else max(0, request.num_computed_tokens - window + 1)
+                for pos in range(first, request.num_computed_tokens):
+                    got = self.slots[table[pos // bs].block_id][pos % bs]
+                    assert got == tuple(request.tokens[:pos + 1]), f"{request.request_id} position {pos}"
         for block_hash, holders in self.kv.pool.cached_blocks.items():
-            prefix = self.hash_prefix[block_hash]
+            prefix = self.hash_prefix[block_hash[:len(NONE_HASH)]]  # (less a group's suffix)
             start = len(prefix) - bs
             for block in holders.values():
                 assert self.slots[block.block_id] == [prefix[:start + j + 1] for j in range(bs)]
@@ -340,6 +375,14 @@ class SlidingKVCacheMachine(KVCacheMachine):
 
 SlidingKVCacheMachine.TestCase.settings = KVCacheMachine.TestCase.settings
 TestSlidingWindowKVCacheManager = SlidingKVCacheMachine.TestCase
+
+
+class HybridKVCacheMachine(KVCacheMachine):
+    HYBRID = True
+
+
+HybridKVCacheMachine.TestCase.settings = KVCacheMachine.TestCase.settings
+TestHybridKVCacheManager = HybridKVCacheMachine.TestCase
 
 
 def test_blocks_are_registered_once_and_a_content_computed_twice_is_cached_twice() -> None:
@@ -400,7 +443,7 @@ def test_sliding_window_gives_back_the_blocks_behind_it() -> None:
     request.tokens.append(7)
     assert kv.allocate_slots(request, 1)  # decode at 30 sees 25 on: blocks 0-5 dead, 6 and 7 live
     assert kv.num_live_blocks("a") == 2 == cdiv(6, 4) and kv.num_window_freed_blocks == 6
-    assert kv.take_table_changes()["a"][1][:6] == [null] * 6
+    assert kv.take_table_changes()[0]["a"][1][:6] == [null] * 6
     # Freed, not forgotten: a request with the same prefix hits 28 tokens, the window's blocks (5, 6) real.
     blocks, num_cached = kv.get_computed_blocks(FakeRequest("b", list(range(30))), 29)
     assert num_cached == 28 and [b.block_id for b in blocks][:5] == [null] * 5

@@ -17,7 +17,7 @@ from test_parity import assert_greedy_matches
 from tiny_models import build_model, hf_greedy, hf_logits, load_hf, metric_values, random_prompts
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import sliding_window_layers
+from pagedllm.config import kv_cache_groups, sliding_window_layers
 
 WINDOW = 20
 MAX_NEW_TOKENS = 12
@@ -52,9 +52,6 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-UNIFORM_WINDOW = ("phi3", "mistral_window")
-
-
 def _engine_outputs(model_dir: str, prompts: list[list[int]], **engine_args: Any) -> tuple[LLM, list[Any]]:
     llm = LLM(model=model_dir, dtype="float32", seed=0, block_size=16, **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=1)
@@ -86,19 +83,28 @@ def test_parity_with_windows_chunks_prefix_hits_and_preemption(case: str,
 
     # Chunked prefill across the window's edge, shared-prefix hits, then every prompt again from cache.
     llm, outputs = _engine_outputs(model_dir, prompts, max_num_batched_tokens=24)
+    # Models mixing full and sliding layers keep them in separate KV cache groups.
+    config = llm.llm_engine.model_config
+    mixed = config.uniform_sliding_window is None
+    assert (llm.llm_engine.cache_config.kv_cache_groups is not None) == mixed
+    assert llm.llm_engine.kv_cache_manager.num_groups == (len(config.layer_types) if mixed else 1)
     _check(model_dir, prompts, outputs, want)
     again = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True,
                                                  logprobs=1), use_tqdm=False)
     _check(model_dir, prompts, again, want)
     metrics = metric_values(llm)
     assert metrics["pagedllm:prefix_cache_hits"] > 0
-    # Every layer sliding: blocks behind the window went back to the pool as requests moved on (a model
-    # with full layers keeps them all); at the end every block is free again.
-    assert (metrics["pagedllm:kv_blocks_freed_by_window"] > 0) == (case in UNIFORM_WINDOW)
+    # Blocks behind the window went back to the pool as requests moved on (in a model with full layers,
+    # those of the sliding layers' KV cache groups); at the end every block is free again.
+    assert metrics["pagedllm:kv_blocks_freed_by_window"] > 0
     assert metrics["pagedllm:kv_cache_free_blocks"] == metrics["pagedllm:kv_cache_total_blocks"]
 
-    # A pool too small for all requests at once: preempted requests recompute to the same tokens.
-    tight, outputs = _engine_outputs(model_dir, prompts, num_gpu_blocks_override=8, max_num_batched_tokens=128)
+    # A pool too small for all requests at once: preempted requests recompute to the same tokens. With
+    # KV cache groups a block holds one group's layers, and a sliding group gives its blocks back, so the
+    # pool has more (and more than the longest prompt needs alone in one chunk: 6 blocks per group).
+    num_groups = llm.llm_engine.kv_cache_manager.num_groups
+    tight, outputs = _engine_outputs(model_dir, prompts, max_num_batched_tokens=128,
+                                     num_gpu_blocks_override=8 if num_groups == 1 else 4 * num_groups + 8)
     _check(model_dir, prompts, outputs, want)
     assert metric_values(tight)["pagedllm:num_preemptions"] > 0
 
@@ -176,8 +182,9 @@ def _gemma3_shaped(num_layers: int = 26, window: int = 512) -> dict[str, Any]:
 
 def test_planner_counts_the_window() -> None:
     """Gemma 3 1B's shape (26 layers, every 6th global, window 512) at 32k: its sliding layers need 33 of
-    2,048 blocks, so its KV is 17% of full attention's; pagedllm, which keeps every block of a model with
-    full layers, holds all of it. A model whose every layer slides holds what the window needs."""
+    2,048 blocks, so its KV is 17% of full attention's, and pagedllm holds that much in 13 KV cache groups
+    of 2 layers (all of it where groups are off). A model whose every layer slides holds what the window
+    needs."""
     from pagedllm.planner import roofline as rl
 
     gemma3 = rl.ModelSpec.from_hf_config(_gemma3_shaped())
@@ -185,7 +192,9 @@ def test_planner_counts_the_window() -> None:
     window = rl.sliding_window_kv(gemma3, 32768, 16)
     assert window["blocks_per_sequence_in_window"] == 33
     assert window["fraction_per_layer_kv"] == pytest.approx((4 * 2048 + 22 * 33) / (26 * 2048))
-    assert window["fraction_engine"] == 1.0
+    assert window["fraction_engine"] == window["fraction_per_layer_kv"]  # full and sliding groups
+    assert window["num_kv_cache_groups"] == 13  # of gcd(4, 22) = 2 layers
+    assert window["fraction_engine_without_groups"] == 1.0
     mistral = rl.ModelSpec.from_hf_config(dict(_gemma3_shaped(), model_type="mistral"))
     assert rl.sliding_window_kv(mistral, 32768, 16)["fraction_engine"] == pytest.approx(33 / 2048)
     assert rl.sliding_window_kv(rl.ModelSpec.from_hf_config(dict(_gemma3_shaped(), model_type="llama")),
@@ -230,6 +239,77 @@ def test_blocks_in_use_at_8k_context_are_what_the_planner_predicts(tmp_path_fact
     assert held[True] == -(-(context + new_tokens) // block_size)  # 501 blocks
     assert held[False] == 33
     assert held[False] / held[True] == pytest.approx(predicted)
+
+
+def test_kv_cache_groups_have_one_size_and_one_kind_each() -> None:
+    """Groups of gcd(full, sliding) layers: Gemma 3 1B's 4 full and 22 sliding layers make 2 full groups
+    and 11 sliding groups of 2; Gemma 2's alternation makes one of each; all-alike models have none."""
+    _, types = sliding_window_layers(_gemma3_shaped())
+    groups = kv_cache_groups(512, types)
+    assert [len(layers) for _, layers in groups] == [2] * 13
+    assert [window for window, _ in groups] == [None] * 2 + [512] * 11
+    assert groups[0][1] == [5, 11] and sorted(i for _, layers in groups for i in layers) == list(range(26))
+    assert kv_cache_groups(4, ["sliding_attention", "full_attention"] * 3) == [
+        (None, [1, 3, 5]), (4, [0, 2, 4])]
+    assert kv_cache_groups(4, ["sliding_attention"] * 3) is None
+    assert kv_cache_groups(None, None) is None
+
+
+@pytest.mark.slow
+def test_gemma3_kv_at_8k_context_is_what_the_planner_predicts(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A random Gemma-3-shaped model (one full layer to five sliding ones, window 512) decoding at 8k
+    context: the full group holds ceil(8k / 16) blocks, each sliding group ceil(512 / 16) + 1; in bytes
+    that is the planner's fraction of the same model run with --ignore-sliding-window (one group of every
+    layer, every block kept)."""
+    import json
+
+    from pagedllm.benchmarks.latency import _decode_kv, _kv_run_tokens
+    from pagedllm.planner import roofline as rl
+
+    context, new_tokens, block_size = 8000, 8, 16
+    model_dir = build_model(tmp_path_factory.mktemp("gemma3_8k"), "gemma3", num_hidden_layers=6, hidden_size=32,
+                            intermediate_size=64, head_dim=16, max_position_embeddings=8192, seed=50,
+                            extra_config=dict(sliding_window=512, sliding_window_pattern=6))
+    prompt = random_prompts(1, 500, [context], seed=50)[0]
+    held = {}
+    for ignore in (False, True):
+        llm = LLM(model=model_dir, dtype="float32", block_size=block_size, max_num_batched_tokens=2048,
+                  ignore_sliding_window=ignore)
+        held[ignore] = _decode_kv(llm, prompt, new_tokens)
+        engine = llm.llm_engine
+        assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.pool.num_usable_blocks
+    full_blocks = -(-(context + _kv_run_tokens(new_tokens) - 2) // block_size)  # 501
+    assert held[True][:2] == (full_blocks, 6)
+    assert held[False][:2] == (full_blocks + 5 * (512 // block_size + 1), 1)
+    with open(f"{model_dir}/config.json") as f:
+        spec = rl.ModelSpec.from_hf_config(json.load(f))
+    predicted = rl.sliding_window_kv(spec, context + _kv_run_tokens(new_tokens) - 1, block_size)["fraction_engine"]
+    assert held[False][2] / held[True][2] == pytest.approx(predicted)
+
+
+def test_bench_latency_reports_the_kv_the_window_saves(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`bench latency` with and without --ignore-sliding-window: the KV a decoding request holds, in bytes,
+    is in the planner's ratio (the owner's measurement at 8k context, in miniature)."""
+    import json
+
+    from pagedllm.entrypoints.cli import main
+
+    model_dir = build_model(tmp_path_factory.mktemp("gemma3_bench"), "gemma3", num_hidden_layers=6, hidden_size=32,
+                            intermediate_size=64, head_dim=16, seed=51,
+                            extra_config=dict(sliding_window=64, sliding_window_pattern=6))
+    reports = {}
+    for flags in ([], ["--ignore-sliding-window"]):
+        out = tmp_path_factory.mktemp("bench") / "latency.json"
+        assert main(["bench", "latency", "--model", model_dir, "--dtype", "float32", "--max-model-len", "1024",
+                     "--input-len", "600", "--output-len", "8", "--num-iters", "1", "--num-iters-warmup", "0",
+                     "--output-json", str(out), *flags]) == 0
+        reports[bool(flags)] = json.loads(out.read_text())
+    windowed, full = reports[False], reports[True]
+    assert (windowed["kv_layers_per_block"], full["kv_layers_per_block"]) == (1, 6)
+    assert windowed["decode_kv_blocks"] == full["decode_kv_blocks"] + 5 * (64 // 16 + 1)  # 5 sliding groups
+    assert windowed["decode_kv_bytes"] / full["decode_kv_bytes"] == pytest.approx(
+        windowed["planner_sliding_window_kv_fraction"])
+    assert windowed["planner_sliding_window_kv_fraction"] < 0.5
 
 
 def test_gemma3_rope_in_both_spellings() -> None:

@@ -3,7 +3,8 @@ context back through `block_tables`. Models see only `AttentionMetadata` and the
 
 A step's tokens are laid out flat, decode-like requests first (short queries, batched in one call),
 then prefill chunks (each attends to its own cached prefix through its block table). The metadata is
-built once per step by the model runner and shared by every layer.
+built once per step by the model runner and shared by every layer (once per KV cache group where the
+model's full and sliding layers keep separate block tables: `for_layer` picks the layer's).
 
 Every backend gets the varlen description (vLLM's names): sequence i owns query rows
 [query_start_loc[i], query_start_loc[i+1]), has seq_lens[i] tokens of context after this step, and
@@ -55,6 +56,13 @@ class AttentionMetadata:
     max_seq_len: int = 0
     # What a backend derives from the above once per step (`AttentionBackend.prepare_metadata`).
     backend_data: dict[str, Any] = field(default_factory=dict)
+    # Several KV cache groups (kv_cache/manager.py): per layer, the metadata of its group, whose block
+    # tables and slot mapping are the group's own; None: this metadata serves every layer.
+    layer_metadata: list[AttentionMetadata] | None = None
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata decoder layer `layer` attends with."""
+        return self if self.layer_metadata is None else self.layer_metadata[layer]
 
 
 class AttentionBackend:

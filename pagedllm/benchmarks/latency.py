@@ -52,6 +52,15 @@ class LatencyResult:
     roofline_fraction_all: list[float] = field(default_factory=list)
     weight_bytes: float = 0.0
     last_level_cache_bytes: int | None = None  # CPU only, from sysfs; None where unknown
+    # KV cache the request holds while decoding (at its last decode step, in one more untimed run):
+    # blocks, layers each block holds (a KV cache group's, see kv_cache/manager.py; all layers with one
+    # group) and their bytes. Comparable across runs in bytes only.
+    decode_kv_blocks: int = 0
+    kv_layers_per_block: int = 0
+    decode_kv_bytes: int = 0
+    # Sliding-window models: the KV the planner says a sequence of this length holds with the window
+    # counted, as a fraction of the same model with windows ignored (None without a window)
+    planner_sliding_window_kv_fraction: float | None = None
 
     @property
     def weights_fit_in_cache(self) -> bool:
@@ -152,6 +161,10 @@ def run_latency(
         peak_flops = measure_cpu(getattr(torch, weight_dtype, torch.float32)).peak_flops
     bound = rl.decode_bound(spec, mean_context, 1, wb, kb, peak_flops, bandwidth)
     decode_tps = statistics.median(decode_rates)
+    kv = _decode_kv(llm, prompt_ids, output_len)
+    # (at the length of _decode_kv's run)
+    window = rl.sliding_window_kv(spec, len(prompt_ids) + _kv_run_tokens(output_len) - 1,
+                                  getattr(cache_config, "block_size", 16))
     return LatencyResult(
         model=model,
         dtype=weight_dtype,
@@ -180,7 +193,44 @@ def run_latency(
         roofline_fraction_all=fractions,
         weight_bytes=rl.weight_bytes(spec, wb),
         last_level_cache_bytes=None if on_cuda else last_level_cache_bytes(),
+        decode_kv_blocks=kv[0], kv_layers_per_block=kv[1], decode_kv_bytes=kv[2],
+        planner_sliding_window_kv_fraction=window["fraction_engine"] if window is not None else None,
     )
+
+
+def _kv_run_tokens(output_len: int) -> int:
+    return max(3, min(output_len, 16))
+
+
+def _decode_kv(llm: Any, prompt_ids: list[int], output_len: int) -> tuple[int, int, int]:
+    """(blocks in use at the last decode step, layers per block, their bytes): one more run of the prompt,
+    stepped by hand. At a decode step a sliding group holds only its window's blocks; right after a prefill
+    chunk it still holds the chunk's, so the prefill's steps are not what a long decode holds. Zeros where
+    the engine is not in this process or the run has fewer than two decode steps."""
+    from pagedllm import SamplingParams
+    from pagedllm.kv_cache.quant import resolve_kv_cache_dtype
+
+    engine = llm.llm_engine
+    try:
+        pool = engine.kv_cache_manager.pool
+    except AttributeError:
+        return 0, 0, 0
+    engine.add_request("kv-in-use", {"prompt_token_ids": prompt_ids},
+                       SamplingParams(temperature=0.0, max_tokens=_kv_run_tokens(output_len), ignore_eos=True,
+                                      detokenize=False))
+    in_use = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        in_use.append(pool.num_usable_blocks - pool.num_free_blocks)
+    if len(in_use) < 3:
+        return 0, 0, 0
+    blocks = in_use[-2]  # the last step frees the request's blocks
+    model_config, cache_config = engine.model_config, engine.cache_config
+    groups = cache_config.kv_cache_groups
+    layers = len(groups[0][1]) if groups else model_config.num_hidden_layers
+    kv_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, model_config.dtype)
+    per_layer_token = model_config.kv_bytes_per_token(kv_dtype) // model_config.num_hidden_layers
+    return blocks, layers, blocks * layers * cache_config.block_size * per_layer_token
 
 
 def format_latency(r: LatencyResult) -> str:
@@ -204,6 +254,13 @@ def format_latency(r: LatencyResult) -> str:
             f"{r.planner_bound_tokens_per_s:,.1f} tokens/s ({r.planner_limited_by}-bound)",
         ),
     ]
+    if r.decode_kv_blocks:
+        rows.append(("KV cache while decoding", f"{r.decode_kv_blocks:,} blocks of {r.kv_layers_per_block} layers = "
+                                                f"{r.decode_kv_bytes / 2**20:,.2f} MiB"))
+    if r.planner_sliding_window_kv_fraction is not None:
+        rows.append(("sliding window (planner)", f"the window's KV is {r.planner_sliding_window_kv_fraction:.1%} "
+                                                 "of full attention's at this length (compare the KV while "
+                                                 "decoding of a run with --ignore-sliding-window)"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     lines.append(f"(the planner's prediction: {r.plan_command})")

@@ -60,9 +60,10 @@ class SchedulerOutput:
     grammar_bitmask: GrammarBitmask | None = None
     # The KV connector's loads and saves for this step (None without a connector).
     kv_connector_metadata: KVConnectorMetadata | None = None
-    # Block tables written since the last plan (KVCacheManager.take_table_changes): the runner's copy
-    # of the tables is kept from these, not from each ScheduledRequest's block_ids.
-    block_table_changes: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    # Block tables written since the last plan, one dict per KV cache group (KVCacheManager.take_table_changes;
+    # empty when none changed): the runner's copy of the tables is kept from these, not from each
+    # ScheduledRequest's block_ids.
+    block_table_changes: list[dict[str, tuple[int, list[int]]]] = field(default_factory=list)
     # Made by Scheduler._steady_decodes: every request decodes one token, so update() takes its short loop.
     steady_decode: bool = False
 
@@ -117,7 +118,7 @@ class WorkerSchedulerOutput:
     preempted_ids: list[str]
     grammar_bitmask: GrammarBitmask | None
     kv_connector_metadata: KVConnectorMetadata | None = None
-    block_table_changes: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    block_table_changes: list[dict[str, tuple[int, list[int]]]] = field(default_factory=list)  # per KV cache group
 
     def continues_decode(self) -> bool:
         """Whether the plan runs the last plan's requests, in its order, given nothing new (no tokens from

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, resolve_device
+from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, kv_cache_groups, resolve_device
+from pagedllm.kv_cache.quant import KV_CACHE_DTYPES, ONE_BYTE_DTYPES
 from pagedllm.spec_decode import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,6 +37,9 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     # One-byte caches only: one static scale per layer for K and V, computed from the first batch (vLLM's)
     calculate_kv_scales: bool = False
+    # Every layer attends over the whole context and keeps all its KV, as if the model had no sliding
+    # window (outputs change): to measure what the window saves in KV blocks and decode time.
+    ignore_sliding_window: bool = False
     attention_backend: str | None = None
     seed: int = 0
     device: str = "auto"
@@ -188,6 +195,9 @@ class EngineArgs:
                  "token and KV head")
         add("--calculate-kv-scales", action=bool_flag, default=False,
             help="one-byte KV caches: one static scale per layer from the first batch instead of per token")
+        add("--ignore-sliding-window", action="store_true",
+            help="treat every layer as full attention (whole context, every KV block kept) although the model "
+                 "has a sliding window; outputs change: for measuring what the window saves")
         add("--attention-backend", default=None,
             choices=["auto", "TORCH_SDPA", "TORCH_FLASH", "CPU_FLASH", "TRITON"],
             help="attention kernels (default: PAGEDLLM_ATTENTION_BACKEND, else CPU_FLASH on CPU, TRITON on CUDA)")
@@ -259,6 +269,26 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None
 
 
+def choose_kv_cache_groups(model_config: ModelConfig, cache_config: CacheConfig,
+                           speculative_config: SpeculativeConfig | None) -> list[tuple[int | None, list[int]]] | None:
+    """Separate KV cache groups for full and sliding layers (kv_cache/manager.py), where the model mixes
+    them and nothing needs one table for all layers: not with speculative decoding (rejected tokens move a
+    request back into blocks a window gave up), a KV connector (it ships one table per request) or a
+    one-byte cache (its static scales are looked up per cache tensor, which groups share)."""
+    groups = kv_cache_groups(model_config.sliding_window, model_config.layer_types)
+    if groups is None:
+        return None
+    why = ("speculative decoding" if speculative_config is not None
+           else "a KV connector" if cache_config.kv_transfer_config is not None
+           else "a one-byte kv_cache_dtype" if KV_CACHE_DTYPES.get(cache_config.kv_cache_dtype) in ONE_BYTE_DTYPES
+           else None)
+    if why is not None:
+        logger.info("sliding window %d on some layers: every KV block is kept for every layer (%s needs one "
+                    "block table for all layers)", model_config.sliding_window, why)
+        return None
+    return groups
+
+
 def create_engine_config(args: EngineArgs) -> EngineConfig:
     """Every config the engine and its workers run with, validated (the same on every node)."""
     if args.model is None:
@@ -268,6 +298,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                                                args.quantization, args.quantization_group_size,
                                                trust_remote_code=args.trust_remote_code,
                                                generation_config=args.generation_config)
+    if args.ignore_sliding_window:
+        model_config.sliding_window = model_config.layer_types = None
     max_model_len = model_config.max_model_len
     max_num_batched_tokens = args.max_num_batched_tokens
     if max_num_batched_tokens is None:
@@ -303,4 +335,5 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                          "proposals depend on the tokens the previous step accepted.")
     if speculative_config is not None:
         scheduler_config.num_speculative_tokens = speculative_config.num_speculative_tokens
+    cache_config.kv_cache_groups = choose_kv_cache_groups(model_config, cache_config, speculative_config)
     return EngineConfig(device, model_config, scheduler_config, cache_config, parallel_config, speculative_config)

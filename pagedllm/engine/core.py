@@ -36,6 +36,22 @@ from pagedllm.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 
+def blocks_per_request(group_windows: list[int | None], num_tokens: int, block_size: int) -> int:
+    """The most blocks a request of num_tokens holds over all KV cache groups: a sliding group at most
+    ceil(window / block_size) + 1."""
+    full = -(-num_tokens // block_size)
+    return sum(full if window is None else min(full, -(-window // block_size) + 1) for window in group_windows)
+
+
+def describe_kv_cache_groups(groups: list[tuple[int | None, list[int]]] | None, window: int | None,
+                             num_layers: int) -> str:
+    if groups is None:
+        return f"every layer slides over {window} tokens (one KV cache group)"
+    num_sliding = sum(len(layers) for group_window, layers in groups if group_window is not None)
+    return (f"{len(groups)} KV cache groups of {len(groups[0][1])} layers each, {num_sliding} of {num_layers} "
+            f"layers sliding over {next(w for w, _ in groups if w is not None)} tokens")
+
+
 class EngineCore:
     """Owns the executor (and through it the workers, one per tensor-parallel rank), the KV cache
     manager and the scheduler. Not thread-safe: one thread calls it."""
@@ -62,27 +78,27 @@ class EngineCore:
         num_blocks = self.model_executor.determine_num_blocks()
         self.cache_config.num_blocks = num_blocks
         self.model_executor.initialize_kv_cache(num_blocks)
-        # Every layer sliding: blocks out of the window go back to the pool. Not with speculative decoding
-        # (rejected tokens move a request's position back, into blocks already given up) nor with a KV
-        # connector (it ships whole tables).
+        # Blocks out of a window go back to the pool: with one group when every layer slides, with a
+        # group per layer type when the model mixes full and sliding layers (config.kv_cache_groups). Not
+        # with speculative decoding (rejected tokens move a request's position back, into blocks already
+        # given up) nor with a KV connector (it ships whole tables).
         window = self.model_config.uniform_sliding_window
-        mixed = self.model_config.sliding_window if window is None else None
-        if mixed is not None:
-            types = self.model_config.layer_types or []
-            logger.info("sliding window %d on %d of %d layers: every KV block is kept (the full-attention layers "
-                        "read them all; attention still reads only each window)", mixed,
-                        types.count("sliding_attention"), len(types))
         if window is not None and (self.speculative_config is not None or args.kv_transfer_config is not None):
             logger.info("sliding window %d: every block is kept (speculative decoding or a KV connector)", window)
             window = None
-        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
-                                               sliding_window=window)
-        if window is not None:
-            per_request = min(-(-self.scheduler_config.max_model_len // args.block_size),
-                              -(-window // args.block_size) + 1)
-            logger.info("KV cache: every layer slides over %d tokens, so a decoding request holds at most %d "
-                        "blocks whatever its length (blocks out of the window go back to the pool): room for "
-                        "%d such requests", window, per_request, (num_blocks - 1) // per_request)
+        groups = self.cache_config.kv_cache_groups
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, args.block_size, args.enable_prefix_caching, sliding_window=window,
+            kv_cache_groups=[group_window for group_window, _ in groups] if groups is not None else None)
+        group_windows = [group_window for group_window, _ in groups] if groups is not None else [window]
+        if any(group_window is not None for group_window in group_windows):
+            per_request = blocks_per_request(group_windows, self.scheduler_config.max_model_len, args.block_size)
+            logger.info("KV cache: %s; a request at max_model_len %d holds at most %d blocks (blocks out of the "
+                        "window go back to the pool), %d without the window: room for %d such requests",
+                        describe_kv_cache_groups(groups, window, self.model_config.num_hidden_layers),
+                        self.scheduler_config.max_model_len, per_request,
+                        len(group_windows) * -(-self.scheduler_config.max_model_len // args.block_size),
+                        (num_blocks - 1) // per_request)
         self.structured_output_manager = StructuredOutputManager(tokenizer, self.model_config.vocab_size,
                                                                  self.model_config.eos_token_ids)
         # Disaggregated prefill: the scheduler side of a KV connector (the worker side lives in the workers)

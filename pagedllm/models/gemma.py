@@ -132,9 +132,9 @@ class Gemma2ForCausalLM(nn.Module):
         cos_sin = self.rotary.lookup(positions)
         local_cos_sin = self.local_rotary.lookup(positions) if self.local_rope else cos_sin
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             rope = cos_sin if layer.self_attn.rotary is self.rotary else local_cos_sin
-            hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, metadata.for_layer(index))
         if residual is None:
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]

@@ -123,8 +123,8 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rotary.lookup(positions)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(cos_sin, hidden, residual, kv_cache, metadata)
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            hidden, residual = layer(cos_sin, hidden, residual, kv_cache, metadata.for_layer(index))
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]

@@ -163,8 +163,9 @@ def _sliding_window_rows(window: dict[str, Any] | None, ctx: int) -> list[tuple[
     return [(f"sliding window {window['window']:,}",
              f"{window['num_sliding_layers']} layers slide: at {ctx:,} tokens the model needs "
              f"{window['fraction_per_layer_kv']:.1%} of full attention's KV; pagedllm holds "
-             f"{window['fraction_engine']:.1%}"
-             + (" (it frees blocks only when every layer slides)" if window["fraction_engine"] == 1.0 else ""))]
+             f"{window['fraction_engine']:.1%} in {window['num_kv_cache_groups']} KV cache group(s) "
+             f"({window['fraction_engine_without_groups']:.1%} with speculative decoding, a KV connector or "
+             "a one-byte KV cache, which keep one block table for all layers)")]
 
 
 def format_plan(plan: dict[str, Any]) -> str:

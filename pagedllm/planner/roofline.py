@@ -498,9 +498,11 @@ class Capacity:
 def sliding_window_kv(spec: ModelSpec, context_len: int, block_size: int) -> dict[str, Any] | None:
     """What a sequence of context_len tokens holds with the window counted, as fractions of the same model
     with windows ignored. A sliding layer needs only the blocks its window sees (ceil(window / block_size)
-    + 1); `fraction_per_layer_kv` is that over all layers (full layers hold everything: what separate KV
-    groups per layer type would hold). `fraction_engine` is what pagedllm's KV cache manager holds: it
-    frees blocks behind the window only when every layer slides, and otherwise keeps them all."""
+    + 1); `fraction_per_layer_kv` is that over all layers (full layers hold everything). `fraction_engine`
+    is what pagedllm's KV cache manager holds: the same, since full and sliding layers keep separate KV
+    cache groups of equal size in one pool (kv_cache/manager.py); `fraction_engine_without_groups` is what
+    it holds where groups are off (speculative decoding, a KV connector or a one-byte KV cache keep every
+    block of a model with full layers)."""
     if spec.sliding_window is None or spec.num_sliding_layers == 0:
         return None
     full_blocks = max(1, math.ceil(context_len / block_size))
@@ -512,7 +514,10 @@ def sliding_window_kv(spec: ModelSpec, context_len: int, block_size: int) -> dic
         "num_sliding_layers": spec.num_sliding_layers,
         "blocks_per_sequence_in_window": window_blocks,
         "fraction_per_layer_kv": per_layer,
-        "fraction_engine": window_blocks / full_blocks if num_full == 0 else 1.0,
+        # (config.kv_cache_groups: groups of gcd(full, sliding) layers; one group when every layer slides)
+        "num_kv_cache_groups": spec.num_layers // math.gcd(num_full, spec.num_sliding_layers) if num_full else 1,
+        "fraction_engine": per_layer,
+        "fraction_engine_without_groups": window_blocks / full_blocks if num_full == 0 else 1.0,
     }
 
 

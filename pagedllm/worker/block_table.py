@@ -1,9 +1,9 @@
 """The runner's copy of every live request's block table, as rows of one array (vLLM V1's BlockTable).
 
-The KV cache manager reports which tables it wrote since the last step (`take_table_changes`: per
-request, the first index written and the ids from there on); the plan carries that, and the runner
-writes just those entries here. A step's tables are then one gather of rows, not a rebuild from Python
-lists whose cost grows with every request's length.
+The KV cache manager reports which tables it wrote since the last step (`take_table_changes`: per KV
+cache group and request, the first index written and the ids from there on); the plan carries that, and
+the runner writes just those entries here. A step's tables are then one gather of rows, not a rebuild from
+Python lists whose cost grows with every request's length.
 
 Entries past a request's current length may be stale (a trim only shortens a table); readers take the
 first ceil(seq_len / block_size) entries of a row, which are always exact.
@@ -18,22 +18,35 @@ import torch
 
 
 class BlockTables:
-    def __init__(self, max_num_reqs: int, max_blocks_per_req: int):
-        self.table = np.zeros((max(1, max_num_reqs), max(1, max_blocks_per_req)), dtype=np.int64)
-        self.tensor = torch.from_numpy(self.table)  # the same memory, for the step-input op
-        self.row_of: dict[str, int] = {}
-        self._free_rows = list(range(self.table.shape[0] - 1, -1, -1))
+    """One array per KV cache group (kv_cache/manager.py), a request's row the same in each."""
 
-    def apply(self, changes: dict[str, tuple[int, list[int]]]) -> None:
-        """Write what the KV cache manager changed (see KVCacheManager.take_table_changes)."""
-        for request_id, (first, block_ids) in changes.items():
-            row = self.row_of.get(request_id)
-            if row is None:
-                row = self._new_row(request_id)
-            end = first + len(block_ids)
-            if end > self.table.shape[1]:
-                self._grow(rows=self.table.shape[0], cols=max(end, 2 * self.table.shape[1]))
-            self.table[row, first:end] = block_ids
+    def __init__(self, max_num_reqs: int, max_blocks_per_req: int, num_groups: int = 1):
+        shape = (max(1, max_num_reqs), max(1, max_blocks_per_req))
+        self.tables = [np.zeros(shape, dtype=np.int64) for _ in range(num_groups)]
+        self.tensors = [torch.from_numpy(table) for table in self.tables]  # the same memory, for the step-input op
+        self.row_of: dict[str, int] = {}
+        self._free_rows = list(range(shape[0] - 1, -1, -1))
+
+    @property
+    def table(self) -> np.ndarray:
+        """Group 0's tables (the only group of most models)."""
+        return self.tables[0]
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.tensors[0]
+
+    def apply(self, changes: list[dict[str, tuple[int, list[int]]]]) -> None:
+        """Write what the KV cache manager changed, group by group (see KVCacheManager.take_table_changes)."""
+        for group, group_changes in enumerate(changes):
+            for request_id, (first, block_ids) in group_changes.items():
+                row = self.row_of.get(request_id)
+                if row is None:
+                    row = self._new_row(request_id)
+                end = first + len(block_ids)
+                if end > self.table.shape[1]:
+                    self._grow(rows=self.table.shape[0], cols=max(end, 2 * self.table.shape[1]))
+                self.tables[group][row, first:end] = block_ids
 
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget requests that left the engine (their rows are reused)."""
@@ -56,8 +69,9 @@ class BlockTables:
         return row
 
     def _grow(self, rows: int, cols: int) -> None:
-        table = np.zeros((rows, cols), dtype=np.int64)
         old_rows, old_cols = self.table.shape
-        table[:old_rows, :old_cols] = self.table
-        self.table = table
-        self.tensor = torch.from_numpy(table)
+        for group, old in enumerate(self.tables):
+            table = np.zeros((rows, cols), dtype=np.int64)
+            table[:old_rows, :old_cols] = old
+            self.tables[group] = table
+            self.tensors[group] = torch.from_numpy(table)

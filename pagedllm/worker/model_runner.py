@@ -150,10 +150,22 @@ class ModelRunner:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         self.sampler = Sampler(generator)
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[torch.Tensor] = []  # per layer
+        self.kv_cache_tensors: list[torch.Tensor] = []  # the distinct ones (layers of different groups share)
+        # KV cache groups (kv_cache/manager.py): layer i of every group shares cache tensor i, and each
+        # group has its own block tables, so each layer attends with its group's metadata.
+        groups = cache_config.kv_cache_groups or [(None, list(range(model_config.num_hidden_layers)))]
+        self.num_kv_cache_groups = len(groups)
+        self.group_of_layer = [0] * model_config.num_hidden_layers
+        self.slot_of_layer = list(range(model_config.num_hidden_layers))
+        for group, (_, layers) in enumerate(groups):
+            for slot, layer in enumerate(layers):
+                self.group_of_layer[layer], self.slot_of_layer[layer] = group, slot
+        self.num_kv_cache_tensors = len(groups[0][1])
         # every live request's block table, kept from the KV cache manager's changes (the plan carries them)
         self.block_tables = BlockTables(scheduler_config.max_num_seqs,
-                                        -(-scheduler_config.max_model_len // self.block_size) + 1)
+                                        -(-scheduler_config.max_model_len // self.block_size) + 1,
+                                        num_groups=self.num_kv_cache_groups)
         # One rank: the last step, if every request computed one token and sampled one, kept so that the next
         # can continue it (prepare, given the same requests one token on; under async scheduling, in a worker
         # process, execute_continued_decode, for plain-greedy steps only)
@@ -192,7 +204,9 @@ class ModelRunner:
 
     # ---- KV cache ----
     def kv_cache_bytes_per_block(self) -> int:
-        return self.model_config.kv_bytes_per_token(self.kv_dtype, self.tp_size) * self.block_size
+        """A block holds one block of KV for each layer of a KV cache group (all layers with one group)."""
+        per_token = self.model_config.kv_bytes_per_token(self.kv_dtype, self.tp_size)
+        return per_token // self.model_config.num_hidden_layers * self.num_kv_cache_tensors * self.block_size
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -202,7 +216,7 @@ class ModelRunner:
         runner = self.draft_runner
         if runner is None:
             return 0
-        return runner.weight_bytes() + sum(c.numel() * c.element_size() for c in runner.kv_caches)
+        return runner.weight_bytes() + sum(c.numel() * c.element_size() for c in runner.kv_cache_tensors)
 
     def activation_bytes_estimate(self) -> int:
         c = self.model_config
@@ -246,7 +260,9 @@ class ModelRunner:
             # host, which other processes share and which nothing reserves for us; and never more than
             # every sequence at full length could use, nor more than the memory available now (ranks on
             # one host each take their share of it).
-            max_blocks = self.scheduler_config.max_num_seqs * self.scheduler_config.max_model_len // self.block_size + 1
+            # (a block holds one KV cache group's layers: a sequence takes blocks in every group)
+            max_blocks = (self.scheduler_config.max_num_seqs * self.scheduler_config.max_model_len // self.block_size
+                          * self.num_kv_cache_groups + 1)
             available = (int(available_cpu_memory() * cfg.gpu_memory_utilization) // self.ranks_per_host
                          - self.activation_bytes_estimate())
             candidates = {f"the {DEFAULT_CPU_KV_CACHE_BYTES / 2**30:g} GiB default": DEFAULT_CPU_KV_CACHE_BYTES,
@@ -275,8 +291,8 @@ class ModelRunner:
         # (MLA: [1, 1, num_blocks, block_size, latent + rope key], see ModelConfig.kv_cache_layer_shape).
         # Zeroed: masked-out padding is multiplied by 0 in attention, and 0 * NaN garbage would be NaN.
         # One-byte kinds: uint8 tiles of codes followed by their bf16 row scales (kv_cache/quant.py).
-        shape = (c.num_hidden_layers, *c.kv_cache_layer_shape(num_blocks, self.block_size, self.tp_size,
-                                                              self.kv_dtype))
+        shape = (self.num_kv_cache_tensors, *c.kv_cache_layer_shape(num_blocks, self.block_size, self.tp_size,
+                                                                    self.kv_dtype))
         storage_dtype = torch.uint8 if is_quantized(self.kv_dtype) else self.kv_dtype
         if self.device.type == "cpu":
             # calloc'd memory: the OS hands out zero pages on first touch, so start-up does not write
@@ -285,7 +301,8 @@ class ModelRunner:
             cache = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(storage_dtype).view(shape)
         else:
             cache = torch.zeros(shape, dtype=storage_dtype, device=self.device)
-        self.kv_caches = list(cache.unbind(0))
+        self.kv_cache_tensors = list(cache.unbind(0))
+        self.kv_caches = [self.kv_cache_tensors[slot] for slot in self.slot_of_layer]
         if self.checkpoint_kv_scales is not None:
             for layer_cache, scales in zip(self.kv_caches, self.checkpoint_kv_scales):
                 self.backend.static_scales[layer_cache.data_ptr()] = scales.to(self.device)
@@ -297,12 +314,15 @@ class ModelRunner:
         draft = f"; draft weights and KV {_gib(self.draft_bytes())}" if self.draft_bytes() else ""
         num_tokens = num_blocks * self.block_size
         max_model_len = self.scheduler_config.max_model_len
-        logger.info("%sKV cache: %s (%s, %d bytes per token%s, %d KV heads, from %s) = %d blocks of %d tokens = %d "
+        groups = (f" (each holding {self.num_kv_cache_tensors} layers: {self.num_kv_cache_groups} KV cache groups, "
+                  "a sequence takes blocks in each)" if self.num_kv_cache_groups > 1 else "")
+        logger.info("%sKV cache: %s (%s, %d bytes per token%s, %d KV heads, from %s) = %d blocks of %d tokens%s = %d "
                     "tokens, room for %d sequences of max_model_len %d%s; weights %s%s",
                     rank, _gib(cache.numel() * cache.element_size()), self._kv_dtype_description(),
                     c.kv_bytes_per_token(self.kv_dtype, self.tp_size), ", MLA latent" if c.is_mla else "",
                     self.num_kv_heads, getattr(self, "kv_budget_source", "the budget"), num_blocks, self.block_size,
-                    num_tokens, num_blocks // -(-max_model_len // self.block_size), max_model_len,
+                    groups, num_tokens // self.num_kv_cache_groups,
+                    num_blocks // (-(-max_model_len // self.block_size) * self.num_kv_cache_groups), max_model_len,
                     "; host memory is taken lazily, as blocks are first written (set --kv-cache-memory-bytes "
                     f"or {CPU_KVCACHE_SPACE_ENV}=GiB to change)" if self.device.type == "cpu" else "",
                     _gib(self.weight_bytes()), draft)
@@ -328,7 +348,7 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for cache in self.kv_caches:
+        for cache in self.kv_cache_tensors:  # (a block's id means the same block in every tensor)
             if cache.dtype.itemsize == 1:
                 raw = cache.view(torch.uint8)
                 raw[:, :, dst] = raw[:, :, src]
@@ -379,7 +399,7 @@ class ModelRunner:
         return output
 
     def execute_continued_decode(self, start_pos: list[int], num_new_tokens: list[int],
-                                 block_table_changes: dict[str, tuple[int, list[int]]]
+                                 block_table_changes: list[dict[str, tuple[int, list[int]]]]
                                  ) -> tuple[list[int], float] | None:
         """A steady decode step under async scheduling, from the last step's arrays (a persistent batch, as
         vLLM's InputBatch): the worker calls it for a plan that runs the last plan's requests, in its order,
@@ -478,8 +498,8 @@ class ModelRunner:
                     entry_start_pos.append(start)
                     entry_query_lens.append(num_new)
                     entry_rows.append(row)
-        inputs = step_inputs(token_ids, entry_start_pos, entry_query_lens, entry_rows, self.block_tables.tensor,
-                             self.block_size, zero_pad=self.backend.needs_dense_masks)
+        inputs = [step_inputs(token_ids, entry_start_pos, entry_query_lens, entry_rows, table, self.block_size,
+                              zero_pad=self.backend.needs_dense_masks) for table in self.block_tables.tensors]
         return self._batch(order, len(order) - len(long), inputs, start_pos, entry_query_lens, query_starts,
                            request_ids, rows, argmax_decode, num_short_entries=len(entry_query_lens) - len(long))
 
@@ -500,29 +520,45 @@ class ModelRunner:
         token `last` sampled, its block-table row the same."""
         n = len(last.request_ids)
         ones = [1] * n
-        table, dense = self.block_tables.tensor, self.backend.needs_dense_masks
+        dense = self.backend.needs_dense_masks
         if last.token_tensor is not None:  # on the CPU: from the last step's tensors, no list read
             if last.rows_tensor is None:
                 last.rows_tensor = torch.tensor(last.rows)
-            inputs = decode_step_inputs(last.token_tensor, last.positions, last.rows_tensor, table, self.block_size,
-                                        zero_pad=dense)
+            inputs = [decode_step_inputs(last.token_tensor, last.positions, last.rows_tensor, table, self.block_size,
+                                         zero_pad=dense) for table in self.block_tables.tensors]
         else:
-            inputs = step_inputs(last.token_ids, last.next_start_pos, ones, last.rows, table, self.block_size,
-                                 zero_pad=dense)
+            inputs = [step_inputs(last.token_ids, last.next_start_pos, ones, last.rows, table, self.block_size,
+                                  zero_pad=dense) for table in self.block_tables.tensors]
         return self._batch(order, n, inputs, last.next_start_pos, ones, list(range(n)), last.request_ids,
                            last.rows, argmax_decode=last.argmax, rows_tensor=last.rows_tensor)
 
-    def _batch(self, order: list[ScheduledRequest] | None, num_short: int, inputs: StepInputs,
+    def _batch(self, order: list[ScheduledRequest] | None, num_short: int, inputs: list[StepInputs],
                start_pos: list[int], query_lens: list[int], query_starts: list[int], request_ids: list[str],
                rows: list[int], argmax_decode: bool, rows_tensor: torch.Tensor | None = None,
                num_short_entries: int | None = None) -> Batch:
-        """The step's Batch from its flat inputs (step_inputs) and lists; `order` (None: all short) gives
-        the long prefill chunks, which follow the `num_short` short ones. query_lens and num_short_entries
-        count the attention's sequences (`inputs`'), which split a verifying request into one per token."""
+        """The step's Batch from its flat inputs (step_inputs, one per KV cache group: the same tokens, each
+        group's block tables and slots) and lists; `order` (None: all short) gives the long prefill chunks,
+        which follow the `num_short` short ones. query_lens and num_short_entries count the attention's
+        sequences (`inputs`'), which split a verifying request into one per token."""
+        long = order[num_short:] if order is not None else []
+        if num_short_entries is None:
+            num_short_entries = num_short
+        groups = [self._metadata(long, num_short, num_short_entries, group_inputs, query_lens, query_starts)
+                  for group_inputs in inputs]
+        metadata = groups[0]
+        if len(groups) > 1:
+            metadata.layer_metadata = [groups[group] for group in self.group_of_layer]
+        on_device = (lambda t: t) if self.device.type == "cpu" else (lambda t: t.to(self.device))
+        return Batch(input_ids=on_device(inputs[0].input_ids), positions=on_device(inputs[0].positions),
+                     metadata=metadata, order=order, query_starts=query_starts, request_ids=request_ids,
+                     start_pos=start_pos, rows=rows, argmax_decode=argmax_decode, rows_tensor=rows_tensor)
+
+    def _metadata(self, long: list[ScheduledRequest], num_short: int, num_short_entries: int, inputs: StepInputs,
+                  query_lens: list[int], query_starts: list[int]) -> AttentionMetadata:
+        """The attention metadata of one KV cache group (see _batch)."""
         bs = self.block_size
         device = self.device
         dense = self.backend.needs_dense_masks
-        long = order[num_short:] if order is not None else []
         on_device = (lambda t: t) if device.type == "cpu" else (lambda t: t.to(device))
         metadata = AttentionMetadata(
             slot_mapping=on_device(inputs.slot_mapping), query_start_loc=on_device(inputs.query_start_loc),
@@ -531,8 +567,6 @@ class ModelRunner:
         if long or dense:  # per-request views of the same arrays
             seq_lens, tables = inputs.seq_lens.numpy(), inputs.block_tables.numpy()
             num_blocks = (seq_lens + (bs - 1)) // bs
-        if num_short_entries is None:
-            num_short_entries = num_short
         if num_short and dense:
             n = num_short_entries
             self._prepare_decodes(np.array(query_lens[:n], dtype=np.int64), seq_lens[:n],
@@ -548,9 +582,7 @@ class ModelRunner:
                 prefill.attn_mask = key_pos[None, :] <= key_pos[s.start_pos:, None]
             metadata.prefills.append(prefill)
         self.backend.prepare_metadata(metadata)
-        return Batch(input_ids=on_device(inputs.input_ids), positions=on_device(inputs.positions),
-                     metadata=metadata, order=order, query_starts=query_starts, request_ids=request_ids,
-                     start_pos=start_pos, rows=rows, argmax_decode=argmax_decode, rows_tensor=rows_tensor)
+        return metadata
 
     def _prepare_decodes(self, query_lens: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray,
                          metadata: AttentionMetadata) -> None:
