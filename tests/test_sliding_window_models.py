@@ -346,3 +346,25 @@ def test_a_window_hit_survives_the_eviction_of_early_blocks(tmp_path_factory: py
     outputs = llm.generate([prompt], params, use_tqdm=False)
     _check(model_dir, [prompt], outputs, [want])
     assert outputs[0].num_cached_tokens == 144  # nine blocks: what the window needs of them was kept
+
+
+def test_a_request_no_pool_can_hold_is_refused_not_left_waiting(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """With KV cache groups a request holds blocks in every group: one whose full groups' tokens (or whose
+    first prefill chunk in every group) exceed the pool is a ValueError at add time, never a request that
+    waits forever, and the engine serves the next one."""
+    model_dir = build_model(tmp_path_factory.mktemp("gemma3_small_pool"), **CASES["gemma3"])
+    llm = LLM(model=model_dir, dtype="float32", seed=0, block_size=16, num_gpu_blocks_override=10,
+              max_num_batched_tokens=32)
+    assert llm.llm_engine.cache_config.kv_cache_groups is not None
+    num_groups = llm.llm_engine.kv_cache_manager.num_groups
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    too_long = [5] * (16 * 10)  # more blocks than the pool in the full group alone
+    with pytest.raises(ValueError, match="can never fit in the KV cache"):
+        llm.generate([too_long], params, use_tqdm=False)
+    # 88 tokens: 6 blocks in the full group, which the pool has, but 3 more in each sliding group
+    assert num_groups == 3
+    with pytest.raises(ValueError, match="can never fit in the KV cache"):
+        llm.generate([[5] * 80], params, use_tqdm=False)
+    out = llm.generate([[5] * 8], params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 8
+    assert metric_values(llm)["pagedllm:kv_cache_free_blocks"] == metric_values(llm)["pagedllm:kv_cache_total_blocks"]

@@ -157,7 +157,9 @@ class AsyncLLMEngine:
         self.model_config = config.model_config
         self.tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
         self.input_processor = InputProcessor(args, self.model_config, self.tokenizer, args.block_size,
-                                              config.cache_config.num_blocks)
+                                              config.cache_config.num_blocks,
+                                              kv_cache_groups=config.cache_config.kv_cache_groups,
+                                              max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._streams: dict[str, RequestStream] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}

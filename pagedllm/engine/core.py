@@ -24,7 +24,7 @@ from pagedllm.engine.arg_utils import EngineArgs, create_engine_config
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.executor.abstract import Executor, ExecutorDeadError
-from pagedllm.kv_cache.manager import KVCacheManager
+from pagedllm.kv_cache.manager import KVCacheManager, blocks_per_request
 from pagedllm.kv_cache.snapshot import KVCacheSnapshot
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.reader import Counter, Gauge, Histogram, Metric
@@ -34,13 +34,6 @@ from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-def blocks_per_request(group_windows: list[int | None], num_tokens: int, block_size: int) -> int:
-    """The most blocks a request of num_tokens holds over all KV cache groups: a sliding group at most
-    ceil(window / block_size) + 1."""
-    full = -(-num_tokens // block_size)
-    return sum(full if window is None else min(full, -(-window // block_size) + 1) for window in group_windows)
 
 
 def describe_kv_cache_groups(groups: list[tuple[int | None, list[int]]] | None, window: int | None,

@@ -12,7 +12,7 @@ from typing import Any
 from pagedllm.config import ModelConfig
 from pagedllm.core_types.engine_core import EngineCoreRequest
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.kv_cache.manager import cdiv
+from pagedllm.kv_cache.manager import blocks_per_request
 from pagedllm.lora.peft import validate_adapter
 from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
@@ -23,12 +23,18 @@ PromptType = str | list[int] | dict[str, Any]
 
 class InputProcessor:
     def __init__(self, args: EngineArgs, model_config: ModelConfig, tokenizer: Any, block_size: int,
-                 num_blocks: int, structured_output_manager: StructuredOutputManager | None = None) -> None:
+                 num_blocks: int, structured_output_manager: StructuredOutputManager | None = None,
+                 kv_cache_groups: list[tuple[int | None, list[int]]] | None = None,
+                 max_num_batched_tokens: int = 0) -> None:
         self.args = args
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.num_blocks = num_blocks
+        # the windows of the KV cache groups (one full group when the model has none): a request must fit
+        # in the pool at its peak, a prefill chunk in flight in every sliding group
+        self.group_windows = [window for window, _ in kv_cache_groups] if kv_cache_groups else [None]
+        self.max_num_batched_tokens = max_num_batched_tokens
         # compiles each guided-decoding spec once here so a bad one is a ValueError, not a failed step
         # (an in-process core shares its manager, so its cache of compiled grammars serves both)
         self.structured_output_manager = structured_output_manager or StructuredOutputManager(
@@ -97,9 +103,10 @@ class InputProcessor:
             raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {len(token_ids)} tokens exceeds "
                              f"max_model_len={max_len}; lower max_tokens or shorten the prompt.")
         total = len(token_ids) + (params.max_tokens or max_len - len(token_ids))
-        if cdiv(total, self.block_size) > self.num_blocks:
+        first_chunk = min(len(token_ids), self.max_num_batched_tokens)
+        if blocks_per_request(self.group_windows, total, self.block_size, first_chunk) > self.num_blocks:
             raise ValueError(f"prompt plus max_tokens ({total} tokens) can never fit in the KV cache of "
-                             f"{self.num_blocks * self.block_size} tokens.")
+                             f"{self.num_blocks} blocks of {self.block_size} tokens.")
         if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
             raise ValueError(f"logprobs must be at most max_logprobs={self.args.max_logprobs}, got {params.logprobs}.")
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.args.max_logprobs:

@@ -65,7 +65,9 @@ class LLMEngine:
         self.parallel_config = core.parallel_config
         self.speculative_config = core.speculative_config
         self.input_processor = InputProcessor(args, self.model_config, tokenizer, args.block_size,
-                                              self.cache_config.num_blocks, core.structured_output_manager)
+                                              self.cache_config.num_blocks, core.structured_output_manager,
+                                              self.cache_config.kv_cache_groups,
+                                              self.scheduler_config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(tokenizer)
         self._counter = itertools.count()
         # user request id -> the exception that ended it in the last step (see step())

@@ -56,6 +56,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def blocks_per_request(group_windows: Sequence[int | None], num_tokens: int, block_size: int,
+                       first_chunk_tokens: int = 0) -> int:
+    """The fewest blocks over all KV cache groups in which a request of num_tokens can run alone: a full
+    group holds all its tokens, a sliding group at most ceil(window / block_size) + 1 blocks while
+    decoding, but every group holds the whole first prefill chunk (first_chunk_tokens) while it runs."""
+    full = cdiv(num_tokens, block_size)
+    decoding = sum(full if window is None else min(full, cdiv(window, block_size) + 1) for window in group_windows)
+    return max(decoding, len(group_windows) * cdiv(first_chunk_tokens, block_size))
+
+
 @dataclass(eq=False)
 class KVCacheGroupTables:
     """One KV cache group's block tables (vLLM's SingleTypeKVCacheManager state)."""
