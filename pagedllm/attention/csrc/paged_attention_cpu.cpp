@@ -146,11 +146,11 @@ inline void transpose_to_float(const cache_t* src, float* dst, int64_t j0, int64
 #if defined(__AVX512F__)
 // The decode path's helpers pass vectors and small arrays of them: out of line (GCC's inliner leaves
 // sum16 and decode_chunk as calls), those go through the stack on every block.
-#define PAGEDLLM_ALWAYS_INLINE inline __attribute__((always_inline))
+#define PA_ALWAYS_INLINE inline __attribute__((always_inline))
 
 // Lane j of the result is the sum of p[j]'s 16 lanes: a transpose-and-add tree (8 + 4 + 2 + 1 vector adds)
 // instead of 16 horizontal reductions. Each level halves the vectors.
-PAGEDLLM_ALWAYS_INLINE __m512 sum16(const __m512* p) {
+PA_ALWAYS_INLINE __m512 sum16(const __m512* p) {
   __m512 a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)  // within 128-bit lanes: (p0_0+p0_2, p1_0+p1_2, p0_1+p0_3, p1_1+p1_3)
     a[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
@@ -175,8 +175,8 @@ inline void scores16(const float* __restrict q, const float* __restrict k, int64
 }
 
 // 16 elements of a cache row as fp32, widened in registers.
-PAGEDLLM_ALWAYS_INLINE __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-PAGEDLLM_ALWAYS_INLINE __m512 load16(const c10::BFloat16* x) {
+PA_ALWAYS_INLINE __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+PA_ALWAYS_INLINE __m512 load16(const c10::BFloat16* x) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
@@ -188,7 +188,7 @@ PAGEDLLM_ALWAYS_INLINE __m512 load16(const c10::BFloat16* x) {
 // D a multiple of 32) with `_mm512_dpbf16_ps` (bf16 pairs multiplied exactly, summed in fp32), then
 // scaled: the bf16 K row needs no widening at all.
 template <typename cache_t>
-PAGEDLLM_ALWAYS_INLINE __m512 chunk_scores(const float* q, const uint16_t* q_bf16, const cache_t* k, int64_t D, float scale) {
+PA_ALWAYS_INLINE __m512 chunk_scores(const float* q, const uint16_t* q_bf16, const cache_t* k, int64_t D, float scale) {
   __m512 p[16];
   for (int j = 0; j < 16; ++j) p[j] = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
@@ -212,7 +212,7 @@ PAGEDLLM_ALWAYS_INLINE __m512 chunk_scores(const float* q, const uint16_t* q_bf1
 // acc[r] = acc[r] * alpha[r] + sum_j probs[r][j] v_j for R rows, 16 columns at a time: each V vector is
 // loaded (and widened) once for all R rows, whose accumulators stay in registers.
 template <typename cache_t, int R>
-PAGEDLLM_ALWAYS_INLINE void chunk_values(const cache_t* v, int64_t D, const float* probs, const float* alpha, float* acc) {
+PA_ALWAYS_INLINE void chunk_values(const cache_t* v, int64_t D, const float* probs, const float* alpha, float* acc) {
   for (int64_t d = 0; d < D; d += 16) {
     __m512 a[R];
     for (int r = 0; r < R; ++r) a[r] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), _mm512_set1_ps(alpha[r]));
@@ -227,7 +227,7 @@ PAGEDLLM_ALWAYS_INLINE void chunk_values(const cache_t* v, int64_t D, const floa
 // One 16-key chunk for all `rows` rows: scores and the online-softmax update row by row, then V for all.
 // probs [rows][16] and alpha [rows] are scratch.
 template <typename cache_t>
-PAGEDLLM_ALWAYS_INLINE void decode_chunk(const float* q, const uint16_t* q_bf16, const cache_t* k, const cache_t* v, int64_t rows,
+PA_ALWAYS_INLINE void decode_chunk(const float* q, const uint16_t* q_bf16, const cache_t* k, const cache_t* v, int64_t rows,
                          int64_t D, float scale, float soft_cap, float* row_max, float* row_sum, float* acc,
                          float* probs, float* alpha) {
   for (int64_t m = 0; m < rows; ++m) {
