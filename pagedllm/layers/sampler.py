@@ -331,32 +331,42 @@ def exponential_noise(shape: tuple[int, ...], rows: list[SamplingRow], device: t
     return noise
 
 
-def seeded_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """[N] token ids of seeded random rows from their (adjusted) logits: the Gumbel-max race over the
-    tokens that temperature, min-p, top-k and top-p keep. Rows whose kept set lies within the candidates
-    race over those only; the race over the whole row picks the same token (the noise is per token)."""
+def sample_kept(logits: torch.Tensor, rows: list[SamplingRow],
+                draw: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """[N] token ids of random rows: temperature and min-p over the whole row, then top-k/top-p over the
+    candidates where they provably hold the kept set (else over the whole row); `draw(kept, ids, rows)`
+    picks a column of each row of `kept` (logits, the removed ones -inf), `ids` being their token ids and
+    `rows` their indices in `rows`. Candidate rows are drawn first, then whole rows."""
     temperature, top_k, top_p, min_p = _filter_params(rows, logits.dtype, logits.device, logits.shape[-1])
     scaled = apply_min_p(logits / temperature.unsqueeze(1), min_p)
     vocab = logits.shape[-1]
     token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-    full = ~(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
-    if not bool(full.all()):
-        rows_f = (~full).nonzero().flatten()
+    filtered = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
+    full = ~filtered
+    if bool(filtered.any()):
+        rows_f = filtered.nonzero().flatten()
         values, ids, exact = top_k_top_p_candidates(scaled[rows_f], top_k[rows_f], top_p[rows_f])
         full[rows_f[~exact]] = True
-        rows_c = exact.nonzero().flatten()
-        if len(rows_c):
-            sub_rows = [rows[i] for i in rows_f[rows_c].tolist()]
-            race = values[rows_c].to(torch.float64) + seeded_gumbel(sub_rows, ids[rows_c])
-            token_ids[rows_f[rows_c]] = ids[rows_c].gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)
+        if bool(exact.any()):
+            values, ids, rows_c = values[exact], ids[exact], rows_f[exact]
+            token_ids[rows_c] = ids.gather(1, draw(values, ids, rows_c).unsqueeze(1)).squeeze(1)
     if bool(full.any()):
         rows_v = full.nonzero().flatten()
         kept = apply_top_k_top_p_min_p(scaled[rows_v], top_k[rows_v], top_p[rows_v],
                                        torch.zeros_like(min_p[rows_v]))  # min-p already applied
-        vocab_ids = torch.arange(vocab, device=logits.device).expand(len(rows_v), vocab)
-        race = kept.to(torch.float64) + seeded_gumbel([rows[i] for i in rows_v.tolist()], vocab_ids)
-        token_ids[rows_v] = race.argmax(dim=-1)
+        token_ids[rows_v] = draw(kept, torch.arange(vocab, device=logits.device).expand(len(rows_v), vocab), rows_v)
     return token_ids
+
+
+def seeded_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """[N] token ids of seeded random rows from their (adjusted) logits: the Gumbel-max race over the
+    tokens that temperature, min-p, top-k and top-p keep. Rows whose kept set lies within the candidates
+    race over those only; the race over the whole row picks the same token (the noise is per token)."""
+
+    def race(kept: torch.Tensor, ids: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return (kept.to(torch.float64) + seeded_gumbel([rows[i] for i in indices.tolist()], ids)).argmax(dim=-1)
+
+    return sample_kept(logits, rows, race)
 
 
 class Sampler:
@@ -389,30 +399,9 @@ class Sampler:
         return SamplerOutput(token_ids, sampled_logprobs, topk_logprobs, topk_ids, ranks)
 
     def _sample_unseeded(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Rows without a seed share the engine's generator, so their draws come from one call. Min-p is
-        applied first, to the whole row; rows whose top-k/top-p set then lies within the candidates draw
-        from those, the others from the full vocabulary, each by inverting its distribution's CDF
-        (_categorical)."""
-        temperature, top_k, top_p, min_p = _filter_params(rows, logits.dtype, logits.device, logits.shape[-1])
-        scaled = apply_min_p(logits / temperature.unsqueeze(1), min_p)
-        vocab = logits.shape[-1]
-        token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        filtered = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
-        full = ~filtered
-        if bool(filtered.any()):
-            rows_f = filtered.nonzero().flatten()
-            values, ids, exact = top_k_top_p_candidates(scaled[rows_f], top_k[rows_f], top_p[rows_f])
-            full[rows_f[~exact]] = True
-            rows_c = exact.nonzero().flatten()
-            if len(rows_c):
-                probs = values[rows_c].softmax(dim=-1)
-                token_ids[rows_f[rows_c]] = ids[rows_c].gather(1, self._categorical(probs).unsqueeze(1)).squeeze(1)
-        if bool(full.any()):
-            rows_v = full.nonzero().flatten()
-            probs = apply_top_k_top_p_min_p(scaled[rows_v], top_k[rows_v], top_p[rows_v],
-                                            torch.zeros_like(min_p[rows_v]))  # min-p already applied
-            token_ids[rows_v] = self._categorical(probs.softmax(dim=-1))
-        return token_ids
+        """Rows without a seed share the engine's generator, so their draws come from one call per kind of
+        row (sample_kept), each by inverting its distribution's CDF (_categorical)."""
+        return sample_kept(logits, rows, lambda kept, ids, indices: self._categorical(kept.softmax(dim=-1)))
 
     def _categorical(self, probs: torch.Tensor) -> torch.Tensor:
         """One draw per row from `probs`, each row a distribution (its sum may differ from 1 by rounding):
