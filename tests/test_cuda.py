@@ -53,6 +53,17 @@ def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_TOKENS, **p
             for o in outputs]
 
 
+def assert_transformers_greedy(llm: LLM, model_dir: str, prompts: list[list[int]]) -> None:
+    """Greedy tokens equal transformers' on the same weights, the first token's logprob within 1e-4 of
+    its log-softmax, and the engine idle with every KV block free afterwards."""
+    for prompt, (got, logprobs) in zip(prompts, greedy(llm, prompts)):
+        want, logits = hf_greedy(model_dir, prompt, MAX_TOKENS)
+        assert_greedy_matches(model_dir, prompt, got, want)
+        if got[0] == want[0]:
+            assert logprobs[0] == pytest.approx(torch.log_softmax(logits, -1)[want[0]].item(), abs=1e-4)
+    assert_idle(llm)
+
+
 @pytest.fixture(autouse=True)
 def release_device_memory() -> Iterator[None]:
     """After each test, what its engines freed goes back to the device: torch's caching allocator would
@@ -140,12 +151,7 @@ def test_greedy_parity_with_transformers(llama_dir: str, prompts: list[list[int]
     llm = make_llm(llama_dir, attention_backend=backend)
     assert llm.llm_engine.model_runner.device.type == torch.device(DEVICE).type
     assert llm.llm_engine.model_runner.backend.name == backend
-    for prompt, (got, logprobs) in zip(prompts, greedy(llm, prompts)):
-        want, logits = hf_greedy(llama_dir, prompt, MAX_TOKENS)
-        assert_greedy_matches(llama_dir, prompt, got, want)
-        if got[0] == want[0]:
-            assert logprobs[0] == pytest.approx(torch.log_softmax(logits, -1)[want[0]].item(), abs=1e-4)
-    assert_idle(llm)
+    assert_transformers_greedy(llm, llama_dir, prompts)
 
 
 def test_default_engine_takes_the_device_memory_and_a_later_one_gets_it_back(llama_dir: str) -> None:
@@ -262,12 +268,7 @@ def test_sliding_window_models_parity(tmp_path_factory: pytest.TempPathFactory, 
     model = build_model(tmp_path_factory.mktemp(arch), arch, num_hidden_layers=3, head_dim=32, seed=62,
                         extra_config=extra)
     llm = make_llm(model, attention_backend=backend, max_num_batched_tokens=64)
-    for prompt, (got, logprobs) in zip(prompts, greedy(llm, prompts)):
-        want, logits = hf_greedy(model, prompt, MAX_TOKENS)
-        assert_greedy_matches(model, prompt, got, want)
-        if got[0] == want[0]:
-            assert logprobs[0] == pytest.approx(torch.log_softmax(logits, -1)[want[0]].item(), abs=1e-4)
-    assert_idle(llm)
+    assert_transformers_greedy(llm, model, prompts)
 
 
 def test_moe_parity(tmp_path_factory: pytest.TempPathFactory) -> None:
