@@ -24,7 +24,7 @@ from pagedllm.engine.arg_utils import EngineArgs, create_engine_config
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.executor.abstract import Executor, ExecutorDeadError
-from pagedllm.kv_cache.manager import KVCacheManager, blocks_per_request
+from pagedllm.kv_cache.manager import KVCacheManager, blocks_per_request, cdiv
 from pagedllm.kv_cache.snapshot import KVCacheSnapshot
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.reader import Counter, Gauge, Histogram, Metric
@@ -80,17 +80,17 @@ class EngineCore:
             logger.info("sliding window %d: every block is kept (speculative decoding or a KV connector)", window)
             window = None
         groups = self.cache_config.kv_cache_groups
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, args.block_size, args.enable_prefix_caching, sliding_window=window,
-            kv_cache_groups=[group_window for group_window, _ in groups] if groups is not None else None)
-        group_windows = [group_window for group_window, _ in groups] if groups is not None else [window]
+        group_windows = [group_window for group_window, _ in groups] if groups is not None else None
+        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
+                                               sliding_window=window, kv_cache_groups=group_windows)
+        group_windows = group_windows or [window]
         if any(group_window is not None for group_window in group_windows):
             per_request = blocks_per_request(group_windows, self.scheduler_config.max_model_len, args.block_size)
             logger.info("KV cache: %s; a request at max_model_len %d holds at most %d blocks (blocks out of the "
                         "window go back to the pool), %d without the window: room for %d such requests",
                         describe_kv_cache_groups(groups, window, self.model_config.num_hidden_layers),
                         self.scheduler_config.max_model_len, per_request,
-                        len(group_windows) * -(-self.scheduler_config.max_model_len // args.block_size),
+                        len(group_windows) * cdiv(self.scheduler_config.max_model_len, args.block_size),
                         (num_blocks - 1) // per_request)
         self.structured_output_manager = StructuredOutputManager(tokenizer, self.model_config.vocab_size,
                                                                  self.model_config.eos_token_ids)
