@@ -40,7 +40,6 @@ HOT_ROOTS = [
     ("engine.scheduler", "Scheduler.schedule"),
     ("engine.scheduler", "Scheduler.update"),
     ("worker.worker", "Worker.execute_model"),
-    ("worker.worker", "Worker.execute_model_remote"),
     ("worker.model_runner", "ModelRunner.execute"),
     ("worker.model_runner", "ModelRunner.execute_model"),
 ]
