@@ -8,9 +8,10 @@ request. Rows are not condensed: every step gathers its requests' rows by index,
 (the order sampling draws its random numbers in), so a dense prefix of rows would buy nothing.
 
 Per row: the request's token ids (prompt and outputs, the same as its state's list; a decode step
-gathers its input ids from them), its block table in each KV cache group (worker/block_table.py) and whether it
-takes the argmax of its raw logits (`greedy`: greedy sampling asking for nothing that changes or reports
-the logits). A step of unchanged requests reuses the last plan's rows; what changes is written in place.
+gathers its input ids from them), its block table in each KV cache group (worker/block_table.py),
+whether it takes the argmax of its raw logits (`greedy`: greedy sampling asking for nothing that changes
+or reports the logits) and the sampler's filter parameters (temperature, top-k, top-p, min-p). A step
+of unchanged requests reuses the last plan's rows; what changes is written in place.
 """
 
 from __future__ import annotations
@@ -21,8 +22,12 @@ import numpy as np
 import torch
 
 from pagedllm.core_types.scheduler_output import ScheduledRequest, WorkerSchedulerOutput
+from pagedllm.layers.sampler import FilterParams
 from pagedllm.worker.block_table import BlockTables
 from pagedllm.worker.request_state import CachedRequestState
+
+# top_k as given may not fit an int64; anything past every vocabulary means "off", as the vocabulary does
+_MAX_TOP_K = 2**62
 
 
 class InputBatch:
@@ -35,6 +40,12 @@ class InputBatch:
         self.token_ids = np.zeros((num_rows, max_model_len), dtype=np.int64)
         self.token_ids_tensor = torch.from_numpy(self.token_ids)
         self.greedy = np.zeros(num_rows, dtype=bool)
+        # The sampler's filter parameters (layers/sampler.FilterParams); float64 holds each Python float
+        # exactly, so the cast to the logits' dtype rounds once, as a tensor made from the floats does.
+        self.temperature = np.zeros(num_rows, dtype=np.float64)
+        self.top_k = np.zeros(num_rows, dtype=np.int64)
+        self.top_p = np.zeros(num_rows, dtype=np.float64)
+        self.min_p = np.zeros(num_rows, dtype=np.float64)
         # The last plan: its request ids (in its order), their states and rows. A plan that names no ids
         # runs the same requests (ScheduledRequestsData.request_ids).
         self.request_ids: list[str] = []
@@ -53,7 +64,10 @@ class InputBatch:
                                        list(new.prompt_token_ids), lora_request=new.lora_request)
             self.requests[new.request_id] = state
             row = self._row(new.request_id)
-            self.greedy[row] = new.sampling_params.always_argmax
+            params = new.sampling_params
+            self.greedy[row] = params.always_argmax
+            self.temperature[row], self.top_p[row], self.min_p[row] = params.temperature, params.top_p, params.min_p
+            self.top_k[row] = min(params.top_k, _MAX_TOP_K)
             self._write_tokens(row, 0, new.prompt_token_ids)
         if message.block_table_changes:
             for group_changes in message.block_table_changes:
@@ -91,6 +105,17 @@ class InputBatch:
         """Whether every one of these rows takes the argmax of its raw logits."""
         return bool(self.greedy[rows].all())
 
+    def filter_params(self, rows: list[int], dtype: torch.dtype, device: torch.device, vocab: int) -> FilterParams:
+        """These rows' temperature, top-k (clamped to `vocab`), top-p and min-p, for the sampler."""
+        index = np.array(rows, dtype=np.int64)
+
+        def tensor(values: np.ndarray, to_dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(values).to(dtype=to_dtype, device=device)
+
+        return FilterParams(tensor(self.temperature[index], dtype),
+                            tensor(np.minimum(self.top_k[index], vocab), torch.long),
+                            tensor(self.top_p[index], dtype), tensor(self.min_p[index], dtype))
+
     def _write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
         self.token_ids[row, start:start + len(token_ids)] = token_ids
 
@@ -101,5 +126,6 @@ class InputBatch:
             self.token_ids = np.concatenate([self.token_ids, np.zeros((num_rows - len(self.greedy),
                                                                        self.token_ids.shape[1]), dtype=np.int64)])
             self.token_ids_tensor = torch.from_numpy(self.token_ids)
-            self.greedy = np.resize(self.greedy, num_rows)
+            for name in ("greedy", "temperature", "top_k", "top_p", "min_p"):
+                setattr(self, name, np.resize(getattr(self, name), num_rows))
         return row

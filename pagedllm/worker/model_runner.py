@@ -588,7 +588,8 @@ class ModelRunner:
             token_bitmask = None
             if grammar_bitmask is not None:
                 token_bitmask = grammar_bitmask.select((s.request.request_id, i, 1) for i, s in enumerate(sampled))
-            result = self.sampler(logits, rows, max_logprobs, token_bitmask)
+            params = self.input_batch.filter_params(sampled_batch_rows, logits.dtype, logits.device, logits.shape[-1])
+            result = self.sampler(logits, rows, max_logprobs, token_bitmask, params)
             token_ids = result.token_ids.tolist()
             sampled_lp = result.sampled_logprobs.tolist() if result.sampled_logprobs is not None else None
             for i, s in enumerate(sampled):
