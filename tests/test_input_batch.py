@@ -57,3 +57,10 @@ def test_rows_follow_requests_through_arrival_finish_and_reuse() -> None:
     assert batch.token_ids[batch.rows[2], :2].tolist() == [11, 12]
     assert batch.block_tables.table[batch.rows, 0].tolist() == [8, 5, 6]
     assert batch.all_greedy([batch.rows[2]]) and not batch.all_greedy(batch.rows)
+
+    # "b" ends and a new request reuses its id in a plan of the same ids (sent as None): the new one runs
+    plan = batch.update(message([NewRequestData("b", [13, 14], greedy)], None, [2, 1, 1], [0, 1, 2],
+                                new_tokens=[[], [15], [16]], finished={"b"}, table_changes=[{"b": (0, [9])}]))
+    assert [s.request.all_token_ids for s in plan] == [[13, 14], [6, 15], [11, 12, 16]]
+    assert batch.greedy[batch.rows].tolist() == [True, False, True]
+    assert batch.block_tables.table[batch.rows, 0].tolist() == [9, 5, 6]

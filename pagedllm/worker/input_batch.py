@@ -75,8 +75,10 @@ class InputBatch:
                     self._row(request_id)
             self.block_tables.apply(message.block_table_changes)
         columns = message.scheduled
-        if columns.request_ids is not None:
-            self.request_ids = columns.request_ids
+        if columns.request_ids is not None or message.new_requests or message.finished_req_ids:
+            # (the same ids may name a new request: one that finished and one that reused its id)
+            if columns.request_ids is not None:
+                self.request_ids = columns.request_ids
             self.states = [self.requests[request_id] for request_id in self.request_ids]
             self.rows = self.block_tables.rows(self.request_ids)
             self.rows_array = np.array(self.rows, dtype=np.int64)
