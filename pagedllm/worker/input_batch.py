@@ -26,22 +26,21 @@ from pagedllm.layers.sampler import FilterParams
 from pagedllm.worker.block_table import BlockTables
 from pagedllm.worker.request_state import CachedRequestState
 
-# top_k as given may not fit an int64; anything past every vocabulary means "off", as the vocabulary does
+# A top_k may not fit an int64; every value at or past the vocabulary size means the same (off), so it
+# is capped here and clamped to the vocabulary when read (filter_params).
 _MAX_TOP_K = 2**62
 
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, num_groups: int = 1):
-        self.max_model_len = max_model_len
         self.requests: dict[str, CachedRequestState] = {}
         self.block_tables = BlockTables(max_num_reqs, max_blocks_per_req, num_groups)
         num_rows = self.block_tables.table.shape[0]
         # np.zeros is calloc'd: rows of short requests never touch the pages of their unused tail.
         self.token_ids = np.zeros((num_rows, max_model_len), dtype=np.int64)
-        self.token_ids_tensor = torch.from_numpy(self.token_ids)
         self.greedy = np.zeros(num_rows, dtype=bool)
         # The sampler's filter parameters (layers/sampler.FilterParams); float64 holds each Python float
-        # exactly, so the cast to the logits' dtype rounds once, as a tensor made from the floats does.
+        # exactly, so the cast to the logits' dtype gives the tensor the sampler makes from the floats.
         self.temperature = np.zeros(num_rows, dtype=np.float64)
         self.top_k = np.zeros(num_rows, dtype=np.int64)
         self.top_p = np.zeros(num_rows, dtype=np.float64)
@@ -127,7 +126,6 @@ class InputBatch:
             num_rows = self.block_tables.table.shape[0]
             self.token_ids = np.concatenate([self.token_ids, np.zeros((num_rows - len(self.greedy),
                                                                        self.token_ids.shape[1]), dtype=np.int64)])
-            self.token_ids_tensor = torch.from_numpy(self.token_ids)
             for name in ("greedy", "temperature", "top_k", "top_p", "min_p"):
                 setattr(self, name, np.resize(getattr(self, name), num_rows))
         return row

@@ -1,6 +1,8 @@
-"""The model runner: turns a SchedulerOutput into tensors, runs one forward pass, samples.
+"""The model runner: applies a step's plan (WorkerSchedulerOutput, deltas) to its InputBatch, turns it
+into tensors, runs one forward pass, samples.
 
-It owns the model, the paged KV cache tensors and the attention backend, and knows nothing of policy.
+It owns the model, the paged KV cache tensors, the attention backend and the worker's copies of the
+requests (worker/input_batch.py), and knows nothing of policy.
 Under tensor parallelism every rank runs one, on its shard of the weights and KV heads, with the same
 inputs; the logits are gathered on rank 0, which alone samples.
 """
