@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from test_server import RemoteServer
 from test_server_load import wait_until
-from tiny_models import metric_values, random_prompts, staggered_greedy_requests
+from tiny_models import metric_values, random_prompts
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import GuidedDecodingParams
@@ -124,33 +124,6 @@ def test_async_scheduling_changes_no_output(tiny_llama_dir: str, reference: tupl
             assert_same_logprobs(g[1], w[1])
         # the tokens of requests that ended while their next step ran were dropped, and are not counted
         assert metric_values(llm)["pagedllm:generation_tokens"] == num_generated
-        assert_nothing_held(llm)
-    finally:
-        llm.shutdown()
-
-
-@pytest.mark.parametrize("num_blocks", [None, 6])
-def test_steady_greedy_decodes_continue_the_last_step(tiny_llama_dir: str, num_blocks: int | None) -> None:
-    """A plain-greedy decode step is built in the worker from the last step's arrays (its sampled tokens
-    and block-table rows: ModelRunner.execute_continued_decode) and must give the in-process engine's
-    tokens, with requests ending at different steps (by length and by stop token), crossing into new
-    blocks, arriving later, and, with few blocks, sitting steps out or being preempted."""
-    inputs, params = staggered_greedy_requests(VOCAB)
-    kwargs = dict(model=tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
-                  num_gpu_blocks_override=num_blocks)
-    reference = LLM(**kwargs)
-    try:
-        want = [list(out.outputs[0].token_ids) for out in reference.generate(inputs, params, use_tqdm=False)]
-    finally:
-        reference.shutdown()
-    llm = LLM(**kwargs, async_scheduling=True)
-    try:
-        got = [list(out.outputs[0].token_ids) for out in llm.generate(inputs, params, use_tqdm=False)]
-        assert got == want
-        (counts,) = llm.llm_engine.model_executor.collective_rpc("step_counts")
-        assert counts["num_continued_decodes"] > 20, counts
-        if num_blocks is not None:
-            assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
         assert_nothing_held(llm)
     finally:
         llm.shutdown()
@@ -272,15 +245,14 @@ def test_server_with_async_scheduling(tiny_llama_dir: str, tmp_path) -> None:
             server.terminate()
 
 
-def test_plan_and_answer_travel_compact_and_arrive_whole() -> None:
-    """What crosses the pipe to a worker: a plan's columns that say nothing travel as None, and its request
-    ids as None when they are the previous plan's; a one-token-per-request answer travels as bare tokens.
-    The worker rebuilds the same plan, and the engine the same output, either way."""
-    from pagedllm.core_types.model_runner_output import ModelRunnerOutput
+def test_plan_travels_compact_and_arrives_whole() -> None:
+    """What reaches a worker: a plan's columns that say nothing travel as None, and its request ids as None
+    when they are the previous plan's. The worker's InputBatch rebuilds the same plan over its own request
+    states, whose tokens (and the batch's token rows) equal the engine's."""
     from pagedllm.core_types.scheduler_output import ScheduledRequest, SchedulerOutput
     from pagedllm.engine.request import Request
-    from pagedllm.outputs import Logprob
-    from pagedllm.worker.request_state import RequestStates, SchedulerOutputEncoder, pack_output, unpack_output
+    from pagedllm.worker.input_batch import InputBatch
+    from pagedllm.worker.request_state import SchedulerOutputEncoder
 
     requests = [Request(f"r{i}", [5, 6, 7 + i], SamplingParams(max_tokens=8)) for i in range(3)]
 
@@ -288,7 +260,7 @@ def test_plan_and_answer_travel_compact_and_arrive_whole() -> None:
         return SchedulerOutput([ScheduledRequest(r, n, start, [], sample, spec) for r, n, start, sample, spec in items],
                                sum(n for _, n, _, _, _ in items), [], [])
 
-    encoder, states = SchedulerOutputEncoder(), RequestStates()
+    encoder, batch = SchedulerOutputEncoder(), InputBatch(max_num_reqs=2, max_model_len=16, max_blocks_per_req=4)
     steps = [plan([(r, 3, 0, True, []) for r in requests])]                       # prompts: new requests
     for r in requests:
         r.append_output_token(100)
@@ -301,25 +273,16 @@ def test_plan_and_answer_travel_compact_and_arrive_whole() -> None:
     for step in steps:
         message = encoder.encode(step)
         sent.append(message.scheduled)
-        rebuilt = states.apply(message)
+        rebuilt = batch.update(message)
         assert [(s.request.request_id, s.num_new_tokens, s.start_pos, s.sample, s.spec_token_ids)
-                for s in rebuilt.scheduled] == \
+                for s in rebuilt] == \
                [(s.request.request_id, s.num_new_tokens, s.start_pos, s.sample, s.spec_token_ids)
                 for s in step.scheduled]
-        for s in rebuilt.scheduled:
+        for s in rebuilt:
             assert s.request.all_token_ids == s.request.prompt_token_ids + \
                 next(r for r in requests if r.request_id == s.request.request_id).output_token_ids
+            row = batch.block_tables.row_of[s.request.request_id]
+            assert batch.token_ids[row, :len(s.request.all_token_ids)].tolist() == s.request.all_token_ids
     assert sent[0].request_ids is not None and sent[1].request_ids is None and sent[2].request_ids == ["r0"]
     assert sent[1].spec_token_ids is None and sent[1].sample is None and sent[3].spec_token_ids == [[7, 8]]
 
-    ids = ["r0", "r1"]
-    plain = ModelRunnerOutput(sampled_token_ids={"r0": [4], "r1": [9]}, forward_s=0.25)
-    packed = pack_output(plain, ids)
-    assert packed == ([4, 9], 0.25)
-    assert unpack_output(packed, ids) == plain
-    for whole in (ModelRunnerOutput(sampled_token_ids={"r1": [9], "r0": [4]}),         # not the plan's order
-                  ModelRunnerOutput(sampled_token_ids={"r0": [4, 5], "r1": [9]}),      # a verified draft
-                  ModelRunnerOutput(sampled_token_ids={"r0": [4], "r1": [9]},
-                                    sampled_logprobs={"r0": [-0.1], "r1": [-0.2]},
-                                    logprobs={"r0": [{4: Logprob(-0.1)}], "r1": [{9: Logprob(-0.2)}]})):
-        assert pack_output(whole, ids) is whole and unpack_output(whole, ids) is whole

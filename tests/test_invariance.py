@@ -7,8 +7,6 @@ tiny KV pool forces preemption. After all that, every block is back in the free 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -257,106 +255,29 @@ def test_logprobs_survive_preemption(tiny_llama_dir: str, prefix_caching: bool) 
     assert_no_leaks(tight)
 
 
-@pytest.mark.parametrize("num_blocks,sampling,inputs_from", [
-    (None, "greedy", "tensors"), (6, "greedy", "tensors"), (None, "sampled", "tensors"), (6, "sampled", "tensors"),
-    (6, "sampled", "lists")])
-def test_continued_decode_steps_give_the_general_paths_tokens(tiny_llama_dir: str, num_blocks: int | None,
-                                                              sampling: str, inputs_from: str,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decode step that runs the last step's requests, each one token on, takes its inputs from that
-    step (ModelRunner.prepare's `continuing`): the same tokens as building them request by request, with
-    requests ending at different steps (by length and by stop token), arriving later, and, with few
-    blocks, being preempted; greedy, or seeded sampling mixed with greedy rows, logprobs and penalties;
-    from the last step's tensors (the CPU's way) or from its lists (other devices')."""
-    from pagedllm.worker.model_runner import ModelRunner
-
-    if inputs_from == "lists":
-        make_run = ModelRunner._decode_run
-
-        def without_tensors(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-            return dataclasses.replace(make_run(self, *args, **kwargs), token_tensor=None, positions=None)
-
-        monkeypatch.setattr(ModelRunner, "_decode_run", without_tensors)
-
+@pytest.mark.parametrize("num_blocks,sampling", [(None, "greedy"), (7, "greedy"), (None, "sampled")],
+                         ids=["plenty", "preempting", "sampled"])
+def test_input_batch_rows_keep_each_requests_output(tiny_llama_dir: str, num_blocks: int | None,
+                                                    sampling: str) -> None:
+    """The worker's persistent batch (worker/input_batch.py) through requests that end at different steps,
+    by length and by stop token, whose rows are then reused by later ones, with 4 rows for 10 requests,
+    and, with few blocks, preempted ones that keep their rows: each request's tokens equal its tokens
+    alone. Sampled: greedy rows beside seeded rows with logprobs and penalties (the argmax rows and the
+    sampler's in one step)."""
     inputs, params = staggered_greedy_requests(VOCAB)
     if sampling == "sampled":
         params = [SamplingParams(temperature=0.0 if i % 4 == 0 else 0.8, seed=i, max_tokens=p.max_tokens,
                                  ignore_eos=p.ignore_eos, stop_token_ids=p.stop_token_ids,
                                  logprobs=2 if i % 3 == 1 else None, repetition_penalty=1.2 if i % 5 == 2 else 1.0)
                   for i, p in enumerate(params)]
-    kwargs = dict(model=tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
-                  num_gpu_blocks_override=num_blocks)
-    general = LLM(**kwargs)
-    general.llm_engine.model_runner._continues_in_prepare = False
-    want = [list(out.outputs[0].token_ids) for out in general.generate(inputs, params, use_tqdm=False)]
-
-    continued = []
-    original = ModelRunner._continue_decode
-
-    def noted(self, *args):  # type: ignore[no-untyped-def]
-        batch = original(self, *args)
-        continued.append(batch is not None and (batch.argmax_decode or "sampled"))
-        return batch
-
-    monkeypatch.setattr(ModelRunner, "_continue_decode", noted)
-    llm = LLM(**kwargs)
+    kwargs = dict(model=tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    alone = LLM(**kwargs)
+    want = [list(alone.generate([i], p, use_tqdm=False)[0].outputs[0].token_ids) for i, p in zip(inputs, params)]
+    llm = LLM(**kwargs, max_num_seqs=4, num_gpu_blocks_override=num_blocks)
     got = [list(out.outputs[0].token_ids) for out in llm.generate(inputs, params, use_tqdm=False)]
     assert got == want
-    assert sum(bool(hit) for hit in continued) > 20 and not all(continued)
-    if sampling == "sampled":  # steps that continued a run whose rows go through the sampler
-        assert continued.count("sampled") > 10
     if num_blocks is not None:
         assert llm.llm_engine.scheduler.num_preemptions > 0
     assert_no_leaks(llm)
+    assert not llm.llm_engine.model_runner.input_batch.requests
 
-
-def _plans(llm: LLM, inputs: list, params: list) -> tuple[list[list[int]], list[tuple], int]:
-    """Run `inputs` and note every plan the scheduler makes with the KV cache manager's state right after it
-    (tables, reference counts, which blocks hold a prefix hash): (each sample's tokens, the notes, how many
-    plans came from Scheduler._steady_decodes)."""
-    scheduler = llm.llm_engine.scheduler
-    schedule, notes, steady = scheduler.schedule, [], []
-
-    def noted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        plan = schedule(*args, **kwargs)
-        kv = scheduler.kv.snapshot()
-        notes.append((tuple((s.request.request_id, s.num_new_tokens, s.start_pos, s.sample, tuple(s.spec_token_ids))
-                            for s in plan.scheduled), tuple(plan.preempted_ids), sorted(plan.finished_req_ids),
-                      plan.blocks_to_copy, plan.block_table_changes, kv.ref_cnts, kv.hashed, kv.block_tables))
-        steady.append(plan.steady_decode)
-        return plan
-
-    scheduler.schedule = noted
-    outputs = llm.generate(inputs, params, use_tqdm=False)
-    return [list(sample.token_ids) for out in outputs for sample in out.outputs], notes, sum(steady)
-
-
-@pytest.mark.parametrize("workload", ["staggered", "preempted", "parallel_sampling"])
-def test_steady_decode_plans_equal_the_general_pass(tiny_llama_dir: str, workload: str) -> None:
-    """A step in which every running request decodes one token and nothing waits is planned by a short pass
-    (Scheduler._steady_decodes) that asks the KV cache manager only at block boundaries: every plan, and
-    the manager's state after it (allocations, copy-on-write of a fork's shared block, prefix-cache
-    registration), equals what the general pass makes, step by step. Blocks of 4 tokens, so that steps
-    cross block boundaries often; all requests fit in one batch, so that most steps have nothing waiting."""
-    inputs, params = staggered_greedy_requests(VOCAB)
-    kwargs: dict = dict(model=tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
-                        block_size=4, num_gpu_blocks_override=128)
-    if workload == "preempted":  # a steady pass that runs out of blocks leaves the step to the general one
-        kwargs["num_gpu_blocks_override"] = 24
-    elif workload == "parallel_sampling":  # the samples share their prompt's last, partial block
-        inputs = [{"prompt_token_ids": p} for p in random_prompts(2, VOCAB, [6, 7], seed=1)]
-        params = [SamplingParams(n=3, temperature=1.0, seed=i, max_tokens=10, ignore_eos=True) for i in range(2)]
-    general = LLM(**kwargs)
-    general.llm_engine.scheduler._steady_decodes = lambda budget: None
-    want_tokens, want_plans, _ = _plans(general, inputs, params)
-
-    llm = LLM(**kwargs)
-    tokens, plans, num_steady = _plans(llm, inputs, params)
-    assert tokens == want_tokens
-    assert len(plans) == len(want_plans)
-    for step, (got, want) in enumerate(zip(plans, want_plans)):
-        assert got == want, f"plan {step} differs"
-    assert num_steady >= 5
-    if workload == "preempted":
-        assert llm.llm_engine.scheduler.num_preemptions > 0
-    assert_no_leaks(llm)

@@ -307,7 +307,7 @@ def test_unconstrained_steps_build_no_bitmask(llm: LLM) -> None:
     while engine.has_unfinished_requests():
         scheduler_output = engine.scheduler.schedule()
         assert scheduler_output.grammar_bitmask is None
-        model_output = engine.model_runner.execute(scheduler_output)
+        model_output = engine.model_executor.execute_model(scheduler_output)
         engine.scheduler.update(scheduler_output, model_output)
     engine.abort_request("plain")  # its output was never read: drop it from the output processor
 

@@ -40,9 +40,12 @@ HOT_ROOTS = [
     ("engine.scheduler", "Scheduler.schedule"),
     ("engine.scheduler", "Scheduler.update"),
     ("worker.worker", "Worker.execute_model"),
-    ("worker.worker", "Worker.execute_model_remote"),
     ("worker.model_runner", "ModelRunner.execute"),
     ("worker.model_runner", "ModelRunner.execute_model"),
+    # the executors encode each plan as deltas for the worker, the in-process one included
+    ("executor.uniproc", "UniProcExecutor.execute_model"),
+    ("executor.multiproc", "MultiprocExecutor.execute_model_async"),
+    ("executor.multiproc", "MultiprocExecutor.get_model_output"),
 ]
 # The step's bookkeeping lives here; the model's forward (models/, layers/, attention/) does not count.
 HOT_PACKAGES = ("engine", "kv_cache", "worker", "spec_decode", "executor", "core_types", "layers.sampler")

@@ -119,6 +119,11 @@ class StepProfiler:
         # wait on them is then charged to "forward" (see workers_in_forward)
         runner = getattr(engine, "model_runner", None)
         if runner is not None:
+            # the step's deltas as the worker receives them: encoded by the executor, applied to the
+            # runner's input batch
+            self.wrap(getattr(engine.model_executor, "encoder", None), "encode", "input preparation")
+            self.wrap(runner.input_batch, "update", "input preparation")
+            self.wrap(runner, "_prepare_plan", "input preparation")
             self.wrap(runner, "prepare", "input preparation")
             self.wrap(runner, "forward", "forward")
             self.wrap(runner.model, "compute_logits", "forward")

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 
 
 class RunnerRequest(Protocol):
-    """What the model runner reads of a scheduled request: the engine's Request in one process, the
-    worker's CachedRequestState in another."""
+    """What the model runner reads of a scheduled request: the worker's CachedRequestState (and the
+    drafter's DraftSeq, which its runner prepares as a batch)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -27,7 +27,6 @@ class RunnerRequest(Protocol):
     sampling_params: SamplingParams
     lora_request: LoRARequest | None
     num_prompt_logprobs_computed: int
-    always_argmax: bool
 
     @property
     def num_prompt_tokens(self) -> int: ...
@@ -64,8 +63,6 @@ class SchedulerOutput:
     # empty when none changed): the runner's copy of the tables is kept from these, not from each
     # ScheduledRequest's block_ids.
     block_table_changes: list[dict[str, tuple[int, list[int]]]] = field(default_factory=list)
-    # Made by Scheduler._steady_decodes: every request decodes one token, so update() takes its short loop.
-    steady_decode: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -85,8 +82,8 @@ class ScheduledRequestsData:
     """The step's scheduled requests as columns, entry i for request i: one object to pickle instead of
     one per request (unpickling is on the worker's critical path under async scheduling). A column that
     says nothing (every entry empty, zero or True) travels as None, and request_ids as None when they are
-    the previous plan's, in its order: a steady decode step's plan is then two lists of ints
-    (SchedulerOutputEncoder.encode, RequestStates.apply)."""
+    the previous plan's, in its order: a decode step's plan is then two lists of ints
+    (SchedulerOutputEncoder.encode, InputBatch.update)."""
 
     request_ids: list[str] | None = field(default_factory=list)
     new_token_ids: list[list[int]] | None = field(default_factory=list)  # appended since the worker last saw it
@@ -119,14 +116,3 @@ class WorkerSchedulerOutput:
     grammar_bitmask: GrammarBitmask | None
     kv_connector_metadata: KVConnectorMetadata | None = None
     block_table_changes: list[dict[str, tuple[int, list[int]]]] = field(default_factory=list)  # per KV cache group
-
-    def continues_decode(self) -> bool:
-        """Whether the plan runs the last plan's requests, in its order, given nothing new (no tokens from
-        the engine, proposals, prompt logprobs, grammar, KV transfers, block copies, requests that came or
-        went): a steady decode step under async scheduling (ModelRunner.execute_continued_decode checks
-        the rest)."""
-        columns = self.scheduled
-        return (columns.request_ids is None and columns.new_token_ids is None and columns.sample is None
-                and columns.spec_token_ids is None and columns.num_prompt_logprobs_computed is None
-                and not self.new_requests and not self.finished_req_ids and not self.preempted_ids
-                and not self.blocks_to_copy and self.grammar_bitmask is None and self.kv_connector_metadata is None)

@@ -57,7 +57,6 @@ class Request:
     # attribute dict); those derived from the fields above are set in __post_init__.
     # Attributes, not properties: read for every running request every step.
     is_fork_parent: bool = field(init=False)
-    always_argmax: bool = field(init=False)  # the runner's fast path
     num_prompt_tokens: int = field(init=False)
     # Set by the scheduler when it takes the request (Scheduler._watch_stops): the token ids that may end
     # it and the token count that does, so that a step's other tokens skip the whole stop test.
@@ -88,7 +87,6 @@ class Request:
     def __post_init__(self) -> None:
         params = self.sampling_params
         self.is_fork_parent = params.n > 1 and self.parent_id is None
-        self.always_argmax = params.always_argmax
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self._all_token_ids = list(self.prompt_token_ids)
         self.logprobs = [] if params.logprobs is not None else None

@@ -158,10 +158,6 @@ class Scheduler:
         the next plan waits for the steps in flight), and admits no request that would stop it."""
         self.needs_sync = False
         budget = self.config.max_num_batched_tokens
-        if not ahead and (plan := self._steady_decodes(budget)):
-            output = self._plan(plan, len(plan), [])
-            output.steady_decode = True
-            return output
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
 
@@ -273,38 +269,6 @@ class Scheduler:
                 if item.sample:
                     item.request.num_output_placeholders += 1
         return self._plan(list(scheduled.values()), self.config.max_num_batched_tokens - budget, preempted)
-
-    def _steady_decodes(self, budget: int) -> list[ScheduledRequest] | None:
-        """The plan when every running request decodes one token and nothing waits: the general pass
-        below would give each request the same one token (decodes first, in running order, each reaching
-        its last known token), but looks at each through a dozen checks that only other steps need. At
-        a large batch this is most steps, and each check touches memory the forward pass left cold. None
-        (having changed nothing but idempotent slot allocations) where nothing runs or any request needs
-        more: the caller takes the general pass."""
-        running = self.running
-        # (Not with speculative decoding: blocks that accepted proposals fill are registered in the prefix
-        # cache at the next allocation, which the pass below makes only at block boundaries.)
-        if (not running or self.waiting or len(running) > budget or self.fork_parent_ids or self.connector is not None
-                or self.config.async_scheduling or self.config.num_speculative_tokens):
-            return None
-        newest = running[-1]  # admitted last: the likeliest to be still in its prompt, so looked at first
-        if newest.num_tokens - newest.num_computed_tokens != 1:
-            return None
-        allocate_slots = self.kv.allocate_slots
-        bs = self.kv.block_size
-        plan = []
-        for request in running:
-            start = request.num_computed_tokens
-            if request.num_tokens - start != 1 or start < request.num_prompt_tokens:
-                return None  # (a prompt's last token: the general pass orders it after the decodes)
-            # A decoding request wrote its last position into a block the KV cache manager made its own (a
-            # fork's shared tail is copied at the sample's first write), so a token that neither opens a
-            # block nor fills one allocates, copies and registers nothing: the manager is asked only at
-            # those tokens.
-            if not (start % bs and (start + 1) % bs) and not allocate_slots(request, 1):
-                return None
-            plan.append(ScheduledRequest(request, 1, start, (), True, []))
-        return plan
 
     def _plan(self, plan: list[ScheduledRequest], num_batched_tokens: int, preempted: list[str]) -> SchedulerOutput:
         som = self.structured_output_manager
@@ -418,8 +382,6 @@ class Scheduler:
         sampled_token_ids = model_output.sampled_token_ids
         # logprobs come only for the requests that asked: most steps have none to look up
         all_logprobs, all_sampled_logprobs = model_output.logprobs, model_output.sampled_logprobs
-        if output.steady_decode and not all_logprobs and not all_sampled_logprobs:
-            return self._update_steady(output.scheduled, sampled_token_ids, finished), finished, forked
         async_scheduling = self.config.async_scheduling
         num_sampled = 0
         for item in output.scheduled:
@@ -469,22 +431,6 @@ class Scheduler:
             if request.is_fork_parent and request.num_computed_tokens >= request.target_num_tokens:
                 forked.extend(self._fork(request))
         return updated, finished, forked
-
-    def _update_steady(self, plan: list[ScheduledRequest], sampled_token_ids: dict[str, list[int]],
-                       finished: list[Request]) -> list[Request]:
-        """update() for a plan of _steady_decodes without logprobs: each request computed one token and
-        sampled one (nothing was proposed, so nothing is rejected). Appends the requests that stop to
-        `finished` and returns them all (each has a new token)."""
-        for item in plan:
-            request = item.request
-            request.num_computed_tokens += 1
-            (token,) = sampled_token_ids[request.request_id]
-            request.append_output_token(token)
-            if (token in request.stop_candidates or request.num_tokens >= request.length_cap) \
-                    and self._check_stop(request, token):
-                finished.append(request)
-        self.num_sampled_tokens += len(plan)
-        return [item.request for item in plan]
 
     def update_draft_token_ids(self, spec_token_ids: dict[str, list[int]]) -> None:
         """Store the proposals drafted past this step's tokens; those of finished requests are dropped."""

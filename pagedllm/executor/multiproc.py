@@ -38,7 +38,6 @@ import threading
 import time
 import traceback
 import weakref
-from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -49,7 +48,7 @@ from pagedllm.core_types.model_runner_output import ModelRunnerOutput
 from pagedllm.core_types.scheduler_output import SchedulerOutput
 from pagedllm.executor.abstract import Executor, ExecutorDeadError
 from pagedllm.platform import freeze_gc_heap
-from pagedllm.worker.request_state import SchedulerOutputEncoder, unpack_output
+from pagedllm.worker.request_state import SchedulerOutputEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +99,8 @@ class MultiprocExecutor(Executor):
         self.encoder = SchedulerOutputEncoder()
         self.workers: list[WorkerHandle] = []
         self.dead: str | None = None
-        # per step sent with execute_model_async whose answer is not yet taken: its plan's request ids
-        self._in_flight_ids: deque[list[str]] = deque()
+        # steps sent with execute_model_async whose answers are not yet taken
+        self._num_in_flight = 0
         # answers to steps sent with execute_model_unanswered, not yet read (they come before any later one)
         self._num_unread_answers = 0
         # Several nodes: calls go to rank 0, which relays them (see the module docstring).
@@ -159,7 +158,7 @@ class MultiprocExecutor(Executor):
 
     def _receive(self, what: str, timeout_s: float) -> list[Any]:
         while self._num_unread_answers:  # sent earlier, so answered first: read and dropped
-            self._collect(self._targets, EXECUTE_TIMEOUT_S, "execute_model_remote")
+            self._collect(self._targets, EXECUTE_TIMEOUT_S, "execute_model")
             self._num_unread_answers -= 1
         results = self._collect(self._targets, timeout_s, what)
         return results[0] if self.relay else results  # rank 0 relayed: it answers with every rank's result
@@ -175,24 +174,24 @@ class MultiprocExecutor(Executor):
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> None:
         # Each worker reads its pipe in order and answers every call, so the steps' answers come back in
         # the order the steps were sent.
-        self._send("execute_model_remote", (self.encoder.encode(scheduler_output),), {})
-        self._in_flight_ids.append(self.encoder.request_ids)
+        self._send("execute_model", (self.encoder.encode(scheduler_output),), {})
+        self._num_in_flight += 1
 
     def execute_model_unanswered(self, scheduler_output: SchedulerOutput) -> None:
         # Not waited for: the round trip would wake two sleeping processes at the end of every batch.
-        self._send("execute_model_remote", (self.encoder.encode(scheduler_output),), {})
+        self._send("execute_model", (self.encoder.encode(scheduler_output),), {})
         self._num_unread_answers += 1
 
     @property
     def num_steps_in_flight(self) -> int:
-        return len(self._in_flight_ids)
+        return self._num_in_flight
 
     def get_model_output(self) -> ModelRunnerOutput:
-        assert self._in_flight_ids, "no step in flight"
-        request_ids = self._in_flight_ids.popleft()
-        answer = self._receive("execute_model_remote", EXECUTE_TIMEOUT_S)[0]
+        assert self._num_in_flight, "no step in flight"
+        self._num_in_flight -= 1
+        answer = self._receive("execute_model", EXECUTE_TIMEOUT_S)[0]
         assert answer is not None
-        return unpack_output(answer, request_ids)
+        return answer
 
     def wait_for_workers(self) -> None:
         """A node other than 0: wait while this node's ranks serve rank 0's calls, until they exit."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -247,14 +248,26 @@ def adjusted_logits(logits: torch.Tensor, rows: list[SamplingRow],
     return logits
 
 
-def _filter_params(rows: list[SamplingRow], dtype: torch.dtype, device: torch.device, vocab: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+class FilterParams(NamedTuple):
+    """Each row's filter parameters as tensors: temperature, top_p and min_p in the logits' dtype, top_k
+    (int64) clamped to the vocabulary. The model runner gathers them from its input batch's rows."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+
+    def select(self, index: list[int]) -> FilterParams:
+        return FilterParams(*(t[index] for t in self))
+
+
+def _filter_params(rows: list[SamplingRow], dtype: torch.dtype, device: torch.device, vocab: int) -> FilterParams:
     temperature = torch.tensor([r.params.temperature for r in rows], dtype=dtype, device=device)
     # clamped to the vocabulary in Python, so a top_k of 2**63 or more never reaches an int64 tensor
     top_k = torch.tensor([min(r.params.top_k, vocab) for r in rows], dtype=torch.long, device=device)
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=dtype, device=device)
     min_p = torch.tensor([r.params.min_p for r in rows], dtype=dtype, device=device)
-    return temperature, top_k, top_p, min_p
+    return FilterParams(temperature, top_k, top_p, min_p)
 
 
 def processed_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -332,12 +345,16 @@ def exponential_noise(shape: tuple[int, ...], rows: list[SamplingRow], device: t
 
 
 def sample_kept(logits: torch.Tensor, rows: list[SamplingRow],
-                draw: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                draw: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                params: FilterParams | None = None) -> torch.Tensor:
     """[N] token ids of random rows: temperature and min-p over the whole row, then top-k/top-p over the
     candidates where they provably hold the kept set (else over the whole row); `draw(kept, ids, rows)`
     picks a column of each row of `kept` (logits, the removed ones -inf), `ids` being their token ids and
-    `rows` their indices in `rows`. Candidate rows are drawn first, then whole rows."""
-    temperature, top_k, top_p, min_p = _filter_params(rows, logits.dtype, logits.device, logits.shape[-1])
+    `rows` their indices in `rows`. Candidate rows are drawn first, then whole rows. `params`: the rows'
+    filter parameters where the caller has them as tensors (else read from `rows`)."""
+    if params is None:
+        params = _filter_params(rows, logits.dtype, logits.device, logits.shape[-1])
+    temperature, top_k, top_p, min_p = params
     scaled = apply_min_p(logits / temperature.unsqueeze(1), min_p)
     vocab = logits.shape[-1]
     token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
@@ -358,7 +375,7 @@ def sample_kept(logits: torch.Tensor, rows: list[SamplingRow],
     return token_ids
 
 
-def seeded_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def seeded_sample(logits: torch.Tensor, rows: list[SamplingRow], params: FilterParams | None = None) -> torch.Tensor:
     """[N] token ids of seeded random rows from their (adjusted) logits: the Gumbel-max race over the
     tokens that temperature, min-p, top-k and top-p keep. Rows whose kept set lies within the candidates
     race over those only; the race over the whole row picks the same token (the noise is per token)."""
@@ -366,7 +383,7 @@ def seeded_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     def race(kept: torch.Tensor, ids: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         return (kept.to(torch.float64) + seeded_gumbel([rows[i] for i in indices.tolist()], ids)).argmax(dim=-1)
 
-    return sample_kept(logits, rows, race)
+    return sample_kept(logits, rows, race, params)
 
 
 class Sampler:
@@ -374,7 +391,9 @@ class Sampler:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], max_logprobs: int,
-                 token_bitmask: TokenBitmask | None = None) -> SamplerOutput:
+                 token_bitmask: TokenBitmask | None = None, params: FilterParams | None = None) -> SamplerOutput:
+        """`params`: the rows' filter parameters as tensors, where the caller keeps them (else read from
+        `rows`)."""
         raw_logits = logits
         logits = adjusted_logits(logits, rows, token_bitmask)
         token_ids = argmax_rows(logits)  # what greedy rows take
@@ -382,9 +401,11 @@ class Sampler:
         unseeded = [i for i, r in enumerate(rows) if not r.params.greedy and not r.seeded]
         if seeded:
             # Speculative verification of a seeded request draws with the very same function (spec_decoder.py).
-            token_ids[seeded] = seeded_sample(logits[seeded], [rows[i] for i in seeded])
+            token_ids[seeded] = seeded_sample(logits[seeded], [rows[i] for i in seeded],
+                                              params.select(seeded) if params is not None else None)
         if unseeded:
-            token_ids[unseeded] = self._sample_unseeded(logits[unseeded], [rows[i] for i in unseeded])
+            token_ids[unseeded] = self._sample_unseeded(logits[unseeded], [rows[i] for i in unseeded],
+                                                        params.select(unseeded) if params is not None else None)
         if max_logprobs < 0 or all(r.params.logprobs is None for r in rows):
             # Nobody reads them (a request's cumulative logprob is reported only with its logprobs), and
             # the full-vocabulary pass would cost more than the greedy argmax itself.
@@ -398,10 +419,11 @@ class Sampler:
         ranks = (raw_logprobs > sampled_logprobs.unsqueeze(1)).sum(dim=-1) + 1
         return SamplerOutput(token_ids, sampled_logprobs, topk_logprobs, topk_ids, ranks)
 
-    def _sample_unseeded(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _sample_unseeded(self, logits: torch.Tensor, rows: list[SamplingRow],
+                         params: FilterParams | None = None) -> torch.Tensor:
         """Rows without a seed share the engine's generator, so their draws come from one call per kind of
         row (sample_kept), each by inverting its distribution's CDF (_categorical)."""
-        return sample_kept(logits, rows, lambda kept, ids, indices: self._categorical(kept.softmax(dim=-1)))
+        return sample_kept(logits, rows, lambda kept, ids, indices: self._categorical(kept.softmax(dim=-1)), params)
 
     def _categorical(self, probs: torch.Tensor) -> torch.Tensor:
         """One draw per row from `probs`, each row a distribution (its sum may differ from 1 by rounding):

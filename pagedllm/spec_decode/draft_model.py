@@ -44,8 +44,6 @@ class DraftSeq:
     num_computed_tokens: int = 0
     num_confirmed: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks; cut back on rollback
-    # read by ModelRunner.prepare; the draft samples in propose(), never through ModelRunner.sample
-    always_argmax = False
 
     @property
     def num_tokens(self) -> int:

@@ -40,9 +40,7 @@ class BlockTables:
         """Write what the KV cache manager changed, group by group (see KVCacheManager.take_table_changes)."""
         for group, group_changes in enumerate(changes):
             for request_id, (first, block_ids) in group_changes.items():
-                row = self.row_of.get(request_id)
-                if row is None:
-                    row = self._new_row(request_id)
+                row = self.row(request_id)
                 end = first + len(block_ids)
                 if end > self.table.shape[1]:
                     self._grow(rows=self.table.shape[0], cols=max(end, 2 * self.table.shape[1]))
@@ -54,6 +52,11 @@ class BlockTables:
             row = self.row_of.pop(request_id, None)
             if row is not None:
                 self._free_rows.append(row)
+
+    def row(self, request_id: str) -> int:
+        """The request's row, given it here if it has none."""
+        row = self.row_of.get(request_id)
+        return row if row is not None else self._new_row(request_id)
 
     def rows(self, request_ids: Iterable[str]) -> list[int]:
         row_of = self.row_of

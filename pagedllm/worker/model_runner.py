@@ -1,6 +1,8 @@
-"""The model runner: turns a SchedulerOutput into tensors, runs one forward pass, samples.
+"""The model runner: applies a step's plan (WorkerSchedulerOutput, deltas) to its InputBatch, turns it
+into tensors, runs one forward pass, samples.
 
-It owns the model, the paged KV cache tensors and the attention backend, and knows nothing of policy.
+It owns the model, the paged KV cache tensors, the attention backend and the worker's copies of the
+requests (worker/input_batch.py), and knows nothing of policy.
 Under tensor parallelism every rank runs one, on its shard of the weights and KV heads, with the same
 inputs; the logits are gathered on rank 0, which alone samples.
 """
@@ -23,15 +25,20 @@ from pagedllm.attention.backend import AttentionMetadata, PrefillSeq
 from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedllm.core_types.model_runner_output import ModelRunnerOutput
-from pagedllm.core_types.scheduler_output import RunnerRequest, ScheduledRequest, SchedulerOutput
+from pagedllm.core_types.scheduler_output import (
+    RunnerRequest,
+    ScheduledRequest,
+    ScheduledRequestsData,
+    WorkerSchedulerOutput,
+)
 from pagedllm.kv_cache.quant import KV_CACHE_DTYPES, is_quantized, resolve_kv_cache_dtype  # noqa: F401
 from pagedllm.layers.sampler import Sampler, SamplingRow, argmax_rows
 from pagedllm.models.loader import load_model
 from pagedllm.outputs import PositionLogprobs, position_logprobs
-from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.spec_decoder import SpecDecoder
 from pagedllm.structured_output import GrammarBitmask
 from pagedllm.worker.block_table import BlockTables
+from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.step_inputs import StepInputs, decode_step_inputs, step_inputs
 
 if TYPE_CHECKING:
@@ -48,35 +55,9 @@ class Batch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
-    # the scheduled requests in batch order; None for a continued decode (execute_continued_decode), which
-    # is built from the last step's arrays and never reaches sample()
-    order: list[ScheduledRequest] | None
-    query_starts: list[int]
-    request_ids: list[str]    # in batch order
-    start_pos: list[int]      # each request's first position this step
-    rows: list[int]           # each request's row of the runner's BlockTables
-    # every request computes one token, samples it, and takes the argmax of its raw logits (see sample)
-    argmax_decode: bool = False
-    rows_tensor: torch.Tensor | None = None  # `rows` as a tensor, where a continued decode made one
-
-
-@dataclass
-class _DecodeRun:
-    """The last step, when every request it ran computed one token and sampled one: what the next step
-    needs to continue it without the requests' lists (prepare's `continuing`; under async scheduling
-    execute_continued_decode, for plain-greedy runs only)."""
-
-    request_ids: list[str]
-    rows: list[int]
-    next_start_pos: list[int]  # each request's position after the step's: where a continuing step starts
-    token_ids: list[int]       # sampled: the next step's input ids
-    order: list[ScheduledRequest] | None  # the step's scheduled requests (None for a continued one)
-    argmax: bool               # every request takes the argmax of its raw logits (Batch.argmax_decode)
-    # On the CPU the same numbers as tensors, from which the next step's inputs are built without reading
-    # the lists (decode_step_inputs); None elsewhere
-    token_tensor: torch.Tensor | None = None
-    positions: torch.Tensor | None = None    # the step's positions (the next step's are one on)
-    rows_tensor: torch.Tensor | None = None  # made by the first step that continues this run
+    order: list[ScheduledRequest]  # the scheduled requests in batch order
+    query_starts: list[int]        # each request's first token in the flat batch
+    rows: list[int]                # each request's row of the runner's InputBatch (and BlockTables)
 
 
 # vLLM's CPU backend reserves VLLM_CPU_KVCACHE_SPACE GiB (default 4) for the KV cache; ours is the same
@@ -162,16 +143,11 @@ class ModelRunner:
             for slot, layer in enumerate(layers):
                 self.group_of_layer[layer], self.slot_of_layer[layer] = group, slot
         self.num_kv_cache_tensors = len(groups[0][1])
-        # every live request's block table, kept from the KV cache manager's changes (the plan carries them)
-        self.block_tables = BlockTables(scheduler_config.max_num_seqs,
-                                        -(-scheduler_config.max_model_len // self.block_size) + 1,
-                                        num_groups=self.num_kv_cache_groups)
-        # One rank: the last step, if every request computed one token and sampled one, kept so that the next
-        # can continue it (prepare, given the same requests one token on; under async scheduling, in a worker
-        # process, execute_continued_decode, for plain-greedy steps only)
-        self._keeps_decode_runs = tp_size == 1
-        self._continues_in_prepare = not scheduler_config.async_scheduling
-        self._last_decode: _DecodeRun | None = None
+        # Every live request's state, tokens, sampling flags and block-table rows, kept from each step's
+        # deltas (the block tables from the KV cache manager's changes, which the plan carries)
+        self.input_batch = InputBatch(scheduler_config.max_num_seqs, scheduler_config.max_model_len,
+                                      -(-scheduler_config.max_model_len // self.block_size) + 1,
+                                      num_groups=self.num_kv_cache_groups)
         # Disaggregated prefill: saves finished prompts' blocks (producer), loads remote ones (consumer).
         self.kv_connector = None
         kv_transfer_config = cache_config.kv_transfer_config
@@ -196,6 +172,10 @@ class ModelRunner:
                                                 scheduler_config, device, seed=seed, batch_invariant=False)
             self.spec_decoder = SpecDecoder(speculative_config, scheduler_config, self.sampler.generator,
                                             model_config.num_hidden_layers, self.weight_bytes(), self.draft_runner)
+
+    @property
+    def block_tables(self) -> BlockTables:
+        return self.input_batch.block_tables
 
     def require_lora_manager(self):  # -> LoRAManager
         if self.lora_manager is None:
@@ -356,104 +336,80 @@ class ModelRunner:
                 cache[:, :, dst] = cache[:, :, src]
 
     # ---- one step ----
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, message: WorkerSchedulerOutput) -> ModelRunnerOutput:
         """One step, in inference mode. The engine's own loops (LLM.generate's, the engine-core and worker
         processes') run in it for their whole life, and entering it runs cold Python code after each forward
         pass, so a step enters it only when its caller has not."""
         if torch.is_inference_mode_enabled():
-            return self._execute(scheduler_output)
+            return self._execute(message)
         with torch.inference_mode():
-            return self._execute(scheduler_output)
+            return self._execute(message)
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute(self, message: WorkerSchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
-        last, self._last_decode = self._last_decode, None
-        if self.spec_decoder is not None:
-            self.spec_decoder.free_requests(scheduler_output.finished_req_ids | set(scheduler_output.preempted_ids))
         # each guarded: most decode steps have none of these
-        if scheduler_output.finished_req_ids:
-            self.block_tables.drop(scheduler_output.finished_req_ids)
-        if scheduler_output.block_table_changes:
-            self.block_tables.apply(scheduler_output.block_table_changes)
-        if scheduler_output.blocks_to_copy:
-            self.copy_blocks(scheduler_output.blocks_to_copy)
+        if self.spec_decoder is not None and (message.finished_req_ids or message.preempted_ids):
+            self.spec_decoder.free_requests(message.finished_req_ids | set(message.preempted_ids))
+        plan = self.input_batch.update(message)
+        if message.blocks_to_copy:
+            self.copy_blocks(message.blocks_to_copy)
         output = ModelRunnerOutput()
-        connector_meta = scheduler_output.kv_connector_metadata
+        connector_meta = message.kv_connector_metadata
         if self.kv_connector is not None and connector_meta is not None:
             self.kv_connector.start_load_kv(connector_meta)
-        if scheduler_output.scheduled:
-            batch = self.prepare(scheduler_output.scheduled, last if self._continues_in_prepare else None)
+        if plan:
+            batch = self._prepare_plan(plan, message.scheduled)
             forward_start = time.perf_counter()
             hidden = self.forward(batch)
             output.forward_s = time.perf_counter() - forward_start
-            self.sample(batch, hidden, output, scheduler_output.grammar_bitmask)
+            self.sample(batch, hidden, output, message.grammar_bitmask)
         if self.kv_connector is not None:
             if connector_meta is not None and connector_meta.reqs_to_save:
                 for layer in range(len(self.kv_caches)):
                     self.kv_connector.save_kv_layer(layer, connector_meta)
                 self.kv_connector.wait_for_save(connector_meta)
-            output.kv_connector_output = self.kv_connector.get_finished(wait=not scheduler_output.scheduled)
-        if self.spec_decoder is not None and scheduler_output.scheduled:
+            output.kv_connector_output = self.kv_connector.get_finished(wait=not plan)
+        if self.spec_decoder is not None and plan:
             self.spec_decoder.record_step(time.perf_counter() - start, output)
             self.spec_decoder.propose(batch.order, output)
         return output
 
-    def execute_continued_decode(self, start_pos: list[int], num_new_tokens: list[int],
-                                 block_table_changes: list[dict[str, tuple[int, list[int]]]]
-                                 ) -> tuple[list[int], float] | None:
-        """A steady decode step under async scheduling, from the last step's arrays (a persistent batch, as
-        vLLM's InputBatch): the worker calls it for a plan that runs the last plan's requests, in its order,
-        with nothing else to do (WorkerSchedulerOutput.continues_decode). When the last step was a
-        plain-greedy decode of those requests and each now computes one token, one position further on,
-        that token is the one the last step sampled: the step's inputs come from the last step's sampled
-        tokens and block-table rows, without the per-request objects (their Python is on the critical path
-        under async scheduling). Returns the sampled tokens in the plan's order and
-        the forward pass's seconds (with the LM head); None, having changed nothing, where the plan does
-        not continue such a step (the caller takes the general path)."""
-        last = self._last_decode
-        n = len(start_pos)
-        # list comparisons, not numpy's: a numpy call is slow on the caches a forward pass leaves cold
-        if last is None or not last.argmax or start_pos != last.next_start_pos or num_new_tokens.count(1) != n:
-            return None
-        self.block_tables.apply(block_table_changes)
-        batch = self._continued_batch(last, None)
-        forward_start = time.perf_counter()
-        hidden = self.forward(batch)
-        forward_s = time.perf_counter() - forward_start
-        token_tensor, token_ids, lm_head_s = self._argmax_tokens(hidden)
-        assert token_ids is not None  # one rank
-        self._last_decode = self._decode_run(batch, token_tensor, token_ids, argmax=True)
-        return token_ids, forward_s + lm_head_s
-
-    def _argmax_tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, list[int] | None, float]:
-        """Each row's argmax of the LM head's logits in the matmul's dtype, as a tensor and a list (None off
-        rank 0), and the seconds of the two (the model's argmax_logits: where its kernel can, the logits
-        are never stored)."""
-        logits_start = time.perf_counter()
-        token_tensor = self.model.argmax_logits(hidden)
-        lm_head_s = time.perf_counter() - logits_start
-        return token_tensor, (token_tensor.tolist() if token_tensor is not None else None), lm_head_s
-
-    def _decode_run(self, batch: Batch, token_tensor: torch.Tensor, token_ids: list[int], argmax: bool) -> _DecodeRun:
-        """What the next step needs to continue this one, in which every request computed one token and
-        sampled `token_ids` (see _continued_batch)."""
-        tensors = self.device.type == "cpu" and token_tensor.dtype == torch.int64
-        return _DecodeRun(batch.request_ids, batch.rows, [p + 1 for p in batch.start_pos], token_ids, batch.order,
-                          argmax, token_tensor if tensors else None, batch.positions if tensors else None,
-                          batch.rows_tensor)
-
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
 
-    def prepare(self, scheduled: list[ScheduledRequest], continuing: _DecodeRun | None = None) -> Batch:
-        """The step's Batch. `continuing`: the last step, a decode run (_DecodeRun); where this step runs the
-        same requests in the same order, each one token on, its input ids are the tokens that step
-        sampled and its rows and positions come from it too, with no per-request lists built."""
-        if continuing is not None and (batch := self._continue_decode(scheduled, continuing)) is not None:
-            return batch
-        long = [s for s in scheduled if s.num_new_tokens > MAX_BATCHED_QUERY_LEN and not s.spec_token_ids]
-        order = [s for s in scheduled if s.num_new_tokens <= MAX_BATCHED_QUERY_LEN or s.spec_token_ids] + long \
-            if long else scheduled
+    def _prepare_plan(self, plan: list[ScheduledRequest], columns: ScheduledRequestsData) -> Batch:
+        """The step's Batch from the input batch, where `plan` (InputBatch.update's, in the order of
+        `columns` and of the batch's last rows) runs the requests of its live rows. A step in which every
+        request computes one token (a decode step) takes its input ids, positions and rows from the batch's
+        arrays, with no per-request Python; any other goes through prepare."""
+        input_batch = self.input_batch
+        n = len(plan)
+        if sum(columns.num_new_tokens) != n:
+            return self.prepare(plan, input_batch.rows)
+        rows = input_batch.rows_array
+        start_pos = np.array(columns.start_pos, dtype=np.int64)
+        input_ids = torch.from_numpy(input_batch.token_ids[rows, start_pos])
+        last_positions, rows_tensor = torch.from_numpy(start_pos - 1), torch.from_numpy(rows)
+        ones = [1] * n
+        if self.lora_manager is not None:
+            self.lora_manager.prepare_step([s.request.lora_request for s in plan], ones)
+        inputs = [decode_step_inputs(input_ids, last_positions, rows_tensor, table, self.block_size,
+                                     zero_pad=self.backend.needs_dense_masks) for table in self.block_tables.tensors]
+        return self._batch(plan, n, inputs, ones, list(range(n)), input_batch.rows)
+
+    def prepare(self, scheduled: list[ScheduledRequest], rows: list[int] | None = None) -> Batch:
+        """The step's Batch from the scheduled requests' token lists. `rows`: the requests' rows of the block
+        tables, in `scheduled`'s order (looked up by request id where not given)."""
+        long = [i for i, s in enumerate(scheduled) if s.num_new_tokens > MAX_BATCHED_QUERY_LEN and not s.spec_token_ids]
+        if rows is None:
+            rows = self.block_tables.rows([s.request.request_id for s in scheduled])
+        if long:
+            long_set = set(long)
+            short = [i for i in range(len(scheduled)) if i not in long_set]
+            order = [scheduled[i] for i in short] + [scheduled[i] for i in long]
+            rows = [rows[i] for i in short] + [rows[i] for i in long]
+        else:
+            order = scheduled
         # One Python pass over the requests; everything else is whole-batch array work. This runs right
         # after the forward pass has flushed the CPU caches, where each small call costs several times
         # its warm price, so the step's inputs are built with as few calls as possible.
@@ -461,26 +417,18 @@ class ModelRunner:
         query_starts: list[int] = []
         start_pos: list[int] = []
         query_lens: list[int] = []
-        request_ids: list[str] = []
-        argmax_decode = True
         for s in order:
             start, num_new = s.start_pos, s.num_new_tokens
             end = start + num_new
             query_starts.append(len(token_ids))
             start_pos.append(start)
             query_lens.append(num_new)
-            request = s.request
-            request_ids.append(request.request_id)
-            known = request.all_token_ids
+            known = s.request.all_token_ids
             token_ids.extend(known[start:end])
             if end > len(known):
                 token_ids.extend(s.spec_token_ids[:end - len(known)])
-            argmax_decode = argmax_decode and s.sample and request.always_argmax
-        argmax_decode = argmax_decode and len(token_ids) == len(order)
         if self.lora_manager is not None:
-            # each token's adapter slot (a continued decode keeps the last step's: same requests, one token each)
             self.lora_manager.prepare_step([s.request.lora_request for s in order], query_lens)
-        rows = self.block_tables.rows(request_ids)
         entry_start_pos, entry_query_lens, entry_rows = start_pos, query_lens, rows
         if len(token_ids) > len(order) and any(s.spec_token_ids for s in order):
             # Speculative verification: each of a request's k+1 positions is attended to as a query of its
@@ -500,47 +448,16 @@ class ModelRunner:
                     entry_rows.append(row)
         inputs = [step_inputs(token_ids, entry_start_pos, entry_query_lens, entry_rows, table, self.block_size,
                               zero_pad=self.backend.needs_dense_masks) for table in self.block_tables.tensors]
-        return self._batch(order, len(order) - len(long), inputs, start_pos, entry_query_lens, query_starts,
-                           request_ids, rows, argmax_decode, num_short_entries=len(entry_query_lens) - len(long))
+        return self._batch(order, len(order) - len(long), inputs, entry_query_lens, query_starts, rows,
+                           num_short_entries=len(entry_query_lens) - len(long))
 
-    def _continue_decode(self, scheduled: list[ScheduledRequest], last: _DecodeRun) -> Batch | None:
-        order = last.order
-        if order is None or len(scheduled) != len(order):
-            return None
-        # One comparison pass (the general path's builds five lists): each request is the last step's, one
-        # token further on (so its input is the token that step sampled), sampling with nothing proposed.
-        for s, before, position in zip(scheduled, order, last.next_start_pos):
-            if s.request is not before.request or s.start_pos != position or s.num_new_tokens != 1 \
-                    or not s.sample or s.spec_token_ids:
-                return None
-        return self._continued_batch(last, scheduled)
-
-    def _continued_batch(self, last: _DecodeRun, order: list[ScheduledRequest] | None) -> Batch:
-        """The step that continues `last` (checked by the caller): each request one token on, its input the
-        token `last` sampled, its block-table row the same."""
-        n = len(last.request_ids)
-        ones = [1] * n
-        dense = self.backend.needs_dense_masks
-        if last.token_tensor is not None:  # on the CPU: from the last step's tensors, no list read
-            if last.rows_tensor is None:
-                last.rows_tensor = torch.tensor(last.rows)
-            inputs = [decode_step_inputs(last.token_tensor, last.positions, last.rows_tensor, table, self.block_size,
-                                         zero_pad=dense) for table in self.block_tables.tensors]
-        else:
-            inputs = [step_inputs(last.token_ids, last.next_start_pos, ones, last.rows, table, self.block_size,
-                                  zero_pad=dense) for table in self.block_tables.tensors]
-        return self._batch(order, n, inputs, last.next_start_pos, ones, list(range(n)), last.request_ids,
-                           last.rows, argmax_decode=last.argmax, rows_tensor=last.rows_tensor)
-
-    def _batch(self, order: list[ScheduledRequest] | None, num_short: int, inputs: list[StepInputs],
-               start_pos: list[int], query_lens: list[int], query_starts: list[int], request_ids: list[str],
-               rows: list[int], argmax_decode: bool, rows_tensor: torch.Tensor | None = None,
-               num_short_entries: int | None = None) -> Batch:
+    def _batch(self, order: list[ScheduledRequest], num_short: int, inputs: list[StepInputs], query_lens: list[int],
+               query_starts: list[int], rows: list[int], num_short_entries: int | None = None) -> Batch:
         """The step's Batch from its flat inputs (step_inputs, one per KV cache group: the same tokens, each
-        group's block tables and slots) and lists; `order` (None: all short) gives the long prefill chunks,
-        which follow the `num_short` short ones. query_lens and num_short_entries count the attention's
-        sequences (`inputs`'), which split a verifying request into one per token."""
-        long = order[num_short:] if order is not None else []
+        group's block tables and slots) and lists; the long prefill chunks of `order` follow its `num_short`
+        short ones. query_lens and num_short_entries count the attention's sequences (`inputs`'), which
+        split a verifying request into one per token."""
+        long = order[num_short:]
         if num_short_entries is None:
             num_short_entries = num_short
         groups = [self._metadata(long, num_short, num_short_entries, group_inputs, query_lens, query_starts)
@@ -550,8 +467,7 @@ class ModelRunner:
             metadata.layer_metadata = [groups[group] for group in self.group_of_layer]
         on_device = (lambda t: t) if self.device.type == "cpu" else (lambda t: t.to(self.device))
         return Batch(input_ids=on_device(inputs[0].input_ids), positions=on_device(inputs[0].positions),
-                     metadata=metadata, order=order, query_starts=query_starts, request_ids=request_ids,
-                     start_pos=start_pos, rows=rows, argmax_decode=argmax_decode, rows_tensor=rows_tensor)
+                     metadata=metadata, order=order, query_starts=query_starts, rows=rows)
 
     def _metadata(self, long: list[ScheduledRequest], num_short: int, num_short_entries: int, inputs: StepInputs,
                   query_lens: list[int], query_starts: list[int]) -> AttentionMetadata:
@@ -618,26 +534,13 @@ class ModelRunner:
         """Sample the next token of every request that reached its last known token. Requests carrying
         speculative tokens are handed, with the logits of their k+1 positions, to `self.spec_decoder`.
         Every row that needs logits goes through the LM head in one call (one gather under TP)."""
-        if batch.argmax_decode and grammar_bitmask is None:
-            # The common decode step: one token per request, each taking the argmax of its raw logits and
-            # asking for nothing more, so the general pass below (per-request Python) is skipped.
-            token_tensor, token_ids, lm_head_s = self._argmax_tokens(hidden)
-            output.forward_s += lm_head_s
-            if token_ids is not None:  # rank 0
-                output.sampled_token_ids.update(zip(batch.request_ids, [[token] for token in token_ids]))
-                if self._keeps_decode_runs:  # the next step may continue this one (_continued_batch)
-                    self._last_decode = self._decode_run(batch, token_tensor, token_ids, argmax=True)
-            return
         sample_rows: list[int] = []
         sampled: list[ScheduledRequest] = []  # the requests of sample_rows, in order
+        sampled_batch_rows: list[int] = []    # and their rows of the input batch
         verify: list[tuple[ScheduledRequest, int]] = []  # (request, first row of its k+1 positions)
         verify_rows: list[int] = []
         prompt_lp: list[tuple[ScheduledRequest, int, int]] = []  # (request, first row, count)
-        # Whether every sampled row just takes the argmax of its raw logits; found in this same pass,
-        # which already has each request's parameters at hand.
-        plain_greedy = grammar_bitmask is None
-        always_argmax = True  # and whether every request always does (a continued run's fast path)
-        for s, start in zip(batch.order, batch.query_starts):
+        for s, start, row in zip(batch.order, batch.query_starts, batch.rows):
             request = s.request
             params = request.sampling_params
             if params.prompt_logprobs is not None and s.start_pos < request.num_prompt_tokens - 1 \
@@ -653,29 +556,32 @@ class ModelRunner:
             else:
                 sample_rows.append(start + s.num_new_tokens - 1)
                 sampled.append(s)
-                if plain_greedy and not _takes_argmax(params, request):
-                    plain_greedy = False
-                always_argmax = always_argmax and request.always_argmax
+                sampled_batch_rows.append(row)
         prompt_rows = [row for _, start, count in prompt_lp for row in range(start, start + count)]
         logits_rows = sample_rows + verify_rows + prompt_rows
         if not logits_rows:
             return
         # A plain decode step samples from every row in order: no gather (a copy of the hidden states).
         all_rows = len(logits_rows) == hidden.shape[0] and logits_rows == list(range(len(logits_rows)))
-        # Nothing but argmaxes to take: the logits stay in the matmul's dtype. In bf16 the float32 copy
-        # (a fresh batch x vocab tensor every step) cost more than the argmax itself.
-        argmax_only = plain_greedy and not verify_rows and not prompt_rows
+        # Rows that take the argmax of their raw logits (InputBatch.greedy) need no sampler rows built.
+        all_greedy = grammar_bitmask is None and self.input_batch.all_greedy(sampled_batch_rows)
         logits_start = time.perf_counter()
-        all_logits = self.model.compute_logits(hidden if all_rows else hidden[logits_rows], upcast=not argmax_only)
+        if all_greedy and not verify_rows and not prompt_rows:
+            # Nothing but argmaxes: the model's fused argmax over the LM head (the logits stay in the
+            # matmul's dtype, and where its kernel can they are never stored).
+            token_tensor = self.model.argmax_logits(hidden if all_rows else hidden[sample_rows])
+            output.forward_s += time.perf_counter() - logits_start
+            if token_tensor is not None:  # rank 0
+                output.sampled_token_ids.update(zip([s.request.request_id for s in sampled],
+                                                    [[token] for token in token_tensor.tolist()]))
+            return
+        all_logits = self.model.compute_logits(hidden if all_rows else hidden[logits_rows])
         output.forward_s += time.perf_counter() - logits_start
         if all_logits is None:
             return  # not rank 0: the logits were gathered there, and only rank 0 samples
         num_sample, num_verify = len(sample_rows), len(verify_rows)
-        if sample_rows and plain_greedy:
-            # Every row takes the argmax of its raw logits and asks for nothing more: the sampler's
-            # result without building its rows.
-            token_tensor = argmax_rows(all_logits[:num_sample])
-            token_ids = token_tensor.tolist()
+        if sample_rows and all_greedy:
+            token_ids = argmax_rows(all_logits[:num_sample]).tolist()
             output.sampled_token_ids.update({s.request.request_id: [token] for s, token in zip(sampled, token_ids)})
         elif sample_rows:
             rows = [self.sampling_row(s.request) for s in sampled]
@@ -684,9 +590,9 @@ class ModelRunner:
             token_bitmask = None
             if grammar_bitmask is not None:
                 token_bitmask = grammar_bitmask.select((s.request.request_id, i, 1) for i, s in enumerate(sampled))
-            result = self.sampler(logits, rows, max_logprobs, token_bitmask)
-            token_tensor = result.token_ids
-            token_ids = token_tensor.tolist()
+            params = self.input_batch.filter_params(sampled_batch_rows, logits.dtype, logits.device, logits.shape[-1])
+            result = self.sampler(logits, rows, max_logprobs, token_bitmask, params)
+            token_ids = result.token_ids.tolist()
             sampled_lp = result.sampled_logprobs.tolist() if result.sampled_logprobs is not None else None
             for i, s in enumerate(sampled):
                 rid = s.request.request_id
@@ -698,11 +604,6 @@ class ModelRunner:
                     top_lps = result.topk_logprobs[i, :num_lp].tolist() if num_lp else []
                     output.logprobs[rid] = [position_logprobs(token_ids[i], sampled_lp[i],
                                                               int(result.sampled_ranks[i]), top_ids, top_lps)]
-        if (sample_rows and self._keeps_decode_runs and len(sampled) == len(batch.order) == hidden.shape[0]
-                and not prompt_lp):
-            # Every request computed one token and sampled one (a decode step, sampled or under a grammar):
-            # the next step may take its inputs from this one (_continue_decode).
-            self._last_decode = self._decode_run(batch, token_tensor, token_ids, argmax=always_argmax)
         if verify:
             assert self.spec_decoder is not None
             self.spec_decoder.verify(verify, [self.sampling_row(s.request) for s, _ in verify],
@@ -729,9 +630,3 @@ class ModelRunner:
         return [position_logprobs(target, lp, rank, ids, lps) for target, lp, rank, ids, lps in
                 zip(targets.tolist(), chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist())]
 
-
-def _takes_argmax(params: SamplingParams, request: RunnerRequest) -> bool:
-    """Greedy with no logprobs, penalties or min_tokens still holding back a stop token: the sampler would
-    return the argmax of the raw logits."""
-    return (params.greedy and params.logprobs is None and not params.has_penalties
-            and (not params.min_tokens or len(request.output_token_ids) >= params.min_tokens))

@@ -1,25 +1,22 @@
-"""A SchedulerOutput on its way to workers in other processes, and the request copies they keep.
+"""A SchedulerOutput on its way to the workers, and the request copies they keep.
 
-The scheduler's plan refers to the engine's Request objects. A worker process keeps its own copy of each
-live request (CachedRequestState: token ids, sampling params) and each step receives
-only what changed, as vLLM V1 does (NewRequestData / CachedRequestData): a request seen for the first
-time comes whole, later steps bring just the tokens appended since (sampled tokens, by rank 0 a step
-ago; with async scheduling the worker appends its own sampled tokens instead, see append_sampled)
-and the counts, and the plan the block-table entries the KV cache manager wrote since the last
-one. A step's message is therefore a few dozen bytes per request no matter how long the request is.
-Rebuilt on the worker, the plan has the very shape ModelRunner reads, so the runner code is the same in
-one process and in many.
+The scheduler's plan refers to the engine's Request objects, which the workers never see: every
+executor, the in-process one included, sends a WorkerSchedulerOutput, and each worker keeps its own copy
+of each live request (CachedRequestState: token ids, sampling params, in the runner's InputBatch). A step
+brings only what changed, as vLLM V1 does (NewRequestData / CachedRequestData): a request seen for the
+first time comes whole, later steps bring just the tokens appended since (sampled tokens, by rank 0 a
+step ago; with async scheduling the worker appends its own sampled tokens instead, see
+InputBatch.append_sampled) and the counts, and the plan the block-table entries the KV cache manager
+wrote since the last one. A step's message is therefore a few dozen bytes per request no matter how long
+the request is, and the runner reads one request shape in one process and in many.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import repeat
 
-from pagedllm.core_types.model_runner_output import ModelRunnerOutput
 from pagedllm.core_types.scheduler_output import (
     NewRequestData,
-    ScheduledRequest,
     ScheduledRequestsData,
     SchedulerOutput,
     WorkerSchedulerOutput,
@@ -30,7 +27,7 @@ from pagedllm.sampling_params import SamplingParams
 
 @dataclass(eq=False)
 class CachedRequestState:
-    """A worker's copy of a request: what ModelRunner reads from the engine's Request."""
+    """A worker's copy of a request: all that ModelRunner reads of it."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -38,9 +35,6 @@ class CachedRequestState:
     all_token_ids: list[int] = field(default_factory=list)
     num_prompt_logprobs_computed: int = 0
     lora_request: LoRARequest | None = None
-
-    def __post_init__(self) -> None:
-        self.always_argmax = self.sampling_params.always_argmax  # as Request's
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -53,7 +47,7 @@ class CachedRequestState:
 
 class SchedulerOutputEncoder:
     """Engine side: remembers how many tokens of each request the workers have, and the last plan's
-    request ids (in its order: the order of a packed answer's tokens, see pack_output)."""
+    request ids (a plan with the same ones, in the same order, sends None for them)."""
 
     def __init__(self) -> None:
         self.num_sent_tokens: dict[str, int] = {}
@@ -90,77 +84,3 @@ class SchedulerOutputEncoder:
                                      scheduler_output.finished_req_ids, scheduler_output.preempted_ids,
                                      scheduler_output.grammar_bitmask, scheduler_output.kv_connector_metadata,
                                      scheduler_output.block_table_changes)
-
-
-class RequestStates:
-    """Worker side: the live requests, and the plan rebuilt over them."""
-
-    def __init__(self) -> None:
-        self.requests: dict[str, CachedRequestState] = {}
-        self.request_ids: list[str] = []  # the last plan's, in its order
-        self.scheduled_states: list[CachedRequestState] = []  # the same requests' states
-
-    def apply(self, message: WorkerSchedulerOutput) -> SchedulerOutput:
-        for request_id in message.finished_req_ids:
-            self.requests.pop(request_id, None)
-        for new in message.new_requests:
-            self.requests[new.request_id] = CachedRequestState(
-                new.request_id, new.prompt_token_ids, new.sampling_params, list(new.prompt_token_ids),
-                lora_request=new.lora_request)
-        scheduled = []
-        columns = message.scheduled
-        requests = self.requests
-        if columns.request_ids is not None:
-            self.request_ids = columns.request_ids
-        states = []
-        for request_id, new_token_ids, num_new, start, sample, spec, num_prompt_lp in zip(
-                self.request_ids, columns.new_token_ids or repeat(None), columns.num_new_tokens,
-                columns.start_pos, columns.sample or repeat(True), columns.spec_token_ids or repeat(None),
-                columns.num_prompt_logprobs_computed or repeat(0)):
-            state = requests[request_id]
-            states.append(state)
-            if new_token_ids:
-                state.all_token_ids.extend(new_token_ids)
-            state.num_prompt_logprobs_computed = num_prompt_lp
-            scheduled.append(ScheduledRequest(state, num_new, start, [], sample,
-                                              spec if spec is not None else []))
-        self.scheduled_states = states
-        return SchedulerOutput(scheduled=scheduled, num_batched_tokens=sum(columns.num_new_tokens),
-                               blocks_to_copy=message.blocks_to_copy, preempted_ids=message.preempted_ids,
-                               finished_req_ids=message.finished_req_ids, grammar_bitmask=message.grammar_bitmask,
-                               kv_connector_metadata=message.kv_connector_metadata,
-                               block_table_changes=message.block_table_changes)
-
-    def append_sampled(self, sampled_token_ids: dict[str, list[int]]) -> None:
-        """Async scheduling: a step's sampled tokens, appended as soon as they exist, because the next
-        plan (made before the engine saw them) already computes them."""
-        for request_id, token_ids in sampled_token_ids.items():
-            self.requests[request_id].all_token_ids.extend(token_ids)
-
-    def append_decoded(self, token_ids: list[int]) -> None:
-        """append_sampled for a step that sampled one token for each request of the last plan, in its order
-        (a continued decode)."""
-        for state, token_id in zip(self.scheduled_states, token_ids):
-            state.all_token_ids.append(token_id)
-
-
-def pack_output(output: ModelRunnerOutput, request_ids: list[str]) -> ModelRunnerOutput | tuple[list[int], float]:
-    """A step's answer on its way back. When every request of the plan took exactly one token and nothing
-    else came out (the common decode step), the tokens alone, in the plan's order, and the forward's
-    seconds: one int per request to pickle on the worker's critical path instead of an id and a list."""
-    sampled = output.sampled_token_ids
-    if (len(sampled) == len(request_ids) and output.kv_connector_output is None
-            and not (output.logprobs or output.sampled_logprobs or output.prompt_logprobs or output.spec_token_ids
-                     or output.num_draft_tokens or output.num_accepted_tokens)
-            and list(sampled) == request_ids and all(len(tokens) == 1 for tokens in sampled.values())):
-        return [token for (token,) in sampled.values()], output.forward_s
-    return output
-
-
-def unpack_output(answer: ModelRunnerOutput | tuple[list[int], float], request_ids: list[str]) -> ModelRunnerOutput:
-    """pack_output's inverse, on the engine's side (which knows the plan's request ids)."""
-    if isinstance(answer, ModelRunnerOutput):
-        return answer
-    token_ids, forward_s = answer
-    sampled = {request_id: [token] for request_id, token in zip(request_ids, token_ids)}
-    return ModelRunnerOutput(sampled_token_ids=sampled, forward_s=forward_s)

@@ -48,10 +48,10 @@ def step_inputs(token_ids: list[int], start_pos: list[int], query_lens: list[int
 
 def decode_step_inputs(token_ids: torch.Tensor, last_positions: torch.Tensor, rows: torch.Tensor,
                        table: torch.Tensor, block_size: int, zero_pad: bool) -> StepInputs:
-    """A decode step that continues the last one: request b computes token_ids[b] at position
-    last_positions[b] + 1 with block-table row rows[b] (1-D int64 CPU tensors, as the last step left them).
-    The same as step_inputs with one token per request, without reading Python lists: torch parses an
-    int[] argument element by element, which was most of step_inputs' time on a 64-request decode."""
+    """A decode step: request b computes token_ids[b] at position last_positions[b] + 1 with block-table row
+    rows[b] (1-D int64 CPU tensors, gathered from the runner's InputBatch). The same as step_inputs with
+    one token per request, without reading Python lists: torch parses an int[] argument element by
+    element, which was most of step_inputs' time on a 64-request decode."""
     if load_cpu_kernels():
         return StepInputs(*torch.ops.pagedllm_cpu_step.decode_step_inputs(
             token_ids, last_positions, rows, table, block_size, zero_pad))

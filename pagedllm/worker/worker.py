@@ -2,7 +2,7 @@
 its shard of the KV cache (its KV heads for every block the engine's KV cache manager hands out).
 
 The executor calls it: in the engine's own process (UniProcExecutor, one rank) or over a pipe in a
-process of its own (MultiprocExecutor), where each step's plan arrives as a WorkerSchedulerOutput.
+process of its own (MultiprocExecutor); either way each step's plan arrives as a WorkerSchedulerOutput.
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ import torch
 
 from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.core_types.model_runner_output import ModelRunnerOutput
-from pagedllm.core_types.scheduler_output import SchedulerOutput, WorkerSchedulerOutput
+from pagedllm.core_types.scheduler_output import WorkerSchedulerOutput
 from pagedllm.distributed.parallel_state import broadcast_object, collective_bytes, init_distributed_environment
 from pagedllm.metrics.reader import Metric
 from pagedllm.platform import configure_cpu_allocator
 from pagedllm.spec_decode import SpeculativeConfig
 from pagedllm.worker.model_runner import ModelRunner
-from pagedllm.worker.request_state import RequestStates, pack_output
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +47,7 @@ class Worker:
                                         tp_rank=rank, tp_size=tp_size,
                                         ranks_per_host=parallel_config.ranks_per_node if device.type == "cpu" else 1,
                                         speculative_config=speculative_config)
-        self.request_states = RequestStates()
         self.num_computed_tokens = 0  # tokens run through the model, for per-token communication figures
-        self.num_continued_decodes = 0  # steps built from the last one's arrays (execute_model_remote)
 
     def add_lora(self, lora_request) -> bool:  # a pagedllm.lora.request.LoRARequest
         """Read an adapter into this rank's CPU cache (ValueError if it is bad)."""
@@ -70,40 +67,22 @@ class Worker:
         self.model_runner.cache_config.num_blocks = num_blocks
         self.model_runner.allocate_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.num_computed_tokens += scheduler_output.num_batched_tokens
-        return self.model_runner.execute(scheduler_output)
-
-    def execute_model_remote(self, message: WorkerSchedulerOutput
-                             ) -> ModelRunnerOutput | tuple[list[int], float] | None:
-        """A step planned in the engine's process: rank 0 returns the sampled tokens (packed, see
-        pack_output), the others None."""
-        if self.async_scheduling and message.continues_decode():
-            columns = message.scheduled
-            answer = self.model_runner.execute_continued_decode(columns.start_pos, columns.num_new_tokens,
-                                                                message.block_table_changes)
-            if answer is not None:  # already packed
-                self.request_states.append_decoded(answer[0])
-                self.num_computed_tokens += len(answer[0])
-                self.num_continued_decodes += 1
-                return answer
-        plan = self.request_states.apply(message)
-        output = self.execute_model(plan)
-        if self.async_scheduling and plan.scheduled:
+    def execute_model(self, message: WorkerSchedulerOutput) -> ModelRunnerOutput | None:
+        """One step, planned in the engine's process and sent as deltas (by every executor, the in-process
+        one included): rank 0 returns the sampled tokens, the others None."""
+        self.num_computed_tokens += sum(message.scheduled.num_new_tokens)
+        output = self.model_runner.execute(message)
+        if self.async_scheduling and message.scheduled.num_new_tokens:
             # The next plan is already on its way and computes these tokens: every rank needs them now.
             sampled = output.sampled_token_ids
             if self.parallel_config.tensor_parallel_size > 1:
                 sampled = broadcast_object(sampled if self.rank == 0 else None)
-            self.request_states.append_sampled(sampled)
-        return pack_output(output, self.request_states.request_ids) if self.rank == 0 else None
-
-    def step_counts(self) -> dict[str, int]:
-        """Tokens computed, and the steps that continued the last one's decode (see execute_model_remote)."""
-        return {"num_computed_tokens": self.num_computed_tokens, "num_continued_decodes": self.num_continued_decodes}
+            self.model_runner.input_batch.append_sampled(sampled)
+        return output if self.rank == 0 else None
 
     def live_request_ids(self) -> list[str]:
         """The requests this worker process keeps a copy of (what the engine has not yet said are gone)."""
-        return sorted(self.request_states.requests)
+        return sorted(self.model_runner.input_batch.requests)
 
     def kv_staging_stats(self) -> tuple[int, int]:
         """(requests, bytes) a KV producer holds now for consumers to pull."""

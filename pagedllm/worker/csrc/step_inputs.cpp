@@ -89,10 +89,10 @@ StepInputs step_inputs(at::IntArrayRef token_ids, at::IntArrayRef start_pos, at:
                query_lens.data(), rows.data(), table, block_size, zero_pad);
 }
 
-// A decode step that continues the last one (ModelRunner._continued_batch): request b computes one token,
-// token_ids[b] (the last step sampled it), at position last_positions[b] + 1, with block-table row
-// rows[b]. Its arguments are the tensors the last step left: reading the same numbers from Python lists
-// (torch parses an int[] argument element by element) was most of step_inputs' time.
+// A decode step (ModelRunner._prepare_plan): request b computes one token, token_ids[b], at position
+// last_positions[b] + 1, with block-table row rows[b]. Its arguments are tensors gathered from the
+// runner's InputBatch: reading the same numbers from Python lists (torch parses an int[] argument
+// element by element) was most of step_inputs' time.
 StepInputs decode_step_inputs(const at::Tensor& token_ids, const at::Tensor& last_positions, const at::Tensor& rows,
                               const at::Tensor& table, int64_t block_size, bool zero_pad) {
   for (const at::Tensor* t : {&token_ids, &last_positions, &rows}) {

@@ -1,0 +1,131 @@
+"""The worker's persistent input batch (vLLM V1's InputBatch): every live request's state and its row of
+preallocated arrays, kept from the scheduler's deltas (WorkerSchedulerOutput).
+
+A request gets a row when the worker first hears of it (its prompt, or the KV cache manager's first
+block-table change for it) and keeps it until it finishes; a preempted request keeps its row and its
+tokens, and the manager rewrites its table when it is admitted again. A freed row is reused by the next
+request. Rows are not condensed: every step gathers its requests' rows by index, in the plan's order
+(the order sampling draws its random numbers in), so a dense prefix of rows would buy nothing.
+
+Per row: the request's token ids (prompt and outputs, the same as its state's list; a decode step
+gathers its input ids from them), its block table in each KV cache group (worker/block_table.py),
+whether it takes the argmax of its raw logits (`greedy`: greedy sampling asking for nothing that changes
+or reports the logits) and the sampler's filter parameters (temperature, top-k, top-p, min-p). A step
+of unchanged requests reuses the last plan's rows; what changes is written in place.
+"""
+
+from __future__ import annotations
+
+from itertools import repeat
+
+import numpy as np
+import torch
+
+from pagedllm.core_types.scheduler_output import ScheduledRequest, WorkerSchedulerOutput
+from pagedllm.layers.sampler import FilterParams
+from pagedllm.worker.block_table import BlockTables
+from pagedllm.worker.request_state import CachedRequestState
+
+# A top_k may not fit an int64; every value at or past the vocabulary size means the same (off), so it
+# is capped here and clamped to the vocabulary when read (filter_params).
+_MAX_TOP_K = 2**62
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, num_groups: int = 1):
+        self.requests: dict[str, CachedRequestState] = {}
+        self.block_tables = BlockTables(max_num_reqs, max_blocks_per_req, num_groups)
+        num_rows = self.block_tables.table.shape[0]
+        # np.zeros is calloc'd: rows of short requests never touch the pages of their unused tail.
+        self.token_ids = np.zeros((num_rows, max_model_len), dtype=np.int64)
+        self.greedy = np.zeros(num_rows, dtype=bool)
+        # The sampler's filter parameters (layers/sampler.FilterParams); float64 holds each Python float
+        # exactly, so the cast to the logits' dtype gives the tensor the sampler makes from the floats.
+        self.temperature = np.zeros(num_rows, dtype=np.float64)
+        self.top_k = np.zeros(num_rows, dtype=np.int64)
+        self.top_p = np.zeros(num_rows, dtype=np.float64)
+        self.min_p = np.zeros(num_rows, dtype=np.float64)
+        # The last plan: its request ids (in its order), their states and rows. A plan that names no ids
+        # runs the same requests (ScheduledRequestsData.request_ids).
+        self.request_ids: list[str] = []
+        self.states: list[CachedRequestState] = []
+        self.rows: list[int] = []
+        self.rows_array = np.zeros(0, dtype=np.int64)
+
+    def update(self, message: WorkerSchedulerOutput) -> list[ScheduledRequest]:
+        """Apply a step's deltas; returns its plan over the worker's request states, in the plan's order."""
+        if message.finished_req_ids:
+            for request_id in message.finished_req_ids:
+                self.requests.pop(request_id, None)
+            self.block_tables.drop(message.finished_req_ids)
+        for new in message.new_requests:
+            state = CachedRequestState(new.request_id, new.prompt_token_ids, new.sampling_params,
+                                       list(new.prompt_token_ids), lora_request=new.lora_request)
+            self.requests[new.request_id] = state
+            row = self._row(new.request_id)
+            params = new.sampling_params
+            self.greedy[row] = params.always_argmax
+            self.temperature[row], self.top_p[row], self.min_p[row] = params.temperature, params.top_p, params.min_p
+            self.top_k[row] = min(params.top_k, _MAX_TOP_K)
+            self._write_tokens(row, 0, new.prompt_token_ids)
+        if message.block_table_changes:
+            for group_changes in message.block_table_changes:
+                for request_id in group_changes:
+                    self._row(request_id)
+            self.block_tables.apply(message.block_table_changes)
+        columns = message.scheduled
+        if columns.request_ids is not None or message.new_requests or message.finished_req_ids:
+            # (the same ids may name a new request: one that finished and one that reused its id)
+            if columns.request_ids is not None:
+                self.request_ids = columns.request_ids
+            self.states = [self.requests[request_id] for request_id in self.request_ids]
+            self.rows = self.block_tables.rows(self.request_ids)
+            self.rows_array = np.array(self.rows, dtype=np.int64)
+        plan = []
+        for state, row, new_token_ids, num_new, start, sample, spec, num_prompt_lp in zip(
+                self.states, self.rows, columns.new_token_ids or repeat(None), columns.num_new_tokens,
+                columns.start_pos, columns.sample or repeat(True), columns.spec_token_ids or repeat(None),
+                columns.num_prompt_logprobs_computed or repeat(0)):
+            if new_token_ids:
+                self._write_tokens(row, len(state.all_token_ids), new_token_ids)
+                state.all_token_ids.extend(new_token_ids)
+            state.num_prompt_logprobs_computed = num_prompt_lp
+            plan.append(ScheduledRequest(state, num_new, start, (), sample, spec if spec is not None else []))
+        return plan
+
+    def append_sampled(self, sampled_token_ids: dict[str, list[int]]) -> None:
+        """Async scheduling: a step's sampled tokens, appended as soon as they exist, because the next
+        plan (made before the engine saw them) already computes them."""
+        row_of = self.block_tables.row_of
+        for request_id, token_ids in sampled_token_ids.items():
+            state = self.requests[request_id]
+            self._write_tokens(row_of[request_id], len(state.all_token_ids), token_ids)
+            state.all_token_ids.extend(token_ids)
+
+    def all_greedy(self, rows: list[int]) -> bool:
+        """Whether every one of these rows takes the argmax of its raw logits."""
+        return bool(self.greedy[rows].all())
+
+    def filter_params(self, rows: list[int], dtype: torch.dtype, device: torch.device, vocab: int) -> FilterParams:
+        """These rows' temperature, top-k (clamped to `vocab`), top-p and min-p, for the sampler."""
+        index = np.array(rows, dtype=np.int64)
+
+        def tensor(values: np.ndarray, to_dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(values).to(dtype=to_dtype, device=device)
+
+        return FilterParams(tensor(self.temperature[index], dtype),
+                            tensor(np.minimum(self.top_k[index], vocab), torch.long),
+                            tensor(self.top_p[index], dtype), tensor(self.min_p[index], dtype))
+
+    def _write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
+        self.token_ids[row, start:start + len(token_ids)] = token_ids
+
+    def _row(self, request_id: str) -> int:
+        row = self.block_tables.row(request_id)
+        if row >= len(self.greedy):  # the block tables grew their rows
+            num_rows = self.block_tables.table.shape[0]
+            self.token_ids = np.concatenate([self.token_ids, np.zeros((num_rows - len(self.greedy),
+                                                                       self.token_ids.shape[1]), dtype=np.int64)])
+            for name in ("greedy", "temperature", "top_k", "top_p", "min_p"):
+                setattr(self, name, np.resize(getattr(self, name), num_rows))
+        return row

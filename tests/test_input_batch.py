@@ -1,0 +1,66 @@
+"""The worker's persistent input batch (worker/input_batch.py), fed the deltas an executor sends."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm import SamplingParams
+from pagedllm.core_types.scheduler_output import (
+    NewRequestData,
+    ScheduledRequestsData,
+    WorkerSchedulerOutput,
+)
+from pagedllm.worker.input_batch import InputBatch
+
+
+def message(new: list[NewRequestData], ids: list[str] | None, num_new: list[int], start: list[int],
+            new_tokens: list[list[int]] | None = None, finished: set[str] | None = None,
+            table_changes: list[dict[str, tuple[int, list[int]]]] | None = None) -> WorkerSchedulerOutput:
+    columns = ScheduledRequestsData(request_ids=ids, new_token_ids=new_tokens, num_new_tokens=num_new,
+                                    start_pos=start, sample=None, spec_token_ids=None,
+                                    num_prompt_logprobs_computed=None)
+    return WorkerSchedulerOutput(new, columns, [], finished or set(), [], None,
+                                 block_table_changes=table_changes or [])
+
+
+def test_rows_follow_requests_through_arrival_finish_and_reuse() -> None:
+    batch = InputBatch(max_num_reqs=2, max_model_len=32, max_blocks_per_req=4)
+    greedy = SamplingParams(temperature=0.0)
+    sampled = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=3)
+    with_logprobs = SamplingParams(temperature=0.0, logprobs=1)
+    plan = batch.update(message([NewRequestData("a", [1, 2, 3], greedy), NewRequestData("b", [4, 5], sampled)],
+                                ["a", "b"], [3, 2], [0, 0], table_changes=[{"a": (0, [7]), "b": (0, [8])}]))
+    assert [s.request.request_id for s in plan] == ["a", "b"]
+    rows = batch.rows
+    assert batch.block_tables.table[rows, 0].tolist() == [7, 8]
+    assert batch.greedy[rows].tolist() == [True, False]
+    params = batch.filter_params(rows, torch.float32, torch.device("cpu"), vocab=4)
+    assert params.top_k.tolist() == [0, 4]  # clamped to the vocabulary
+    # the same tensors the sampler makes from the Python floats
+    assert torch.equal(params.temperature, torch.tensor([0.0, 0.7]))
+    assert torch.equal(params.top_p, torch.tensor([1.0, 0.9])) and torch.equal(params.min_p, torch.tensor([0.0, 0.1]))
+
+    # a decode step of the same requests: ids travel as None, each brings its sampled token
+    plan = batch.update(message([], None, [1, 1], [3, 2], new_tokens=[[9], [10]]))
+    assert [s.request.all_token_ids for s in plan] == [[1, 2, 3, 9], [4, 5, 10]]
+    assert batch.token_ids[rows[0], :4].tolist() == [1, 2, 3, 9]
+    assert batch.token_ids[rows[1], :3].tolist() == [4, 5, 10]
+
+    # "a" finishes; "c" (greedy but asking for logprobs: the sampler's row) takes its row, a third grows the batch
+    plan = batch.update(message([NewRequestData("c", [6], with_logprobs), NewRequestData("d", [11, 12], greedy)],
+                                ["b", "c", "d"], [1, 1, 2], [3, 0, 0], new_tokens=[[], [], []], finished={"a"},
+                                table_changes=[{"c": (0, [5]), "d": (0, [6])}]))
+    assert set(batch.requests) == {"b", "c", "d"}
+    assert batch.rows[1] == rows[0]
+    assert batch.greedy[batch.rows].tolist() == [False, False, True]
+    assert batch.token_ids[batch.rows[1], :1].tolist() == [6]
+    assert batch.token_ids[batch.rows[2], :2].tolist() == [11, 12]
+    assert batch.block_tables.table[batch.rows, 0].tolist() == [8, 5, 6]
+    assert batch.all_greedy([batch.rows[2]]) and not batch.all_greedy(batch.rows)
+
+    # "b" ends and a new request reuses its id in a plan of the same ids (sent as None): the new one runs
+    plan = batch.update(message([NewRequestData("b", [13, 14], greedy)], None, [2, 1, 1], [0, 1, 2],
+                                new_tokens=[[], [15], [16]], finished={"b"}, table_changes=[{"b": (0, [9])}]))
+    assert [s.request.all_token_ids for s in plan] == [[13, 14], [6, 15], [11, 12, 16]]
+    assert batch.greedy[batch.rows].tolist() == [True, False, True]
+    assert batch.block_tables.table[batch.rows, 0].tolist() == [9, 5, 6]
