@@ -30,6 +30,8 @@ block is freed while a position can still see it); the null block is never writt
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -37,7 +39,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedllm.kv_cache.block_pool import BlockPool
+from pagedllm.kv_cache.block_pool import BlockPool, KVCacheBlock
 from pagedllm.kv_cache.hashing import NONE_HASH, BlockHash
 from pagedllm.kv_cache.manager import KVCacheManager, cdiv, group_block_hash
 
@@ -311,9 +313,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         free = free_ids(pool)
         assert len(pool.free_queue) == len(free) == len(set(free))
         assert set(free) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
-        assert all(pool.blocks[b.block_id] is b and b.prev_free.next_free is b and b.next_free.prev_free is b
-                   for b in pool.free_queue), "the free queue's links disagree"
-        assert all(b.prev_free is None and b.next_free is None for b in pool.blocks if b.ref_cnt > 0)
+        assert all(pool.blocks[b.block_id] is b for b in pool.free_queue)
+        assert pool.free_queue.check_links(), "the free queue's links disagree"
+        assert not any(b in pool.free_queue for b in pool.blocks if b.ref_cnt > 0)
         for block_hash, holders in pool.cached_blocks.items():
             assert holders, "a hash with no block left is dropped"
             for block_id, block in holders.items():
@@ -416,15 +418,21 @@ def test_blocks_are_registered_once_and_a_content_computed_twice_is_cached_twice
     assert kv.num_cached_blocks["b"] == 2
 
 
-def test_a_dropped_pool_unlinks_its_free_blocks() -> None:
-    """The free queue links blocks to each other; an engine's start-up heap is frozen from the collector, so
-    the links are undone when the pool goes, or every dropped engine would keep its blocks forever."""
-    pool = BlockPool(6, enable_caching=True)
-    blocks = pool.blocks
+def test_a_dropped_pool_goes_by_reference_counting_alone() -> None:
+    """An engine's start-up heap is hidden from the cyclic collector (gc.freeze), so a pool must hold no
+    reference cycles: blocks never refer to each other, and a dropped pool is freed at once."""
+    pool = BlockPool(6, enable_caching=True, reserve_null_block=True)
     pool.get_new_blocks(2)
-    assert sum(block.next_free is not None for block in blocks) == 4
-    del pool
-    assert all(block.prev_free is None and block.next_free is None for block in blocks)
+    assert not any(isinstance(referent, KVCacheBlock) for block in pool.blocks for referent in gc.get_referents(block))
+    gone = weakref.ref(pool)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del pool
+        assert gone() is None
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def test_sliding_window_gives_back_the_blocks_behind_it() -> None:
