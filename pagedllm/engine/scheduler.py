@@ -191,12 +191,13 @@ class Scheduler:
                 request.spec_token_ids = []
                 num_new = min(num_new, request.num_tokens - request.num_computed_tokens)
             # (every token known before this step is final: the default num_cacheable_tokens)
+            lookahead = self._num_lookahead_tokens(request, num_new) if self.config.num_lookahead_tokens else 0
             if ahead:
-                if not allocate_slots(request, num_new):
+                if not allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
                     self.needs_sync = True
                     continue
             else:
-                while not allocate_slots(request, num_new):
+                while not allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
                     victim = self._pick_victim(scheduled, request)
                     self._preempt(victim)
                     preempted.append(victim.request_id)
@@ -247,7 +248,9 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request, num_new, cached_blocks):
+            lookahead = self._num_lookahead_tokens(request, num_new, num_cached) \
+                if self.config.num_lookahead_tokens else 0
+            if not self.kv.allocate_slots(request, num_new, cached_blocks, num_lookahead_tokens=lookahead):
                 break
             if not loaded:
                 self.kv.record_prefix_query(request.num_tokens, num_cached)
@@ -305,6 +308,13 @@ class Scheduler:
                 return None
             plan.append(ScheduledRequest(request, 1, start, (), True, []))
         return plan
+
+    def _num_lookahead_tokens(self, request: Request, num_new: int, num_computed: int | None = None) -> int:
+        """Slots past this step's tokens for the draft model's KV (config.num_lookahead_tokens), short of
+        max_model_len: no draft position reaches it."""
+        if num_computed is None:
+            num_computed = request.num_computed_tokens
+        return max(0, min(self.config.num_lookahead_tokens, self.config.max_model_len - num_computed - num_new))
 
     def _plan(self, plan: list[ScheduledRequest], num_batched_tokens: int, preempted: list[str]) -> SchedulerOutput:
         som = self.structured_output_manager

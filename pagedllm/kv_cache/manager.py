@@ -220,13 +220,15 @@ class KVCacheManager:
     # ---- allocation ----
     def allocate_slots(self, request: CacheableRequest, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
-                       num_cacheable_tokens: int | None = None) -> bool:
+                       num_cacheable_tokens: int | None = None, num_lookahead_tokens: int = 0) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones, in every group. Returns
         False (and changes nothing) when the pool cannot provide the blocks; the scheduler then preempts
         or waits.
 
         `num_cacheable_tokens`: how many of the request's tokens are final after this step (speculative
-        tokens are not), so only blocks full of final tokens enter the prefix cache."""
+        tokens are not), so only blocks full of final tokens enter the prefix cache.
+        `num_lookahead_tokens`: slots past the new tokens for a draft model's KV (vLLM's name): it writes
+        the positions of the tokens this step samples and of its drafts, in the same blocks."""
         bs = self.block_size
         request_id = request.request_id
         num_computed = request.num_computed_tokens
@@ -241,18 +243,19 @@ class KVCacheManager:
                 if group.sliding_window is not None:
                     self._remove_skipped_blocks(group, request_id, num_computed)
         total_tokens = num_computed + k * bs + num_new_tokens
+        num_slots = total_tokens + num_lookahead_tokens
         plans: list[tuple[int, KVCacheBlock | None] | None] = []
         num_needed = num_evictable_touched = 0
         for group, hit in zip(self.groups, hits):
             blocks = group.req_to_blocks.get(request_id)
             # A running request's step (a decode, mostly) whose tokens fit in its blocks, writing into a
             # block it alone holds, allocates and copies nothing.
-            if (blocks and not hit and total_tokens <= len(blocks) * bs
+            if (blocks and not hit and num_slots <= len(blocks) * bs
                     and (not num_computed % bs or num_new_tokens <= 0 or blocks[num_computed // bs].ref_cnt == 1)):
                 plans.append(None)
                 continue
             blocks = blocks or []
-            num_new_blocks = max(0, cdiv(total_tokens, bs) - len(blocks) - len(hit))
+            num_new_blocks = max(0, cdiv(num_slots, bs) - len(blocks) - len(hit))
             # A partial last block shared with a forked sibling must be copied before we write into it.
             cow_block = None
             if num_new_tokens > 0 and blocks and num_computed % bs and num_computed < len(blocks) * bs:
