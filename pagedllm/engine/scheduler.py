@@ -18,7 +18,7 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core_types.model_runner_output import ModelRunnerOutput
 from pagedllm.core_types.scheduler_output import ScheduledRequest, SchedulerOutput
 from pagedllm.distributed.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
-from pagedllm.engine.request import Request, RequestStatus, make_child
+from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.kv_cache.manager import KVCacheManager
 from pagedllm.kv_cache.snapshot import KVCacheSnapshot, RequestBlocks
 from pagedllm.structured_output import StructuredOutputManager
@@ -46,9 +46,6 @@ class Scheduler:
         # Unfinished requests that came with a grammar: while there are none, a plan asks the structured
         # output manager for nothing (no scan of the step's requests).
         self.guided_ids: set[str] = set()
-        # Unfinished parallel-sampling parents: while there are none, update() skips its scan of the running
-        # requests for parents to fork.
-        self.fork_parent_ids: set[str] = set()
         # Output tokens the model produced for running requests, those past a stop included (a metric).
         self.num_sampled_tokens = 0
         # Async scheduling: a plan made ahead ran short of blocks, or met a request only a plan made after
@@ -63,8 +60,6 @@ class Scheduler:
         self.requests[request.request_id] = request
         if request.sampling_params.guided_decoding is not None:
             self.guided_ids.add(request.request_id)
-        if request.is_fork_parent:
-            self.fork_parent_ids.add(request.request_id)
 
     def _watch_stops(self, request: Request) -> None:
         """Note on the request which tokens may end it (its stop ids, and the EOS ids unless it ignores
@@ -82,7 +77,7 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return sum(r.sampling_params.n if r.is_fork_parent else 1 for r in self.running)
+        return len(self.running)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_kv or self.aborted_loads)
@@ -120,11 +115,10 @@ class Scheduler:
             self.structured_output_manager.free(request.request_id)
 
     def _forget(self, request_id: str) -> None:
-        """A request leaves the engine (finished, or a parent replaced by its samples): workers are told."""
+        """A request leaves the engine: workers are told."""
         del self.requests[request_id]
         self.finished_req_ids.add(request_id)
         self.guided_ids.discard(request_id)
-        self.fork_parent_ids.discard(request_id)
 
     def kv_cache_snapshot(self) -> KVCacheSnapshot:
         """The KV cache manager's snapshot plus every unfinished request's place in it. Call it between
@@ -143,12 +137,12 @@ class Scheduler:
     # ---- the plan for one step ----
     def can_schedule_ahead(self) -> bool:
         """Whether the next step can be planned before the tokens of the one in flight are known (async
-        scheduling). Not when a grammar must see the last token to mask the next, nor when a parallel-
-        sampling parent is about to fork, nor after a plan made ahead ran out of blocks."""
+        scheduling). Not when a grammar must see the last token to mask the next, nor after a plan made
+        ahead ran out of blocks."""
         if self.needs_sync:
             return False
         for request in self.running:
-            if request.is_fork_parent or request.sampling_params.guided_decoding is not None:
+            if request.sampling_params.guided_decoding is not None:
                 return False
         return True
 
@@ -179,7 +173,7 @@ class Scheduler:
                 continue  # preempted earlier in this pass
             if request.num_output_placeholders and self._length_reached(request):
                 continue  # it ends by length when its token in flight arrives
-            num_new = request.target_num_tokens - request.num_computed_tokens
+            num_new = request.num_tokens_with_spec - request.num_computed_tokens
             if num_new <= 0:
                 continue
             if num_new > budget:
@@ -219,17 +213,14 @@ class Scheduler:
                 request = next((r for r in self.waiting if self._lora_fits(r, running_loras)), None)
                 if request is None:
                     break
-            if ahead and (request.is_fork_parent or request.sampling_params.guided_decoding is not None):
+            if ahead and request.sampling_params.guided_decoding is not None:
                 # Admitted by a plan made after the step in flight (see can_schedule_ahead): ask for one,
                 # or it (and everyone queued behind it) would wait until the running requests all end.
                 self.needs_sync = True
                 break
-            n = request.sampling_params.n if request.is_fork_parent else 1
-            # A parallel-sampling parent needs room for all its samples, unless it would run alone
-            # (n above max_num_seqs must still make progress).
-            if self.num_running + n > self.config.max_num_seqs and self.running:
+            if len(self.running) >= self.config.max_num_seqs:
                 break
-            max_cached = request.target_num_tokens - (0 if request.is_fork_parent else 1)
+            max_cached = request.num_tokens_with_spec - 1
             if request.prompt_logprobs is not None and len(request.prompt_logprobs) < request.num_prompt_tokens:
                 max_cached = 0  # prompt logprobs need the logits of every prompt position (as in vLLM)
             loaded = request.num_computed_tokens > 0
@@ -244,7 +235,7 @@ class Scheduler:
                         if not self._start_kv_load(request, cached_blocks, num_cached, num_external):
                             break
                         continue
-            num_new = request.target_num_tokens - num_cached
+            num_new = request.num_tokens_with_spec - num_cached
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
@@ -287,7 +278,7 @@ class Scheduler:
         running = self.running
         # (Not with speculative decoding: blocks that accepted proposals fill are registered in the prefix
         # cache at the next allocation, which the pass below makes only at block boundaries.)
-        if (not running or self.waiting or len(running) > budget or self.fork_parent_ids or self.connector is not None
+        if (not running or self.waiting or len(running) > budget or self.connector is not None
                 or self.config.async_scheduling or self.config.num_speculative_tokens):
             return None
         newest = running[-1]  # admitted last: the likeliest to be still in its prompt, so looked at first
@@ -300,10 +291,9 @@ class Scheduler:
             start = request.num_computed_tokens
             if request.num_tokens - start != 1 or start < request.num_prompt_tokens:
                 return None  # (a prompt's last token: the general pass orders it after the decodes)
-            # A decoding request wrote its last position into a block the KV cache manager made its own (a
-            # fork's shared tail is copied at the sample's first write), so a token that neither opens a
-            # block nor fills one allocates, copies and registers nothing: the manager is asked only at
-            # those tokens.
+            # A decoding request wrote its last position into a block of its own, so a token that neither
+            # opens a block nor fills one allocates, copies and registers nothing: the manager is asked only
+            # at those tokens.
             if not (start % bs and (start + 1) % bs) and not allocate_slots(request, 1):
                 return None
             plan.append(ScheduledRequest(request, 1, start, (), True, []))
@@ -322,7 +312,7 @@ class Scheduler:
             kv_connector_metadata=self.connector.build_connector_meta(plan) if self.connector else None,
             scheduled=plan,
             num_batched_tokens=num_batched_tokens,
-            blocks_to_copy=self.kv.take_pending_copies(),
+            blocks_to_copy=[],  # (blocks are never shared part-full: nothing to copy)
             block_table_changes=self.kv.take_table_changes(),
             preempted_ids=preempted,
             finished_req_ids=self._take_finished_req_ids(),
@@ -384,8 +374,7 @@ class Scheduler:
             request.spec_token_ids = spec = []  # a chunk that stops short drops its proposals
         # the block table is the KV manager's own list: the KV connector reads it during this step only
         block_ids = self.kv.get_block_ids(request.request_id) if self.connector is not None else ()
-        return ScheduledRequest(request, num_new, start, block_ids, reaches_end and not request.is_fork_parent,
-                                list(spec) if spec else [])
+        return ScheduledRequest(request, num_new, start, block_ids, reaches_end, list(spec) if spec else [])
 
     def _lora_fits(self, request: Request, running_loras: set[int]) -> bool:
         """Whether admitting `request` keeps the running requests within max_loras distinct adapters."""
@@ -419,17 +408,18 @@ class Scheduler:
 
     # ---- after the forward pass ----
     def update(self, output: SchedulerOutput, model_output: ModelRunnerOutput
-               ) -> tuple[list[Request], list[Request], list[Request]]:
+               ) -> tuple[list[Request], list[Request]]:
         """Apply a step's results. Returns (requests with new tokens, requests finished by a stop token or
-        length, children created by forking a parallel-sampling parent)."""
-        updated, finished, forked = [], [], []
+        length)."""
+        updated: list[Request] = []
+        finished: list[Request] = []
         if model_output.kv_connector_output is not None and self.connector is not None:
             self._update_kv_transfers(model_output.kv_connector_output)
         sampled_token_ids = model_output.sampled_token_ids
         # logprobs come only for the requests that asked: most steps have none to look up
         all_logprobs, all_sampled_logprobs = model_output.logprobs, model_output.sampled_logprobs
         if output.steady_decode and not all_logprobs and not all_sampled_logprobs:
-            return self._update_steady(output.scheduled, sampled_token_ids, finished), finished, forked
+            return self._update_steady(output.scheduled, sampled_token_ids, finished), finished
         async_scheduling = self.config.async_scheduling
         num_sampled = 0
         for item in output.scheduled:
@@ -471,14 +461,8 @@ class Scheduler:
                 # Tokens past a stop were verified but are not part of the output; their KV stays
                 # unreachable until the request is freed.
                 updated.append(request)
-            elif request.is_fork_parent and request.num_computed_tokens >= request.target_num_tokens:
-                forked.extend(self._fork(request))
         self.num_sampled_tokens += num_sampled
-        for request in list(self.running) if self.fork_parent_ids else ():
-            # A parent admitted with its whole shared prompt cached forks without a forward pass.
-            if request.is_fork_parent and request.num_computed_tokens >= request.target_num_tokens:
-                forked.extend(self._fork(request))
-        return updated, finished, forked
+        return updated, finished
 
     def _update_steady(self, plan: list[ScheduledRequest], sampled_token_ids: dict[str, list[int]],
                        finished: list[Request]) -> list[Request]:
@@ -528,23 +512,3 @@ class Scheduler:
             return False
         self._finish(request, status)
         return True
-
-    def _fork(self, parent: Request) -> list[Request]:
-        children = []
-        position = self.running.index(parent)
-        for index in range(parent.sampling_params.n):
-            child = make_child(parent, index)
-            self._watch_stops(child)
-            self.kv.fork(parent.request_id, child.request_id)
-            child.status = RequestStatus.RUNNING
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            self.requests[child.request_id] = child
-            if parent.request_id in self.guided_ids:
-                self.guided_ids.add(child.request_id)
-            children.append(child)
-        self.running[position:position + 1] = children
-        self.kv.free(parent.request_id)
-        self._forget(parent.request_id)
-        parent.status = RequestStatus.FINISHED_STOPPED
-        return children

@@ -353,8 +353,6 @@ class ModelRunner:
                 raw[:, :, dst] = raw[:, :, src]
             else:
                 cache[:, :, dst] = cache[:, :, src]
-        if self.draft_runner is not None:  # the draft's layers of the same blocks
-            self.draft_runner.copy_blocks(pairs)
 
     # ---- one step ----
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
