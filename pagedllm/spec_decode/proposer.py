@@ -1,5 +1,6 @@
-"""The one contract every proposer keeps (n-gram, suffix tree, draft model; an EAGLE-style head would be
-one more), so SpecDecoder drives them all alike without knowing which it has.
+"""The one contract every proposer keeps (n-gram, suffix tree, draft model), so SpecDecoder drives them
+all alike without knowing which it has. An EAGLE-style head would be one more class: KV in the target's
+blocks as the draft model's, and the target's last hidden states as one more ProposeInput field.
 
 Each step, after the target sampled, SpecDecoder hands the proposer a ProposeInput: the requests that
 propose (their tokens with this step's sampled ones, and how many tokens each may propose) and the
