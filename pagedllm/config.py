@@ -434,6 +434,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # or "lpm": longest cached prefix first
     num_speculative_tokens: int = 0
+    # Slots kept past each request's scheduled tokens for a draft model's KV, which lives in the target's
+    # blocks (vLLM's name): the positions of the tokens a step samples and of the drafts after them.
+    num_lookahead_tokens: int = 0
     # Step N+1 is planned while step N runs (see EngineCore): requests advance num_computed_tokens when
     # scheduled, and the worker appends the tokens it samples to its own copy of each request.
     async_scheduling: bool = False

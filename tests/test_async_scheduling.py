@@ -162,8 +162,8 @@ def test_abort_while_steps_are_in_flight(tiny_llama_dir: str) -> None:
 
 
 def test_a_parallel_sampling_request_is_admitted_while_others_run(tiny_llama_dir: str) -> None:
-    """Plans made ahead do not admit a parallel-sampling parent (or a grammar request); the next plan is
-    then made after the step in flight, so it is admitted at once, not when the running requests end."""
+    """A request with n > 1 is one request per sample, which plans made ahead admit as any other: it is
+    admitted at once, not when the running requests end."""
     llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, async_scheduling=True)
     try:
         engine = llm.llm_engine

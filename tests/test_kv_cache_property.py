@@ -1,14 +1,13 @@
 """Property test of the block pool and KV cache manager (issue 4, "Prefix caching and copy-on-write").
 
 A hypothesis state machine drives one KVCacheManager the way the scheduler does: admit a request
-(taking its cached prefix), compute prompt chunks, append decode tokens, speculate and roll back, fork
-parallel samples, free, reset the cache. Tokens come from a tiny alphabet over a few shared stems, so
-prefix hits, shared partial blocks (copy-on-write) and evictions from a small pool are frequent.
+(taking its cached prefix), compute prompt chunks, append decode tokens, speculate and roll back, free,
+reset the cache. Tokens come from a tiny alphabet over a few shared stems, so prefix hits (parallel
+samples share their prompt this way) and evictions from a small pool are frequent.
 
 Next to the manager the test keeps its own picture of the physical KV: each slot holds the whole token
-prefix its position was computed from. It applies the manager's block copies and writes each step's
-tokens, so a wrong cache hit, a missed copy-on-write or a write into a shared block shows up as a
-request whose blocks no longer hold its own prefix.
+prefix its position was computed from. It writes each step's tokens, so a wrong cache hit or a write
+into a shared block shows up as a request whose blocks no longer hold its own prefix.
 
 Checked after every operation:
 - each block's ref count equals the number of block tables holding it;
@@ -30,6 +29,8 @@ block is freed while a position can still see it); the null block is never writt
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -37,7 +38,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedllm.kv_cache.block_pool import BlockPool
+from pagedllm.kv_cache.block_pool import BlockPool, KVCacheBlock
 from pagedllm.kv_cache.hashing import NONE_HASH, BlockHash
 from pagedllm.kv_cache.manager import KVCacheManager, cdiv, group_block_hash
 
@@ -108,8 +109,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         pool = self.kv.pool
         return ([(b.ref_cnt, b.block_hash) for b in pool.blocks], free_ids(pool),
                 {h: dict(holders) for h, holders in pool.cached_blocks.items()},
-                [{r: [b.block_id for b in bs] for r, bs in g.req_to_blocks.items()} for g in self.kv.groups],
-                list(self.kv.pending_copies))
+                [{r: [b.block_id for b in bs] for r, bs in g.req_to_blocks.items()} for g in self.kv.groups])
 
     def _pick(self, index: int) -> FakeRequest:
         ids = sorted(self.requests)
@@ -117,7 +117,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def _schedule(self, request: FakeRequest, num_new: int, cached_blocks: list | None = None,
                   num_cacheable: int | None = None) -> bool:
-        """allocate_slots, then (on success) do what the model runner does: copy blocks, write KV."""
+        """allocate_slots, then (on success) do what the model runner does: write KV."""
         if self.null_id is not None and request.request_id in self.kv.req_to_blocks:
             # allocate_slots begins with this (giving back blocks out of the window), refused or not
             self.kv.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
@@ -139,11 +139,6 @@ class KVCacheMachine(RuleBasedStateMachine):
         for block_id in taken:  # a reused block lost its old hash
             block = self.kv.pool.blocks[block_id]
             assert block.block_hash is None or self.kv.pool.cached_blocks[block.block_hash].get(block_id) is block
-        copies = self.kv.take_pending_copies()
-        for src, dst in copies:
-            assert dst in {b.block_id for table in tables for b in table}, "a copy lands in the writer's own table"
-            assert self.kv.pool.blocks[src].ref_cnt >= 1, "the source stays alive for its other holders"
-            self.slots[dst] = list(self.slots[src])
         start = request.num_computed_tokens + len(cached_blocks or ()) // len(self.windows) * self.block_size
         written = request.tokens + request.spec_token_ids
         for table in tables:  # each group's layers write their own KV of the same positions
@@ -231,22 +226,6 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.kv.trim(request)
 
     @precondition(lambda self: self.requests)
-    @rule(index=st.integers(0, 99), n=st.integers(1, 4), free_parent=st.booleans())
-    def fork(self, index: int, n: int, free_parent: bool) -> None:
-        """Parallel sampling: children share every block of the parent, partial last block included; each
-        then computes the last token itself (the scheduler's parent stops one token short of its prompt)."""
-        parent = self._pick(index)
-        for _ in range(n):
-            child = FakeRequest(f"r{self.next_id}", list(parent.tokens), parent.num_computed_tokens,
-                                list(parent.block_hashes))
-            self.next_id += 1
-            self.kv.fork(parent.request_id, child.request_id)
-            self.requests[child.request_id] = child
-        if free_parent:
-            self.kv.free(parent.request_id)
-            del self.requests[parent.request_id]
-
-    @precondition(lambda self: self.requests)
     @rule(index=st.integers(0, 99), then_reset=st.booleans())
     def free(self, index: int, then_reset: bool) -> None:
         """Finish a request; then maybe reset the prefix cache (refused unless every block is free)."""
@@ -311,9 +290,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         free = free_ids(pool)
         assert len(pool.free_queue) == len(free) == len(set(free))
         assert set(free) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
-        assert all(pool.blocks[b.block_id] is b and b.prev_free.next_free is b and b.next_free.prev_free is b
-                   for b in pool.free_queue), "the free queue's links disagree"
-        assert all(b.prev_free is None and b.next_free is None for b in pool.blocks if b.ref_cnt > 0)
+        assert all(pool.blocks[b.block_id] is b for b in pool.free_queue)
+        assert pool.free_queue.check_links(), "the free queue's links disagree"
+        assert not any(b in pool.free_queue for b in pool.blocks if b.ref_cnt > 0)
         for block_hash, holders in pool.cached_blocks.items():
             assert holders, "a hash with no block left is dropped"
             for block_id, block in holders.items():
@@ -416,15 +395,21 @@ def test_blocks_are_registered_once_and_a_content_computed_twice_is_cached_twice
     assert kv.num_cached_blocks["b"] == 2
 
 
-def test_a_dropped_pool_unlinks_its_free_blocks() -> None:
-    """The free queue links blocks to each other; an engine's start-up heap is frozen from the collector, so
-    the links are undone when the pool goes, or every dropped engine would keep its blocks forever."""
-    pool = BlockPool(6, enable_caching=True)
-    blocks = pool.blocks
+def test_a_dropped_pool_goes_by_reference_counting_alone() -> None:
+    """An engine's start-up heap is hidden from the cyclic collector (gc.freeze), so a pool must hold no
+    reference cycles: blocks never refer to each other, and a dropped pool is freed at once."""
+    pool = BlockPool(6, enable_caching=True, reserve_null_block=True)
     pool.get_new_blocks(2)
-    assert sum(block.next_free is not None for block in blocks) == 4
-    del pool
-    assert all(block.prev_free is None and block.next_free is None for block in blocks)
+    assert not any(isinstance(referent, KVCacheBlock) for block in pool.blocks for referent in gc.get_referents(block))
+    gone = weakref.ref(pool)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del pool
+        assert gone() is None
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def test_sliding_window_gives_back_the_blocks_behind_it() -> None:

@@ -121,10 +121,10 @@ class FakeRequest:
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["admit", "free", "fork"]), st.integers(0, 9), st.integers(1, 30)),
+@given(ops=st.lists(st.tuples(st.sampled_from(["admit", "free"]), st.integers(0, 9), st.integers(1, 30)),
                     max_size=30))
 def test_runs_are_the_per_block_view(ops: list[tuple[str, int, int]]) -> None:
-    """Random admissions (with prefix hits), frees and forks: the runs expand to exactly the per-block
+    """Random admissions (with prefix hits) and frees: the runs expand to exactly the per-block
     view built the slow way, and no two neighbouring runs could have been merged."""
     kv = KVCacheManager(24, 4, enable_caching=True)
     live: list[str] = []
@@ -136,10 +136,6 @@ def test_runs_are_the_per_block_view(ops: list[tuple[str, int, int]]) -> None:
                 live.append(request.request_id)
         elif live and op == "free":
             kv.free(live.pop(pick % len(live)))
-        elif live and op == "fork":
-            child = f"c{number}"
-            kv.fork(live[pick % len(live)], child)
-            live.append(child)
     snapshot = kv.snapshot()
     holders = snapshot.holders()
     expected = [{"id": i, "state": snapshot.block_state(i), "ref_cnt": snapshot.ref_cnts[i],

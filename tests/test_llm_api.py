@@ -290,7 +290,7 @@ def _generate_noting_requests(engine_llm: LLM) -> list[weakref.ref]:
         outs = engine_llm.generate(TEXTS, SamplingParams(max_tokens=4, n=2), use_tqdm=False)
     finally:
         del scheduler.add_request  # the class's method again
-    assert len(outs) == 3 and len(requests) == 3
+    assert len(outs) == 3 and len(requests) == 3 * 2  # the scheduler takes one request per sample
     return requests
 
 

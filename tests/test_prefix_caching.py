@@ -300,6 +300,9 @@ def test_outputs_correct_under_memory_pressure(tiny_llama_dir: str, uncached: di
 @pytest.mark.parametrize("prompt_len", [20 * BLOCK + 7, 20 * BLOCK + 1], ids=["partial-block", "aligned"])
 @pytest.mark.parametrize("caching", [True, False], ids=["caching", "no-caching"])
 def test_parallel_sampling_shares_prompt_blocks(tiny_llama_dir: str, prompt_len: int, caching: bool) -> None:
+    """n > 1 is n requests, one per sample: with prefix caching the first admitted computes the prompt and
+    the others hit its full blocks (in the same step), each computing only its partial tail; without it
+    each sample computes the whole prompt. Either way sample i equals a separate request seeded seed + i."""
     n, seed, max_tokens = 4, 7, 6
     prompt = random_prompts(1, VOCAB, [prompt_len], seed=51)[0]
     llm = make_llm(tiny_llama_dir, enable_prefix_caching=caching)
@@ -314,20 +317,14 @@ def test_parallel_sampling_shares_prompt_blocks(tiny_llama_dir: str, prompt_len:
                 if out.finished:
                     final = out
             max_held = max(max_held, len(held_blocks(engine)))
-    copies = [pair for out in scheduled for pair in out.blocks_to_copy]
-    # The parent computes prompt[:-1]; each sample writes the last prompt token and its outputs.
-    shared_blocks = cdiv(prompt_len - 1, BLOCK)
-    partial = (prompt_len - 1) % BLOCK != 0
-    # Every position a sample writes stays within one block here, so each sample needs at most one.
-    assert (prompt_len - 1) % BLOCK + max_tokens <= BLOCK
-    if partial:
-        assert len(copies) == n - 1, "each sample but the last copies the shared partial block"
-        assert max_held == shared_blocks + n - 1
-    else:
-        assert not copies
-        assert max_held == shared_blocks + n
-    assert max_held < n * cdiv(prompt_len + max_tokens, BLOCK) / 3
-    assert num_computed(scheduled) == prompt_len - 1 + n * max_tokens
+    assert not any(out.blocks_to_copy for out in scheduled), "no block is ever shared part-full"
+    # (the last prompt token is always computed: a hit stops at the last full block before it)
+    hit = (prompt_len - 1) // BLOCK * BLOCK if caching else 0
+    assert num_computed(scheduled) == prompt_len + (n - 1) * (prompt_len - hit) + n * (max_tokens - 1)
+    own_blocks = cdiv(prompt_len + max_tokens - 1, BLOCK) - hit // BLOCK  # blocks each sample holds alone
+    assert max_held == hit // BLOCK + n * own_blocks
+    if caching:
+        assert max_held < n * cdiv(prompt_len + max_tokens, BLOCK) / 3
     assert final is not None and len(final.outputs) == n
     samples = [list(c.token_ids) for c in final.outputs]
 
@@ -340,16 +337,14 @@ def test_parallel_sampling_shares_prompt_blocks(tiny_llama_dir: str, prompt_len:
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8"])
-def test_copy_on_write_with_low_precision_kv_cache(tiny_llama_dir: str, kv_cache_dtype: str) -> None:
-    """The block copy also works on 2- and 1-byte caches (fp8 copies raw bytes): seeded samples of a
-    fork equal separate requests on the same cache dtype."""
+def test_parallel_sampling_with_low_precision_kv_cache(tiny_llama_dir: str, kv_cache_dtype: str) -> None:
+    """On 2- and 1-byte caches too, the seeded samples of a request with n > 1 (sharing the prompt's
+    blocks through the prefix cache) equal separate requests."""
     n, seed = 3, 11
     prompt = random_prompts(1, VOCAB, [4 * BLOCK + 9], seed=52)[0]
     llm = make_llm(tiny_llama_dir, kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=5, ignore_eos=True)
-    with recording(llm.llm_engine) as scheduled:
-        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-    assert sum(len(s.blocks_to_copy) for s in scheduled) == n - 1
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     singles = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=5, ignore_eos=True) for i in range(n)]
     assert [list(c.token_ids) for c in out.outputs] == run(llm, [prompt] * n, singles)
     assert_idle(llm)

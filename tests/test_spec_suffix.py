@@ -115,7 +115,7 @@ def test_suffix_tree_remove_frees_every_node() -> None:
 
 
 def test_global_tree_is_bounded_and_shared_across_requests() -> None:
-    from pagedllm.spec_decode.proposer import DraftRequest
+    from pagedllm.spec_decode.proposer import DraftRequest, ProposeInput
 
     params = SamplingParams()
     proposer = SuffixProposer(max_tree_depth=6, max_cached_requests=2)
@@ -125,7 +125,7 @@ def test_global_tree_is_bounded_and_shared_across_requests() -> None:
     assert "a" not in proposer.local and "a" in proposer.global_tree
     # a new request whose text reaches [7, 8] gets a's continuation from the global tree
     request = DraftRequest("b", [3, 4, 7, 8], params, num_prompt_tokens=4)
-    assert proposer.propose([request], [3]) == {"b": ([9, 10], None)}  # max_spec_factor 1: match of 2
+    assert proposer.propose(ProposeInput([request], [3], [])) == {"b": ([9, 10], None)}  # max_spec_factor 1: match of 2
     sizes = []
     for i in range(6):
         proposer.observe(DraftRequest(f"r{i}", [1] + list(range(20 + 10 * i, 28 + 10 * i)), params, 1))
@@ -311,9 +311,9 @@ def test_a_request_that_never_speculates_asks_the_proposer_rarely(tiny_llama_dir
     asked = []
     original = proposer.propose
 
-    def propose(requests, num_spec_tokens):
-        asked.extend(r.request_id for r in requests)
-        return original(requests, num_spec_tokens)
+    def propose(inputs):
+        asked.extend(r.request_id for r in inputs.requests)
+        return original(inputs)
 
     proposer.propose = propose
     # a random model's random continuation: nothing in it repeats

@@ -233,8 +233,8 @@ def test_composes_with_every_sampling_parameter_and_parallel_sampling(llm: LLM) 
             jsonschema.validate(json.loads(completion.text), SCHEMA)
             assert len(completion.logprobs) == len(completion.token_ids)
     assert not llm.llm_engine.structured_output_manager.grammars  # every matcher freed
-    scheduler = llm.llm_engine.scheduler  # and the ids that make plans look for grammars and parents to fork
-    assert not scheduler.guided_ids and not scheduler.fork_parent_ids
+    scheduler = llm.llm_engine.scheduler  # and the ids that make plans look for grammars
+    assert not scheduler.guided_ids
 
 
 # --- batches, preemption, speculation -----------------------------------------------------------------------

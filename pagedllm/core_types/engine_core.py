@@ -58,7 +58,7 @@ class EngineCoreOutput:
 
 
 def engine_request_id(request_id: str, index: int, n: int) -> str:
-    """The scheduler's id of sample `index`: the request's own id, or its fork's when n > 1 (make_child)."""
+    """The scheduler's id of sample `index`: the request's own id, or one per sample when n > 1."""
     return f"{index}_{request_id}" if n > 1 else request_id
 
 

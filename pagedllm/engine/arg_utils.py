@@ -335,5 +335,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                          "proposals depend on the tokens the previous step accepted.")
     if speculative_config is not None:
         scheduler_config.num_speculative_tokens = speculative_config.num_speculative_tokens
+        if speculative_config.method == "draft_model":
+            scheduler_config.num_lookahead_tokens = speculative_config.num_speculative_tokens
     cache_config.kv_cache_groups = choose_kv_cache_groups(model_config, cache_config, speculative_config)
     return EngineConfig(device, model_config, scheduler_config, cache_config, parallel_config, speculative_config)

@@ -21,7 +21,7 @@ from pagedllm.core_types.engine_core import EngineCoreOutput, EngineCoreRequest,
 from pagedllm.core_types.model_runner_output import ModelRunnerOutput
 from pagedllm.core_types.scheduler_output import SchedulerOutput
 from pagedllm.engine.arg_utils import EngineArgs, create_engine_config
-from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.request import Request, RequestStatus, sample_params
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.executor.abstract import Executor, ExecutorDeadError
 from pagedllm.kv_cache.manager import KVCacheManager, blocks_per_request, cdiv
@@ -135,14 +135,26 @@ class EngineCore:
             # bad adapter fails this request alone)
             self.add_lora(request.lora_request)
             self.lora_requests[request.lora_request.lora_name] += 1
-        core_request = Request(request.request_id, request.prompt_token_ids, params,
-                               arrival_time=request.arrival_time,
-                               defer_outputs=(self.defer_final_outputs and not params.stop
-                                              and params.output_kind is RequestOutputKind.FINAL_ONLY),
-                               lora_request=request.lora_request)
-        if params.n > 1:
+        defer_outputs = (self.defer_final_outputs and not params.stop
+                         and params.output_kind is RequestOutputKind.FINAL_ONLY)
+        if params.n == 1:
+            self.scheduler.add_request(Request(request.request_id, request.prompt_token_ids, params,
+                                               arrival_time=request.arrival_time, defer_outputs=defer_outputs,
+                                               lora_request=request.lora_request))
+        else:
+            # Parallel sampling as vLLM V1 does it: n independent requests, one per sample, fanned out here
+            # and gathered again by (request id, index) in the output processor. With prefix caching on they
+            # share the prompt's full blocks (the first admitted computes them, the others hit them, in the
+            # same step if they are admitted together); with it off each computes the prompt itself.
             self._num_samples[request.request_id] = params.n
-        self.scheduler.add_request(core_request)
+            for index in range(params.n):
+                sample = Request(engine_request_id(request.request_id, index, params.n), request.prompt_token_ids,
+                                 sample_params(params, index), arrival_time=request.arrival_time,
+                                 parent_id=request.request_id, index=index, defer_outputs=defer_outputs,
+                                 lora_request=request.lora_request)
+                if index > 0:
+                    sample.kv_transfer_params = None  # a KV connector moves the shared prompt once, for sample 0
+                self.scheduler.add_request(sample)
         self.num_prompt_tokens += len(request.prompt_token_ids)
 
     def _member_ids(self, request_id: str) -> list[str]:
@@ -204,7 +216,7 @@ class EngineCore:
         it samples to its own copies of the requests, so N+1 can compute them), while this process
         updates the requests, makes the outputs and, in the API process, detokenizes: that work leaves
         the critical path. A plan is made ahead only when it cannot depend on the tokens in flight (no
-        grammar to advance, no parallel-sampling parent to fork, blocks to spare: see
+        grammar to advance, blocks to spare: see
         Scheduler.schedule); otherwise this step waits, and the next plan is made after it. A request
         that stops while its next step runs has that step's token dropped; its blocks are freed at once,
         which is safe because the worker runs steps in order, so the step still writing them finishes
@@ -278,7 +290,7 @@ class EngineCore:
 
     def _finish_step(self, scheduler_output: SchedulerOutput,
                      model_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        updated, _, _ = self.scheduler.update(scheduler_output, model_output)
+        updated, _ = self.scheduler.update(scheduler_output, model_output)
         self.scheduler.update_draft_token_ids(model_output.spec_token_ids)
         now = time.time()
         outputs = []

@@ -44,7 +44,8 @@ class Request:
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.time)
     prompt: str | None = None
-    # Parallel sampling: the parent computes the shared prompt, then forks into `n` samples.
+    # Parallel sampling (n > 1): the user request this is sample `index` of (EngineCore.add_request makes
+    # one request per sample; they share the prompt through the prefix cache).
     parent_id: str | None = None
     index: int = 0
     # Nobody reads its tokens before it ends (see EngineCore.defer_final_outputs): the core sends its
@@ -56,7 +57,6 @@ class Request:
     # itself, which the per-step loops over every running request reach with fewer cache misses than an
     # attribute dict); those derived from the fields above are set in __post_init__.
     # Attributes, not properties: read for every running request every step.
-    is_fork_parent: bool = field(init=False)
     num_prompt_tokens: int = field(init=False)
     # Set by the scheduler when it takes the request (Scheduler._watch_stops): the token ids that may end
     # it and the token count that does, so that a step's other tokens skip the whole stop test.
@@ -86,7 +86,6 @@ class Request:
 
     def __post_init__(self) -> None:
         params = self.sampling_params
-        self.is_fork_parent = params.n > 1 and self.parent_id is None
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self._all_token_ids = list(self.prompt_token_ids)
         self.logprobs = [] if params.logprobs is not None else None
@@ -114,14 +113,6 @@ class Request:
     def num_tokens_with_spec(self) -> int:
         return len(self._all_token_ids) + len(self.spec_token_ids) + self.num_output_placeholders
 
-    @property
-    def target_num_tokens(self) -> int:
-        """How many tokens should have KV once this request has caught up. A fork parent stops one short
-        of its prompt: each sample computes the last prompt token itself and samples from it."""
-        if self.is_fork_parent:
-            return self.num_prompt_tokens - 1
-        return self.num_tokens_with_spec
-
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
@@ -131,18 +122,11 @@ class Request:
         return self.status.finished
 
 
-def make_child(parent: Request, index: int) -> Request:
-    """Sample `index` of a parallel-sampling parent: same prompt, its own seed and output."""
-    params = parent.sampling_params.clone()
+def sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The parameters of sample `index` of a request with n > 1: one sample, and its own seed (the
+    request's seed + index) where seeded, so each sample's output is reproducible on its own."""
+    params = params.clone()
     params.n = 1
     if params.seed is not None:
         params.seed = (params.seed + index + 2**63) % 2**64 - 2**63  # stays a valid torch seed
-    child = Request(request_id=f"{index}_{parent.request_id}", prompt_token_ids=parent.prompt_token_ids,
-                    sampling_params=params, arrival_time=parent.arrival_time, prompt=parent.prompt,
-                    parent_id=parent.request_id, index=index, defer_outputs=parent.defer_outputs,
-                    lora_request=parent.lora_request)
-    child.block_hashes = list(parent.block_hashes)
-    child.metrics = parent.metrics
-    child.prompt_logprobs = parent.prompt_logprobs
-    child.kv_transfer_params = None  # the parent did any transfer; a preempted sample recomputes
-    return child
+    return params

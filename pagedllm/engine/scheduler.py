@@ -18,7 +18,7 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core_types.model_runner_output import ModelRunnerOutput
 from pagedllm.core_types.scheduler_output import ScheduledRequest, SchedulerOutput
 from pagedllm.distributed.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
-from pagedllm.engine.request import Request, RequestStatus, make_child
+from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.kv_cache.manager import KVCacheManager
 from pagedllm.kv_cache.snapshot import KVCacheSnapshot, RequestBlocks
 from pagedllm.structured_output import StructuredOutputManager
@@ -46,9 +46,6 @@ class Scheduler:
         # Unfinished requests that came with a grammar: while there are none, a plan asks the structured
         # output manager for nothing (no scan of the step's requests).
         self.guided_ids: set[str] = set()
-        # Unfinished parallel-sampling parents: while there are none, update() skips its scan of the running
-        # requests for parents to fork.
-        self.fork_parent_ids: set[str] = set()
         # Output tokens the model produced for running requests, those past a stop included (a metric).
         self.num_sampled_tokens = 0
         # Async scheduling: a plan made ahead ran short of blocks, or met a request only a plan made after
@@ -63,8 +60,6 @@ class Scheduler:
         self.requests[request.request_id] = request
         if request.sampling_params.guided_decoding is not None:
             self.guided_ids.add(request.request_id)
-        if request.is_fork_parent:
-            self.fork_parent_ids.add(request.request_id)
 
     def _watch_stops(self, request: Request) -> None:
         """Note on the request which tokens may end it (its stop ids, and the EOS ids unless it ignores
@@ -82,7 +77,7 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return sum(r.sampling_params.n if r.is_fork_parent else 1 for r in self.running)
+        return len(self.running)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_kv or self.aborted_loads)
@@ -120,11 +115,10 @@ class Scheduler:
             self.structured_output_manager.free(request.request_id)
 
     def _forget(self, request_id: str) -> None:
-        """A request leaves the engine (finished, or a parent replaced by its samples): workers are told."""
+        """A request leaves the engine: workers are told."""
         del self.requests[request_id]
         self.finished_req_ids.add(request_id)
         self.guided_ids.discard(request_id)
-        self.fork_parent_ids.discard(request_id)
 
     def kv_cache_snapshot(self) -> KVCacheSnapshot:
         """The KV cache manager's snapshot plus every unfinished request's place in it. Call it between
@@ -143,12 +137,12 @@ class Scheduler:
     # ---- the plan for one step ----
     def can_schedule_ahead(self) -> bool:
         """Whether the next step can be planned before the tokens of the one in flight are known (async
-        scheduling). Not when a grammar must see the last token to mask the next, nor when a parallel-
-        sampling parent is about to fork, nor after a plan made ahead ran out of blocks."""
+        scheduling). Not when a grammar must see the last token to mask the next, nor after a plan made
+        ahead ran out of blocks."""
         if self.needs_sync:
             return False
         for request in self.running:
-            if request.is_fork_parent or request.sampling_params.guided_decoding is not None:
+            if request.sampling_params.guided_decoding is not None:
                 return False
         return True
 
@@ -175,7 +169,7 @@ class Scheduler:
                 continue  # preempted earlier in this pass
             if request.num_output_placeholders and self._length_reached(request):
                 continue  # it ends by length when its token in flight arrives
-            num_new = request.target_num_tokens - request.num_computed_tokens
+            num_new = request.num_tokens_with_spec - request.num_computed_tokens
             if num_new <= 0:
                 continue
             if num_new > budget:
@@ -187,12 +181,13 @@ class Scheduler:
                 request.spec_token_ids = []
                 num_new = min(num_new, request.num_tokens - request.num_computed_tokens)
             # (every token known before this step is final: the default num_cacheable_tokens)
+            lookahead = self._num_lookahead_tokens(request, num_new) if self.config.num_lookahead_tokens else 0
             if ahead:
-                if not allocate_slots(request, num_new):
+                if not allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
                     self.needs_sync = True
                     continue
             else:
-                while not allocate_slots(request, num_new):
+                while not allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
                     victim = self._pick_victim(scheduled, request)
                     self._preempt(victim)
                     preempted.append(victim.request_id)
@@ -214,17 +209,14 @@ class Scheduler:
                 request = next((r for r in self.waiting if self._lora_fits(r, running_loras)), None)
                 if request is None:
                     break
-            if ahead and (request.is_fork_parent or request.sampling_params.guided_decoding is not None):
+            if ahead and request.sampling_params.guided_decoding is not None:
                 # Admitted by a plan made after the step in flight (see can_schedule_ahead): ask for one,
                 # or it (and everyone queued behind it) would wait until the running requests all end.
                 self.needs_sync = True
                 break
-            n = request.sampling_params.n if request.is_fork_parent else 1
-            # A parallel-sampling parent needs room for all its samples, unless it would run alone
-            # (n above max_num_seqs must still make progress).
-            if self.num_running + n > self.config.max_num_seqs and self.running:
+            if len(self.running) >= self.config.max_num_seqs:
                 break
-            max_cached = request.target_num_tokens - (0 if request.is_fork_parent else 1)
+            max_cached = request.num_tokens_with_spec - 1
             if request.prompt_logprobs is not None and len(request.prompt_logprobs) < request.num_prompt_tokens:
                 max_cached = 0  # prompt logprobs need the logits of every prompt position (as in vLLM)
             loaded = request.num_computed_tokens > 0
@@ -239,11 +231,13 @@ class Scheduler:
                         if not self._start_kv_load(request, cached_blocks, num_cached, num_external):
                             break
                         continue
-            num_new = request.target_num_tokens - num_cached
+            num_new = request.num_tokens_with_spec - num_cached
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request, num_new, cached_blocks):
+            lookahead = self._num_lookahead_tokens(request, num_new, num_cached) \
+                if self.config.num_lookahead_tokens else 0
+            if not self.kv.allocate_slots(request, num_new, cached_blocks, num_lookahead_tokens=lookahead):
                 break
             if not loaded:
                 self.kv.record_prefix_query(request.num_tokens, num_cached)
@@ -270,13 +264,20 @@ class Scheduler:
                     item.request.num_output_placeholders += 1
         return self._plan(list(scheduled.values()), self.config.max_num_batched_tokens - budget, preempted)
 
+    def _num_lookahead_tokens(self, request: Request, num_new: int, num_computed: int | None = None) -> int:
+        """Slots past this step's tokens for the draft model's KV (config.num_lookahead_tokens), short of
+        max_model_len: no draft position reaches it."""
+        if num_computed is None:
+            num_computed = request.num_computed_tokens
+        return max(0, min(self.config.num_lookahead_tokens, self.config.max_model_len - num_computed - num_new))
+
     def _plan(self, plan: list[ScheduledRequest], num_batched_tokens: int, preempted: list[str]) -> SchedulerOutput:
         som = self.structured_output_manager
         return SchedulerOutput(
             kv_connector_metadata=self.connector.build_connector_meta(plan) if self.connector else None,
             scheduled=plan,
             num_batched_tokens=num_batched_tokens,
-            blocks_to_copy=self.kv.take_pending_copies(),
+            blocks_to_copy=[],  # (blocks are never shared part-full: nothing to copy)
             block_table_changes=self.kv.take_table_changes(),
             preempted_ids=preempted,
             finished_req_ids=self._take_finished_req_ids(),
@@ -338,8 +339,7 @@ class Scheduler:
             request.spec_token_ids = spec = []  # a chunk that stops short drops its proposals
         # the block table is the KV manager's own list: the KV connector reads it during this step only
         block_ids = self.kv.get_block_ids(request.request_id) if self.connector is not None else ()
-        return ScheduledRequest(request, num_new, start, block_ids, reaches_end and not request.is_fork_parent,
-                                list(spec) if spec else [])
+        return ScheduledRequest(request, num_new, start, block_ids, reaches_end, list(spec) if spec else [])
 
     def _lora_fits(self, request: Request, running_loras: set[int]) -> bool:
         """Whether admitting `request` keeps the running requests within max_loras distinct adapters."""
@@ -373,10 +373,11 @@ class Scheduler:
 
     # ---- after the forward pass ----
     def update(self, output: SchedulerOutput, model_output: ModelRunnerOutput
-               ) -> tuple[list[Request], list[Request], list[Request]]:
+               ) -> tuple[list[Request], list[Request]]:
         """Apply a step's results. Returns (requests with new tokens, requests finished by a stop token or
-        length, children created by forking a parallel-sampling parent)."""
-        updated, finished, forked = [], [], []
+        length)."""
+        updated: list[Request] = []
+        finished: list[Request] = []
         if model_output.kv_connector_output is not None and self.connector is not None:
             self._update_kv_transfers(model_output.kv_connector_output)
         sampled_token_ids = model_output.sampled_token_ids
@@ -423,14 +424,8 @@ class Scheduler:
                 # Tokens past a stop were verified but are not part of the output; their KV stays
                 # unreachable until the request is freed.
                 updated.append(request)
-            elif request.is_fork_parent and request.num_computed_tokens >= request.target_num_tokens:
-                forked.extend(self._fork(request))
         self.num_sampled_tokens += num_sampled
-        for request in list(self.running) if self.fork_parent_ids else ():
-            # A parent admitted with its whole shared prompt cached forks without a forward pass.
-            if request.is_fork_parent and request.num_computed_tokens >= request.target_num_tokens:
-                forked.extend(self._fork(request))
-        return updated, finished, forked
+        return updated, finished
 
     def update_draft_token_ids(self, spec_token_ids: dict[str, list[int]]) -> None:
         """Store the proposals drafted past this step's tokens; those of finished requests are dropped."""
@@ -464,23 +459,3 @@ class Scheduler:
             return False
         self._finish(request, status)
         return True
-
-    def _fork(self, parent: Request) -> list[Request]:
-        children = []
-        position = self.running.index(parent)
-        for index in range(parent.sampling_params.n):
-            child = make_child(parent, index)
-            self._watch_stops(child)
-            self.kv.fork(parent.request_id, child.request_id)
-            child.status = RequestStatus.RUNNING
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            self.requests[child.request_id] = child
-            if parent.request_id in self.guided_ids:
-                self.guided_ids.add(child.request_id)
-            children.append(child)
-        self.running[position:position + 1] = children
-        self.kv.free(parent.request_id)
-        self._forget(parent.request_id)
-        parent.status = RequestStatus.FINISHED_STOPPED
-        return children

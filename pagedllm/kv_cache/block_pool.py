@@ -1,6 +1,6 @@
 """The block pool: every physical KV block, its reference count, its prefix hash, and the free queue.
 
-Free blocks sit in LRU order (FreeBlockQueue, a doubly linked list through the blocks): allocation takes
+Free blocks sit in LRU order (FreeBlockQueue, a doubly linked list of block ids): allocation takes
 from the head, freeing appends at the tail. A freed block keeps its hash, so a later request can still hit
 it, until allocation reuses it and evicts the hash. Every full block a request computes is registered, also when
 another block already holds the same content (vLLM's layout: a hash maps to all its blocks).
@@ -9,7 +9,7 @@ another block already holds the same content (vLLM's layout: a hash maps to all 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagedllm.kv_cache.hashing import BlockHash
 
@@ -19,68 +19,85 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
-    # Its neighbours in the free queue while it is free (FreeBlockQueue), else None.
-    prev_free: KVCacheBlock | None = field(default=None, repr=False)
-    next_free: KVCacheBlock | None = field(default=None, repr=False)
+
+
+# A link of a block that is not in the free queue.
+NOT_FREE = -1
 
 
 class FreeBlockQueue:
-    """The free blocks, least recently freed first: a doubly linked list threaded through the blocks
-    themselves (vLLM's FreeKVCacheBlockQueue), between two sentinels. Taking the head, appending at the tail
-    and taking a block out of the middle (a prefix-cache hit on an idle block) touch only that block and
-    its neighbours, never a table of every block (a cache miss per operation in a large pool)."""
+    """The free blocks, least recently freed first: a doubly linked list (vLLM's FreeKVCacheBlockQueue)
+    between two sentinels. Taking the head, appending at the tail and taking a block out of the middle (a
+    prefix-cache hit on an idle block) touch only that block's and its neighbours' links, never a table of
+    every block. The links are block ids in two arrays, not references between blocks: blocks hold no
+    reference to each other, so the pool forms no reference cycles and reference counting frees it whole."""
 
     def __init__(self, blocks: list[KVCacheBlock]):
-        self._head = KVCacheBlock(-1)
-        self._tail = KVCacheBlock(-1)
-        chain = [self._head, *blocks, self._tail]
-        for prev, block in zip(chain, chain[1:]):
-            prev.next_free, block.prev_free = block, prev
+        size = max((block.block_id for block in blocks), default=-1) + 1
+        self._head, self._tail = size, size + 1  # the sentinels' ids
+        self._blocks: list[KVCacheBlock | None] = [None] * size  # by id
+        self._prev = [NOT_FREE] * (size + 2)
+        self._next = [NOT_FREE] * (size + 2)
+        for block in blocks:
+            self._blocks[block.block_id] = block
+        chain = [self._head, *(block.block_id for block in blocks), self._tail]
+        for prev, block_id in zip(chain, chain[1:]):
+            self._next[prev], self._prev[block_id] = block_id, prev
         self._len = len(blocks)
-
-    def __del__(self) -> None:
-        # The links make the free blocks reference cycles, and an engine freezes its start-up heap
-        # (freeze_gc_heap), so the collector would never free them: unlinked here, they go with the pool.
-        block: KVCacheBlock | None = self._head
-        while block is not None:
-            next_ = block.next_free
-            block.prev_free = block.next_free = None
-            block = next_
 
     def __len__(self) -> int:
         return self._len
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
-        block = self._head.next_free
-        while block is not self._tail:
+        block_id = self._next[self._head]
+        while block_id != self._tail:
+            block = self._blocks[block_id]
             assert block is not None
             yield block
-            block = block.next_free
+            block_id = self._next[block_id]
+
+    def __contains__(self, block: KVCacheBlock) -> bool:
+        return self._next[block.block_id] != NOT_FREE
 
     def popleft(self) -> KVCacheBlock:
-        block = self._head.next_free
-        if block is self._tail or block is None:
+        block_id = self._next[self._head]
+        if block_id == self._tail:
             raise IndexError("no free block")
+        block = self._blocks[block_id]
+        assert block is not None
         self.remove(block)
         return block
 
     def append(self, block: KVCacheBlock) -> None:
-        tail = self._tail
-        last = tail.prev_free
-        assert last is not None and block.next_free is None, f"block {block.block_id} is already free"
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = tail
-        tail.prev_free = block
+        block_id = block.block_id
+        assert self._next[block_id] == NOT_FREE, f"block {block_id} is already free"
+        last = self._prev[self._tail]
+        self._next[last] = block_id
+        self._prev[block_id] = last
+        self._next[block_id] = self._tail
+        self._prev[self._tail] = block_id
+        self._blocks[block_id] = block
         self._len += 1
 
     def remove(self, block: KVCacheBlock) -> None:
-        prev, next_ = block.prev_free, block.next_free
-        assert prev is not None and next_ is not None, f"block {block.block_id} is not free"
-        prev.next_free = next_
-        next_.prev_free = prev
-        block.prev_free = block.next_free = None
+        block_id = block.block_id
+        prev, next_ = self._prev[block_id], self._next[block_id]
+        assert prev != NOT_FREE and next_ != NOT_FREE, f"block {block_id} is not free"
+        self._next[prev] = next_
+        self._prev[next_] = prev
+        self._prev[block_id] = self._next[block_id] = NOT_FREE
         self._len -= 1
+
+    def check_links(self) -> bool:
+        """Whether walking the links backwards meets the blocks walked forwards, and only they are linked."""
+        forward = [block.block_id for block in self]
+        backward = []
+        block_id = self._prev[self._tail]
+        while block_id != self._head:
+            backward.append(block_id)
+            block_id = self._prev[block_id]
+        linked = {i for i, next_ in enumerate(self._next[:self._head]) if next_ != NOT_FREE}
+        return forward == backward[::-1] and linked == set(forward) and len(forward) == self._len
 
 
 class BlockPool:

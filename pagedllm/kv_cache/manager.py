@@ -1,9 +1,10 @@
 """The KV cache manager: block tables per request on top of the block pool.
 
 It answers three questions for the scheduler: which prefix of a request is already cached, can the
-request's next tokens get slots (allocating blocks, copying a shared partial block before a write),
-and which blocks to give back. It knows nothing of models or tensors: block copies it decides on are
-handed to the model runner as (src, dst) pairs.
+request's next tokens get slots (allocating blocks), and which blocks to give back. It knows nothing of
+models or tensors. Requests share blocks only through the prefix cache (full blocks of final tokens,
+never written again), so a block is never copied: parallel samples (n > 1) are separate requests that
+share their prompt that way.
 
 KV cache groups (vLLM's hybrid allocator): the layers of a model are split into groups of the same
 number of layers, each group all full attention or all sliding over one window; a physical block holds
@@ -117,7 +118,6 @@ class KVCacheManager:
         self.num_cached_blocks = group0.num_cached_blocks
         self.table_changes = group0.table_changes
         self.num_window_freed_blocks = 0  # blocks given back by windows, over the engine's life
-        self.pending_copies: list[tuple[int, int]] = []
         # Prefix-cache statistics, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -220,13 +220,15 @@ class KVCacheManager:
     # ---- allocation ----
     def allocate_slots(self, request: CacheableRequest, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
-                       num_cacheable_tokens: int | None = None) -> bool:
+                       num_cacheable_tokens: int | None = None, num_lookahead_tokens: int = 0) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones, in every group. Returns
         False (and changes nothing) when the pool cannot provide the blocks; the scheduler then preempts
         or waits.
 
         `num_cacheable_tokens`: how many of the request's tokens are final after this step (speculative
-        tokens are not), so only blocks full of final tokens enter the prefix cache."""
+        tokens are not), so only blocks full of final tokens enter the prefix cache.
+        `num_lookahead_tokens`: slots past the new tokens for a draft model's KV (vLLM's name): it writes
+        the positions of the tokens this step samples and of its drafts, in the same blocks."""
         bs = self.block_size
         request_id = request.request_id
         num_computed = request.num_computed_tokens
@@ -241,28 +243,18 @@ class KVCacheManager:
                 if group.sliding_window is not None:
                     self._remove_skipped_blocks(group, request_id, num_computed)
         total_tokens = num_computed + k * bs + num_new_tokens
-        plans: list[tuple[int, KVCacheBlock | None] | None] = []
+        num_slots = total_tokens + num_lookahead_tokens
+        # Blocks are shared only through the prefix cache, and only full ones, which no request writes
+        # into again: a request's writes always land in blocks it alone holds, so nothing is ever copied.
+        plans: list[int] = []
         num_needed = num_evictable_touched = 0
         for group, hit in zip(self.groups, hits):
             blocks = group.req_to_blocks.get(request_id)
-            # A running request's step (a decode, mostly) whose tokens fit in its blocks, writing into a
-            # block it alone holds, allocates and copies nothing.
-            if (blocks and not hit and total_tokens <= len(blocks) * bs
-                    and (not num_computed % bs or num_new_tokens <= 0 or blocks[num_computed // bs].ref_cnt == 1)):
-                plans.append(None)
-                continue
-            blocks = blocks or []
-            num_new_blocks = max(0, cdiv(total_tokens, bs) - len(blocks) - len(hit))
-            # A partial last block shared with a forked sibling must be copied before we write into it.
-            cow_block = None
-            if num_new_tokens > 0 and blocks and num_computed % bs and num_computed < len(blocks) * bs:
-                candidate = blocks[num_computed // bs]
-                if candidate.ref_cnt > 1:
-                    cow_block = candidate
-            num_needed += num_new_blocks + (cow_block is not None)
+            num_new_blocks = max(0, cdiv(num_slots, bs) - len(blocks or ()) - len(hit))
+            num_needed += num_new_blocks
             # (the null block's ref count is never 0)
             num_evictable_touched += sum(1 for block in hit if block.ref_cnt == 0) if hit else 0
-            plans.append((num_new_blocks, cow_block))
+            plans.append(num_new_blocks)
         if num_needed > self.pool.num_free_blocks - num_evictable_touched:
             return False
         if new_computed_blocks:
@@ -270,9 +262,9 @@ class KVCacheManager:
             # group's new blocks would otherwise be taken from.
             for group, hit in zip(self.groups, hits):
                 self._take_hit(group, request_id, hit)
-        for group, plan in zip(self.groups, plans):
-            if plan is not None:
-                self._allocate(group, request_id, num_computed + k * bs, *plan)
+        for group, num_new_blocks in zip(self.groups, plans):
+            if num_new_blocks or request_id not in group.req_to_blocks:
+                self._allocate(group, request_id, num_new_blocks)
         if self.enable_caching:
             for index, group in enumerate(self.groups):
                 if total_tokens // bs > group.num_cached_blocks.get(request_id, 0):
@@ -326,27 +318,16 @@ class KVCacheManager:
         group.req_to_block_ids[request_id] = [block.block_id for block in hit]
         group.table_changes[request_id] = 0
 
-    def _allocate(self, group: KVCacheGroupTables, request_id: str, num_computed: int, num_new_blocks: int,
-                  cow_block: KVCacheBlock | None) -> None:
-        """allocate_slots' new blocks in one group (the pool's room already checked): a shared partial
-        block copied, new blocks at the end."""
-        bs = self.block_size
+    def _allocate(self, group: KVCacheGroupTables, request_id: str, num_new_blocks: int) -> None:
+        """allocate_slots' new blocks in one group, at the end of the request's table (the pool's room
+        already checked)."""
         blocks = group.req_to_blocks.setdefault(request_id, [])
         block_ids = group.req_to_block_ids.setdefault(request_id, [])
-        first_changed = len(block_ids)
-        if cow_block is not None:
-            (copy,) = self.pool.get_new_blocks(1)
-            index = num_computed // bs
-            blocks[index] = copy
-            block_ids[index] = copy.block_id
-            first_changed = min(first_changed, index)
-            self.pending_copies.append((cow_block.block_id, copy.block_id))
-            self.pool.free_blocks([cow_block])
         if num_new_blocks:
+            first_changed = len(block_ids)
             new_blocks = self.pool.get_new_blocks(num_new_blocks)
             blocks.extend(new_blocks)
             block_ids.extend(block.block_id for block in new_blocks)
-        if first_changed < len(block_ids):
             group.table_changes[request_id] = min(first_changed, group.table_changes.get(request_id, first_changed))
 
     def _cache_full_blocks(self, index: int, group: KVCacheGroupTables, request: CacheableRequest,
@@ -365,18 +346,6 @@ class KVCacheManager:
         group.num_cached_blocks[request.request_id] = num_full
 
     # ---- giving back ----
-    def fork(self, parent_id: str, child_id: str) -> None:
-        """The child shares every block of the parent (parallel sampling); writes copy on demand."""
-        for group in self.groups:
-            blocks = group.req_to_blocks.get(parent_id, [])
-            self.pool.touch(block for block in blocks if block is not self.null_block)
-            group.req_to_blocks[child_id] = list(blocks)
-            if parent_id in group.num_skipped_blocks:
-                group.num_skipped_blocks[child_id] = group.num_skipped_blocks[parent_id]
-            group.req_to_block_ids[child_id] = [block.block_id for block in blocks]
-            group.table_changes[child_id] = 0
-            group.num_cached_blocks[child_id] = group.num_cached_blocks.get(parent_id, 0)
-
     def free(self, request_id: str) -> None:
         """Give back the request's blocks in every group (it finished, was aborted or preempted)."""
         for group in self.groups:
@@ -427,10 +396,6 @@ class KVCacheManager:
                             for request_id, first in group.table_changes.items()})
             group.table_changes.clear()
         return changes
-
-    def take_pending_copies(self) -> list[tuple[int, int]]:
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -14,15 +14,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from pagedllm.spec_decode.proposer import ModelFreeProposer
+
 if TYPE_CHECKING:
-    from pagedllm.spec_decode.proposer import DraftRequest
+    from pagedllm.spec_decode.proposer import ProposeInput
 
 # Look back at most this many tokens: a bounded cost per step even for very long contexts.
 MAX_LOOKUP_TOKENS = 8192
 
 
 @dataclass
-class NgramProposer:
+class NgramProposer(ModelFreeProposer):
     prompt_lookup_min: int
     prompt_lookup_max: int
 
@@ -47,14 +49,10 @@ class NgramProposer:
                 return tokens[start:start + num_tokens].tolist()
         return []
 
-    def propose(self, requests: list[DraftRequest], num_spec_tokens: list[int]
-                ) -> dict[str, tuple[list[int], None]]:
+    def propose(self, inputs: ProposeInput) -> dict[str, tuple[list[int], None]]:
         proposals: dict[str, tuple[list[int], None]] = {}
-        for request, k in zip(requests, num_spec_tokens):
+        for request, k in zip(inputs.requests, inputs.num_spec_tokens):
             tokens = self.propose_tokens(request.all_token_ids, k)
             if tokens:
                 proposals[request.request_id] = (tokens, None)
         return proposals
-
-    def free(self, request_ids: set[str]) -> None:
-        """Nothing to free: the proposer keeps no per-request state."""

@@ -36,7 +36,7 @@ from pagedllm.spec_decode.adaptive import AcceptanceEstimate, StepCostModel, all
 from pagedllm.spec_decode.adaptive import speculative_tokens_per_pass as expected_tokens_per_pass
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.ngram import NgramProposer
-from pagedllm.spec_decode.proposer import DraftRequest, DraftRunner
+from pagedllm.spec_decode.proposer import DraftRequest, DraftRunner, ProposeInput, Proposer
 from pagedllm.spec_decode.rejection_sampler import (
     RejectionResult,
     adjusted_logits,
@@ -140,6 +140,17 @@ class SpecDecodeStats:
         return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+def make_proposer(config: SpeculativeConfig, draft_runner: DraftRunner | None) -> Proposer:
+    """The proposer of config.method; a draft model's runner comes from the worker (method draft_model)."""
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "suffix":
+        return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
+                              config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
+    assert config.method == "draft_model" and draft_runner is not None, "method draft_model needs the draft's runner"
+    return DraftModelProposer(draft_runner)
+
+
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, scheduler_config: SchedulerConfig, generator: torch.Generator,
                  target_num_layers: int, target_weight_bytes: int, draft_runner: DraftRunner | None = None):
@@ -150,31 +161,14 @@ class SpecDecoder:
         self.num_speculative_tokens = config.num_speculative_tokens
         self.scheduler_config = scheduler_config
         self.generator = generator
-        self.proposer: NgramProposer | SuffixProposer | DraftModelProposer
-        if config.method == "ngram":
-            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        elif config.method == "suffix":
-            self.proposer = SuffixProposer(config.suffix_decoding_max_tree_depth,
-                                           config.suffix_decoding_max_cached_requests,
-                                           config.suffix_decoding_max_spec_factor,
-                                           config.suffix_decoding_min_token_prob)
-        else:
-            assert draft_runner is not None, "method draft_model needs the draft's runner"
-            self.proposer = DraftModelProposer(draft_runner)
-        # q of the current proposals, per request (draft model, non-greedy requests only).
+        self.proposer = make_proposer(config, draft_runner)
+        # q of the current proposals, per request (a proposer that samples its drafts, non-greedy requests only).
         self.draft_probs: dict[str, torch.Tensor] = {}
         self.adaptive = config.adaptive_num_speculative_tokens
-        self.model_free = not isinstance(self.proposer, DraftModelProposer)
-        # Cost of one draft token relative to a target pass (draft model), fixed at start-up. A small
-        # model's step is part per-operator overhead (in proportion to layers: at these sizes microseconds
-        # per torch call dominate) and part weight reads (in proportion to bytes): take the geometric mean
-        # of the two ratios.
-        if isinstance(self.proposer, DraftModelProposer):
-            layer_ratio = self.proposer.runner.model_config.num_hidden_layers / target_num_layers
-            byte_ratio = self.proposer.runner.weight_bytes() / target_weight_bytes
-            self.draft_cost_per_token = (layer_ratio * byte_ratio) ** 0.5
-        else:
-            self.draft_cost_per_token = 0.0
+        self.model_free = self.proposer.model_free
+        self.keeps_kv = self.proposer.kv_cache_bytes_per_block() > 0
+        # Cost of one draft token relative to a target pass, fixed at start-up.
+        self.draft_cost_per_token = self.proposer.cost_per_token(target_num_layers, target_weight_bytes)
         self.acceptance: dict[str, AcceptanceEstimate] = {}
         # Model-free adaptive k: the measured cost of a target pass by its size, and the proposal held
         # back from each request at k = 0 (its first token), compared with what the target samples next.
@@ -186,16 +180,11 @@ class SpecDecoder:
 
     # ---- the runner's hooks ----
     def draft_kv_cache_bytes_per_block(self) -> int:
-        """What each target KV block costs the draft too (its pool grows with the target's)."""
-        if isinstance(self.proposer, DraftModelProposer):
-            return self.proposer.runner.kv_cache_bytes_per_block()
-        return 0
+        """What the proposer's KV adds to each target KV block (its cache has a block for each of the target's)."""
+        return self.proposer.kv_cache_bytes_per_block()
 
     def allocate(self, num_blocks: int) -> None:
-        if isinstance(self.proposer, DraftModelProposer):
-            # As many tokens as the target's pool, plus a block per running request for the k-1 draft
-            # tokens the draft holds beyond what the target has (its pool must never be the bottleneck).
-            self.proposer.allocate(num_blocks + min(self.scheduler_config.max_num_seqs, num_blocks))
+        self.proposer.allocate_kv_cache(num_blocks)
 
     def record_step(self, elapsed_s: float, output: ModelRunnerOutput) -> None:
         self._last_step_s = elapsed_s
@@ -206,7 +195,7 @@ class SpecDecoder:
             self.stats.num_verify_steps += 1
 
     def free_requests(self, request_ids: Iterable[str]) -> None:
-        """Forget requests that finished or were preempted (their draft KV goes back to the draft's pool)."""
+        """Forget requests that finished or were preempted (the draft's KV goes with their blocks)."""
         request_ids = set(request_ids)
         self.proposer.free(request_ids)
         for request_id in request_ids:
@@ -228,9 +217,19 @@ class SpecDecoder:
         candidates: list[DraftRequest] = []
         base_rows: list[SamplingRow] = []
         num_spec_tokens: list[int] = []
-        for s in sampled:
+        # A proposer keeping KV computes every scheduled request's new tokens in the step the target does
+        # (a prompt chunk, a request proposing nothing this step), within the step's token budget.
+        catch_up: list[DraftRequest] = []
+        keeps_kv = self.keeps_kv
+        for s in scheduled:
             request = s.request
-            new_tokens = output.sampled_token_ids[request.request_id]
+            new_tokens = output.sampled_token_ids.get(request.request_id)
+            if new_tokens is None:
+                if keeps_kv:
+                    catch_up.append(DraftRequest(request.request_id,
+                                                 request.all_token_ids[:s.start_pos + s.num_new_tokens],
+                                                 request.sampling_params, num_computed_tokens=s.start_pos))
+                continue
             all_token_ids = request.all_token_ids + new_tokens
             num_output_tokens = len(request.output_token_ids) + len(new_tokens)
             k = min(self.num_speculative_tokens_for(request.request_id), max_model_len - len(all_token_ids) - 1)
@@ -240,30 +239,24 @@ class SpecDecoder:
             if max_tokens is not None:
                 k = min(k, max_tokens - num_output_tokens - 1)  # never draft past the length limit
             self.draft_probs.pop(request.request_id, None)
+            draft_request = DraftRequest(request.request_id, all_token_ids, request.sampling_params,
+                                         request.num_prompt_tokens, s.start_pos)
             if k <= 0 or (allocate and self._idles(request.request_id)):
+                if keeps_kv:
+                    catch_up.append(draft_request)
                 continue
             if not allocate:
                 budget -= k
-            candidates.append(DraftRequest(request.request_id, all_token_ids, request.sampling_params,
-                                           request.num_prompt_tokens))
+            candidates.append(draft_request)
             base_rows.append(SamplingRow(request.sampling_params, request.prompt_token_ids,
                                          request.output_token_ids + new_tokens,
                                          list(request.sampling_params.all_stop_token_ids)))
             num_spec_tokens.append(k)
-        # A draft model computes each prompt chunk in the step the target does (its catch-up when the
-        # request first samples is then a chunk, not the whole prompt), within the step's token budget.
-        prefill = [DraftRequest(s.request.request_id, s.request.all_token_ids[:s.start_pos + s.num_new_tokens],
-                                s.request.sampling_params)
-                   for s in scheduled if s.request.request_id not in output.sampled_token_ids] \
-            if isinstance(self.proposer, DraftModelProposer) else []
-        if not candidates and not prefill:
+        if not candidates and not catch_up:
             return
         start = time.perf_counter()
-        if isinstance(self.proposer, DraftModelProposer):
-            proposals = self.proposer.propose(candidates, num_spec_tokens, base_rows, prefill,  # type: ignore[arg-type]
-                                              self.scheduler_config.max_num_batched_tokens)
-        else:
-            proposals = self.proposer.propose(candidates, num_spec_tokens)  # type: ignore[arg-type]
+        proposals = self.proposer.propose(ProposeInput(candidates, num_spec_tokens, base_rows, catch_up,
+                                                       self.scheduler_config.max_num_batched_tokens))
         self.stats.propose_s += time.perf_counter() - start
         self.stats.num_propose_calls += bool(candidates)
         if allocate:
@@ -381,7 +374,7 @@ class SpecDecoder:
             else:
                 assert probs is not None
                 q = self.draft_probs.pop(request.request_id, None)
-                if isinstance(self.proposer, DraftModelProposer):
+                if self.proposer.samples_drafts:
                     assert q is not None and q.shape[0] >= k, "a sampled draft must come with its q"
                     q = q[:k]
                 result = rejection_sample(probs[offset:offset + k + 1], spec, q, self.generator)

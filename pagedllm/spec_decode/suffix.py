@@ -23,8 +23,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedllm.spec_decode.proposer import ModelFreeProposer
+
 if TYPE_CHECKING:
-    from pagedllm.spec_decode.proposer import DraftRequest
+    from pagedllm.spec_decode.proposer import DraftRequest, ProposeInput
 
 # vLLM's defaults for suffix decoding.
 DEFAULT_MAX_TREE_DEPTH = 24
@@ -178,7 +180,7 @@ def _subtree_size(node: Node) -> int:
     return size
 
 
-class SuffixProposer:
+class SuffixProposer(ModelFreeProposer):
     def __init__(self, max_tree_depth: int = DEFAULT_MAX_TREE_DEPTH,
                  max_cached_requests: int = DEFAULT_MAX_CACHED_REQUESTS,
                  max_spec_factor: float = DEFAULT_MAX_SPEC_FACTOR, min_token_prob: float = DEFAULT_MIN_TOKEN_PROB):
@@ -227,10 +229,9 @@ class SuffixProposer:
                 best = candidate
         return best.token_ids
 
-    def propose(self, requests: list[DraftRequest], num_spec_tokens: list[int]
-                ) -> dict[str, tuple[list[int], None]]:
+    def propose(self, inputs: ProposeInput) -> dict[str, tuple[list[int], None]]:
         proposals: dict[str, tuple[list[int], None]] = {}
-        for request, k in zip(requests, num_spec_tokens):
+        for request, k in zip(inputs.requests, inputs.num_spec_tokens):
             self.observe(request)
             tokens = self.propose_tokens(request, k) if k > 0 else []
             if tokens:

@@ -32,9 +32,10 @@ _MAX_TOP_K = 2**62
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, num_groups: int = 1):
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, num_groups: int = 1,
+                 block_tables: BlockTables | None = None):
         self.requests: dict[str, CachedRequestState] = {}
-        self.block_tables = BlockTables(max_num_reqs, max_blocks_per_req, num_groups)
+        self.block_tables = block_tables or BlockTables(max_num_reqs, max_blocks_per_req, num_groups)
         num_rows = self.block_tables.table.shape[0]
         # np.zeros is calloc'd: rows of short requests never touch the pages of their unused tail.
         self.token_ids = np.zeros((num_rows, max_model_len), dtype=np.int64)

@@ -95,8 +95,10 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, device: torch.device, seed: int = 0,
                  tp_rank: int = 0, tp_size: int = 1, ranks_per_host: int = 1,
-                 speculative_config: SpeculativeConfig | None = None, batch_invariant: bool = True):
-        """batch_invariant=False: a draft model's runner (see load_model)."""
+                 speculative_config: SpeculativeConfig | None = None, batch_invariant: bool = True,
+                 block_tables: BlockTables | None = None):
+        """batch_invariant=False: a draft model's runner (see load_model), which reads the target's
+        block_tables (its KV lives in the target's blocks)."""
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
@@ -144,10 +146,11 @@ class ModelRunner:
                 self.group_of_layer[layer], self.slot_of_layer[layer] = group, slot
         self.num_kv_cache_tensors = len(groups[0][1])
         # Every live request's state, tokens, sampling flags and block-table rows, kept from each step's
-        # deltas (the block tables from the KV cache manager's changes, which the plan carries)
+        # deltas (the block tables from the KV cache manager's changes, which the plan carries); a draft
+        # model's runner shares the target's block tables
         self.input_batch = InputBatch(scheduler_config.max_num_seqs, scheduler_config.max_model_len,
                                       -(-scheduler_config.max_model_len // self.block_size) + 1,
-                                      num_groups=self.num_kv_cache_groups)
+                                      num_groups=self.num_kv_cache_groups, block_tables=block_tables)
         # Disaggregated prefill: saves finished prompts' blocks (producer), loads remote ones (consumer).
         self.kv_connector = None
         kv_transfer_config = cache_config.kv_transfer_config
@@ -169,7 +172,8 @@ class ModelRunner:
                                                  enable_prefix_caching=cache_config.enable_prefix_caching,
                                                  attention_backend=cache_config.attention_backend)
                 self.draft_runner = ModelRunner(speculative_config.draft_model_config, draft_cache_config,
-                                                scheduler_config, device, seed=seed, batch_invariant=False)
+                                                scheduler_config, device, seed=seed, batch_invariant=False,
+                                                block_tables=self.block_tables)
             self.spec_decoder = SpecDecoder(speculative_config, scheduler_config, self.sampler.generator,
                                             model_config.num_hidden_layers, self.weight_bytes(), self.draft_runner)
 
@@ -216,9 +220,8 @@ class ModelRunner:
         per_block = self.kv_cache_bytes_per_block()
         if cfg.num_gpu_blocks_override is not None:
             return cfg.num_gpu_blocks_override, "num_gpu_blocks_override"
-        # A draft model's KV pool has a block for each target block plus one per running request (at most
-        # one per target block): its bytes come out of the same budget (its weights are already loaded,
-        # so measured memory has them).
+        # A draft model's KV lives in the target's blocks (a block holds both): its bytes come out of the
+        # same budget (its weights are already loaded, so measured memory has them).
         draft_per_block = self.spec_decoder.draft_kv_cache_bytes_per_block() if self.spec_decoder else 0
         max_blocks = None
         if cfg.kv_cache_memory_bytes is not None:
@@ -248,10 +251,7 @@ class ModelRunner:
             candidates = {f"the {DEFAULT_CPU_KV_CACHE_BYTES / 2**30:g} GiB default": DEFAULT_CPU_KV_CACHE_BYTES,
                           f"gpu_memory_utilization={cfg.gpu_memory_utilization} of available memory": available}
             source, budget = min(candidates.items(), key=lambda item: item[1])
-        max_num_seqs = self.scheduler_config.max_num_seqs
-        num_blocks = (budget - draft_per_block * max_num_seqs) // (per_block + draft_per_block)
-        if num_blocks < max_num_seqs:  # fewer blocks than sequences: the draft's extra is one per block
-            num_blocks = budget // (per_block + 2 * draft_per_block)
+        num_blocks = budget // (per_block + draft_per_block)
         if max_blocks is not None and num_blocks > max_blocks:
             num_blocks, source = max_blocks, "max_num_seqs x max_model_len"
         if num_blocks <= 0:
