@@ -258,7 +258,7 @@ def test_plan_travels_compact_and_arrives_whole() -> None:
 
     def plan(items: list[tuple[Request, int, int, bool, list[int]]]) -> SchedulerOutput:
         return SchedulerOutput([ScheduledRequest(r, n, start, [], sample, spec) for r, n, start, sample, spec in items],
-                               sum(n for _, n, _, _, _ in items), [], [])
+                               sum(n for _, n, _, _, _ in items), [])
 
     encoder, batch = SchedulerOutputEncoder(), InputBatch(max_num_reqs=2, max_model_len=16, max_blocks_per_req=4)
     steps = [plan([(r, 3, 0, True, []) for r in requests])]                       # prompts: new requests

@@ -19,7 +19,7 @@ def message(new: list[NewRequestData], ids: list[str] | None, num_new: list[int]
     columns = ScheduledRequestsData(request_ids=ids, new_token_ids=new_tokens, num_new_tokens=num_new,
                                     start_pos=start, sample=None, spec_token_ids=None,
                                     num_prompt_logprobs_computed=None)
-    return WorkerSchedulerOutput(new, columns, [], finished or set(), [], None,
+    return WorkerSchedulerOutput(new, columns, finished or set(), [], None,
                                  block_table_changes=table_changes or [])
 
 

@@ -317,7 +317,6 @@ def test_parallel_sampling_shares_prompt_blocks(tiny_llama_dir: str, prompt_len:
                 if out.finished:
                     final = out
             max_held = max(max_held, len(held_blocks(engine)))
-    assert not any(out.blocks_to_copy for out in scheduled), "no block is ever shared part-full"
     # (the last prompt token is always computed: a hit stops at the last full block before it)
     hit = (prompt_len - 1) // BLOCK * BLOCK if caching else 0
     assert num_computed(scheduled) == prompt_len + (n - 1) * (prompt_len - hit) + n * (max_tokens - 1)

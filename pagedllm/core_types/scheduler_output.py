@@ -51,7 +51,6 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
-    blocks_to_copy: list[tuple[int, int]]
     preempted_ids: list[str]
     # Requests that left the engine since the last step: workers in other processes drop their copies.
     finished_req_ids: set[str] = field(default_factory=set)
@@ -66,7 +65,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.blocks_to_copy
+        return not self.scheduled
 
 
 @dataclass
@@ -110,7 +109,6 @@ class ScheduledRequestsData:
 class WorkerSchedulerOutput:
     new_requests: list[NewRequestData]
     scheduled: ScheduledRequestsData
-    blocks_to_copy: list[tuple[int, int]]
     finished_req_ids: set[str]
     preempted_ids: list[str]
     grammar_bitmask: GrammarBitmask | None

@@ -254,18 +254,18 @@ class EngineCore:
         logger.error("engine step of %d requests failed (%s: %s); retrying them one at a time",
                      len(scheduler_output.scheduled), type(exc).__name__, exc)
         outputs: list[EngineCoreOutput] = []
-        # Block copies and the finished ids go with the first retry only (copying a block twice is harmless);
-        # the step's grammar bitmask is keyed by request id, so every retry can carry it whole, and so can
-        # its block-table changes (writing them again changes nothing).
-        copies, finished_req_ids = scheduler_output.blocks_to_copy, scheduler_output.finished_req_ids
+        # The finished ids go with the first retry only; the step's grammar bitmask is keyed by request id,
+        # so every retry can carry it whole, and so can its block-table changes (writing them again changes
+        # nothing).
+        finished_req_ids = scheduler_output.finished_req_ids
         for item in scheduler_output.scheduled:
             if item.request.request_id not in self.scheduler.requests:
                 continue  # a sibling of an earlier culprit, ended with it
             single = SchedulerOutput(scheduled=[item], num_batched_tokens=item.num_new_tokens,
-                                     blocks_to_copy=copies, preempted_ids=[], finished_req_ids=finished_req_ids,
+                                     preempted_ids=[], finished_req_ids=finished_req_ids,
                                      grammar_bitmask=scheduler_output.grammar_bitmask,
                                      block_table_changes=scheduler_output.block_table_changes)
-            copies, finished_req_ids = [], set()
+            finished_req_ids = set()
             try:
                 model_output = self.model_executor.execute_model(single)
             except ExecutorDeadError:

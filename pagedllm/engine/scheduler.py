@@ -277,7 +277,6 @@ class Scheduler:
             kv_connector_metadata=self.connector.build_connector_meta(plan) if self.connector else None,
             scheduled=plan,
             num_batched_tokens=num_batched_tokens,
-            blocks_to_copy=[],  # (blocks are never shared part-full: nothing to copy)
             block_table_changes=self.kv.take_table_changes(),
             preempted_ids=preempted,
             finished_req_ids=self._take_finished_req_ids(),

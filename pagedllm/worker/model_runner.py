@@ -323,18 +323,6 @@ class ModelRunner:
             return f"{name} codes, the checkpoint's per-layer k_scale/v_scale"
         return f"{name} codes + a bf16 scale per token and KV head"
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        if not pairs:
-            return
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for cache in self.kv_cache_tensors:  # (a block's id means the same block in every tensor)
-            if cache.dtype.itemsize == 1:
-                raw = cache.view(torch.uint8)
-                raw[:, :, dst] = raw[:, :, src]
-            else:
-                cache[:, :, dst] = cache[:, :, src]
-
     # ---- one step ----
     def execute(self, message: WorkerSchedulerOutput) -> ModelRunnerOutput:
         """One step, in inference mode. The engine's own loops (LLM.generate's, the engine-core and worker
@@ -351,8 +339,6 @@ class ModelRunner:
         if self.spec_decoder is not None and (message.finished_req_ids or message.preempted_ids):
             self.spec_decoder.free_requests(message.finished_req_ids | set(message.preempted_ids))
         plan = self.input_batch.update(message)
-        if message.blocks_to_copy:
-            self.copy_blocks(message.blocks_to_copy)
         output = ModelRunnerOutput()
         connector_meta = message.kv_connector_metadata
         if self.kv_connector is not None and connector_meta is not None:

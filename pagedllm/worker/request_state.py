@@ -80,7 +80,7 @@ class SchedulerOutputEncoder:
         request_ids = scheduled.request_ids
         scheduled.compact(self.request_ids)
         self.request_ids = request_ids
-        return WorkerSchedulerOutput(new_requests, scheduled, scheduler_output.blocks_to_copy,
+        return WorkerSchedulerOutput(new_requests, scheduled,
                                      scheduler_output.finished_req_ids, scheduler_output.preempted_ids,
                                      scheduler_output.grammar_bitmask, scheduler_output.kv_connector_metadata,
                                      scheduler_output.block_table_changes)
