@@ -30,7 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm import envs
-from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce, tensor_model_parallel_gather
+from pagedllm.distributed.parallel_state import (
+    WeightShard,
+    tensor_model_parallel_all_reduce,
+    tensor_model_parallel_gather,
+)
 from pagedllm.layers.linear_tuning import choose_linear_kernel
 from pagedllm.layers.quantization import linear
 from pagedllm.layers.sampler import argmax_rows
@@ -39,8 +43,9 @@ from pagedllm.platform import huge_page_buffer, release_free_heap_memory
 logger = logging.getLogger(__name__)
 
 GetSlice = Callable[[str], Any]  # name -> a safetensors slice (supports get_shape() and [a:b] / [:, a:b])
-# (param, checkpoint names) -> True if it installed a weight-only quantized projection in param's place
-LoadLinear = Callable[[torch.Tensor, tuple[str, ...]], bool]
+# (param, checkpoint names, the part of them this rank holds) -> True if it installed a weight-only
+# quantized projection (this rank's shard of it) in param's place
+LoadLinear = Callable[[torch.Tensor, tuple[str, ...], WeightShard], bool]
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -71,7 +76,8 @@ class ColumnParallelLinear(nn.Module):
 
     def load(self, get_slice: GetSlice, weight_names: list[str], bias_names: list[str] | None = None,
              load_linear: LoadLinear | None = None) -> None:
-        quantized = load_linear is not None and load_linear(self.weight, tuple(weight_names))
+        shard = WeightShard(0, tuple((index * size, size) for size, index in zip(self.shard_sizes, self.shard_indices)))
+        quantized = load_linear is not None and load_linear(self.weight, tuple(weight_names), shard)
         for param, names in ((self.weight, weight_names), (self.bias, bias_names)):
             if param is None or (quantized and param is self.weight):
                 continue
@@ -135,7 +141,8 @@ class RowParallelLinear(nn.Module):
     def load(self, get_slice: GetSlice, weight_name: str, bias_name: str | None = None,
              load_linear: LoadLinear | None = None) -> None:
         n = self.input_size_per_rank
-        if load_linear is None or not load_linear(self.weight, (weight_name,)):
+        shard = WeightShard(1, ((self.tp_rank * n, n),))
+        if load_linear is None or not load_linear(self.weight, (weight_name,), shard):
             self.weight.copy_(get_slice(weight_name)[:, self.tp_rank * n:(self.tp_rank + 1) * n])
         if self.bias is not None and bias_name is not None:
             self.bias.copy_(get_slice(bias_name)[:])

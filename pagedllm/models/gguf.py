@@ -18,13 +18,14 @@ import os
 import re
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from pagedllm import envs
+from pagedllm.distributed.parallel_state import WeightShard
+from pagedllm.models.quantized_parts import QuantizedParts
 
 logger = logging.getLogger(__name__)
 
@@ -179,38 +180,20 @@ def _field(reader, key: str) -> Any:
 # The parts of a fused projection are concatenated along the output rows before the weight is built.
 
 
-@dataclass
-class PackedParts:
+class PackedParts(QuantizedParts):
     """A block-quantized weight, losslessly re-laid: `q` [N, K] integers, and per group of 32 weights a
-    `scale` and (int4) an `offset`, so that w = q * scale + offset exactly as llama.cpp dequantizes it."""
+    `scale` (fp16 for Q8_0; fp32 for int4: products of fp16 and 6-bit scales) and (int4) an `offset`, so
+    that w = q * scale + offset exactly as llama.cpp dequantizes it."""
 
-    kind: str  # "int8" or "int4"
-    q: torch.Tensor
-    scale: torch.Tensor  # [N, K / 32]: fp16 (Q8_0) or fp32 (int4: products of fp16 and 6-bit scales)
-    offset: torch.Tensor | None = None
-
-    @staticmethod
-    def cat(parts: list[PackedParts]) -> PackedParts:
-        if len(parts) == 1:
-            return parts[0]
-        offsets = [p.offset for p in parts]
-        return PackedParts(parts[0].kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                           None if offsets[0] is None else torch.cat(offsets))  # type: ignore[arg-type]
-
-    def build(self, dtype: torch.dtype, methods: dict[str, Any]):
+    def build(self, dtype: torch.dtype, methods: dict[str, Any]):  # type: ignore[override]
         """The QuantizedWeight; weights of one kind share one method (it owns the model's scratch buffers)."""
-        from pagedllm.layers.quantization import QuantizedWeight
-
         if self.kind == "int8":
             from pagedllm.layers.quantization.int8 import Int8WeightOnlyMethod
 
-            method = methods.setdefault("int8-g32", Int8WeightOnlyMethod(group_size=32))
-            return QuantizedWeight(self.q, self.scale.to(dtype), method)
+            return super().build(methods.setdefault("int8-g32", Int8WeightOnlyMethod(group_size=32)), dtype)
         from pagedllm.layers.quantization.int4 import Int4WeightOnlyMethod
 
-        assert self.offset is not None
-        return methods.setdefault("int4-g32", Int4WeightOnlyMethod(group_size=32)).create(
-            self.q, self.scale, self.offset)
+        return super().build(methods.setdefault("int4-g32", Int4WeightOnlyMethod(group_size=32)), dtype)
 
 
 PackedReader = Callable[[np.ndarray, tuple[int, int]], PackedParts]
@@ -401,9 +384,12 @@ class GGUFCheckpoint:
         self._slots = {id(param): (module, attr) for module in model.modules()
                        for attr, param in module.named_parameters(recurse=False)}
 
-    def load_linear(self, dst: torch.Tensor, srcs: tuple[str, ...]) -> bool:
+    def load_linear(self, dst: torch.Tensor, srcs: tuple[str, ...], shard: WeightShard) -> bool:
         """The models' `load_linear` hook: keeps a projection packed when every part of it is stored in
-        one block type that a weight kernel reads (PACKED_TYPES); otherwise the model copies it dense."""
+        one block type that a weight kernel reads (PACKED_TYPES); otherwise the model copies it dense.
+        Under tensor parallelism this rank's rows are cut from the file's blocks before they are read
+        (rows hold whole blocks), its columns from the re-laid groups of 32 (never within a group), and
+        only this rank's part is packed."""
         if envs.value("PAGEDLLM_GGUF_DEQUANTIZE"):
             return False
         views = [self.get_slice(name) for name in srcs]
@@ -411,13 +397,22 @@ class GGUFCheckpoint:
         if len(kinds) != 1 or len(views) != len(srcs) or next(iter(kinds)) not in PACKED_TYPES:
             return False
         kind = kinds.pop()
-        shape = (sum(v.shape[0] for v in views), views[0].shape[-1])
+        k = views[0].shape[-1]
+        if shard.dim == 0:
+            shape = (sum(length for _, length in shard.ranges), k)
+        else:
+            shape = (sum(v.shape[0] for v in views), shard.ranges[0][1])
         if shape != tuple(dst.shape):
-            raise ValueError(f"GGUF weights {list(srcs)} have shape {shape}, expected {tuple(dst.shape)}.")
+            raise ValueError(f"GGUF weights {list(srcs)} give this rank shape {shape}, expected {tuple(dst.shape)}.")
         if kind in INT4_TYPES and not self._int4_ok(shape, dst):
             return False
-        weight = PackedParts.cat([PACKED_TYPES[kind](v.rows(), v.shape) for v in views]).build(dst.dtype,
-                                                                                            self._methods)
+        parts = []
+        for view, name, (start, length) in zip(views, srcs, shard.ranges):
+            if shard.dim == 0:
+                parts.append(PACKED_TYPES[kind](view.rows()[start:start + length], (length, k)))
+            else:
+                parts.append(PACKED_TYPES[kind](view.rows(), view.shape).narrow(1, start, length, name))
+        weight = PackedParts.cat(parts).build(dst.dtype, self._methods)
         module, attr = self._slots[id(dst)]
         del module._parameters[attr]  # frees the (never written) full-precision parameter
         setattr(module, attr, weight)
