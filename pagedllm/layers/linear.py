@@ -149,34 +149,59 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows of the vocabulary split into tp_size ranges of ceil(vocab / tp_size); the last is zero-padded."""
+    """Rows of the vocabulary split into tp_size ranges of ceil(vocab / tp_size); the last is zero-padded.
+
+    A checkpoint slice that offers `quantized_rows(start, stop)` (a GGUF block-quantized table) is kept as
+    stored: `quantized_rows` then answers each lookup with the rows asked for, dequantized to fp32, and
+    `weight` is dropped (a tied LM head keeps its own dense weight, loaded by the model)."""
+
+    keeps_quantized_rows = True  # ParallelLMHead: no, it multiplies by the whole table
+    LOAD_CHUNK_ROWS = 4096  # rows read at a time: a block-quantized table is never dequantized whole
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         self.vocab_size = vocab_size
         self.tp_size = tp_size
+        self.dtype = dtype
         self.num_embeddings_per_rank = -(-vocab_size // tp_size)
         self.vocab_start = min(tp_rank * self.num_embeddings_per_rank, vocab_size)
         self.vocab_end = min(self.vocab_start + self.num_embeddings_per_rank, vocab_size)
         self.weight = _param(self.num_embeddings_per_rank, hidden_size, dtype=dtype)
+        self.quantized_rows: nn.Module | None = None
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized_rows is not None:
+            return self.quantized_rows(ids).to(self.dtype).view(*ids.shape, -1)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = self._lookup(local_ids).masked_fill(outside.unsqueeze(-1), 0.0)
         return tensor_model_parallel_all_reduce(out)
 
     def load(self, get_slice: GetSlice, name: str) -> None:
+        src = get_slice(name)
+        quantized_rows = getattr(src, "quantized_rows", None) if self.keeps_quantized_rows else None
+        if quantized_rows is not None:
+            self.quantized_rows = quantized_rows(self.vocab_start, self.vocab_end)
+            if self.quantized_rows is not None:
+                self.weight = None  # never written, so never resident; a tied LM head holds its own reference
+                return
         rows = self.vocab_end - self.vocab_start
         if rows < self.num_embeddings_per_rank:
             self.weight[rows:].zero_()
-        self.weight[:rows].copy_(get_slice(name)[self.vocab_start:self.vocab_end])
+        for start in range(0, rows, self.LOAD_CHUNK_ROWS):
+            stop = min(start + self.LOAD_CHUNK_ROWS, rows)
+            self.weight[start:stop].copy_(src[self.vocab_start + start:self.vocab_start + stop])
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection with the embedding's vocabulary split (and, when tied, its very weight)."""
+
+    keeps_quantized_rows = False
 
     # The weight in a packed layout and the matmul that reads it (prepack_linear_weights), beside
     # `weight`, which the tied embedding still reads as rows.
@@ -322,7 +347,8 @@ def prepack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.
             if not isinstance(weight, torch.Tensor) or weight.dtype != dtype or is_prepacked(module.matmul):
                 continue  # a QuantizedWeight, or already packed (a module reached twice)
             candidates.append(module)
-        elif isinstance(module, ParallelLMHead) and module.packed_weight is None and module.weight.dtype == dtype:
+        elif (isinstance(module, ParallelLMHead) and module.packed_weight is None and module.weight is not None
+              and module.weight.dtype == dtype):
             candidates.append(module)
     if not candidates:
         return 0
@@ -362,12 +388,21 @@ def prepack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.
         logger.warning("Prepacking linear weights for oneDNN failed (%s); using F.linear.", error)
         _unpack(model)
         return 0
+    # The packed LM head is all the logits read; its plain weight stays only for an embedding that reads
+    # the same tensor by rows (tied, and not kept in the file's quantized type).
+    rows_read = {id(module.weight) for module in model.modules()
+                 if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)
+                 and module.weight is not None}
+    for module in targets:
+        if isinstance(module, ParallelLMHead) and id(module.weight) not in rows_read:
+            extra_bytes -= module.weight.numel() * module.weight.element_size()
+            module.weight = None
     if arena is not None:
         release_free_heap_memory()
     logger.info("Prepacked %d linear weights (%s, %s layout)%s%s; %s=0 turns it off, =blocked / =onednn "
                 "force a layout",
                 len(targets), str(dtype).removeprefix("torch."), "blocked" if blocked else "oneDNN",
-                f", plus a {extra_bytes / 2**20:.1f} MiB LM head copy" if extra_bytes else "",
+                f", plus a {extra_bytes / 2**20:.1f} MiB LM head copy" if extra_bytes > 0 else "",
                 f"; {num_plain} small ones stay plain (not batch-invariant: a draft)" if num_plain else "",
                 PREPACK_ENV)
     return len(targets)

@@ -265,13 +265,46 @@ def _read_q4_k(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
 PACKED_TYPES.update(Q8_0=_read_q8_0, Q4_0=_read_q4_0, Q4_1=_read_q4_1, Q4_K=_read_q4_k)
 
 
+def dequantize_parts(parts: QuantizedParts) -> torch.Tensor:
+    """w = q * scale + offset in fp32, per group of 32: the same products and sums as llama.cpp's
+    reference (`gguf.quants.dequantize`), so the same bits."""
+    n, k = parts.shape
+    w = parts.q.to(torch.float32).view(n, k // 32, 32) * parts.scale.to(torch.float32).unsqueeze(-1)
+    if parts.offset is not None:
+        w = w + parts.offset.unsqueeze(-1)
+    return w.view(n, k)
+
+
+class GGUFRows(torch.nn.Module):
+    """An embedding table kept in the file's block type: the stored rows ([rows, bytes per row] uint8,
+    a block never spans two rows) and, per lookup, only the rows asked for dequantized by the same
+    readers that re-lay the projections (PACKED_TYPES). A Q8_0 table takes 34 bytes per 32 weights where
+    a bf16 copy would take 64."""
+
+    def __init__(self, raw: torch.Tensor, type_name: str, hidden_size: int):
+        super().__init__()
+        self.register_buffer("raw", raw, persistent=False)
+        self.type_name = type_name
+        self.hidden_size = hidden_size
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 rows [len(ids), hidden_size], exactly as llama.cpp dequantizes them."""
+        rows = self.raw.index_select(0, ids.reshape(-1).to(self.raw.device)).cpu().numpy()
+        return dequantize_parts(PACKED_TYPES[self.type_name](rows, (rows.shape[0], self.hidden_size)))
+
+    def extra_repr(self) -> str:
+        return f"{self.type_name}, rows={self.raw.shape[0]}, hidden_size={self.hidden_size}"
+
+
 class GGUFTensor:
     """One tensor of the file, answered in Hugging Face layout: `get_shape()`, and indexing (which
     dequantizes the whole tensor first; a slice of a quantized row would split its blocks)."""
 
-    def __init__(self, tensor, permute_heads: int | None = None, on_dequantize: Callable[[str], None] | None = None):
+    def __init__(self, tensor, permute_heads: int | None = None, on_dequantize: Callable[[str], None] | None = None,
+                 on_keep_packed: Callable[[str], None] | None = None):
         self.tensor = tensor
         self.on_dequantize = on_dequantize
+        self.on_keep_packed = on_keep_packed
         self.type_name = tensor.tensor_type.name
         self.shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
         self.permute_heads = permute_heads
@@ -310,7 +343,25 @@ class GGUFTensor:
         return out.reshape(self.shape)
 
     def __getitem__(self, index) -> torch.Tensor:
+        if isinstance(index, slice) and len(self.shape) == 2 and self.type_name in PACKED_TYPES:
+            # rows hold whole blocks: dequantize only the rows asked for (an embedding loads in chunks)
+            start, stop, step = index.indices(self.shape[0])
+            if step == 1:
+                rows = self.rows()[start:stop]
+                if self.on_dequantize is not None and start == 0:  # counted once per tensor
+                    self.on_dequantize(self.type_name)
+                return dequantize_parts(PACKED_TYPES[self.type_name](rows, (rows.shape[0], self.shape[1])))
         return self.dense()[index]
+
+    def quantized_rows(self, start: int, stop: int) -> GGUFRows | None:
+        """Rows [start, stop) kept in the file's block type, for an embedding to look up (None when the
+        type has no reader or PAGEDLLM_GGUF_DEQUANTIZE asks for dense weights)."""
+        if len(self.shape) != 2 or self.type_name not in PACKED_TYPES or envs.value("PAGEDLLM_GGUF_DEQUANTIZE"):
+            return None
+        raw = torch.from_numpy(np.array(self.rows()[start:stop]))  # a copy: the file is mapped read-only
+        if self.on_keep_packed is not None:
+            self.on_keep_packed(self.type_name)
+        return GGUFRows(raw, self.type_name, self.shape[1])
 
 
 class GGUFCheckpoint:
@@ -367,7 +418,7 @@ class GGUFCheckpoint:
                 heads = self.num_heads
             elif gguf_name.endswith("attn_k.weight"):
                 heads = self.num_kv_heads
-        view = GGUFTensor(tensor, heads, self._count_dequantized)
+        view = GGUFTensor(tensor, heads, self._count_dequantized, self._count_kept_packed)
         if self.arch in _OFFSET_NORM_ARCHS and gguf_name.endswith("norm.weight"):
             return view.dense() - 1
         if expert is None:
@@ -378,6 +429,9 @@ class GGUFCheckpoint:
 
     def _count_dequantized(self, type_name: str) -> None:
         self.dequantized[type_name] += 1
+
+    def _count_kept_packed(self, type_name: str) -> None:
+        self.kept_packed[type_name] += 1
 
     def bind_model(self, model: torch.nn.Module) -> None:
         """Where each parameter lives, so that load_linear can put a packed weight in its place."""
