@@ -18,7 +18,7 @@ from test_int4 import _blocks, _oracle
 from tiny_models import build_model
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.models.gguf import PACKED_TYPES, GGUFRows, GGUFTensor
+from pagedllm.models.gguf import PACKED_TYPES, GGUFRows, GGUFTensor, GGUFTensorIndex
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [[5, 17, 30, 41, 2, 9], [100, 200, 300], list(range(40, 75))]
@@ -33,6 +33,21 @@ def test_lookup_equals_llama_cpp_dequantization_bit_for_bit(kind: str) -> None:
     got = rows(ids)
     assert got.dtype == torch.float32 and torch.equal(got, _oracle(kind, data, n, k)[ids])
     assert rows.raw.numel() == data.size  # the file's bytes, no more
+
+
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_K", "BF16", "F16"])
+def test_tensor_index_reads_the_tensors_gguf_reader_reads(tmp_path: Path, weight_type: str) -> None:
+    """The loader's header-only reader (it skips the metadata arrays GGUFReader builds) gives the same
+    tensors: names, types, shapes and the same bytes of the mapped file."""
+    model = build_model(tmp_path / "llama256", "llama", hidden_size=256, intermediate_size=512, seed=3)
+    path = write_gguf(model, str(tmp_path / f"tiny-{weight_type}.gguf"), weight_type)
+    reader, index = GGUFReader(path), GGUFTensorIndex(path)
+    assert index.fields["general.architecture"] == "llama"
+    assert len(index.tensors) == len(reader.tensors)
+    for ours, theirs in zip(index.tensors, reader.tensors):
+        assert (ours.name, ours.tensor_type, list(ours.shape)) == (theirs.name, theirs.tensor_type,
+                                                                 [int(d) for d in theirs.shape])
+        assert ours.data.dtype == theirs.data.dtype and np.array_equal(ours.data, theirs.data)
 
 
 @pytest.fixture(scope="module")

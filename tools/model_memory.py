@@ -7,7 +7,8 @@ and no step runs.
     python tools/model_memory.py [--model FILE.gguf] [--dtype bfloat16]
 
 Prints the growth of VmRSS, split into anonymous memory (weights copied or repacked into the process)
-and file-backed pages (the file, where it stays mapped), and the bytes of the tensors the model holds.
+and file-backed pages (the file where it stays mapped, and library code first run during the load), the
+peak during the load (transient copies), and the bytes of the tensors the model holds.
 """
 
 from __future__ import annotations
@@ -24,9 +25,19 @@ def _status() -> dict[str, float]:
     with open("/proc/self/status") as f:
         for line in f:
             key, _, rest = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
                 values[key] = int(rest.split()[0]) / 1024
     return values
+
+
+def _reset_peak() -> bool:
+    """Start VmHWM (the peak resident set) again from the current one; False where Linux refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def _import_everything() -> None:
@@ -68,6 +79,7 @@ class MemoryReport:
     anon_mib: float
     file_backed_mib: float
     tensors_mib: float
+    peak_mib: float | None  # growth of the peak resident set during the load (transient copies included)
 
     @property
     def ratio(self) -> float:
@@ -76,7 +88,9 @@ class MemoryReport:
     def describe(self) -> str:
         return (f"file {self.file_mib:.1f} MiB; resident set growth from loading the model: {self.rss_mib:.1f} MiB "
                 f"= {self.ratio:.2f}x the file (anonymous {self.anon_mib:.1f} MiB, file-backed "
-                f"{self.file_backed_mib:.1f} MiB); tensors the model holds: {self.tensors_mib:.1f} MiB; "
+                f"{self.file_backed_mib:.1f} MiB); peak during the load: "
+                f"{'unknown' if self.peak_mib is None else f'+{self.peak_mib:.1f} MiB'}; tensors the model holds: "
+                f"{self.tensors_mib:.1f} MiB; "
                 f"KV cache: not allocated (excluded); libraries, kernels and config loaded before counting")
 
 
@@ -96,13 +110,15 @@ def measure(path: str, dtype: str = "bfloat16") -> MemoryReport:
                                config.dtype, config.dtype, device, 16)
     gc.collect()
     release_free_heap_memory()
+    peak_known = _reset_peak()
     before = _status()
     model = load_model(config, backend, device)
     gc.collect()
     after = _status()
     report = MemoryReport(os.path.getsize(path) / 2**20, after["VmRSS"] - before["VmRSS"],
                           after["RssAnon"] - before["RssAnon"], after["RssFile"] - before["RssFile"],
-                          model_tensor_bytes(model) / 2**20)
+                          model_tensor_bytes(model) / 2**20,
+                          after["VmHWM"] - before["VmRSS"] if peak_known else None)
     del model
     return report
 

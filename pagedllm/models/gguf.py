@@ -18,6 +18,7 @@ import os
 import re
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ import torch
 from pagedllm import envs
 from pagedllm.distributed.parallel_state import WeightShard
 from pagedllm.models.quantized_parts import QuantizedParts
+from pagedllm.platform import release_free_heap_memory
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ _PERMUTED_QK_ARCHS = ("llama",)
 _OFFSET_NORM_ARCHS = ("gemma2", "gemma3")
 
 _UNQUANTIZED = ("F32", "F16", "BF16")
+TRIM_EVERY_BYTES = 64 << 20  # freed load-time buffers handed back to the OS after about this many
 
 
 def is_gguf_path(model: str) -> bool:
@@ -166,6 +169,97 @@ def _reader(path: str):
     from gguf import GGUFReader
 
     return GGUFReader(path, "r")
+
+
+@dataclass
+class _TensorInfo:
+    """One tensor of a GGUF file as GGUFReader describes it: `shape` innermost first, `data` a read-only
+    view of the mapped file (uint8 block bytes [..., bytes per row] for block types)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+# GGUF metadata value types -> bytes of one value (8: string, 9: array, read by length)
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+class GGUFTensorIndex:
+    """The file's tensors and its few scalar metadata values, read from the header of the mapped file.
+    GGUFReader turns every metadata value into numpy views, the tokenizer's tens of thousands of strings
+    among them (about 140 MiB of objects for SmolLM2's 94 MiB file, all freed again after loading);
+    loading weights needs only the tensor directory, so arrays are skipped here, never built."""
+
+    def __init__(self, path: str):
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf.quants import quant_shape_to_byte_shape
+
+        self.map = np.memmap(path, dtype=np.uint8, mode="r")
+        self.offset = 0
+        if self._u32() != 0x46554747 or self._u32() not in (2, 3):  # b"GGUF"; version
+            raise ValueError(f"{path!r} is not a little-endian GGUF file of version 2 or 3.")
+        num_tensors, num_fields = self._u64(), self._u64()
+        self.fields: dict[str, Any] = {}
+        for _ in range(num_fields):
+            key = self._str()
+            value = self._value(self._u32())
+            if value is not None:
+                self.fields[key] = value
+        infos = []
+        for _ in range(num_tensors):
+            name = self._str()
+            dims = tuple(self._u64() for _ in range(self._u32()))
+            infos.append((name, GGMLQuantizationType(self._u32()), dims, self._u64()))
+        alignment = int(self.fields.get("general.alignment", 32))
+        start = -(-self.offset // alignment) * alignment
+        self.tensors = []
+        for name, qtype, dims, offset in infos:
+            shape = tuple(reversed(dims))
+            block_size, type_size = GGML_QUANT_SIZES[qtype]
+            count = int(np.prod(dims)) * type_size // block_size
+            begin = start + offset
+            if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                dtype = np.float32 if qtype == GGMLQuantizationType.F32 else np.float16
+                data = self.map[begin:begin + count].view(dtype).reshape(shape)
+            else:
+                data = self.map[begin:begin + count].reshape(quant_shape_to_byte_shape(shape, qtype))
+            self.tensors.append(_TensorInfo(name, qtype, dims, data))
+
+    def _take(self, nbytes: int) -> np.ndarray:
+        out = self.map[self.offset:self.offset + nbytes]
+        self.offset += nbytes
+        return out
+
+    def _u32(self) -> int:
+        return int(self._take(4).view("<u4")[0])
+
+    def _u64(self) -> int:
+        return int(self._take(8).view("<u8")[0])
+
+    def _str(self) -> str:
+        return bytes(self._take(self._u64())).decode("utf-8")
+
+    def _value(self, kind: int) -> Any:
+        """A scalar or string value; an array is skipped (None)."""
+        if kind == _GGUF_STRING:
+            return self._str()
+        if kind == _GGUF_ARRAY:
+            item_kind, count = self._u32(), self._u64()
+            if item_kind == _GGUF_STRING:
+                for _ in range(count):
+                    self.offset += 8 + int(self.map[self.offset:self.offset + 8].view("<u8")[0])
+            elif item_kind == _GGUF_ARRAY:
+                for _ in range(count):
+                    self._value(_GGUF_ARRAY)
+            else:
+                self.offset += count * _GGUF_SCALAR_BYTES[item_kind]
+            return None
+        raw = self._take(_GGUF_SCALAR_BYTES[kind])
+        return raw.view({0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
+                         10: "<u8", 11: "<i8", 12: "<f8"}[kind])[0].item()
 
 
 def _field(reader, key: str) -> Any:
@@ -371,8 +465,8 @@ class GGUFCheckpoint:
         from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
         self.path = path
-        self.reader = _reader(path)
-        self.arch = _field(self.reader, "general.architecture")
+        self.reader = GGUFTensorIndex(path)
+        self.arch = self.reader.fields.get("general.architecture")
         self.tensors = {t.name: t for t in self.reader.tensors}
         arch_ids = {name: arch_id for arch_id, name in MODEL_ARCH_NAMES.items()}
         if self.arch not in arch_ids:
@@ -385,6 +479,7 @@ class GGUFCheckpoint:
         self._slots: dict[int, tuple[torch.nn.Module, str]] = {}
         self._methods: dict[str, Any] = {}
         self._experts: tuple[str, torch.Tensor] | None = None  # the last 3-D expert tensor, dequantized
+        self._transient_bytes = 0
 
     def gguf_name(self, name: str) -> tuple[str, int | None] | None:
         """(the file's tensor for Hugging Face `name`, the expert index for a per-expert name), or None."""
@@ -466,11 +561,19 @@ class GGUFCheckpoint:
                 parts.append(PACKED_TYPES[kind](view.rows()[start:start + length], (length, k)))
             else:
                 parts.append(PACKED_TYPES[kind](view.rows(), view.shape).narrow(1, start, length, name))
-        weight = PackedParts.cat(parts).build(dst.dtype, self._methods)
+        fused = PackedParts.cat(parts)
+        weight = fused.build(dst.dtype, self._methods)
         module, attr = self._slots[id(dst)]
         del module._parameters[attr]  # frees the (never written) full-precision parameter
         setattr(module, attr, weight)
         self.kept_packed[kind] += len(views)
+        # The re-laid parts (a byte per weight and more) and the kernel's packing buffers are freed, but
+        # with the allocator keeping freed memory in the heap they would pile up to several times the
+        # file's size by the last layer: hand them back every so often.
+        self._transient_bytes += fused.q.numel() * 8
+        if self._transient_bytes >= TRIM_EVERY_BYTES:
+            release_free_heap_memory()
+            self._transient_bytes = 0
         return True
 
     @staticmethod
