@@ -203,8 +203,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     keeps_quantized_rows = False
 
-    # The weight in a packed layout and the matmul that reads it (prepack_linear_weights), beside
-    # `weight`, which the tied embedding still reads as rows.
+    # The weight in a packed layout and the matmul that reads it (prepack_linear_weights); `weight` is
+    # kept beside it only while a tied embedding reads it as rows.
     packed_weight: torch.Tensor | None = None
     packed_matmul: Callable[..., torch.Tensor] | None = None
 

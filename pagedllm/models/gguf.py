@@ -417,34 +417,36 @@ class GGUFTensor:
             data = data.swapaxes(1, 2).reshape(self.shape[0], -1)
         return data
 
-    def dense(self) -> torch.Tensor:
+    def dense(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The tensor (or its rows [start, stop): rows hold whole blocks) in full precision."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        data = self.rows()
+        whole = (start, stop) in ((0, None), (0, self.shape[0]))
+        data = self.rows() if whole else self.rows()[start:stop]
+        shape = self.shape if whole else (data.shape[0], *self.shape[1:])
         if self.type_name in ("F32", "F16"):
             out = torch.from_numpy(np.array(data))  # a copy: the file is mapped read-only
         elif self.type_name == "BF16":
             out = torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
         else:
-            try:
-                out = torch.from_numpy(dequantize(data, GGMLQuantizationType[self.type_name]))
-            except NotImplementedError as exc:
-                raise ValueError(f"GGUF tensor {self.tensor.name!r} has type {self.type_name}, which the gguf "
-                                 "package cannot dequantize; pagedllm cannot load this file.") from exc
-            if self.on_dequantize is not None:
+            if self.type_name in PACKED_TYPES and len(shape) == 2:  # the projections' readers, same bits
+                out = dequantize_parts(PACKED_TYPES[self.type_name](data, shape))
+            else:
+                try:
+                    out = torch.from_numpy(dequantize(data, GGMLQuantizationType[self.type_name]))
+                except NotImplementedError as exc:
+                    raise ValueError(f"GGUF tensor {self.tensor.name!r} has type {self.type_name}, which the gguf "
+                                     "package cannot dequantize; pagedllm cannot load this file.") from exc
+            if self.on_dequantize is not None and start == 0:  # counted once per tensor
                 self.on_dequantize(self.type_name)
-        return out.reshape(self.shape)
+        return out.reshape(shape)
 
     def __getitem__(self, index) -> torch.Tensor:
-        if isinstance(index, slice) and len(self.shape) == 2 and self.type_name in PACKED_TYPES:
-            # rows hold whole blocks: dequantize only the rows asked for (an embedding loads in chunks)
-            start, stop, step = index.indices(self.shape[0])
-            if step == 1:
-                rows = self.rows()[start:stop]
-                if self.on_dequantize is not None and start == 0:  # counted once per tensor
-                    self.on_dequantize(self.type_name)
-                return dequantize_parts(PACKED_TYPES[self.type_name](rows, (rows.shape[0], self.shape[1])))
+        if isinstance(index, slice) and len(self.shape) == 2 and index.step in (None, 1):
+            # only the rows asked for are copied or dequantized (an embedding loads in chunks)
+            start, stop, _ = index.indices(self.shape[0])
+            return self.dense(start, stop)
         return self.dense()[index]
 
     def quantized_rows(self, start: int, stop: int) -> GGUFRows | None:
