@@ -14,6 +14,7 @@ dtype on load.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import re
 from collections import Counter
@@ -180,6 +181,8 @@ class _TensorInfo:
     tensor_type: Any  # gguf.GGMLQuantizationType
     shape: tuple[int, ...]
     data: np.ndarray
+    offset: int = 0  # where its bytes start in the file
+    nbytes: int = 0
 
 
 # GGUF metadata value types -> bytes of one value (8: string, 9: array, read by length)
@@ -197,7 +200,9 @@ class GGUFTensorIndex:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
         from gguf.quants import quant_shape_to_byte_shape
 
-        self.map = np.memmap(path, dtype=np.uint8, mode="r")
+        with open(path, "rb") as f:
+            self.mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.map = np.frombuffer(self.mmap, dtype=np.uint8)
         self.offset = 0
         if self._u32() != 0x46554747 or self._u32() not in (2, 3):  # b"GGUF"; version
             raise ValueError(f"{path!r} is not a little-endian GGUF file of version 2 or 3.")
@@ -226,7 +231,17 @@ class GGUFTensorIndex:
                 data = self.map[begin:begin + count].view(dtype).reshape(shape)
             else:
                 data = self.map[begin:begin + count].reshape(quant_shape_to_byte_shape(shape, qtype))
-            self.tensors.append(_TensorInfo(name, qtype, dims, data))
+            self.tensors.append(_TensorInfo(name, qtype, dims, data, begin, count))
+
+    def release(self, tensor: _TensorInfo, begin: int = 0, end: int | None = None) -> None:
+        """Drop the mapped pages of bytes [begin, end) of a tensor (all of it by default) from this
+        process's resident set once they are copied or re-laid; the file stays in the page cache, and
+        readable should anything read them again."""
+        page = mmap.PAGESIZE
+        first = -(-(tensor.offset + begin) // page) * page  # whole pages inside the range only
+        last = (tensor.offset + (tensor.nbytes if end is None else end)) // page * page
+        if last > first and hasattr(mmap, "MADV_DONTNEED"):
+            self.mmap.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def _take(self, nbytes: int) -> np.ndarray:
         out = self.map[self.offset:self.offset + nbytes]
@@ -395,10 +410,12 @@ class GGUFTensor:
     dequantizes the whole tensor first; a slice of a quantized row would split its blocks)."""
 
     def __init__(self, tensor, permute_heads: int | None = None, on_dequantize: Callable[[str], None] | None = None,
-                 on_keep_packed: Callable[[str], None] | None = None):
+                 on_keep_packed: Callable[[str], None] | None = None,
+                 release: Callable[[Any, int, int | None], None] | None = None):
         self.tensor = tensor
         self.on_dequantize = on_dequantize
         self.on_keep_packed = on_keep_packed
+        self.release = release  # drops the mapped pages of bytes [a, b) of the tensor once they are read
         self.type_name = tensor.tensor_type.name
         self.shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
         self.permute_heads = permute_heads
@@ -440,6 +457,9 @@ class GGUFTensor:
                                      "package cannot dequantize; pagedllm cannot load this file.") from exc
             if self.on_dequantize is not None and start == 0:  # counted once per tensor
                 self.on_dequantize(self.type_name)
+        if self.release is not None and (whole or not self.permute_heads):
+            row_bytes = self.tensor.nbytes // self.shape[0]
+            self.release(self.tensor, start * row_bytes, None if whole else (start + data.shape[0]) * row_bytes)
         return out.reshape(shape)
 
     def __getitem__(self, index) -> torch.Tensor:
@@ -457,6 +477,9 @@ class GGUFTensor:
         raw = torch.from_numpy(np.array(self.rows()[start:stop]))  # a copy: the file is mapped read-only
         if self.on_keep_packed is not None:
             self.on_keep_packed(self.type_name)
+        if self.release is not None:
+            row_bytes = self.tensor.nbytes // self.shape[0]
+            self.release(self.tensor, start * row_bytes, stop * row_bytes)
         return GGUFRows(raw, self.type_name, self.shape[1])
 
 
@@ -515,7 +538,7 @@ class GGUFCheckpoint:
                 heads = self.num_heads
             elif gguf_name.endswith("attn_k.weight"):
                 heads = self.num_kv_heads
-        view = GGUFTensor(tensor, heads, self._count_dequantized, self._count_kept_packed)
+        view = GGUFTensor(tensor, heads, self._count_dequantized, self._count_kept_packed, self.reader.release)
         if self.arch in _OFFSET_NORM_ARCHS and gguf_name.endswith("norm.weight"):
             return view.dense() - 1
         if expert is None:
@@ -569,6 +592,8 @@ class GGUFCheckpoint:
         del module._parameters[attr]  # frees the (never written) full-precision parameter
         setattr(module, attr, weight)
         self.kept_packed[kind] += len(views)
+        for view in views:
+            self.reader.release(view.tensor)
         # The re-laid parts (a byte per weight and more) and the kernel's packing buffers are freed, but
         # with the allocator keeping freed memory in the heap they would pile up to several times the
         # file's size by the last layer: hand them back every so often.
