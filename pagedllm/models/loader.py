@@ -88,10 +88,11 @@ class QuantizedLinearLoader:
                 raise ValueError(f"checkpoint quantizes only some of {prefixes}, which this model fuses.")
         # Each checkpoint tensor in its logical quantized form (a fused tensor read once, however many
         # ranges of it this rank holds), this rank's ranges of them, and only then the packed weight.
-        read: dict[str, QuantizedParts] = {}
-        for name, prefix in zip(srcs, prefixes):
-            if name not in read:
-                read[name] = self._read(name, prefix)
+        names = list(dict.fromkeys(srcs))
+        if self.config.from_checkpoint:
+            read = {name: self._read_stored(name.removesuffix(".weight")) for name in names}
+        else:
+            read = self._quantize(names, dst.shape[1] if shard.dim == 0 else None)
         parts = shard_parts([read[name] for name in srcs], shard, srcs)
         del read
         if tuple(parts.shape) != tuple(dst.shape):
@@ -111,23 +112,36 @@ class QuantizedLinearLoader:
         setattr(module, attr, qweight)
         return True
 
-    def _read(self, name: str, prefix: str) -> QuantizedParts:
-        """One whole checkpoint tensor as stored (compressed-tensors) or quantized from its full-precision
-        form: quantizing the whole tensor, not a rank's part, gives every tensor-parallel size the same
-        weights (a per-channel scale is the whole row's)."""
-        int4 = isinstance(self.method, Int4WeightOnlyMethod)
-        if self.config.from_checkpoint:
-            if int4:
-                return QuantizedParts("int4", *read_int4(prefix, self.get_tensor, self.names))
-            weight = read_quantized(prefix, self.get_tensor, self.names, self.method, self.model_dtype)
-            return QuantizedParts(self.method.name, weight.qweight.data, weight.scales.data)
-        full = self.get_tensor(name)
-        if int4:
+    def _read_stored(self, prefix: str) -> QuantizedParts:
+        """One checkpoint tensor as stored (compressed-tensors)."""
+        if isinstance(self.method, Int4WeightOnlyMethod):
+            return QuantizedParts("int4", *read_int4(prefix, self.get_tensor, self.names))
+        weight = read_quantized(prefix, self.get_tensor, self.names, self.method, self.model_dtype)
+        return QuantizedParts(self.method.name, weight.qweight.data, weight.scales.data)
+
+    def _quantize(self, names: list[str], in_features: int | None) -> dict[str, QuantizedParts]:
+        """Full-precision checkpoint tensors quantized whole and together (their rows fused, as the
+        kernel's shape rules apply to the fused weight), then split back by tensor. Whole, not a rank's
+        part: every tensor-parallel size then runs the same weights (a per-channel scale is the row's)."""
+        fulls = [self.get_tensor(name) for name in names]
+        rows = [f.shape[0] for f in fulls]
+        full = torch.cat(fulls) if len(fulls) > 1 else fulls[0]
+        if full.dim() != 2 or in_features not in (None, full.shape[1]):
+            raise ValueError(f"checkpoint weights {names} have shape {tuple(full.shape)}, expected "
+                             f"{in_features} input features.")
+        if isinstance(self.method, Int4WeightOnlyMethod):
             q, scales, zero_points = quantize_groups(full, self.method.group_size, self.model_dtype)
             s = scales.to(torch.float32)
-            return QuantizedParts("int4", q, s, -(INT4_ZERO + zero_points.to(torch.float32)) * s)
-        weight = self.method.quantize(full, self.model_dtype)
-        return QuantizedParts(self.method.name, weight.qweight.data, weight.scales.data)
+            whole = QuantizedParts("int4", q, s, -(INT4_ZERO + zero_points.to(torch.float32)) * s)
+        else:
+            weight = self.method.quantize(full, self.model_dtype)
+            whole = QuantizedParts(self.method.name, weight.qweight.data, weight.scales.data)
+        del full, fulls
+        out, start = {}, 0
+        for name, count in zip(names, rows):
+            out[name] = whole.narrow(0, start, count, name)
+            start += count
+        return out
 
 
 def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.device,
