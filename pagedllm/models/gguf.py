@@ -399,7 +399,8 @@ class GGUFRows(torch.nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 rows [len(ids), hidden_size], exactly as llama.cpp dequantizes them."""
         rows = self.raw.index_select(0, ids.reshape(-1).to(self.raw.device)).cpu().numpy()
-        return dequantize_parts(PACKED_TYPES[self.type_name](rows, (rows.shape[0], self.hidden_size)))
+        out = dequantize_parts(PACKED_TYPES[self.type_name](rows, (rows.shape[0], self.hidden_size)))
+        return out.to(ids.device)  # the readers run on the host (numpy); a no-op on CPU
 
     def extra_repr(self) -> str:
         return f"{self.type_name}, rows={self.raw.shape[0]}, hidden_size={self.hidden_size}"
