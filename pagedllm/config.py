@@ -420,6 +420,16 @@ class ParallelConfig:
         if kv % tp and tp % kv:
             raise ValueError(f"num_key_value_heads ({kv}) of {model.model!r} and tensor_parallel_size ({tp}) must "
                              "divide one another (KV heads are split, or replicated when there are fewer than ranks).")
+        group = model.quantization.group_size if model.quantization is not None else None
+        if tp > 1 and group:
+            # A row-parallel rank holds a range of input features; a group split between two ranks would
+            # need its one scale on both (the loader checks every weight again, by name, as it shards).
+            for param, size in (("self_attn.o_proj.weight", model.num_attention_heads * model.head_dim),
+                                ("mlp.down_proj.weight", model.intermediate_size)):
+                if (size // tp) % group:
+                    raise ValueError(f"quantization_group_size ({group}) must divide the input features each rank "
+                                     f"holds of {param} ({size} / tensor_parallel_size {tp} = {size // tp}), so "
+                                     f"that no rank splits a quantization group.")
 
 
 # Architectures whose layers (MLA, mixtures of experts) have no sharded form yet.

@@ -25,6 +25,7 @@ from pagedllm.layers.linear import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
+    VocabParallelEmbedding,
     blocked_layout_available,
     is_prepacked,
     packed_linear,
@@ -71,6 +72,8 @@ def _use_layout(layout: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 def test_packed_layers_match_f_linear(dtype: torch.dtype, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     _use_layout(layout, dtype, monkeypatch)
     model = _layers(dtype)
+    model.embed = VocabParallelEmbedding(100, 48, dtype)
+    model.embed.weight = model.head.weight  # tied: the embedding reads the head's weight by rows
     x = torch.randn(5, 48, dtype=dtype)
     plain = {"up": F.linear(x, model.up.weight, model.up.bias), "head": F.linear(x, model.head.weight).float()}
     plain["down"] = F.linear(plain["up"][:, :40], model.down.weight)
@@ -89,6 +92,16 @@ def test_packed_layers_match_f_linear(dtype: torch.dtype, layout: str, monkeypat
         else:
             torch.testing.assert_close(packed[name], plain[name], rtol=1e-5, atol=1e-5)
     assert prepack_linear_weights(model, torch.device("cpu"), dtype) == 0  # already packed: nothing to do
+
+
+def test_an_lm_head_no_embedding_reads_keeps_only_its_packed_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    _use_layout("blocked", torch.bfloat16, monkeypatch)
+    model = _layers(torch.bfloat16)
+    x = torch.randn(5, 48, dtype=torch.bfloat16)
+    want = model.head.compute_logits(x)
+    assert prepack_linear_weights(model, torch.device("cpu"), torch.bfloat16) == 3
+    assert model.head.weight is None and model.head.packed_weight is not None
+    torch.testing.assert_close(model.head.compute_logits(x), want, rtol=1.6e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -113,8 +113,8 @@ def test_heads_not_divisible_is_a_value_error(tiny_llama_dir: str) -> None:
         LLM(model=tiny_llama_dir, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="distributed_executor_backend"):
         LLM(model=tiny_llama_dir, tensor_parallel_size=2, distributed_executor_backend="uni")
-    with pytest.raises(ValueError, match="tensor_parallel_size"):  # quantized projections are not sharded
-        LLM(model=tiny_llama_dir, tensor_parallel_size=2, quantization="int8")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):  # a rank would split a quantization group
+        LLM(model=tiny_llama_dir, tensor_parallel_size=2, quantization="int8", quantization_group_size=64)
 
 
 def _alive(pid: int) -> bool:

@@ -6,8 +6,8 @@
 Prints: greedy tokens equal on chat prompts (pagedllm fp32); teacher-forced top-1 agreement of
 pagedllm bf16 with the fp32 reference over the same prompts' continuations; perplexity on a held-out
 English text written for this check (no data is downloaded), pagedllm fp32 / bf16 against the
-reference. --memory: only the resident set of a bf16 engine after loading (a small KV cache, never
-written), against the file's size. Default model: the default model.
+reference. --memory: what loading the bf16 model adds to the resident set, against the file's size
+(tools/model_memory.py: libraries loaded first, no KV cache). Default model: the default model.
 """
 
 from __future__ import annotations
@@ -82,21 +82,11 @@ def _prompt_logprobs(llm, ids: list[int]) -> list[tuple[float, int]]:
     return rows
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
-
-
 def memory(path: str) -> None:
-    from pagedllm import LLM, SamplingParams
+    """What loading the model adds to the resident set, counted after everything else is loaded."""
+    from model_memory import measure  # tools/model_memory.py, beside this script
 
-    before = _rss_mib()
-    llm = LLM(model=path, dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=64 << 20)
-    llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)
-    after = _rss_mib()
-    size = os.path.getsize(path) / 2**20
-    print(f"file {size:.1f} MiB; resident set after loading (bf16) and 4 tokens: {after - before:.0f} MiB more "
-          f"than before loading ({before:.0f} -> {after:.0f} MiB): {(after - before) / size:.2f}x the file")
+    print(measure(path, "bfloat16").describe())
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ Collectives go over torch.distributed: gloo on CPU, NCCL on CUDA.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -22,6 +23,16 @@ _TP_RANK = 0
 _TP_WORLD_SIZE = 1
 # Bytes of the tensors this process has put through each collective, for benchmarks (bytes per token).
 collective_bytes = {"all_reduce": 0, "all_gather": 0, "gather": 0}
+
+
+@dataclass(frozen=True)
+class WeightShard:
+    """Which part of its checkpoint tensors a rank's projection holds: along `dim` (0: output features,
+    column-parallel; 1: input features, row-parallel), `ranges[i]` = (start, length) of checkpoint tensor i
+    (fused projections: one range per part, the parts concatenated along the output features)."""
+
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
 
 
 def init_distributed_environment(rank: int, world_size: int, init_method: str, backend: str,

@@ -321,9 +321,6 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                                      distributed_executor_backend=args.distributed_executor_backend or "uni",
                                      nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
     parallel_config.verify_with_model_config(model_config)
-    if model_config.quantization is not None and parallel_config.world_size > 1:
-        raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet: the quantized "
-                         "projections are not sharded; use tensor_parallel_size=1.")
     if args.enable_lora:
         from pagedllm.lora.config import LoRAConfig
 

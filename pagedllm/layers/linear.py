@@ -30,7 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm import envs
-from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce, tensor_model_parallel_gather
+from pagedllm.distributed.parallel_state import (
+    WeightShard,
+    tensor_model_parallel_all_reduce,
+    tensor_model_parallel_gather,
+)
 from pagedllm.layers.linear_tuning import choose_linear_kernel
 from pagedllm.layers.quantization import linear
 from pagedllm.layers.sampler import argmax_rows
@@ -39,8 +43,9 @@ from pagedllm.platform import huge_page_buffer, release_free_heap_memory
 logger = logging.getLogger(__name__)
 
 GetSlice = Callable[[str], Any]  # name -> a safetensors slice (supports get_shape() and [a:b] / [:, a:b])
-# (param, checkpoint names) -> True if it installed a weight-only quantized projection in param's place
-LoadLinear = Callable[[torch.Tensor, tuple[str, ...]], bool]
+# (param, checkpoint names, the part of them this rank holds) -> True if it installed a weight-only
+# quantized projection (this rank's shard of it) in param's place
+LoadLinear = Callable[[torch.Tensor, tuple[str, ...], WeightShard], bool]
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -71,7 +76,8 @@ class ColumnParallelLinear(nn.Module):
 
     def load(self, get_slice: GetSlice, weight_names: list[str], bias_names: list[str] | None = None,
              load_linear: LoadLinear | None = None) -> None:
-        quantized = load_linear is not None and load_linear(self.weight, tuple(weight_names))
+        shard = WeightShard(0, tuple((index * size, size) for size, index in zip(self.shard_sizes, self.shard_indices)))
+        quantized = load_linear is not None and load_linear(self.weight, tuple(weight_names), shard)
         for param, names in ((self.weight, weight_names), (self.bias, bias_names)):
             if param is None or (quantized and param is self.weight):
                 continue
@@ -135,44 +141,70 @@ class RowParallelLinear(nn.Module):
     def load(self, get_slice: GetSlice, weight_name: str, bias_name: str | None = None,
              load_linear: LoadLinear | None = None) -> None:
         n = self.input_size_per_rank
-        if load_linear is None or not load_linear(self.weight, (weight_name,)):
+        shard = WeightShard(1, ((self.tp_rank * n, n),))
+        if load_linear is None or not load_linear(self.weight, (weight_name,), shard):
             self.weight.copy_(get_slice(weight_name)[:, self.tp_rank * n:(self.tp_rank + 1) * n])
         if self.bias is not None and bias_name is not None:
             self.bias.copy_(get_slice(bias_name)[:])
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows of the vocabulary split into tp_size ranges of ceil(vocab / tp_size); the last is zero-padded."""
+    """Rows of the vocabulary split into tp_size ranges of ceil(vocab / tp_size); the last is zero-padded.
+
+    A checkpoint slice that offers `quantized_rows(start, stop)` (a GGUF block-quantized table) is kept as
+    stored: `quantized_rows` then answers each lookup with the rows asked for, dequantized to fp32, and
+    `weight` is dropped (a tied LM head keeps its own dense weight, loaded by the model)."""
+
+    keeps_quantized_rows = True  # ParallelLMHead: no, it multiplies by the whole table
+    LOAD_CHUNK_ROWS = 4096  # rows read at a time: a block-quantized table is never dequantized whole
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         self.vocab_size = vocab_size
         self.tp_size = tp_size
+        self.dtype = dtype
         self.num_embeddings_per_rank = -(-vocab_size // tp_size)
         self.vocab_start = min(tp_rank * self.num_embeddings_per_rank, vocab_size)
         self.vocab_end = min(self.vocab_start + self.num_embeddings_per_rank, vocab_size)
         self.weight = _param(self.num_embeddings_per_rank, hidden_size, dtype=dtype)
+        self.quantized_rows: nn.Module | None = None
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized_rows is not None:
+            return self.quantized_rows(ids).to(self.dtype).view(*ids.shape, -1)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = self._lookup(local_ids).masked_fill(outside.unsqueeze(-1), 0.0)
         return tensor_model_parallel_all_reduce(out)
 
     def load(self, get_slice: GetSlice, name: str) -> None:
+        src = get_slice(name)
+        quantized_rows = getattr(src, "quantized_rows", None) if self.keeps_quantized_rows else None
+        if quantized_rows is not None:
+            self.quantized_rows = quantized_rows(self.vocab_start, self.vocab_end)
+            if self.quantized_rows is not None:
+                self.weight = None  # never written, so never resident; a tied LM head holds its own reference
+                return
         rows = self.vocab_end - self.vocab_start
         if rows < self.num_embeddings_per_rank:
             self.weight[rows:].zero_()
-        self.weight[:rows].copy_(get_slice(name)[self.vocab_start:self.vocab_end])
+        for start in range(0, rows, self.LOAD_CHUNK_ROWS):
+            stop = min(start + self.LOAD_CHUNK_ROWS, rows)
+            self.weight[start:stop].copy_(src[self.vocab_start + start:self.vocab_start + stop])
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection with the embedding's vocabulary split (and, when tied, its very weight)."""
 
-    # The weight in a packed layout and the matmul that reads it (prepack_linear_weights), beside
-    # `weight`, which the tied embedding still reads as rows.
+    keeps_quantized_rows = False
+
+    # The weight in a packed layout and the matmul that reads it (prepack_linear_weights); `weight` is
+    # kept beside it only while a tied embedding reads it as rows.
     packed_weight: torch.Tensor | None = None
     packed_matmul: Callable[..., torch.Tensor] | None = None
 
@@ -315,7 +347,8 @@ def prepack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.
             if not isinstance(weight, torch.Tensor) or weight.dtype != dtype or is_prepacked(module.matmul):
                 continue  # a QuantizedWeight, or already packed (a module reached twice)
             candidates.append(module)
-        elif isinstance(module, ParallelLMHead) and module.packed_weight is None and module.weight.dtype == dtype:
+        elif (isinstance(module, ParallelLMHead) and module.packed_weight is None and module.weight is not None
+              and module.weight.dtype == dtype):
             candidates.append(module)
     if not candidates:
         return 0
@@ -355,12 +388,21 @@ def prepack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.
         logger.warning("Prepacking linear weights for oneDNN failed (%s); using F.linear.", error)
         _unpack(model)
         return 0
+    # The packed LM head is all the logits read; its plain weight stays only for an embedding that reads
+    # the same tensor by rows (tied, and not kept in the file's quantized type).
+    rows_read = {id(module.weight) for module in model.modules()
+                 if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)
+                 and module.weight is not None}
+    for module in targets:
+        if isinstance(module, ParallelLMHead) and id(module.weight) not in rows_read:
+            extra_bytes -= module.weight.numel() * module.weight.element_size()
+            module.weight = None
     if arena is not None:
         release_free_heap_memory()
     logger.info("Prepacked %d linear weights (%s, %s layout)%s%s; %s=0 turns it off, =blocked / =onednn "
                 "force a layout",
                 len(targets), str(dtype).removeprefix("torch."), "blocked" if blocked else "oneDNN",
-                f", plus a {extra_bytes / 2**20:.1f} MiB LM head copy" if extra_bytes else "",
+                f", plus a {extra_bytes / 2**20:.1f} MiB LM head copy" if extra_bytes > 0 else "",
                 f"; {num_plain} small ones stay plain (not batch-invariant: a draft)" if num_plain else "",
                 PREPACK_ENV)
     return len(targets)

@@ -14,6 +14,7 @@ dtype on load.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import re
 from collections import Counter
@@ -25,6 +26,9 @@ import numpy as np
 import torch
 
 from pagedllm import envs
+from pagedllm.distributed.parallel_state import WeightShard
+from pagedllm.models.quantized_parts import QuantizedParts
+from pagedllm.platform import release_free_heap_memory
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,7 @@ _PERMUTED_QK_ARCHS = ("llama",)
 _OFFSET_NORM_ARCHS = ("gemma2", "gemma3")
 
 _UNQUANTIZED = ("F32", "F16", "BF16")
+TRIM_EVERY_BYTES = 64 << 20  # freed load-time buffers handed back to the OS after about this many
 
 
 def is_gguf_path(model: str) -> bool:
@@ -167,6 +172,111 @@ def _reader(path: str):
     return GGUFReader(path, "r")
 
 
+@dataclass
+class _TensorInfo:
+    """One tensor of a GGUF file as GGUFReader describes it: `shape` innermost first, `data` a read-only
+    view of the mapped file (uint8 block bytes [..., bytes per row] for block types)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+    offset: int = 0  # where its bytes start in the file
+    nbytes: int = 0
+
+
+# GGUF metadata value types -> bytes of one value (8: string, 9: array, read by length)
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+class GGUFTensorIndex:
+    """The file's tensors and its few scalar metadata values, read from the header of the mapped file.
+    GGUFReader turns every metadata value into numpy views, the tokenizer's tens of thousands of strings
+    among them (about 140 MiB of objects for SmolLM2's 94 MiB file, all freed again after loading);
+    loading weights needs only the tensor directory, so arrays are skipped here, never built."""
+
+    def __init__(self, path: str):
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf.quants import quant_shape_to_byte_shape
+
+        with open(path, "rb") as f:
+            self.mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.map = np.frombuffer(self.mmap, dtype=np.uint8)
+        self.offset = 0
+        if self._u32() != 0x46554747 or self._u32() not in (2, 3):  # b"GGUF"; version
+            raise ValueError(f"{path!r} is not a little-endian GGUF file of version 2 or 3.")
+        num_tensors, num_fields = self._u64(), self._u64()
+        self.fields: dict[str, Any] = {}
+        for _ in range(num_fields):
+            key = self._str()
+            value = self._value(self._u32())
+            if value is not None:
+                self.fields[key] = value
+        infos = []
+        for _ in range(num_tensors):
+            name = self._str()
+            dims = tuple(self._u64() for _ in range(self._u32()))
+            infos.append((name, GGMLQuantizationType(self._u32()), dims, self._u64()))
+        alignment = int(self.fields.get("general.alignment", 32))
+        start = -(-self.offset // alignment) * alignment
+        self.tensors = []
+        for name, qtype, dims, offset in infos:
+            shape = tuple(reversed(dims))
+            block_size, type_size = GGML_QUANT_SIZES[qtype]
+            count = int(np.prod(dims)) * type_size // block_size
+            begin = start + offset
+            if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                dtype = np.float32 if qtype == GGMLQuantizationType.F32 else np.float16
+                data = self.map[begin:begin + count].view(dtype).reshape(shape)
+            else:
+                data = self.map[begin:begin + count].reshape(quant_shape_to_byte_shape(shape, qtype))
+            self.tensors.append(_TensorInfo(name, qtype, dims, data, begin, count))
+
+    def release(self, tensor: _TensorInfo, begin: int = 0, end: int | None = None) -> None:
+        """Drop the mapped pages of bytes [begin, end) of a tensor (all of it by default) from this
+        process's resident set once they are copied or re-laid; the file stays in the page cache, and
+        readable should anything read them again."""
+        page = mmap.PAGESIZE
+        first = -(-(tensor.offset + begin) // page) * page  # whole pages inside the range only
+        last = (tensor.offset + (tensor.nbytes if end is None else end)) // page * page
+        if last > first and hasattr(mmap, "MADV_DONTNEED"):
+            self.mmap.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+    def _take(self, nbytes: int) -> np.ndarray:
+        out = self.map[self.offset:self.offset + nbytes]
+        self.offset += nbytes
+        return out
+
+    def _u32(self) -> int:
+        return int(self._take(4).view("<u4")[0])
+
+    def _u64(self) -> int:
+        return int(self._take(8).view("<u8")[0])
+
+    def _str(self) -> str:
+        return bytes(self._take(self._u64())).decode("utf-8")
+
+    def _value(self, kind: int) -> Any:
+        """A scalar or string value; an array is skipped (None)."""
+        if kind == _GGUF_STRING:
+            return self._str()
+        if kind == _GGUF_ARRAY:
+            item_kind, count = self._u32(), self._u64()
+            if item_kind == _GGUF_STRING:
+                for _ in range(count):
+                    self.offset += 8 + int(self.map[self.offset:self.offset + 8].view("<u8")[0])
+            elif item_kind == _GGUF_ARRAY:
+                for _ in range(count):
+                    self._value(_GGUF_ARRAY)
+            else:
+                self.offset += count * _GGUF_SCALAR_BYTES[item_kind]
+            return None
+        raw = self._take(_GGUF_SCALAR_BYTES[kind])
+        return raw.view({0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
+                         10: "<u8", 11: "<i8", 12: "<f8"}[kind])[0].item()
+
+
 def _field(reader, key: str) -> Any:
     field = reader.fields.get(key)
     return None if field is None else field.contents()
@@ -179,38 +289,20 @@ def _field(reader, key: str) -> Any:
 # The parts of a fused projection are concatenated along the output rows before the weight is built.
 
 
-@dataclass
-class PackedParts:
+class PackedParts(QuantizedParts):
     """A block-quantized weight, losslessly re-laid: `q` [N, K] integers, and per group of 32 weights a
-    `scale` and (int4) an `offset`, so that w = q * scale + offset exactly as llama.cpp dequantizes it."""
+    `scale` (fp16 for Q8_0; fp32 for int4: products of fp16 and 6-bit scales) and (int4) an `offset`, so
+    that w = q * scale + offset exactly as llama.cpp dequantizes it."""
 
-    kind: str  # "int8" or "int4"
-    q: torch.Tensor
-    scale: torch.Tensor  # [N, K / 32]: fp16 (Q8_0) or fp32 (int4: products of fp16 and 6-bit scales)
-    offset: torch.Tensor | None = None
-
-    @staticmethod
-    def cat(parts: list[PackedParts]) -> PackedParts:
-        if len(parts) == 1:
-            return parts[0]
-        offsets = [p.offset for p in parts]
-        return PackedParts(parts[0].kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                           None if offsets[0] is None else torch.cat(offsets))  # type: ignore[arg-type]
-
-    def build(self, dtype: torch.dtype, methods: dict[str, Any]):
+    def build(self, dtype: torch.dtype, methods: dict[str, Any]):  # type: ignore[override]
         """The QuantizedWeight; weights of one kind share one method (it owns the model's scratch buffers)."""
-        from pagedllm.layers.quantization import QuantizedWeight
-
         if self.kind == "int8":
             from pagedllm.layers.quantization.int8 import Int8WeightOnlyMethod
 
-            method = methods.setdefault("int8-g32", Int8WeightOnlyMethod(group_size=32))
-            return QuantizedWeight(self.q, self.scale.to(dtype), method)
+            return super().build(methods.setdefault("int8-g32", Int8WeightOnlyMethod(group_size=32)), dtype)
         from pagedllm.layers.quantization.int4 import Int4WeightOnlyMethod
 
-        assert self.offset is not None
-        return methods.setdefault("int4-g32", Int4WeightOnlyMethod(group_size=32)).create(
-            self.q, self.scale, self.offset)
+        return super().build(methods.setdefault("int4-g32", Int4WeightOnlyMethod(group_size=32)), dtype)
 
 
 PackedReader = Callable[[np.ndarray, tuple[int, int]], PackedParts]
@@ -282,13 +374,49 @@ def _read_q4_k(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
 PACKED_TYPES.update(Q8_0=_read_q8_0, Q4_0=_read_q4_0, Q4_1=_read_q4_1, Q4_K=_read_q4_k)
 
 
+def dequantize_parts(parts: QuantizedParts) -> torch.Tensor:
+    """w = q * scale + offset in fp32, per group of 32: the same products and sums as llama.cpp's
+    reference (`gguf.quants.dequantize`), so the same bits."""
+    n, k = parts.shape
+    w = parts.q.to(torch.float32).view(n, k // 32, 32) * parts.scale.to(torch.float32).unsqueeze(-1)
+    if parts.offset is not None:
+        w = w + parts.offset.unsqueeze(-1)
+    return w.view(n, k)
+
+
+class GGUFRows(torch.nn.Module):
+    """An embedding table kept in the file's block type: the stored rows ([rows, bytes per row] uint8,
+    a block never spans two rows) and, per lookup, only the rows asked for dequantized by the same
+    readers that re-lay the projections (PACKED_TYPES). A Q8_0 table takes 34 bytes per 32 weights where
+    a bf16 copy would take 64."""
+
+    def __init__(self, raw: torch.Tensor, type_name: str, hidden_size: int):
+        super().__init__()
+        self.register_buffer("raw", raw, persistent=False)
+        self.type_name = type_name
+        self.hidden_size = hidden_size
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 rows [len(ids), hidden_size], exactly as llama.cpp dequantizes them."""
+        rows = self.raw.index_select(0, ids.reshape(-1).to(self.raw.device)).cpu().numpy()
+        out = dequantize_parts(PACKED_TYPES[self.type_name](rows, (rows.shape[0], self.hidden_size)))
+        return out.to(ids.device)  # the readers run on the host (numpy); a no-op on CPU
+
+    def extra_repr(self) -> str:
+        return f"{self.type_name}, rows={self.raw.shape[0]}, hidden_size={self.hidden_size}"
+
+
 class GGUFTensor:
     """One tensor of the file, answered in Hugging Face layout: `get_shape()`, and indexing (which
     dequantizes the whole tensor first; a slice of a quantized row would split its blocks)."""
 
-    def __init__(self, tensor, permute_heads: int | None = None, on_dequantize: Callable[[str], None] | None = None):
+    def __init__(self, tensor, permute_heads: int | None = None, on_dequantize: Callable[[str], None] | None = None,
+                 on_keep_packed: Callable[[str], None] | None = None,
+                 release: Callable[[Any, int, int | None], None] | None = None):
         self.tensor = tensor
         self.on_dequantize = on_dequantize
+        self.on_keep_packed = on_keep_packed
+        self.release = release  # drops the mapped pages of bytes [a, b) of the tensor once they are read
         self.type_name = tensor.tensor_type.name
         self.shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
         self.permute_heads = permute_heads
@@ -307,27 +435,53 @@ class GGUFTensor:
             data = data.swapaxes(1, 2).reshape(self.shape[0], -1)
         return data
 
-    def dense(self) -> torch.Tensor:
+    def dense(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The tensor (or its rows [start, stop): rows hold whole blocks) in full precision."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        data = self.rows()
+        whole = (start, stop) in ((0, None), (0, self.shape[0]))
+        data = self.rows() if whole else self.rows()[start:stop]
+        shape = self.shape if whole else (data.shape[0], *self.shape[1:])
         if self.type_name in ("F32", "F16"):
             out = torch.from_numpy(np.array(data))  # a copy: the file is mapped read-only
         elif self.type_name == "BF16":
             out = torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
         else:
-            try:
-                out = torch.from_numpy(dequantize(data, GGMLQuantizationType[self.type_name]))
-            except NotImplementedError as exc:
-                raise ValueError(f"GGUF tensor {self.tensor.name!r} has type {self.type_name}, which the gguf "
-                                 "package cannot dequantize; pagedllm cannot load this file.") from exc
-            if self.on_dequantize is not None:
+            if self.type_name in PACKED_TYPES and len(shape) == 2:  # the projections' readers, same bits
+                out = dequantize_parts(PACKED_TYPES[self.type_name](data, shape))
+            else:
+                try:
+                    out = torch.from_numpy(dequantize(data, GGMLQuantizationType[self.type_name]))
+                except NotImplementedError as exc:
+                    raise ValueError(f"GGUF tensor {self.tensor.name!r} has type {self.type_name}, which the gguf "
+                                     "package cannot dequantize; pagedllm cannot load this file.") from exc
+            if self.on_dequantize is not None and start == 0:  # counted once per tensor
                 self.on_dequantize(self.type_name)
-        return out.reshape(self.shape)
+        if self.release is not None and (whole or not self.permute_heads):
+            row_bytes = self.tensor.nbytes // self.shape[0]
+            self.release(self.tensor, start * row_bytes, None if whole else (start + data.shape[0]) * row_bytes)
+        return out.reshape(shape)
 
     def __getitem__(self, index) -> torch.Tensor:
+        if isinstance(index, slice) and len(self.shape) == 2 and index.step in (None, 1):
+            # only the rows asked for are copied or dequantized (an embedding loads in chunks)
+            start, stop, _ = index.indices(self.shape[0])
+            return self.dense(start, stop)
         return self.dense()[index]
+
+    def quantized_rows(self, start: int, stop: int) -> GGUFRows | None:
+        """Rows [start, stop) kept in the file's block type, for an embedding to look up (None when the
+        type has no reader or PAGEDLLM_GGUF_DEQUANTIZE asks for dense weights)."""
+        if len(self.shape) != 2 or self.type_name not in PACKED_TYPES or envs.value("PAGEDLLM_GGUF_DEQUANTIZE"):
+            return None
+        raw = torch.from_numpy(np.array(self.rows()[start:stop]))  # a copy: the file is mapped read-only
+        if self.on_keep_packed is not None:
+            self.on_keep_packed(self.type_name)
+        if self.release is not None:
+            row_bytes = self.tensor.nbytes // self.shape[0]
+            self.release(self.tensor, start * row_bytes, stop * row_bytes)
+        return GGUFRows(raw, self.type_name, self.shape[1])
 
 
 class GGUFCheckpoint:
@@ -337,8 +491,8 @@ class GGUFCheckpoint:
         from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
         self.path = path
-        self.reader = _reader(path)
-        self.arch = _field(self.reader, "general.architecture")
+        self.reader = GGUFTensorIndex(path)
+        self.arch = self.reader.fields.get("general.architecture")
         self.tensors = {t.name: t for t in self.reader.tensors}
         arch_ids = {name: arch_id for arch_id, name in MODEL_ARCH_NAMES.items()}
         if self.arch not in arch_ids:
@@ -351,6 +505,7 @@ class GGUFCheckpoint:
         self._slots: dict[int, tuple[torch.nn.Module, str]] = {}
         self._methods: dict[str, Any] = {}
         self._experts: tuple[str, torch.Tensor] | None = None  # the last 3-D expert tensor, dequantized
+        self._transient_bytes = 0
 
     def gguf_name(self, name: str) -> tuple[str, int | None] | None:
         """(the file's tensor for Hugging Face `name`, the expert index for a per-expert name), or None."""
@@ -384,7 +539,7 @@ class GGUFCheckpoint:
                 heads = self.num_heads
             elif gguf_name.endswith("attn_k.weight"):
                 heads = self.num_kv_heads
-        view = GGUFTensor(tensor, heads, self._count_dequantized)
+        view = GGUFTensor(tensor, heads, self._count_dequantized, self._count_kept_packed, self.reader.release)
         if self.arch in _OFFSET_NORM_ARCHS and gguf_name.endswith("norm.weight"):
             return view.dense() - 1
         if expert is None:
@@ -396,14 +551,20 @@ class GGUFCheckpoint:
     def _count_dequantized(self, type_name: str) -> None:
         self.dequantized[type_name] += 1
 
+    def _count_kept_packed(self, type_name: str) -> None:
+        self.kept_packed[type_name] += 1
+
     def bind_model(self, model: torch.nn.Module) -> None:
         """Where each parameter lives, so that load_linear can put a packed weight in its place."""
         self._slots = {id(param): (module, attr) for module in model.modules()
                        for attr, param in module.named_parameters(recurse=False)}
 
-    def load_linear(self, dst: torch.Tensor, srcs: tuple[str, ...]) -> bool:
+    def load_linear(self, dst: torch.Tensor, srcs: tuple[str, ...], shard: WeightShard) -> bool:
         """The models' `load_linear` hook: keeps a projection packed when every part of it is stored in
-        one block type that a weight kernel reads (PACKED_TYPES); otherwise the model copies it dense."""
+        one block type that a weight kernel reads (PACKED_TYPES); otherwise the model copies it dense.
+        Under tensor parallelism this rank's rows are cut from the file's blocks before they are read
+        (rows hold whole blocks), its columns from the re-laid groups of 32 (never within a group), and
+        only this rank's part is packed."""
         if envs.value("PAGEDLLM_GGUF_DEQUANTIZE"):
             return False
         views = [self.get_slice(name) for name in srcs]
@@ -411,17 +572,36 @@ class GGUFCheckpoint:
         if len(kinds) != 1 or len(views) != len(srcs) or next(iter(kinds)) not in PACKED_TYPES:
             return False
         kind = kinds.pop()
-        shape = (sum(v.shape[0] for v in views), views[0].shape[-1])
+        k = views[0].shape[-1]
+        if shard.dim == 0:
+            shape = (sum(length for _, length in shard.ranges), k)
+        else:
+            shape = (sum(v.shape[0] for v in views), shard.ranges[0][1])
         if shape != tuple(dst.shape):
-            raise ValueError(f"GGUF weights {list(srcs)} have shape {shape}, expected {tuple(dst.shape)}.")
+            raise ValueError(f"GGUF weights {list(srcs)} give this rank shape {shape}, expected {tuple(dst.shape)}.")
         if kind in INT4_TYPES and not self._int4_ok(shape, dst):
             return False
-        weight = PackedParts.cat([PACKED_TYPES[kind](v.rows(), v.shape) for v in views]).build(dst.dtype,
-                                                                                            self._methods)
+        parts = []
+        for view, name, (start, length) in zip(views, srcs, shard.ranges):
+            if shard.dim == 0:
+                parts.append(PACKED_TYPES[kind](view.rows()[start:start + length], (length, k)))
+            else:
+                parts.append(PACKED_TYPES[kind](view.rows(), view.shape).narrow(1, start, length, name))
+        fused = PackedParts.cat(parts)
+        weight = fused.build(dst.dtype, self._methods)
         module, attr = self._slots[id(dst)]
         del module._parameters[attr]  # frees the (never written) full-precision parameter
         setattr(module, attr, weight)
         self.kept_packed[kind] += len(views)
+        for view in views:
+            self.reader.release(view.tensor)
+        # The re-laid parts (a byte per weight and more) and the kernel's packing buffers are freed, but
+        # with the allocator keeping freed memory in the heap they would pile up to several times the
+        # file's size by the last layer: hand them back every so often.
+        self._transient_bytes += fused.q.numel() * 8
+        if self._transient_bytes >= TRIM_EVERY_BYTES:
+            release_free_heap_memory()
+            self._transient_bytes = 0
         return True
 
     @staticmethod

@@ -162,7 +162,9 @@ def load_decoder_weights(model: nn.Module, get_slice: GetSlice, names: set[str],
 
     model.embed_tokens.load(get_slice, "model.embed_tokens.weight")
     norm(model.norm.weight, "model.norm.weight")
-    if not model.config.tie_word_embeddings:
+    # Tied, the LM head reads the embedding's weight, unless the embedding kept the file's quantized rows
+    # instead: then the LM head fills its own (until a kernel multiplies by those rows as they are).
+    if not model.config.tie_word_embeddings or model.embed_tokens.quantized_rows is not None:
         model.lm_head.load(get_slice, "lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight")
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."

@@ -4,7 +4,8 @@ sharded) or a GGUF file (pagedllm.models.gguf).
 With weight-only quantization the linear projections are quantized one at a time as they are read
 (full-precision checkpoint) or read as stored (compressed-tensors checkpoint), so the full-precision
 model is never held in memory: each projection's parameter is replaced by a QuantizedWeight before
-the next one is read.
+the next one is read. Under tensor parallelism a rank keeps its part of the logical quantized weight
+(values and group scales, models/quantized_parts.py) and packs only that.
 """
 
 from __future__ import annotations
@@ -19,11 +20,19 @@ from safetensors import safe_open
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.parallel_state import WeightShard
 from pagedllm.layers.linear import prepack_linear_weights
-from pagedllm.layers.quantization import QuantizationConfig, QuantizedWeight
+from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.quantization.compressed_tensors import has_quantized, read_int4, read_quantized
-from pagedllm.layers.quantization.int4 import Int4WeightOnlyMethod
+from pagedllm.layers.quantization.int4 import (
+    INT4_ZERO,
+    OUT_FEATURES_MULTIPLE,
+    Int4WeightOnlyMethod,
+    int4_supports,
+    quantize_groups,
+)
 from pagedllm.models.gguf import GGUFCheckpoint, is_gguf_path
+from pagedllm.models.quantized_parts import QuantizedParts, shard_parts
 from pagedllm.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -66,7 +75,7 @@ class QuantizedLinearLoader:
         self.full_precision_bytes = 0
         self.quantized_bytes = 0
 
-    def __call__(self, dst: torch.Tensor, srcs: tuple[str, ...]) -> bool:
+    def __call__(self, dst: torch.Tensor, srcs: tuple[str, ...], shard: WeightShard) -> bool:
         slot = self.slots.pop(id(dst), None)
         if slot is None:
             return False
@@ -77,25 +86,24 @@ class QuantizedLinearLoader:
                 return False  # left in full precision by the checkpoint's `ignore` list
             if not all(stored):
                 raise ValueError(f"checkpoint quantizes only some of {prefixes}, which this model fuses.")
-            if isinstance(self.method, Int4WeightOnlyMethod):  # fused parts joined before packing
-                int4_parts = [read_int4(p, self.get_tensor, self.names) for p in prefixes]
-                qweight = self.method.create(*(torch.cat(tensors) for tensors in zip(*int4_parts)))
-            else:
-                parts = [read_quantized(p, self.get_tensor, self.names, self.method, self.model_dtype)
-                         for p in prefixes]
-                qweight = QuantizedWeight(torch.cat([p.qweight.data for p in parts]),
-                                          torch.cat([p.scales.data for p in parts]), self.method) \
-                    if len(parts) > 1 else parts[0]
+        # Each checkpoint tensor in its logical quantized form (a fused tensor read once, however many
+        # ranges of it this rank holds), this rank's ranges of them, and only then the packed weight.
+        names = list(dict.fromkeys(srcs))
+        if self.config.from_checkpoint:
+            read = {name: self._read_stored(name.removesuffix(".weight")) for name in names}
         else:
-            full = torch.cat([self.get_tensor(n) for n in srcs]) if len(srcs) > 1 else self.get_tensor(srcs[0])
-            if tuple(full.shape) != tuple(dst.shape):
-                raise ValueError(f"checkpoint weights {list(srcs)} have shape {tuple(full.shape)}, "
-                                 f"expected {tuple(dst.shape)}.")
-            qweight = self.method.quantize(full, self.model_dtype)
-            del full
-        if tuple(qweight.shape) != tuple(dst.shape):
-            raise ValueError(f"checkpoint weights {prefixes} have shape {tuple(qweight.shape)}, "
+            read = self._quantize(names, dst.shape[1] if shard.dim == 0 else None)
+        parts = shard_parts([read[name] for name in srcs], shard, srcs)
+        del read
+        if tuple(parts.shape) != tuple(dst.shape):
+            raise ValueError(f"checkpoint weights {prefixes} give this rank a weight of shape {tuple(parts.shape)}, "
                              f"expected {tuple(dst.shape)}.")
+        if isinstance(self.method, Int4WeightOnlyMethod) and not int4_supports(*parts.shape, parts.group_size):
+            raise ValueError(f"quantization='int4': this rank's part of {list(srcs)} is a {list(parts.shape)} "
+                             f"weight, which the int4 kernel cannot take (output features in multiples of "
+                             f"{OUT_FEATURES_MULTIPLE}, whole groups of {parts.group_size}); use another "
+                             f"tensor_parallel_size.")
+        qweight = parts.build(self.method, self.model_dtype)
         module, attr = slot
         self.full_precision_bytes += dst.numel() * dst.element_size()
         self.quantized_bytes += qweight.nbytes()
@@ -103,6 +111,37 @@ class QuantizedLinearLoader:
         del module._parameters[attr]  # frees the (never written) full-precision parameter
         setattr(module, attr, qweight)
         return True
+
+    def _read_stored(self, prefix: str) -> QuantizedParts:
+        """One checkpoint tensor as stored (compressed-tensors)."""
+        if isinstance(self.method, Int4WeightOnlyMethod):
+            return QuantizedParts("int4", *read_int4(prefix, self.get_tensor, self.names))
+        weight = read_quantized(prefix, self.get_tensor, self.names, self.method, self.model_dtype)
+        return QuantizedParts(self.method.name, weight.qweight.data, weight.scales.data)
+
+    def _quantize(self, names: list[str], in_features: int | None) -> dict[str, QuantizedParts]:
+        """Full-precision checkpoint tensors quantized whole and together (their rows fused, as the
+        kernel's shape rules apply to the fused weight), then split back by tensor. Whole, not a rank's
+        part: every tensor-parallel size then runs the same weights (a per-channel scale is the row's)."""
+        fulls = [self.get_tensor(name) for name in names]
+        rows = [f.shape[0] for f in fulls]
+        full = torch.cat(fulls) if len(fulls) > 1 else fulls[0]
+        if full.dim() != 2 or in_features not in (None, full.shape[1]):
+            raise ValueError(f"checkpoint weights {names} have shape {tuple(full.shape)}, expected "
+                             f"{in_features} input features.")
+        if isinstance(self.method, Int4WeightOnlyMethod):
+            q, scales, zero_points = quantize_groups(full, self.method.group_size, self.model_dtype)
+            s = scales.to(torch.float32)
+            whole = QuantizedParts("int4", q, s, -(INT4_ZERO + zero_points.to(torch.float32)) * s)
+        else:
+            weight = self.method.quantize(full, self.model_dtype)
+            whole = QuantizedParts(self.method.name, weight.qweight.data, weight.scales.data)
+        del full, fulls
+        out, start = {}, 0
+        for name, count in zip(names, rows):
+            out[name] = whole.narrow(0, start, count, name)
+            start += count
+        return out
 
 
 def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.device,
@@ -113,31 +152,30 @@ def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.dev
     model_class = get_model_class(config.architecture)
     model = model_class(config, backend, tp_rank, tp_size)
     if is_gguf_path(config.model):
-        _load_gguf(model, config, tp_size)
+        _load_gguf(model, config)
     else:
-        _load_safetensors(model, config, device, tp_size)
+        _load_safetensors(model, config, device)
     model = model.to(device).eval()
     prepack_linear_weights(model, device, config.dtype, batch_invariant)
     return model
 
 
-def _load_gguf(model: torch.nn.Module, config: ModelConfig, tp_size: int) -> None:
+def _load_gguf(model: torch.nn.Module, config: ModelConfig) -> None:
     checkpoint = GGUFCheckpoint(config.model, config.hf_config)
     with torch.no_grad():
         if config.quantization is not None:  # asked for: every projection quantized from its dense form
-            assert tp_size == 1, "quantized projections are not sharded (refused at start-up)"
             loader = QuantizedLinearLoader(model, config.quantization, config.dtype,
                                            lambda name: checkpoint.get_slice(name)[:], set())
             model.load_weights(checkpoint.get_slice, checkpoint, loader)
-        elif tp_size == 1 and getattr(model, "quantizable_weights", ()):
+        elif getattr(model, "quantizable_weights", ()):
             checkpoint.bind_model(model)
             model.load_weights(checkpoint.get_slice, checkpoint, checkpoint.load_linear)
-        else:  # sharded projections are cut from dense weights
+        else:
             model.load_weights(checkpoint.get_slice, checkpoint)
     checkpoint.log_summary(config.dtype)
 
 
-def _load_safetensors(model: torch.nn.Module, config: ModelConfig, device: torch.device, tp_size: int) -> None:
+def _load_safetensors(model: torch.nn.Module, config: ModelConfig, device: torch.device) -> None:
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(path, framework="pt")) for path in
                    _safetensors_files(config.model)]
@@ -156,7 +194,6 @@ def _load_safetensors(model: torch.nn.Module, config: ModelConfig, device: torch
             if config.quantization is None:
                 model.load_weights(get_slice, names)
             else:
-                assert tp_size == 1, "quantized projections are not sharded (refused at start-up)"
                 config.quantization.get_method().check_device(device, config.dtype)
                 loader = QuantizedLinearLoader(model, config.quantization, config.dtype, get_tensor, names)
                 model.load_weights(get_slice, names, loader)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.parallel_state import WeightShard
 from pagedllm.layers.linear import GetSlice, LoadLinear
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.llama import LlamaForCausalLM
@@ -89,11 +90,23 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 return _Rows(get_slice(fused), start, rows)
             return get_slice(name)
 
-        def fused_load_linear(param: torch.Tensor, srcs: tuple[str, ...]) -> bool:
-            # A weight-only quantizer reads the fused tensor itself: it has exactly our fused layout.
+        def fused_load_linear(param: torch.Tensor, srcs: tuple[str, ...], shard: WeightShard) -> bool:
+            # A weight-only quantizer reads the fused tensor itself: each part's range moves by the part's
+            # offset in it, and ranges that meet (all of them with one rank) become one.
             if load_linear is None:
                 return False
-            fused = {parts[name][0] for name in srcs if name in parts}
-            return load_linear(param, tuple(fused) if fused else srcs)
+            if not any(name in parts for name in srcs):
+                return load_linear(param, srcs, shard)
+            names: list[str] = []
+            ranges: list[tuple[int, int]] = []
+            for name, (start, length) in zip(srcs, shard.ranges):
+                fused, part_start, _ = parts[name]
+                start += part_start
+                if names and names[-1] == fused and sum(ranges[-1]) == start:
+                    ranges[-1] = (ranges[-1][0], ranges[-1][1] + length)
+                else:
+                    names.append(fused)
+                    ranges.append((start, length))
+            return load_linear(param, tuple(names), WeightShard(shard.dim, tuple(ranges)))
 
         super().load_weights(split_slice, _Names(names, parts), fused_load_linear)

@@ -17,6 +17,7 @@ from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerC
 from pagedllm.core_types.model_runner_output import ModelRunnerOutput
 from pagedllm.core_types.scheduler_output import WorkerSchedulerOutput
 from pagedllm.distributed.parallel_state import broadcast_object, collective_bytes, init_distributed_environment
+from pagedllm.layers.quantization import QuantizedWeight
 from pagedllm.metrics.reader import Metric
 from pagedllm.platform import configure_cpu_allocator
 from pagedllm.spec_decode import SpeculativeConfig
@@ -104,7 +105,8 @@ class Worker:
         return spec_decoder.metrics() if spec_decoder is not None else []
 
     def shard_info(self) -> dict[str, Any]:
-        """What this rank holds: bytes of sharded and of replicated weights, and its KV cache's shape."""
+        """What this rank holds: bytes of sharded and of replicated weights (and of the weight-only quantized
+        projections among them), and its KV cache's shape."""
         runner = self.model_runner
         sharded = replicated = 0
         seen: set[int] = set()
@@ -117,8 +119,10 @@ class Worker:
                 replicated += nbytes
             else:
                 sharded += nbytes
+        quantized = sum(module.nbytes() for module in runner.model.modules() if isinstance(module, QuantizedWeight))
         return {
             "rank": self.rank, "pid": os.getpid(), "sharded_weight_bytes": sharded,
+            "quantized_weight_bytes": quantized,
             "replicated_weight_bytes": replicated, "num_kv_heads": runner.num_kv_heads,
             "kv_cache_shape": tuple(runner.kv_caches[0].shape) if runner.kv_caches else None,
             "num_blocks": runner.cache_config.num_blocks,

@@ -88,14 +88,16 @@ class QuantizedWeight(nn.Module):
     def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
         """The part a tensor-parallel rank keeps, scales sharded with their channels: output rows
         (dim 0, column-parallel) take their scales; input columns (dim 1, row-parallel) keep per-channel
-        scales whole and take their groups' scales (start and length must fall on group boundaries)."""
+        scales whole and take their groups' scales (ValueError unless start and length fall on group boundaries)."""
         qweight = self.qweight.narrow(dim, start, length).contiguous()
         scales = self.scales
         if dim == 0:
             scales = scales.narrow(0, start, length)
         elif scales.dim() == 2:
             group = self.qweight.shape[1] // scales.shape[1]
-            assert start % group == 0 and length % group == 0, "a shard must hold whole groups"
+            if start % group or length % group:
+                raise ValueError(f"a tensor-parallel shard must hold whole quantization groups of {group} input "
+                                 f"features, got [{start}, {start + length}).")
             scales = scales.narrow(1, start // group, length // group)
         return QuantizedWeight(qweight, scales.contiguous(), self.method)
 

@@ -115,7 +115,9 @@ class Int4Weight(QuantizedWeight):
             scales = scales.narrow(1, start, length)
         else:
             group = self.group_size
-            assert start % group == 0 and length % group == 0, "a shard must hold whole groups"
+            if start % group or length % group:
+                raise ValueError(f"a tensor-parallel shard must hold whole quantization groups of {group} input "
+                                 f"features, got [{start}, {start + length}).")
             scales = scales.narrow(0, start // group, length // group)
         return Int4Weight(pack_int4(q), scales.contiguous(), self.method, q.shape[1])
 
