@@ -25,6 +25,7 @@ import functools
 import torch
 
 from pagedllm.layers.quantization.base import QuantizationMethod, QuantizedWeight
+from pagedllm.layers.quantization.vnni import VnniWeight, kernel_enabled, kernel_supports
 
 INT4_LEVELS = 16
 INT4_ZERO = 8  # the kernel's q - 8
@@ -131,24 +132,29 @@ class Int4WeightOnlyMethod(QuantizationMethod):
         super().__init__()
         self.group_size = 128 if group_size is None else group_size
 
-    def create(self, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> Int4Weight:
+    def create(self, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> Int4Weight | VnniWeight:
         """The weight w = q * scales + offsets per group: q [N, K] integers 0..15, scales and offsets
-        [N, K / G] in fp32 (exact for GGUF's fp16 block scales; rounded to bf16 here, once)."""
+        [N, K / G] in fp32 (exact for GGUF's fp16 block scales). Where pagedllm's VNNI kernel runs, its
+        weight (scales and offsets kept exact); else torch's layout (rounded to bf16 here, once)."""
         n, k = q.shape
         groups = scales.shape[1]
+        if kernel_enabled() and kernel_supports(n, k, k // groups, 4):
+            return VnniWeight.from_logical(q, scales, offsets, 4, self)
         assert k % groups == 0 and int4_supports(n, k, k // groups), (n, k, groups)
         scales = scales.to(torch.float32)
         zeros = offsets.to(torch.float32) + INT4_ZERO * scales
         scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(KERNEL_DTYPE).contiguous()
         return Int4Weight(pack_int4(q), scales_and_zeros, self, k)
 
-    def quantize(self, weight: torch.Tensor, scale_dtype: torch.dtype) -> Int4Weight:
+    def quantize(self, weight: torch.Tensor, scale_dtype: torch.dtype) -> Int4Weight | VnniWeight:
         """Asymmetric min/max quantization per group of `group_size` input channels (quantize_groups)."""
         q, scales, zero_points = quantize_groups(weight, self.group_size, scale_dtype)
         s = scales.to(torch.float32)
         return self.create(q, s, -(INT4_ZERO + zero_points.to(torch.float32)) * s)
 
     def dequantize(self, weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if isinstance(weight, VnniWeight):
+            return weight.dequantize(dtype)
         assert isinstance(weight, Int4Weight)
         n, k = weight.shape
         q = weight.unpacked().to(torch.float32).view(n, -1, weight.group_size) - INT4_ZERO
@@ -156,6 +162,8 @@ class Int4WeightOnlyMethod(QuantizationMethod):
         return (q * scales.unsqueeze(-1) + zeros.unsqueeze(-1)).view(n, k).to(dtype)
 
     def apply(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, VnniWeight):
+            return weight.apply(x, bias)
         assert isinstance(weight, Int4Weight)
         n, k = weight.shape
         x2 = x.reshape(-1, k)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.quantization.base import QuantizationMethod, QuantizedWeight
+from pagedllm.layers.quantization.vnni import VnniWeight
 
 INT8_MAX = 127
 # Up to this many tokens per call the int8 GEMV kernel wins; beyond, dequantize once and use a GEMM.
@@ -59,7 +60,14 @@ class Int8WeightOnlyMethod(QuantizationMethod):
             return False
         return x.dtype == torch.float32 or x.shape[1] % 16 == 0
 
+    def dequantize(self, weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if isinstance(weight, VnniWeight):
+            return weight.dequantize(dtype)
+        return super().dequantize(weight, dtype)
+
     def apply(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, VnniWeight):
+            return weight.apply(x, bias)
         n, k = weight.qweight.shape
         x2 = x.reshape(-1, k)
         if self._int8pack_ok(x2, weight):
