@@ -23,6 +23,7 @@ from pagedllm.layers.linear import prepack_linear_weights
 from pagedllm.layers.quantization import QuantizationConfig, QuantizedWeight
 from pagedllm.layers.quantization.compressed_tensors import has_quantized, read_int4, read_quantized
 from pagedllm.layers.quantization.int4 import Int4WeightOnlyMethod
+from pagedllm.layers.quantization.vnni import pack_quantized_weights
 from pagedllm.models.gguf import GGUFCheckpoint, is_gguf_path
 from pagedllm.models.registry import get_model_class
 
@@ -79,7 +80,8 @@ class QuantizedLinearLoader:
                 raise ValueError(f"checkpoint quantizes only some of {prefixes}, which this model fuses.")
             if isinstance(self.method, Int4WeightOnlyMethod):  # fused parts joined before packing
                 int4_parts = [read_int4(p, self.get_tensor, self.names) for p in prefixes]
-                qweight = self.method.create(*(torch.cat(tensors) for tensors in zip(*int4_parts)))
+                qweight = self.method.create(*(torch.cat(tensors) for tensors in zip(*int4_parts)),
+                                             dtype=self.model_dtype)
             else:
                 parts = [read_quantized(p, self.get_tensor, self.names, self.method, self.model_dtype)
                          for p in prefixes]
@@ -118,6 +120,10 @@ def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.dev
         _load_safetensors(model, config, device, tp_size)
     model = model.to(device).eval()
     prepack_linear_weights(model, device, config.dtype, batch_invariant)
+    if device.type == "cpu":
+        num_repacked = pack_quantized_weights(model, config.dtype)
+        if num_repacked:
+            logger.info("%d int8 linear weights repacked for pagedllm's VNNI kernel", num_repacked)
     return model
 
 

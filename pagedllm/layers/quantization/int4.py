@@ -132,13 +132,15 @@ class Int4WeightOnlyMethod(QuantizationMethod):
         super().__init__()
         self.group_size = 128 if group_size is None else group_size
 
-    def create(self, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> Int4Weight | VnniWeight:
+    def create(self, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+               dtype: torch.dtype = torch.bfloat16) -> Int4Weight | VnniWeight:
         """The weight w = q * scales + offsets per group: q [N, K] integers 0..15, scales and offsets
-        [N, K / G] in fp32 (exact for GGUF's fp16 block scales). Where pagedllm's VNNI kernel runs, its
-        weight (scales and offsets kept exact); else torch's layout (rounded to bf16 here, once)."""
+        [N, K / G] in fp32 (exact for GGUF's fp16 block scales), for a model in `dtype`. Where pagedllm's
+        VNNI kernel runs for it, its weight (scales and offsets kept exact); else torch's layout (rounded
+        to bf16 here, once)."""
         n, k = q.shape
         groups = scales.shape[1]
-        if kernel_enabled() and kernel_supports(n, k, k // groups, 4):
+        if kernel_enabled(dtype) and kernel_supports(n, k, k // groups, 4):
             return VnniWeight.from_logical(q, scales, offsets, 4, self)
         assert k % groups == 0 and int4_supports(n, k, k // groups), (n, k, groups)
         scales = scales.to(torch.float32)
@@ -150,7 +152,7 @@ class Int4WeightOnlyMethod(QuantizationMethod):
         """Asymmetric min/max quantization per group of `group_size` input channels (quantize_groups)."""
         q, scales, zero_points = quantize_groups(weight, self.group_size, scale_dtype)
         s = scales.to(torch.float32)
-        return self.create(q, s, -(INT4_ZERO + zero_points.to(torch.float32)) * s)
+        return self.create(q, s, -(INT4_ZERO + zero_points.to(torch.float32)) * s, scale_dtype)
 
     def dequantize(self, weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if isinstance(weight, VnniWeight):

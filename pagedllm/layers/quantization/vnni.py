@@ -39,9 +39,16 @@ def _kernel_built() -> bool:
     return load_cpu_kernels() and bool(torch.ops.pagedllm_cpu_qlinear.qlinear_supports())
 
 
-def kernel_enabled() -> bool:
-    """Whether weight-only int4 / int8 linears use this kernel: built (AVX512-VNNI in the CPU's flags) and
-    not turned off by PAGEDLLM_QUANT_KERNEL=torch (which keeps torch's own int4 / int8 kernels)."""
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def kernel_enabled(dtype: torch.dtype | None = None) -> bool:
+    """Whether weight-only int4 / int8 linears of a model in `dtype` use this kernel: built (AVX512-VNNI in
+    the CPU's flags), not turned off by PAGEDLLM_QUANT_KERNEL=torch (which keeps torch's own int4 / int8
+    kernels), and a half-precision model: an fp32 model is the precise reference, and keeps the kernels
+    whose activations are not quantized."""
+    if dtype is not None and dtype not in KERNEL_DTYPES:
+        return False
     choice = str(envs.value("PAGEDLLM_QUANT_KERNEL")).strip().lower()
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"PAGEDLLM_QUANT_KERNEL must be one of {list(KERNEL_CHOICES)}, got {choice!r}.")
@@ -185,11 +192,11 @@ def int8_to_vnni(weight: QuantizedWeight) -> VnniWeight | None:
     return VnniWeight.from_logical(u, scale, -128 * scale, 8, weight.method)
 
 
-def pack_quantized_weights(model: nn.Module) -> int:
+def pack_quantized_weights(model: nn.Module, dtype: torch.dtype) -> int:
     """Put every int8 weight that was built in its logical form (quantized on load, read from a
     checkpoint, GGUF Q8_0 without the kernel at hand) in the kernel's layout, where the kernel runs here;
     int4 weights are made in it directly (Int4WeightOnlyMethod.create). Returns how many were repacked."""
-    if not kernel_enabled():
+    if not kernel_enabled(dtype):
         return 0
     count = 0
     for module in list(model.modules()):
