@@ -8,13 +8,16 @@ q + 128 with min = -128 * scale. So the kernel's weight is built from the logica
 and gives it back (`logical()`): tensor-parallel narrowing and dequantizing work on that triple, never on
 the packed bytes.
 
-The kernel quantizes each activation row to int8 in blocks of 32 (scale = the block's absmax / 127) and
-multiplies in integers. Error against dequantize-then-fp32-matmul of the unquantized activations, per
-output y = sum_k w_k x_k: the activation rounding moves each x_k by at most d_b / 2 (d_b its block's
-scale), so |y - y_ref| <= sum_b (d_b / 2) * sum_{k in b} |w_k|, plus fp32 accumulation (relative 2**-20
-of sum |w_k x_k| is generous) and the output's rounding to the model dtype. The weights themselves are
-exact (scales and mins are fp32, or fp16 where every value is exactly an fp16). tests/test_vnni_kernel.py
-checks that bound for every format, and the tighter one against the same quantized activations.
+The kernel quantizes each activation row to int8 in blocks of 32 (d = the block's absmax / 127, x^ =
+d * round(x / d)) and multiplies in integers. Its error bound per output y = sum_k w_k x_k, the same for
+every format since the weights are exact (fp32 scales and mins, or fp16 where every value is exactly one):
+- against x^ times the weight (dequantize, then an exact matmul): the fp32 steps, at most K / 16 + 4
+  roundings of 2**-24 relative to the terms the kernel sums, sum_k |x^_k| (q_k |scale| + |min|) (the min
+  term is added apart from q * scale, so their cancellation counts), plus the output's rounding to the
+  model dtype (2**-8 relative for bf16);
+- against x itself: plus the activation rounding, sum over blocks b of d_b / 2 * sum_{k in b} |w_k|.
+tests/test_vnni_kernel.py checks both for every format against llama.cpp's and compressed-tensors'
+dequantization.
 """
 
 from __future__ import annotations
