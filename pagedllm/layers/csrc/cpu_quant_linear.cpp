@@ -122,10 +122,25 @@ void quantize_rows(const T* x, int64_t m, int64_t k, int64_t stride, int64_t gro
   });
 }
 
+// 16 fp32 results to the output dtype, rounded to nearest even (as c10's conversions round), in vector
+// code: a scalar conversion per element costs as much as the products in a large-N prefill.
+inline void store16(__m512 v, float* dst) { _mm512_storeu_ps(dst, v); }
+inline void store16(__m512 v, c10::BFloat16* dst) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(rounded));
+}
+inline void store16(__m512 v, c10::Half* dst) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
 // One tile of 16 output features for R rows: out[r][0..16) in fp32.
-template <int BITS, typename S, int R>
+template <int BITS, typename S, int R, typename T>
 inline void tile_kernel(const uint8_t* w, const S* scales, const S* mins, const QuantizedRows& q, int64_t row0,
-                        int64_t k, int64_t group, float* out, int64_t out_stride) {
+                        int64_t k, int64_t group, T* out, int64_t out_stride) {
   const int64_t blocks = k / kBlock, groups = k / group;
   const int64_t unit = group < kBlock ? group : kBlock;  // input channels per int32 partial sum
   const int8_t* xq[R];
@@ -181,12 +196,7 @@ inline void tile_kernel(const uint8_t* w, const S* scales, const S* mins, const 
       acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[r][g]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride, acc[r]);
-}
-
-template <typename T>
-inline void store_row(const float* src, T* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+  for (int r = 0; r < R; ++r) store16(acc[r], out + r * out_stride);
 }
 
 template <int BITS, typename S, typename T>
@@ -195,7 +205,6 @@ void qlinear_impl(const QuantizedRows& q, const uint8_t* w, const S* scales, con
   const int64_t tiles = n / kTile, groups = k / group;
   const int64_t tile_bytes = k * kTile * BITS / 8;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    float out[kRows * kTile];
     for (int64_t c0 = 0; c0 < m; c0 += kRowChunk) {
       const int64_t c1 = std::min(m, c0 + kRowChunk);
       for (int64_t t = begin; t < end; ++t) {
@@ -203,14 +212,13 @@ void qlinear_impl(const QuantizedRows& q, const uint8_t* w, const S* scales, con
         const S* st = scales + t * groups * kTile;
         const S* mt = mins + t * groups * kTile;
         for (int64_t r0 = c0; r0 < c1; r0 += kRows) {
-          const int64_t rows = std::min<int64_t>(kRows, c1 - r0);
-          switch (rows) {
-            case 4: tile_kernel<BITS, S, 4>(wt, st, mt, q, r0, k, group, out, kTile); break;
-            case 3: tile_kernel<BITS, S, 3>(wt, st, mt, q, r0, k, group, out, kTile); break;
-            case 2: tile_kernel<BITS, S, 2>(wt, st, mt, q, r0, k, group, out, kTile); break;
-            default: tile_kernel<BITS, S, 1>(wt, st, mt, q, r0, k, group, out, kTile); break;
+          T* out = y + r0 * n + t * kTile;
+          switch (std::min<int64_t>(kRows, c1 - r0)) {
+            case 4: tile_kernel<BITS, S, 4>(wt, st, mt, q, r0, k, group, out, n); break;
+            case 3: tile_kernel<BITS, S, 3>(wt, st, mt, q, r0, k, group, out, n); break;
+            case 2: tile_kernel<BITS, S, 2>(wt, st, mt, q, r0, k, group, out, n); break;
+            default: tile_kernel<BITS, S, 1>(wt, st, mt, q, r0, k, group, out, n); break;
           }
-          for (int64_t r = 0; r < rows; ++r) store_row(out + r * kTile, y + (r0 + r) * n + t * kTile, kTile);
         }
       }
     }
