@@ -23,7 +23,7 @@ from pagedllm.layers.linear import prepack_linear_weights
 from pagedllm.layers.quantization import QuantizationConfig, QuantizedWeight
 from pagedllm.layers.quantization.compressed_tensors import has_quantized, read_int4, read_quantized
 from pagedllm.layers.quantization.int4 import Int4WeightOnlyMethod
-from pagedllm.layers.quantization.vnni import pack_quantized_weights
+from pagedllm.layers.quantization.vnni import select_quantized_kernels
 from pagedllm.models.gguf import GGUFCheckpoint, is_gguf_path
 from pagedllm.models.registry import get_model_class
 
@@ -121,9 +121,9 @@ def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.dev
     model = model.to(device).eval()
     prepack_linear_weights(model, device, config.dtype, batch_invariant)
     if device.type == "cpu":
-        num_repacked = pack_quantized_weights(model, config.dtype)
-        if num_repacked:
-            logger.info("%d int8 linear weights repacked for pagedllm's VNNI kernel", num_repacked)
+        model.quant_kernel_choices = select_quantized_kernels(model, config.dtype)
+        for choice in model.quant_kernel_choices:
+            logger.info("Quantized linear kernel: %s", choice.describe())
     return model
 
 

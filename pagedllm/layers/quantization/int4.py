@@ -142,6 +142,12 @@ class Int4WeightOnlyMethod(QuantizationMethod):
         groups = scales.shape[1]
         if kernel_enabled(dtype) and kernel_supports(n, k, k // groups, 4):
             return VnniWeight.from_logical(q, scales, offsets, 4, self)
+        return self.create_torch_layout(q, scales, offsets)
+
+    def create_torch_layout(self, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> Int4Weight:
+        """create's weight for torch's kernel, whatever the CPU."""
+        n, k = q.shape
+        groups = scales.shape[1]
         assert k % groups == 0 and int4_supports(n, k, k // groups), (n, k, groups)
         scales = scales.to(torch.float32)
         zeros = offsets.to(torch.float32) + INT4_ZERO * scales

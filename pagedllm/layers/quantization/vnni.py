@@ -195,19 +195,103 @@ def int8_to_vnni(weight: QuantizedWeight) -> VnniWeight | None:
     return VnniWeight.from_logical(u, scale, -128 * scale, 8, weight.method)
 
 
-def pack_quantized_weights(model: nn.Module, dtype: torch.dtype) -> int:
-    """Put every int8 weight that was built in its logical form (quantized on load, read from a
-    checkpoint, GGUF Q8_0 without the kernel at hand) in the kernel's layout, where the kernel runs here;
-    int4 weights are made in it directly (Int4WeightOnlyMethod.create). Returns how many were repacked."""
+def _label(weight: QuantizedWeight) -> str:
+    """The method and group size, which the kernel choice is made per (e.g. "int4-g128", "int8-channel")."""
+    if isinstance(weight, VnniWeight):
+        group = weight.group_size
+        per_channel = weight.method.name == "int8" and group == weight.in_features
+    else:
+        group = getattr(weight, "group_size", None) or (
+            weight.qweight.shape[1] // weight.scales.shape[1] if weight.scales.dim() == 2 else None)
+        per_channel = group is None
+    return f"{weight.method.name}-channel" if per_channel else f"{weight.method.name}-g{group}"
+
+
+def _torch_can_take(weight: QuantizedWeight) -> bool:
+    """Whether torch's kernels take the weight: not GGUF's Q5 / Q6 types (5- and 6-bit integers with
+    mins), and int4 only in the shapes its packing takes."""
+    if not isinstance(weight, VnniWeight):
+        return True
+    if weight.bits == 4:
+        from pagedllm.layers.quantization.int4 import int4_supports
+
+        return int4_supports(*weight.shape, weight.group_size)
+    scale, offset = unpack_groups(weight.scales.data).float(), unpack_groups(weight.mins.data).float()
+    return torch.equal(offset, -128 * scale)
+
+
+def _to_torch(weight: QuantizedWeight, dtype: torch.dtype) -> QuantizedWeight:
+    """The weight in torch's kernels' form (scales rounded to bf16 / the model dtype, as those kernels
+    take them); only for weights _torch_can_take."""
+    if not isinstance(weight, VnniWeight):
+        return weight
+    from pagedllm.layers.quantization.int4 import Int4WeightOnlyMethod
+
+    q, scale, offset = weight.logical()
+    if isinstance(weight.method, Int4WeightOnlyMethod):
+        return weight.method.create_torch_layout(q, scale, offset)
+    n = q.shape[0]
+    signed = (q.to(torch.int16) - 128).to(torch.int8)
+    scales = scale.to(dtype).view(n) if scale.shape[1] == 1 else scale.to(dtype)
+    return QuantizedWeight(signed, scales, weight.method)
+
+
+def _to_pagedllm(weight: QuantizedWeight) -> QuantizedWeight:
+    if isinstance(weight, VnniWeight) or weight.method.name != "int8":
+        return weight
+    return int8_to_vnni(weight) or weight
+
+
+def _timing_factory(label: str, dtype: torch.dtype):
+    """For the kernel choice's measurement: factory(path, weight) -> the matmul of that path."""
+    from pagedllm.layers.quantization.int4 import Int4WeightOnlyMethod
+    from pagedllm.layers.quantization.int8 import Int8WeightOnlyMethod
+
+    name, _, group_text = label.partition("-")
+    group = None if group_text == "channel" else int(group_text.removeprefix("g"))
+
+    def factory(path: str, weight: torch.Tensor):
+        if name == "int4":
+            from pagedllm.layers.quantization.int4 import INT4_ZERO, quantize_groups
+
+            method: QuantizationMethod = Int4WeightOnlyMethod(group)
+            q, scales, zero_points = quantize_groups(weight, group, dtype)
+            s = scales.to(torch.float32)
+            offsets = -(INT4_ZERO + zero_points.to(torch.float32)) * s
+            qw: QuantizedWeight = (VnniWeight.from_logical(q, s, offsets, 4, method) if path == "pagedllm"
+                                   else method.create_torch_layout(q, s, offsets))
+        else:
+            method = Int8WeightOnlyMethod(group)
+            qw = method.quantize(weight, dtype)
+            if path == "pagedllm":
+                qw = int8_to_vnni(qw) or qw
+        return lambda x: method.apply(x, qw, None)
+
+    return factory
+
+
+def select_quantized_kernels(model: nn.Module, dtype: torch.dtype) -> list:
+    """Choose, per method and group size, between pagedllm's VNNI kernel and torch's for the model's
+    weight-only quantized linears (layers/linear_tuning.choose_quant_kernel: forced, measured and cached,
+    or pagedllm's by default), and put each weight in the chosen kernel's form: int4 weights are built in
+    the VNNI layout where it runs (exact), int8 ones in their logical form. Returns the choices (the
+    benchmarks print them); none where the VNNI kernel does not run for this dtype (torch's as loaded)."""
     if not kernel_enabled(dtype):
-        return 0
-    count = 0
+        return []
+    from pagedllm.layers.linear_tuning import choose_quant_kernel
+
+    slots: dict[str, list[tuple[nn.Module, str, QuantizedWeight]]] = {}
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if (isinstance(child, QuantizedWeight) and not isinstance(child, VnniWeight)
-                    and child.method.name == "int8" and child.qweight.device.type == "cpu"):
-                packed = int8_to_vnni(child)
-                if packed is not None:
-                    setattr(module, name, packed)
-                    count += 1
-    return count
+            if (isinstance(child, QuantizedWeight) and child.method.name in ("int4", "int8")
+                    and child.qweight.device.type == "cpu"):
+                slots.setdefault(_label(child), []).append((module, name, child))
+    choices = []
+    for label, entries in slots.items():
+        paths = ["pagedllm", "torch"] if all(_torch_can_take(w) for _, _, w in entries) else ["pagedllm"]
+        choice = choose_quant_kernel(label, [tuple(w.shape) for _, _, w in entries], dtype, paths,
+                                     _timing_factory(label, dtype))
+        choices.append(choice)
+        for module, name, weight in entries:
+            setattr(module, name, _to_pagedllm(weight) if choice.path == "pagedllm" else _to_torch(weight, dtype))
+    return choices
