@@ -2,20 +2,21 @@
 channels, w = q * scale + offset, q in 0..15 (GGUF Q4_0 / Q4_1 / Q4_K and asymmetric or symmetric
 group quantization all take this form).
 
-The kernel is torch's own CPU int4 GEMM (`_weight_int4pack_mm_for_cpu`, on the layout
-`_convert_weight_to_int4pack_for_cpu` makes: output features in blocks that a matrix-vector product
-streams k by k), which computes (q - 8) * scale + zero per group with fp32 accumulation. Measured beside a
-C++ kernel of ours over row-major nibbles with fp32 scales, it was clearly faster from batch 1 to prefill;
-its fp32-activation variant (fp32 scales, exact for every GGUF block scale) is scalar code, tens of times
-slower, so the kernel runs on bf16 activations and stores `scales_and_zeros` in bf16 (see the error bound
-below). The weights stay 4 bits plus 32 bits of bf16 scale and zero per group: 5 bits a weight at group 32,
-as GGUF Q4_1.
-
-Error against the fp32 reference (q * scale + offset exactly, times x, in fp32): the scale and the zero
-(offset + 8 * scale) are each rounded to bf16 once (relative 2**-9), so each weight is off by at most
-2**-9 * (|q - 8| * |scale| + |zero|), and the bf16 output adds its own rounding (2**-9 relative);
-tests/test_int4.py checks exactly that bound. Models in fp32 or fp16 dequantize 4-bit files on load
-instead (models/gguf.py): their activations would lose bits in this kernel.
+Two kernels, chosen per model after loading (layers/quantization/vnni.py, select_quantized_kernels: by
+the measured kernel table, or PAGEDLLM_QUANT_KERNEL):
+- pagedllm's VNNI kernel (layers/csrc/cpu_quant_linear.cpp), on CPUs with AVX512-VNNI, for bf16 and fp16
+  models: activations quantized to int8 per row in blocks of 32, integer dot products, the scales and
+  offsets kept exact (its bound is in vnni.py). Where it runs, `create` builds that weight (VnniWeight).
+- torch's own CPU int4 GEMM (`_weight_int4pack_mm_for_cpu`, on the layout
+  `_convert_weight_to_int4pack_for_cpu` makes), elsewhere (AVX2-only CPUs) or when the table picks it.
+  It computes (q - 8) * scale + zero per group with fp32 accumulation on bf16 activations (its
+  fp32-activation variant is scalar code, tens of times slower), and stores `scales_and_zeros` in bf16.
+  Error against the fp32 reference (q * scale + offset exactly, times x, in fp32): the scale and the zero
+  (offset + 8 * scale) are each rounded to bf16 once (relative 2**-9), so each weight is off by at most
+  2**-9 * (|q - 8| * |scale| + |zero|), and the bf16 output adds its own rounding (2**-9 relative);
+  tests/test_int4.py checks exactly that bound.
+The weights stay 4 bits plus a scale and an offset per group. fp32 models are the precise reference and
+keep torch's kernels, so they dequantize 4-bit GGUF files on load (models/gguf.py).
 """
 
 from __future__ import annotations
