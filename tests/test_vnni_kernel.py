@@ -33,8 +33,10 @@ from pagedllm.layers.quantization.vnni import (
     unpack_q,
 )
 from pagedllm.models.gguf import PACKED_TYPES
+from pagedllm.platform import _cpu_flags
 
-pytestmark = pytest.mark.skipif(not kernel_enabled(torch.bfloat16), reason="no AVX512-VNNI (or kernels not built)")
+VNNI_CPU = {"avx512f", "avx512bw", "avx512_vnni"} <= set(_cpu_flags())
+pytestmark = pytest.mark.skipif(not VNNI_CPU, reason="the CPU lacks AVX512-VNNI: torch's kernels serve it")
 
 GGUF_TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"]
 OUTPUT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -23}
@@ -84,6 +86,18 @@ def _check_invariance(weight: VnniWeight, x: torch.Tensor) -> None:
     for rows in (1, 2, 3, 5):
         for start in range(0, x.shape[0] - rows + 1, 3):
             assert torch.equal(weight.method.apply(x[start:start + rows], weight, None), full[start:start + rows])
+
+
+def test_the_kernel_is_built_where_the_cpu_has_avx512_vnni(monkeypatch):
+    """The C++ ops build with -march=native: on such a CPU the kernel must be there (a failed build would
+    otherwise only show as slower int4 / int8), and only half-precision models use it."""
+    assert kernel_enabled(torch.bfloat16) and kernel_enabled(torch.float16)
+    assert not kernel_enabled(torch.float32)
+    monkeypatch.setenv("PAGEDLLM_QUANT_KERNEL", "torch")
+    assert not kernel_enabled(torch.bfloat16)
+    monkeypatch.setenv("PAGEDLLM_QUANT_KERNEL", "fastest")
+    with pytest.raises(ValueError, match="PAGEDLLM_QUANT_KERNEL"):
+        kernel_enabled(torch.bfloat16)
 
 
 @pytest.mark.parametrize("kind", GGUF_TYPES)
