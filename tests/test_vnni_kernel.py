@@ -3,12 +3,14 @@ reads is repacked without loss (oracles: llama.cpp's `gguf.quants.dequantize` fo
 compressed-tensors library's decompressor for W4A16), and its output stays within the bound stated in
 layers/quantization/vnni.py, the same for every type since the weights are exact:
 
-- against the same quantized activations x^ (each row in blocks of 32, x^ = d * round(x / d), d the
-  block's absmax / 127) times the exact weight in fp64: the fp32 steps (K / 16 + 4 roundings of 2**-24 in
-  a row at most) relative to the terms the kernel sums, |x^| @ B^T with B = q |scale| + |min| per weight
-  (the min term is summed apart from q * scale, so their cancellation counts), plus the output's rounding
-  to its dtype (2**-8 relative for bf16, 2**-23 for fp32);
-- against the unquantized activations: plus sum over blocks of d / 2 * sum |w| in the block.
+- against the same quantized activations x^ (each row in blocks of 32, x^ = d * xq + d2 * xq2: xq =
+  round(x / d), d the block's absmax / 127, and xq2 the same of the remainder x - d * xq) times the exact
+  weight in fp64: the fp32 steps (K / 8 + 4 roundings of 2**-24 in a row at most) relative to the terms
+  the kernel sums, |x^| @ B^T with B = q |scale| + |min| per weight (the min term is summed apart from
+  q * scale, so their cancellation counts), plus the output's rounding to its dtype (2**-8 relative for
+  bf16, 2**-23 for fp32);
+- against the unquantized activations: plus sum over blocks of d2 / 2 * sum |w| in the block (d2 is at
+  most d / 254: about 15 bits against the block's absmax).
 
 And a row's result never depends on the rows beside it (batch invariance).
 """
@@ -50,17 +52,26 @@ def _gguf_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
     return quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, GGMLQuantizationType[kind])
 
 
-def _quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x^ in fp64, the block scale d of each element), as the kernel quantizes each row."""
-    m, k = x.shape
-    blocks = x.double().view(m, k // 32, 32)
-    absmax = blocks.abs().amax(-1, keepdim=True).float()
-    d = (absmax / 127).double()
+def _int8_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale) of fp32 blocks [..., 32] as the kernel rounds them: scale = absmax / 127, codes =
+    round-half-even(v * (127 / absmax)) in fp32."""
+    absmax = blocks.abs().amax(-1, keepdim=True)
     # tensor / tensor: torch's scalar / tensor multiplies by a reciprocal, off by an ulp, and bf16 inputs
-    # hit exact ties (x = absmax / 2) where that ulp changes the rounding
-    inv = torch.where(absmax > 0, torch.full_like(absmax, 127) / absmax, torch.zeros_like(absmax)).double()
-    xq = torch.round((blocks.float() * inv.float()).double())  # the kernel scales in fp32
-    return (xq * d).view(m, k), d.expand(m, k // 32, 32).reshape(m, k)
+    # hit exact ties (v = absmax / 2) where that ulp changes the rounding
+    inv = torch.where(absmax > 0, torch.full_like(absmax, 127) / absmax, torch.zeros_like(absmax))
+    return torch.round(blocks * inv), absmax / torch.full_like(absmax, 127)
+
+
+def _quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x^ in fp64, the second term's scale d2 of each element), as the kernel quantizes each row: x^ =
+    d * xq + d2 * xq2, xq2 the codes of the remainder x - d * xq (rounded once to fp32)."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // 32, 32)
+    codes, scale = _int8_codes(blocks)
+    remainder = (blocks.double() - codes.double() * scale.double()).float()
+    codes2, scale2 = _int8_codes(remainder)
+    xhat = codes.double() * scale.double() + codes2.double() * scale2.double()
+    return xhat.view(m, k), scale2.double().expand(m, k // 32, 32).reshape(m, k)
 
 
 def _check_bounds(weight: VnniWeight, exact: torch.Tensor, x: torch.Tensor) -> None:
@@ -72,7 +83,7 @@ def _check_bounds(weight: VnniWeight, exact: torch.Tensor, x: torch.Tensor) -> N
     q, scale, offset = (t.double() for t in weight.logical())
     n, k = q.shape
     terms = (q.view(n, scale.shape[1], -1) * scale.abs().unsqueeze(-1) + offset.abs().unsqueeze(-1)).view(n, k)
-    fp32_steps = (k / 16 + 4) * FP32_ROUNDOFF
+    fp32_steps = (k / 8 + 4) * FP32_ROUNDOFF
     tight = fp32_steps * (xhat.abs() @ terms.T) + roundoff * same_act.abs() + 1e-30
     assert ((got - same_act).abs() <= tight).all(), ((got - same_act).abs() / tight).max()
     ref = x.double() @ w.T

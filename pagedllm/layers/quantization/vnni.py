@@ -8,14 +8,17 @@ q + 128 with min = -128 * scale. So the kernel's weight is built from the logica
 and gives it back (`logical()`): tensor-parallel narrowing and dequantizing work on that triple, never on
 the packed bytes.
 
-The kernel quantizes each activation row to int8 in blocks of 32 (d = the block's absmax / 127, x^ =
-d * round(x / d)) and multiplies in integers. Its error bound per output y = sum_k w_k x_k, the same for
-every format since the weights are exact (fp32 scales and mins, or fp16 where every value is exactly one):
-- against x^ times the weight (dequantize, then an exact matmul): the fp32 steps, at most K / 16 + 4
+The kernel quantizes each activation row in blocks of 32 into two int8 terms, x^ = d * xq + d2 * xq2
+(d = the block's absmax / 127, xq = round(x / d); xq2 the same for the remainder x - d * xq, so d2 <= d /
+254: about 15 bits against the block's absmax; one int8 term alone, as llama.cpp's Q8_0, cost the real
+SmolLM2-135M 1.5% of its teacher-forced top-1 tokens against fp32), and multiplies in integers. Its
+error bound per output y = sum_k w_k x_k, the same for every format since the weights are exact (fp32
+scales and mins, or fp16 where every value is exactly one):
+- against x^ times the weight (dequantize, then an exact matmul): the fp32 steps, at most K / 8 + 4
   roundings of 2**-24 relative to the terms the kernel sums, sum_k |x^_k| (q_k |scale| + |min|) (the min
   term is added apart from q * scale, so their cancellation counts), plus the output's rounding to the
   model dtype (2**-8 relative for bf16);
-- against x itself: plus the activation rounding, sum over blocks b of d_b / 2 * sum_{k in b} |w_k|.
+- against x itself: plus the activation rounding, sum over blocks b of d2_b / 2 * sum_{k in b} |w_k|.
 tests/test_vnni_kernel.py checks both for every format against llama.cpp's and compressed-tensors'
 dequantization.
 """
