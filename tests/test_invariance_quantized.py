@@ -17,9 +17,10 @@ from pagedllm.layers.quantization.vnni import VnniWeight, kernel_enabled
 
 pytestmark = pytest.mark.skipif(not kernel_enabled(torch.bfloat16), reason="no AVX512-VNNI (or kernels not built)")
 
-METHODS = [pytest.param(dict(quantization="int4", quantization_group_size=32), id="int4_g32"),
-           pytest.param(dict(quantization="int8"), id="int8_per_channel"),
-           pytest.param(dict(quantization="int8", quantization_group_size=32), id="int8_g32")]
+METHODS = [pytest.param(dict(quantization="int4", quantization_group_size=32), "2", id="int4_g32"),
+           pytest.param(dict(quantization="int8"), "2", id="int8_per_channel"),
+           pytest.param(dict(quantization="int8", quantization_group_size=32), "2", id="int8_g32"),
+           pytest.param(dict(quantization="int4", quantization_group_size=32), "1", id="int4_g32_one_term")]
 
 
 def _llm(model: str, quantization: dict, **engine_args) -> LLM:
@@ -29,8 +30,10 @@ def _llm(model: str, quantization: dict, **engine_args) -> LLM:
     return llm
 
 
-@pytest.mark.parametrize("quantization", METHODS)
-def test_quantized_outputs_do_not_depend_on_the_batch(tiny_llama_dir: str, quantization: dict) -> None:
+@pytest.mark.parametrize("quantization,activation_terms", METHODS)
+def test_quantized_outputs_do_not_depend_on_the_batch(tiny_llama_dir: str, quantization: dict, activation_terms: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDLLM_QUANT_ACTIVATION_TERMS", activation_terms)
     alone = _llm(tiny_llama_dir, quantization, enable_prefix_caching=False)
     want = [token_ids(alone, [p])[0] for p in PROMPTS]
     del alone

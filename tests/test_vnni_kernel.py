@@ -10,7 +10,8 @@ layers/quantization/vnni.py, the same for every type since the weights are exact
   q * scale, so their cancellation counts), plus the output's rounding to its dtype (2**-8 relative for
   bf16, 2**-23 for fp32);
 - against the unquantized activations: plus sum over blocks of d2 / 2 * sum |w| in the block (d2 is at
-  most d / 254: about 15 bits against the block's absmax).
+  most d / 254: about 15 bits against the block's absmax); with PAGEDLLM_QUANT_ACTIVATION_TERMS=1 (one
+  term, llama.cpp's Q8_0) d2 = 0 above and d / 2 here.
 
 And a row's result never depends on the rows beside it (batch invariance).
 """
@@ -62,12 +63,14 @@ def _int8_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(blocks * inv), absmax / torch.full_like(absmax, 127)
 
 
-def _quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x^ in fp64, the second term's scale d2 of each element), as the kernel quantizes each row: x^ =
-    d * xq + d2 * xq2, xq2 the codes of the remainder x - d * xq (rounded once to fp32)."""
+def _quantized_activations(x: torch.Tensor, terms: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x^ in fp64, the last term's scale of each element), as the kernel quantizes each row: x^ = d * xq
+    (+ d2 * xq2, xq2 the codes of the remainder x - d * xq, rounded once to fp32)."""
     m, k = x.shape
     blocks = x.float().view(m, k // 32, 32)
     codes, scale = _int8_codes(blocks)
+    if terms == 1:
+        return (codes.double() * scale.double()).view(m, k), scale.double().expand(m, k // 32, 32).reshape(m, k)
     remainder = (blocks.double() - codes.double() * scale.double()).float()
     codes2, scale2 = _int8_codes(remainder)
     xhat = codes.double() * scale.double() + codes2.double() * scale2.double()
@@ -77,7 +80,7 @@ def _quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def _check_bounds(weight: VnniWeight, exact: torch.Tensor, x: torch.Tensor) -> None:
     got = weight.method.apply(x, weight, None).double()
     roundoff = OUTPUT_ROUNDOFF[x.dtype]
-    xhat, d = _quantized_activations(x)
+    xhat, d = _quantized_activations(x, weight.activation_terms)
     w = exact.double()
     same_act = xhat @ w.T
     q, scale, offset = (t.double() for t in weight.logical())
@@ -111,8 +114,10 @@ def test_the_kernel_is_built_where_the_cpu_has_avx512_vnni(monkeypatch):
         kernel_enabled(torch.bfloat16)
 
 
+@pytest.mark.parametrize("terms", [2, 1])
 @pytest.mark.parametrize("kind", GGUF_TYPES)
-def test_gguf_types_repack_losslessly_and_stay_within_the_bound(kind):
+def test_gguf_types_repack_losslessly_and_stay_within_the_bound(kind, terms, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_QUANT_ACTIVATION_TERMS", str(terms))
     n, k = 48, 512
     data = _gguf_blocks(kind, n, k, seed=len(kind))
     oracle = torch.from_numpy(dequantize(data, GGMLQuantizationType[kind]).reshape(n, k).astype(np.float64))

@@ -55,10 +55,11 @@ constexpr int kBlock = 32;      // activation quantization block
 constexpr int kRows = 4;        // rows computed together per tile
 constexpr int kRowChunk = 64;   // rows whose quantized activations stay in L2 while a thread's tiles pass
 
-// Per call: the quantized activations of every row, in two int8 terms per block of 32, x ~ d * xq + d2 *
-// xq2 (xq2 quantizes what d * xq leaves over, at most d / 2: about 15 bits against the block's absmax,
-// where one int8 term, 8 bits, cost a real 135M model 1.5% of its teacher-forced top-1 tokens), the
-// block scales, and the group sums sum(d * xq + d2 * xq2) per weight group (xs [M, K / G]).
+// Per call: the quantized activations of every row, in one or two int8 terms per block of 32 (a setting
+// of the process, the same for every row), x ~ d * xq + d2 * xq2 (xq2 quantizes what d * xq leaves over,
+// at most d / 2: about 15 bits against the block's absmax, where one int8 term, 8 bits, cost a real 135M
+// model 1.5% of its teacher-forced top-1 tokens; the second term doubles the integer products), the
+// block scales, and the group sums sum(x^) per weight group (xs [M, K / G]).
 struct QuantizedRows {
   std::vector<int8_t> xq, xq2;
   std::vector<float> d, d2;
@@ -98,38 +99,43 @@ inline BlockCodes quantize_block(__m512 lo, __m512 hi) {
 }
 
 template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, int64_t stride, int64_t group, QuantizedRows& q) {
+void quantize_rows(const T* x, int64_t m, int64_t k, int64_t stride, int64_t group, int terms, QuantizedRows& q) {
   const int64_t blocks = k / kBlock, groups = k / group, half = kBlock / 2;
   q.xq.resize(m * k);
-  q.xq2.resize(m * k);
   q.d.resize(m * blocks);
-  q.d2.resize(m * blocks);
+  if (terms == 2) {
+    q.xq2.resize(m * k);
+    q.d2.resize(m * blocks);
+  }
   q.xs.resize(m * groups);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> sum16(k / 16);  // d * sum(xq) + d2 * sum(xq2) per 16 input channels
     for (int64_t r = begin; r < end; ++r) {
       const T* row = x + r * stride;
       int8_t* out = q.xq.data() + r * k;
-      int8_t* out2 = q.xq2.data() + r * k;
+      int8_t* out2 = terms == 2 ? q.xq2.data() + r * k : nullptr;
       float* d = q.d.data() + r * blocks;
-      float* d2 = q.d2.data() + r * blocks;
+      float* d2 = terms == 2 ? q.d2.data() + r * blocks : nullptr;
       for (int64_t b = 0; b < blocks; ++b) {
         __m512 lo = load16(row + b * kBlock), hi = load16(row + b * kBlock + 16);
         BlockCodes first = quantize_block(lo, hi);
         __m512 vscale = _mm512_set1_ps(first.scale);
         // the remainder, rounded once (a fused multiply-subtract)
-        BlockCodes second = quantize_block(_mm512_fnmadd_ps(_mm512_cvtepi32_ps(first.lo), vscale, lo),
-                                           _mm512_fnmadd_ps(_mm512_cvtepi32_ps(first.hi), vscale, hi));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * kBlock), _mm512_cvtsepi32_epi8(first.lo));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * kBlock + half), _mm512_cvtsepi32_epi8(first.hi));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out2 + b * kBlock), _mm512_cvtsepi32_epi8(second.lo));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out2 + b * kBlock + half), _mm512_cvtsepi32_epi8(second.hi));
         d[b] = first.scale;
-        d2[b] = second.scale;
         sum16[2 * b] = first.scale * static_cast<float>(_mm512_reduce_add_epi32(first.lo));
-        sum16[2 * b] += second.scale * static_cast<float>(_mm512_reduce_add_epi32(second.lo));
         sum16[2 * b + 1] = first.scale * static_cast<float>(_mm512_reduce_add_epi32(first.hi));
-        sum16[2 * b + 1] += second.scale * static_cast<float>(_mm512_reduce_add_epi32(second.hi));
+        if (terms == 2) {
+          // the remainder, rounded once (a fused multiply-subtract)
+          BlockCodes second = quantize_block(_mm512_fnmadd_ps(_mm512_cvtepi32_ps(first.lo), vscale, lo),
+                                             _mm512_fnmadd_ps(_mm512_cvtepi32_ps(first.hi), vscale, hi));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out2 + b * kBlock), _mm512_cvtsepi32_epi8(second.lo));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out2 + b * kBlock + half), _mm512_cvtsepi32_epi8(second.hi));
+          d2[b] = second.scale;
+          sum16[2 * b] += second.scale * static_cast<float>(_mm512_reduce_add_epi32(second.lo));
+          sum16[2 * b + 1] += second.scale * static_cast<float>(_mm512_reduce_add_epi32(second.hi));
+        }
       }
       // sum(x^) per weight group, its 16-wide pieces added in order
       float* xs = q.xs.data() + r * groups;
@@ -159,7 +165,7 @@ inline void store16(__m512 v, c10::Half* dst) {
 }
 
 // One tile of 16 output features for R rows: out[r][0..16) in fp32.
-template <int BITS, typename S, int R, typename T>
+template <int BITS, int TERMS, typename S, int R, typename T>
 inline void tile_kernel(const uint8_t* w, const S* scales, const S* mins, const QuantizedRows& q, int64_t row0,
                         int64_t k, int64_t group, T* out, int64_t out_stride) {
   const int64_t blocks = k / kBlock, groups = k / group;
@@ -171,9 +177,9 @@ inline void tile_kernel(const uint8_t* w, const S* scales, const S* mins, const 
   const float* xs[R];
   for (int r = 0; r < R; ++r) {
     xq[r] = q.xq.data() + (row0 + r) * k;
-    xq2[r] = q.xq2.data() + (row0 + r) * k;
+    xq2[r] = TERMS == 2 ? q.xq2.data() + (row0 + r) * k : nullptr;
     d[r] = q.d.data() + (row0 + r) * blocks;
-    d2[r] = q.d2.data() + (row0 + r) * blocks;
+    d2[r] = TERMS == 2 ? q.d2.data() + (row0 + r) * blocks : nullptr;
     xs[r] = q.xs.data() + (row0 + r) * groups;
   }
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -191,11 +197,13 @@ inline void tile_kernel(const uint8_t* w, const S* scales, const S* mins, const 
         for (int64_t kk = 0; kk < unit; kk += 4) {
           __m512i wv = _mm512_loadu_si512(wp + kk * kTile);
           for (int r = 0; r < R; ++r) {
-            int32_t xb, xb2;
+            int32_t xb;
             std::memcpy(&xb, xq[r] + k0 + kk, 4);
-            std::memcpy(&xb2, xq2[r] + k0 + kk, 4);
             iacc[r] = _mm512_dpbusd_epi32(iacc[r], wv, _mm512_set1_epi32(xb));
-            iacc2[r] = _mm512_dpbusd_epi32(iacc2[r], wv, _mm512_set1_epi32(xb2));
+            if constexpr (TERMS == 2) {
+              std::memcpy(&xb, xq2[r] + k0 + kk, 4);
+              iacc2[r] = _mm512_dpbusd_epi32(iacc2[r], wv, _mm512_set1_epi32(xb));
+            }
           }
         }
       } else {
@@ -206,21 +214,24 @@ inline void tile_kernel(const uint8_t* w, const S* scales, const S* mins, const 
           __m512i wlo = _mm512_and_si512(packed, nibble);
           __m512i whi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
           for (int r = 0; r < R; ++r) {
-            int32_t xb0, xb1, xc0, xc1;
+            int32_t xb0, xb1;
             std::memcpy(&xb0, xq[r] + k0 + kk, 4);
             std::memcpy(&xb1, xq[r] + k0 + kk + 4, 4);
-            std::memcpy(&xc0, xq2[r] + k0 + kk, 4);
-            std::memcpy(&xc1, xq2[r] + k0 + kk + 4, 4);
             iacc[r] = _mm512_dpbusd_epi32(iacc[r], wlo, _mm512_set1_epi32(xb0));
-            iacc2[r] = _mm512_dpbusd_epi32(iacc2[r], wlo, _mm512_set1_epi32(xc0));
             iacc[r] = _mm512_dpbusd_epi32(iacc[r], whi, _mm512_set1_epi32(xb1));
-            iacc2[r] = _mm512_dpbusd_epi32(iacc2[r], whi, _mm512_set1_epi32(xc1));
+            if constexpr (TERMS == 2) {
+              std::memcpy(&xb0, xq2[r] + k0 + kk, 4);
+              std::memcpy(&xb1, xq2[r] + k0 + kk + 4, 4);
+              iacc2[r] = _mm512_dpbusd_epi32(iacc2[r], wlo, _mm512_set1_epi32(xb0));
+              iacc2[r] = _mm512_dpbusd_epi32(iacc2[r], whi, _mm512_set1_epi32(xb1));
+            }
           }
         }
       }
       for (int r = 0; r < R; ++r) {
         facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r]), _mm512_set1_ps(d[r][k0 / kBlock]), facc[r]);
-        facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc2[r]), _mm512_set1_ps(d2[r][k0 / kBlock]), facc[r]);
+        if constexpr (TERMS == 2)
+          facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc2[r]), _mm512_set1_ps(d2[r][k0 / kBlock]), facc[r]);
       }
     }
     __m512 s = load_scales(scales + g * kTile), mn = load_scales(mins + g * kTile);
@@ -232,7 +243,7 @@ inline void tile_kernel(const uint8_t* w, const S* scales, const S* mins, const 
   for (int r = 0; r < R; ++r) store16(acc[r], out + r * out_stride);
 }
 
-template <int BITS, typename S, typename T>
+template <int BITS, int TERMS, typename S, typename T>
 void qlinear_impl(const QuantizedRows& q, const uint8_t* w, const S* scales, const S* mins, int64_t m, int64_t n,
                   int64_t k, int64_t group, T* y) {
   const int64_t tiles = n / kTile, groups = k / group;
@@ -247,10 +258,10 @@ void qlinear_impl(const QuantizedRows& q, const uint8_t* w, const S* scales, con
         for (int64_t r0 = c0; r0 < c1; r0 += kRows) {
           T* out = y + r0 * n + t * kTile;
           switch (std::min<int64_t>(kRows, c1 - r0)) {
-            case 4: tile_kernel<BITS, S, 4>(wt, st, mt, q, r0, k, group, out, n); break;
-            case 3: tile_kernel<BITS, S, 3>(wt, st, mt, q, r0, k, group, out, n); break;
-            case 2: tile_kernel<BITS, S, 2>(wt, st, mt, q, r0, k, group, out, n); break;
-            default: tile_kernel<BITS, S, 1>(wt, st, mt, q, r0, k, group, out, n); break;
+            case 4: tile_kernel<BITS, TERMS, S, 4>(wt, st, mt, q, r0, k, group, out, n); break;
+            case 3: tile_kernel<BITS, TERMS, S, 3>(wt, st, mt, q, r0, k, group, out, n); break;
+            case 2: tile_kernel<BITS, TERMS, S, 2>(wt, st, mt, q, r0, k, group, out, n); break;
+            default: tile_kernel<BITS, TERMS, S, 1>(wt, st, mt, q, r0, k, group, out, n); break;
           }
         }
       }
@@ -258,25 +269,27 @@ void qlinear_impl(const QuantizedRows& q, const uint8_t* w, const S* scales, con
   });
 }
 
-template <int BITS, typename T>
+template <int BITS, int TERMS, typename T>
 void dispatch_scales(const QuantizedRows& q, const at::Tensor& packed, const at::Tensor& scales,
                      const at::Tensor& mins, int64_t m, int64_t n, int64_t k, int64_t group, T* y) {
   const uint8_t* w = packed.data_ptr<uint8_t>();
   if (scales.scalar_type() == at::kFloat) {
-    qlinear_impl<BITS, float, T>(q, w, scales.data_ptr<float>(), mins.data_ptr<float>(), m, n, k, group, y);
+    qlinear_impl<BITS, TERMS, float, T>(q, w, scales.data_ptr<float>(), mins.data_ptr<float>(), m, n, k, group, y);
   } else {
-    qlinear_impl<BITS, uint16_t, T>(q, w, reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
-                                    reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()), m, n, k, group, y);
+    qlinear_impl<BITS, TERMS, uint16_t, T>(q, w, reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                                           reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()), m, n, k,
+                                           group, y);
   }
 }
 
 #endif  // PAGEDLLM_QLINEAR
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
-                   int64_t bits, int64_t group_size) {
+                   int64_t bits, int64_t group_size, int64_t activation_terms) {
 #ifdef PAGEDLLM_QLINEAR
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "qlinear: x must be [M, K] with unit stride along K");
   TORCH_CHECK(bits == 4 || bits == 8, "qlinear: bits must be 4 or 8");
+  TORCH_CHECK(activation_terms == 1 || activation_terms == 2, "qlinear: activation_terms must be 1 or 2");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "qlinear: packed must be contiguous uint8");
   TORCH_CHECK(scales.dim() == 3 && scales.size(2) == kTile && scales.is_contiguous() && mins.is_contiguous() &&
                   scales.sizes() == mins.sizes() && scales.scalar_type() == mins.scalar_type() &&
@@ -293,11 +306,15 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   thread_local QuantizedRows q;
   auto run = [&](auto* xp, auto* yp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
-    quantize_rows<T>(xp, m, k, x.stride(0), group_size, q);
-    if (bits == 4)
-      dispatch_scales<4, T>(q, packed, scales, mins, m, n, k, group_size, yp);
+    quantize_rows<T>(xp, m, k, x.stride(0), group_size, static_cast<int>(activation_terms), q);
+    if (bits == 4 && activation_terms == 2)
+      dispatch_scales<4, 2, T>(q, packed, scales, mins, m, n, k, group_size, yp);
+    else if (bits == 4)
+      dispatch_scales<4, 1, T>(q, packed, scales, mins, m, n, k, group_size, yp);
+    else if (activation_terms == 2)
+      dispatch_scales<8, 2, T>(q, packed, scales, mins, m, n, k, group_size, yp);
     else
-      dispatch_scales<8, T>(q, packed, scales, mins, m, n, k, group_size, yp);
+      dispatch_scales<8, 1, T>(q, packed, scales, mins, m, n, k, group_size, yp);
   };
   switch (x.scalar_type()) {
     case at::kFloat: run(x.data_ptr<float>(), y.data_ptr<float>()); break;
@@ -315,7 +332,8 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 
 TORCH_LIBRARY(pagedllm_cpu_qlinear, m) {
   m.def("qlinear_supports() -> bool", &qlinear_supports);
-  m.def("qlinear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int bits, int group_size) -> Tensor");
+  m.def("qlinear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int bits, int group_size, "
+        "int activation_terms) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu_qlinear, CPU, m) {

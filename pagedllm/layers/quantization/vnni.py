@@ -11,7 +11,8 @@ the packed bytes.
 The kernel quantizes each activation row in blocks of 32 into two int8 terms, x^ = d * xq + d2 * xq2
 (d = the block's absmax / 127, xq = round(x / d); xq2 the same for the remainder x - d * xq, so d2 <= d /
 254: about 15 bits against the block's absmax; one int8 term alone, as llama.cpp's Q8_0, cost the real
-SmolLM2-135M 1.5% of its teacher-forced top-1 tokens against fp32), and multiplies in integers. Its
+SmolLM2-135M 1.5% of its teacher-forced top-1 tokens against fp32, but does half the integer products:
+PAGEDLLM_QUANT_ACTIVATION_TERMS=1 chooses it, then d2 = 0 below), and multiplies in integers. Its
 error bound per output y = sum_k w_k x_k, the same for every format since the weights are exact (fp32
 scales and mins, or fp16 where every value is exactly one):
 - against x^ times the weight (dequantize, then an exact matmul): the fp32 steps, at most K / 8 + 4
@@ -59,6 +60,16 @@ def kernel_enabled(dtype: torch.dtype | None = None) -> bool:
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"PAGEDLLM_QUANT_KERNEL must be one of {list(KERNEL_CHOICES)}, got {choice!r}.")
     return choice != "torch" and _kernel_built()
+
+
+def activation_terms() -> int:
+    """How many int8 terms each block of 32 activations is quantized into (PAGEDLLM_QUANT_ACTIVATION_TERMS):
+    2 (default, about 15 bits: as faithful as bf16 activations) or 1 (llama.cpp's Q8_0: half the integer
+    products, so faster batches and prefill, and about 8 bits)."""
+    terms = str(envs.value("PAGEDLLM_QUANT_ACTIVATION_TERMS")).strip()
+    if terms not in ("1", "2"):
+        raise ValueError(f"PAGEDLLM_QUANT_ACTIVATION_TERMS must be 1 or 2, got {terms!r}.")
+    return int(terms)
 
 
 def kernel_supports(out_features: int, in_features: int, group_size: int, bits: int) -> bool:
@@ -121,6 +132,7 @@ class VnniWeight(QuantizedWeight):
         self.mins = nn.Parameter(mins, requires_grad=False)
         self.bits = bits
         self.in_features = in_features
+        self.activation_terms = activation_terms()  # read once: every call of a model computes rows alike
 
     @classmethod
     def from_logical(cls, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
@@ -175,7 +187,7 @@ class VnniWeight(QuantizedWeight):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         y = torch.ops.pagedllm_cpu_qlinear.qlinear(x2, self.qweight, self.scales, self.mins, self.bits,
-                                                   self.group_size)
+                                                   self.group_size, self.activation_terms)
         if bias is not None:
             y.add_(bias)
         return y.view(*x.shape[:-1], n)
