@@ -171,6 +171,7 @@ def test_quantized_linears_take_the_kernel_their_table_selects(tiny_llama_dir: s
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """int4 (and int8) linears: pagedllm's VNNI kernel or torch's, per method and group size, by the same
     measured table; PAGEDLLM_QUANT_KERNEL forces one. Where the VNNI kernel does not run there is no choice."""
+    from pagedllm.benchmarks.reporting import cpu_kernel_summary, format_cpu_kernels
     from pagedllm.layers.quantization.int4 import Int4Weight
     from pagedllm.layers.quantization.vnni import VnniWeight, kernel_enabled
 
@@ -198,6 +199,9 @@ def test_quantized_linears_take_the_kernel_their_table_selects(tiny_llama_dir: s
         assert choices[0].path == fastest
         assert isinstance(llm.llm_engine.model_runner.model.layers[0].mlp.down_proj.weight, weight_class)
         assert len(llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids) == 4
+        summary = cpu_kernel_summary(llm)  # what the benchmarks print
+        assert summary["quantized_linear_kernels"] == [choices[0].describe()]
+        assert f"quantized linear kernel: int4-g32 linears: {fastest}" in format_cpu_kernels(summary)
     monkeypatch.setenv("PAGEDLLM_QUANT_KERNEL", "torch")  # forced: built in torch's layout, no choice made
     llm, choices = load()
     assert choices == [] and isinstance(llm.llm_engine.model_runner.model.layers[0].mlp.down_proj.weight, Int4Weight)
