@@ -46,6 +46,12 @@ ENV_VARS: dict[str, EnvVar] = {var.name: var for var in [
     EnvVar("PAGEDLLM_CPU_TUNE", bool, True,
            "time the CPU linear kernels on a model's shapes at its first start (at most 8 s, cached beside "
            "the compiled kernels); 0 takes the static default (the blocked kernel where it runs) untimed"),
+    EnvVar("PAGEDLLM_QUANT_KERNEL", str, "auto",
+           "int4 / int8 weight-only linears on CPU: auto (pagedllm's VNNI kernel where the CPU has AVX512-VNNI, "
+           "else torch's), pagedllm, or torch (torch's _weight_int4pack_mm / _weight_int8pack_mm paths)"),
+    EnvVar("PAGEDLLM_QUANT_ACTIVATION_TERMS", str, "2",
+           "pagedllm's VNNI kernel: int8 terms per block of 32 activations, 2 (about 15 bits, as faithful as "
+           "bf16) or 1 (llama.cpp's Q8_0: about 8 bits, half the integer products, faster batches and prefill)"),
     EnvVar("PAGEDLLM_CPU_HUGE_PAGES", bool, True, "advise 2 MiB transparent huge pages for packed CPU weights"),
     EnvVar("PAGEDLLM_CPU_MALLOC_TUNING", bool, True,
            "keep freed memory in glibc's heap (no fresh mmap per large activation)"),

@@ -14,7 +14,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from gguf_models import write_gguf
-from test_int4 import _blocks, _oracle
+from test_int4 import _oracle
+from test_vnni_kernel import _gguf_blocks
 from tiny_models import build_model
 
 from pagedllm import LLM, SamplingParams
@@ -27,7 +28,7 @@ PROMPTS = [[5, 17, 30, 41, 2, 9], [100, 200, 300], list(range(40, 75))]
 @pytest.mark.parametrize("kind", sorted(PACKED_TYPES))
 def test_lookup_equals_llama_cpp_dequantization_bit_for_bit(kind: str) -> None:
     n, k = 40, 256
-    data = _blocks(kind, n, k)
+    data = _gguf_blocks(kind, n, k, seed=0)
     rows = GGUFRows(torch.from_numpy(np.ascontiguousarray(data)), kind, k)
     ids = torch.tensor([3, 0, 39, 3, 17])
     got = rows(ids)

@@ -2,7 +2,11 @@
 (`gguf.quants.dequantize`) is the oracle for the repacking and the kernel, the dequantized engine for the
 tokens.
 
-The kernel's error bound, the same for the three types: it multiplies by the scale s and the zero
+Unit tests of torch's int4 kernel (PAGEDLLM_QUANT_KERNEL=torch: the path where the CPU lacks AVX512-VNNI)
+pin it; the engine tests run whichever kernel this CPU gets (pagedllm's VNNI kernel has its own bounds,
+tests/test_vnni_kernel.py).
+
+torch's kernel's error bound, the same for the three types: it multiplies by the scale s and the zero
 z = offset + 8 s each rounded once to bf16 (unit roundoff 2**-8), so a weight is off by at most
 2**-8 * (|q - 8| |s| + |z|), and its bf16 output adds 2**-8 of its magnitude; fp32 sums add far less.
 So |y - x @ W^T| <= 2**-8 * (|x| @ B^T + |x @ W^T|) (times 1.01), with B = |q - 8| |s| + |z|. For Q4_0 z is
@@ -22,9 +26,16 @@ from tiny_models import build_model
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.quantization.int4 import Int4Weight, Int4WeightOnlyMethod, pack_int4, unpack_int4
+from pagedllm.layers.quantization.vnni import VnniWeight
 from pagedllm.models.gguf import INT4_TYPES, PACKED_TYPES, PackedParts
 
 BF16_UNIT_ROUNDOFF = 2.0 ** -8
+INT4_WEIGHTS = (Int4Weight, VnniWeight)  # torch's layout, or pagedllm's VNNI kernel's
+
+
+@pytest.fixture
+def torch_kernel(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_QUANT_KERNEL", "torch")
 
 
 def _blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -51,7 +62,7 @@ def test_gguf_blocks_are_relaid_losslessly(kind):
 
 @pytest.mark.parametrize("kind", INT4_TYPES)
 @pytest.mark.parametrize("m", [1, 3, 16, 64])  # decode batches and a prefill chunk
-def test_kernel_matches_llama_cpp_dequantization_within_the_stated_bound(kind, m):
+def test_kernel_matches_llama_cpp_dequantization_within_the_stated_bound(kind, m, torch_kernel):
     n, k = 96, 512
     data = _blocks(kind, n, k, seed=m)
     parts = PACKED_TYPES[kind](data, (n, k))
@@ -71,7 +82,7 @@ def test_kernel_matches_llama_cpp_dequantization_within_the_stated_bound(kind, m
     assert torch.equal(weight.method.apply(x[-1:], weight, bias)[0], weight.method.apply(x, weight, bias)[-1])
 
 
-def test_pack_unpack_and_narrow_keep_whole_groups():
+def test_pack_unpack_and_narrow_keep_whole_groups(torch_kernel):
     torch.manual_seed(0)
     q = torch.randint(0, 16, (64, 256), dtype=torch.uint8)
     assert torch.equal(unpack_int4(pack_int4(q), 64, 256), q)
@@ -88,7 +99,7 @@ def test_pack_unpack_and_narrow_keep_whole_groups():
         weight.narrow(1, 32, 128)
 
 
-def test_quantize_is_within_half_a_step_and_refuses_shapes_the_kernel_cannot_take():
+def test_quantize_is_within_half_a_step_and_refuses_shapes_the_kernel_cannot_take(torch_kernel):
     method = Int4WeightOnlyMethod(group_size=32)
     w = torch.randn(32, 128)
     weight = method.quantize(w, torch.bfloat16)
@@ -102,7 +113,7 @@ def test_quantize_is_within_half_a_step_and_refuses_shapes_the_kernel_cannot_tak
         method.quantize(torch.randn(32, 48), torch.bfloat16)
 
 
-def test_fused_parts_concatenate_before_packing():
+def test_fused_parts_concatenate_before_packing(torch_kernel):
     data = [_blocks("Q4_1", 32, 256, seed=s) for s in range(3)]
     parts = PackedParts.cat([PACKED_TYPES["Q4_1"](d, (32, 256)) for d in data])
     weight = parts.build(torch.bfloat16, {})
@@ -160,8 +171,8 @@ def test_packed_engine_is_as_faithful_as_the_dequantized_engine(llama256, tmp_pa
     path = write_gguf(llama256, str(tmp_path / f"tiny-{kind}.gguf"), kind)
     packed = LLM(model=path, dtype="bfloat16")
     layer = packed.llm_engine.model_runner.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj.weight, Int4Weight)
-    assert isinstance(layer.mlp.down_proj.weight, Int4Weight)
+    assert isinstance(layer.self_attn.qkv_proj.weight, INT4_WEIGHTS)
+    assert isinstance(layer.mlp.down_proj.weight, INT4_WEIGHTS)
     monkeypatch.setenv("PAGEDLLM_GGUF_DEQUANTIZE", "1")
     reference = LLM(model=path, dtype="float32")
     tokenizer = reference.get_tokenizer()
@@ -212,7 +223,7 @@ def _w4a16_compress(weight: torch.Tensor, symmetric: bool, group_size: int) -> d
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_w4a16_reads_as_the_compressed_tensors_library_decompresses(symmetric):
+def test_w4a16_reads_as_the_compressed_tensors_library_decompresses(symmetric, torch_kernel):
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 
     from pagedllm.layers.quantization.compressed_tensors import read_int4
@@ -267,7 +278,7 @@ def test_w4a16_checkpoint_loads_packed_and_is_as_faithful_as_its_dequantized_cop
     (quantized_dir / "config.json").write_text(json.dumps(config))
 
     packed_llm = LLM(model=str(quantized_dir), dtype="bfloat16")
-    assert isinstance(packed_llm.llm_engine.model_runner.model.layers[0].self_attn.qkv_proj.weight, Int4Weight)
+    assert isinstance(packed_llm.llm_engine.model_runner.model.layers[0].self_attn.qkv_proj.weight, INT4_WEIGHTS)
     reference = LLM(model=str(dequantized_dir), dtype="float32")
     tokenizer = reference.get_tokenizer()
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -297,7 +308,7 @@ def test_quantize_command_writes_w4a16_the_library_reads(llama256, tmp_path):
     original, written = load_file(f"{llama256}/model.safetensors"), load_file(str(out / "model.safetensors"))
     llm = LLM(model=str(out), dtype="bfloat16")
     down = llm.llm_engine.model_runner.model.layers[0].mlp.down_proj.weight
-    assert isinstance(down, Int4Weight) and down.group_size == 128
+    assert isinstance(down, INT4_WEIGHTS) and down.group_size == 128
     prefix = "model.layers.0.mlp.down_proj"
     tensors = {key.removeprefix(prefix + "."): value for key, value in written.items() if key.startswith(prefix + ".")}
     want = PackedQuantizationCompressor.decompress(tensors, _w4a16_scheme(False, 128))["weight"].float()

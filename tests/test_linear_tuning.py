@@ -165,3 +165,43 @@ def test_a_disturbed_measurement_is_used_once_and_not_cached(tuning: Path, monke
     assert "disturbed by other work" in choice.source and choice.bucket_ms
     assert load_table(table_path(table_key()), table_key()) == {}
     assert linear_tuning.implausible_buckets({"1": 1.0, "2-4": 0.6, "5-16": 0.2}) == ["2-4"]
+
+
+def test_quantized_linears_take_the_kernel_their_table_selects(tiny_llama_dir: str, tuning: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """int4 (and int8) linears: pagedllm's VNNI kernel or torch's, per method and group size, by the same
+    measured table; PAGEDLLM_QUANT_KERNEL forces one. Where the VNNI kernel does not run there is no choice."""
+    from pagedllm.benchmarks.reporting import cpu_kernel_summary, format_cpu_kernels
+    from pagedllm.layers.quantization.int4 import Int4Weight
+    from pagedllm.layers.quantization.vnni import VnniWeight, kernel_enabled
+
+    if not kernel_enabled(torch.bfloat16):
+        pytest.skip("no AVX512-VNNI (or kernels not built)")
+
+    def load() -> tuple[LLM, list]:
+        llm = LLM(model=tiny_llama_dir, dtype="bfloat16", quantization="int4", quantization_group_size=32,
+                  max_model_len=128)
+        return llm, llm.llm_engine.model_runner.model.quant_kernel_choices
+
+    llm, choices = load()  # measured (tiny shapes: the table's form, not its times)
+    assert [c.dtype for c in choices] == ["int4-g32"] and choices[0].bucket_ms
+    path, key = table_path(table_key()), table_key()
+    table = load_table(path, key)
+    int4_cells = [name for name in table if name.startswith("int4-g32:")]
+    assert int4_cells and all(set(table[name]) == {"pagedllm", "torch"} for name in int4_cells)
+    prompt = [{"prompt_token_ids": [1, 5, 9, 14, 3]}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for fastest, weight_class in (("torch", Int4Weight), ("pagedllm", VnniWeight)):
+        for name in int4_cells:
+            table[name] = {p: {b: (1.0 if p == fastest else 2.0) * 1e-3 for b in BUCKETS} for p in table[name]}
+        linear_tuning.save_table(path, key, table)
+        llm, choices = load()
+        assert choices[0].path == fastest
+        assert isinstance(llm.llm_engine.model_runner.model.layers[0].mlp.down_proj.weight, weight_class)
+        assert len(llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids) == 4
+        summary = cpu_kernel_summary(llm)  # what the benchmarks print
+        assert summary["quantized_linear_kernels"] == [choices[0].describe()]
+        assert f"quantized linear kernel: int4-g32 linears: {fastest}" in format_cpu_kernels(summary)
+    monkeypatch.setenv("PAGEDLLM_QUANT_KERNEL", "torch")  # forced: built in torch's layout, no choice made
+    llm, choices = load()
+    assert choices == [] and isinstance(llm.llm_engine.model_runner.model.layers[0].mlp.down_proj.weight, Int4Weight)

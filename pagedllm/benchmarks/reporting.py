@@ -63,15 +63,20 @@ def cpu_kernel_summary(llm: Any) -> dict[str, Any]:
     from pagedllm.openmp import wait_policy
 
     runner = getattr(llm.llm_engine, "model_runner", None)  # AttributeError: in worker processes
-    choice = getattr(getattr(runner, "model", None), "linear_kernel_choice", None)
+    model = getattr(runner, "model", None)
+    choice = getattr(model, "linear_kernel_choice", None)
+    quant_choices = getattr(model, "quant_kernel_choices", None) or []  # weight-only int4 / int8 linears
     return {"wait_policy": wait_policy(),
             "linear_kernels": choice.describe() if choice is not None else None,
             "linear_kernel": choice.path if choice is not None else None,
-            "linear_kernel_bucket_ms": choice.bucket_ms if choice is not None else None}
+            "linear_kernel_bucket_ms": choice.bucket_ms if choice is not None else None,
+            "quantized_linear_kernels": [c.describe() for c in quant_choices]}
 
 
 def format_cpu_kernels(summary: dict[str, Any]) -> str:
     lines = [f"idle torch threads: {summary['wait_policy']}"]
     if summary["linear_kernels"] is not None:
         lines.append(f"linear kernel: {summary['linear_kernels']}")
+    for quantized in summary.get("quantized_linear_kernels") or []:
+        lines.append(f"quantized linear kernel: {quantized}")
     return "\n".join(lines)

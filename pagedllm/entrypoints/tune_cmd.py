@@ -38,7 +38,10 @@ def run(args: argparse.Namespace) -> int:
         os.remove(path)  # measured again, for every model that starts with this key from now on
     engine_args = EngineArgs.from_cli_args(argparse.Namespace(**{**vars(args), "model": model}))
     llm = LLM(**vars(engine_args))
-    choice = getattr(llm.llm_engine.model_runner.model, "linear_kernel_choice", None)
+    model = llm.llm_engine.model_runner.model
+    choice = getattr(model, "linear_kernel_choice", None)
     print(choice.describe() if choice is not None else "no full-precision CPU linears to tune (quantized, or not "
                                                        "on the CPU)")
+    for quant_choice in getattr(model, "quant_kernel_choices", []):  # weight-only int4 / int8 linears
+        print(quant_choice.describe())
     return 0

@@ -20,6 +20,10 @@ candidate only for a model whose numerics never reach the outputs (a speculative
 
 PAGEDLLM_CPU_PREPACK_WEIGHTS=blocked|onednn|0 forces a path; PAGEDLLM_CPU_TUNE=0 skips the measurement
 (and any table) and takes the static default, the blocked kernel where it runs, else oneDNN.
+
+Weight-only quantized linears (int4, int8) are chosen the same way, per method and group size, between
+pagedllm's VNNI kernel and torch's own (choose_quant_kernel, the same table under "int4-g128:NxK" keys);
+PAGEDLLM_QUANT_KERNEL=pagedllm|torch forces one, and the static default is pagedllm's where it runs.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ from pagedllm import envs
 logger = logging.getLogger(__name__)
 
 PATHS = ("blocked", "onednn", "plain")
-PATH_NAMES = {"blocked": "pagedllm's blocked kernel", "onednn": "oneDNN prepacked", "plain": "F.linear"}
+QUANT_PATHS = ("pagedllm", "torch")
+PATH_NAMES = {"blocked": "pagedllm's blocked kernel", "onednn": "oneDNN prepacked", "plain": "F.linear",
+              "pagedllm": "pagedllm's VNNI kernel", "torch": "torch's kernel"}
 # row-count bucket -> the row count it is timed at
 BUCKETS = {"1": 1, "2-4": 4, "5-16": 16, "17-64": 64, "prefill": 256}
 BUCKET_WEIGHTS = {"1": 4.0, "2-4": 1.0, "5-16": 2.0, "17-64": 1.0, "prefill": 1.0}
@@ -58,7 +64,7 @@ class LinearKernelChoice:
     """The path that serves one dtype's linears, why, and (when measured) each path's time per bucket:
     milliseconds for one pass through all the model's linears at the bucket's row count."""
 
-    dtype: torch.dtype
+    dtype: torch.dtype | str  # a quantized choice names its method and group size ("int4-g128")
     path: str
     source: str
     bucket_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # bucket -> path -> ms
@@ -148,7 +154,7 @@ def save_table(path: str, key: dict[str, object], shapes: dict[str, dict[str, di
     os.replace(tmp, path)  # whole or not at all, for a process that reads it meanwhile
 
 
-def shape_key(dtype: torch.dtype, shape: Shape) -> str:
+def shape_key(dtype: torch.dtype | str, shape: Shape) -> str:
     return f"{str(dtype).removeprefix('torch.')}:{shape[0]}x{shape[1]}"
 
 
@@ -176,26 +182,32 @@ def _time(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
 
 def measure(dtype: torch.dtype, shapes: Iterable[Shape], paths: list[str],
             known: dict[str, dict[str, dict[str, float]]] | None = None, budget_s: float | None = None,
-            progress: bool = True) -> dict[str, dict[str, dict[str, float]]]:
+            progress: bool = True, label: str | None = None,
+            factory: Callable[[str, torch.Tensor], Callable[[torch.Tensor], torch.Tensor]] | None = None
+            ) -> dict[str, dict[str, dict[str, float]]]:
     """`known` (shape key -> path -> bucket -> seconds per call) with the cells it lacks for these shapes
-    and paths measured, as many as fit in budget_s; a later call goes on where this one stopped."""
+    and paths measured, as many as fit in budget_s; a later call goes on where this one stopped.
+    `label` (default: the dtype) names the cells; `factory(path, weight)` (default: the full-precision
+    paths) makes the matmul of a path from a `dtype` weight."""
+    key_name: torch.dtype | str = label or dtype
+    factory = factory or _matmul
     from tqdm import tqdm
 
     table = {name: {path: dict(cells) for path, cells in paths_.items()} for name, paths_ in (known or {}).items()}
     todo = [(shape, path) for shape in shapes for path in paths
-            if len(table.get(shape_key(dtype, shape), {}).get(path, {})) < len(BUCKETS)]
+            if len(table.get(shape_key(key_name, shape), {}).get(path, {})) < len(BUCKETS)]
     budget_s = TUNE_BUDGET_S if budget_s is None else budget_s
     deadline = time.perf_counter() + budget_s
     generator = torch.Generator().manual_seed(0)
-    dtype_name = str(dtype).removeprefix("torch.")
+    dtype_name = str(key_name).removeprefix("torch.")
     bar = tqdm(total=len(todo) * len(BUCKETS), disable=not progress, file=sys.stderr, leave=False,
                desc=f"Timing linear kernels ({dtype_name}, {torch.get_num_threads()} threads, at most "
                     f"{budget_s:.0f} s)")
     with torch.inference_mode(), bar:
         for shape, path in todo:
-            cells = table.setdefault(shape_key(dtype, shape), {}).setdefault(path, {})
+            cells = table.setdefault(shape_key(key_name, shape), {}).setdefault(path, {})
             weight = (torch.randn(shape, generator=generator) * 0.02).to(dtype)
-            matmul = _matmul(path, weight)
+            matmul = factory(path, weight)
             inputs = {bucket: torch.randn(rows, shape[1], generator=generator).to(dtype)
                       for bucket, rows in BUCKETS.items()}
             for bucket in BUCKETS:
@@ -222,7 +234,7 @@ def implausible_buckets(cells: dict[str, float]) -> list[str]:
     return [small for small, large in zip(names, names[1:]) if cells[small] > 2.0 * cells[large]]
 
 
-def _bucket_ms(table: dict[str, dict[str, dict[str, float]]], dtype: torch.dtype,
+def _bucket_ms(table: dict[str, dict[str, dict[str, float]]], dtype: torch.dtype | str,
                shape_counts: collections.Counter[Shape], paths: list[str]) -> dict[str, dict[str, float]]:
     """bucket -> path -> ms for one pass through every linear of the model, for the buckets where every
     shape was measured on every path."""
@@ -303,3 +315,43 @@ def choose_linear_kernel(shapes: Iterable[Shape], dtype: torch.dtype, batch_inva
     if chosen is None:
         return LinearKernelChoice(dtype, _static_default(candidates), "not measured: the time budget ran out")
     return LinearKernelChoice(dtype, chosen, source, bucket_ms)
+
+
+def choose_quant_kernel(label: str, shapes: Iterable[Shape], dtype: torch.dtype, paths: list[str],
+                        factory: Callable[[str, torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
+                        ) -> LinearKernelChoice:
+    """The kernel for a model's weight-only quantized linears of one method and group size (`label`,
+    e.g. "int4-g128"; their (out, in) shapes, one per layer) among `paths` (QUANT_PATHS this CPU runs for
+    them), for activations in `dtype`: forced by PAGEDLLM_QUANT_KERNEL, else measured and cached like the
+    full-precision paths (factory(path, weight) quantizes a `dtype` weight for a path and returns its
+    matmul), else pagedllm's where it runs. Each path computes a row the same way at every row count
+    (pagedllm's; torch's int4), so one path serves every bucket."""
+    forced = str(envs.value("PAGEDLLM_QUANT_KERNEL")).strip().lower()
+    if forced in QUANT_PATHS:
+        if forced in paths:
+            return LinearKernelChoice(label, forced, f"PAGEDLLM_QUANT_KERNEL={forced}")
+        return LinearKernelChoice(label, paths[0], f"PAGEDLLM_QUANT_KERNEL={forced} cannot run here")
+    if not envs.value("PAGEDLLM_CPU_TUNE") or len(paths) == 1:
+        why = "not measured: PAGEDLLM_CPU_TUNE=0" if len(paths) > 1 else "the only candidate"
+        return LinearKernelChoice(label, paths[0], why)
+    shape_counts = collections.Counter(shapes)
+    key = table_key()
+    path = table_path(key)
+    table = load_table(path, key)
+    source = f"measured on this CPU, cached in {path}"
+    if not all(len(table.get(shape_key(label, shape), {}).get(p, {})) == len(BUCKETS)
+               for shape in shape_counts for p in paths):
+        start = time.perf_counter()
+        table = measure(dtype, shape_counts, paths, known=table, label=label, factory=factory)
+        source = f"measured on this CPU in {time.perf_counter() - start:.1f} s, cached in {path}"
+        disturbed = {name for name, by_path in table.items() for cells in by_path.values()
+                     if implausible_buckets(cells)}
+        try:
+            save_table(path, key, {name: by_path for name, by_path in table.items() if name not in disturbed})
+        except OSError as error:
+            logger.warning("Could not cache the linear kernel table in %s (%s)", path, error)
+    bucket_ms = _bucket_ms(table, label, shape_counts, paths)
+    chosen = _pick(bucket_ms, paths)
+    if chosen is None:
+        return LinearKernelChoice(label, paths[0], "not measured: the time budget ran out")
+    return LinearKernelChoice(label, chosen, source, bucket_ms)

@@ -5,10 +5,12 @@ tokenizer are built from its metadata by transformers (`from_pretrained(dir, ggu
 does. The model then loads through the same `load_weights(get_slice, names)` as a safetensors checkpoint:
 `get_slice` answers Hugging Face names from the file's tensors (gguf's own name map), with llama.cpp's
 permutation of the Llama q/k rows undone. F32/F16/BF16 tensors load as they are; a block type with a
-packed weight kernel stays packed (Q8_0: int8 with one scale per 32 weights; in bf16 models, Q4_0, Q4_1
-and Q4_K: int4 with a scale and an offset per 32 weights, layers/quantization/int4.py); every other block
-type (Q5_K, Q6_K, ...), and every one under PAGEDLLM_GGUF_DEQUANTIZE=1, is dequantized into the model
-dtype on load.
+packed weight kernel stays packed: Q8_0 (int8 with one scale per 32 weights), Q4_0, Q4_1 and Q4_K (int4
+with a scale and an offset per 32 weights, layers/quantization/int4.py; with torch's int4 kernel, in bf16
+models only), and, where pagedllm's VNNI kernel runs (layers/quantization/vnni.py), Q5_0, Q5_1, Q5_K and
+Q6_K as 8-bit integers with a scale and an offset per 32 (Q6_K: 16) weights, so a Q4_K_M file stays packed
+whole. Every other block type, and every one under PAGEDLLM_GGUF_DEQUANTIZE=1, is dequantized into the
+model dtype on load.
 """
 
 from __future__ import annotations
@@ -290,24 +292,38 @@ def _field(reader, key: str) -> Any:
 
 
 class PackedParts(QuantizedParts):
-    """A block-quantized weight, losslessly re-laid: `q` [N, K] integers, and per group of 32 weights a
-    `scale` (fp16 for Q8_0; fp32 for int4: products of fp16 and 6-bit scales) and (int4) an `offset`, so
-    that w = q * scale + offset exactly as llama.cpp dequantizes it."""
+    """A block-quantized weight, losslessly re-laid: `q` [N, K] integers, and per group of weights (32, or 16
+    for Q6_K) a `scale` and (except Q8_0) an `offset`, so that w = q * scale + offset exactly as llama.cpp
+    dequantizes it. kind: "int8" (Q8_0: signed q, fp16 scales), "int4" (q 0..15) or "uint8" (Q5_*, Q6_K:
+    q 0..63, which only pagedllm's VNNI kernel reads packed)."""
 
     def build(self, dtype: torch.dtype, methods: dict[str, Any]):  # type: ignore[override]
         """The QuantizedWeight; weights of one kind share one method (it owns the model's scratch buffers)."""
-        if self.kind == "int8":
-            from pagedllm.layers.quantization.int8 import Int8WeightOnlyMethod
-
-            return super().build(methods.setdefault("int8-g32", Int8WeightOnlyMethod(group_size=32)), dtype)
+        from pagedllm.layers.quantization import QuantizedWeight
         from pagedllm.layers.quantization.int4 import Int4WeightOnlyMethod
+        from pagedllm.layers.quantization.int8 import Int8WeightOnlyMethod
+        from pagedllm.layers.quantization.vnni import VnniWeight, kernel_enabled
 
-        return super().build(methods.setdefault("int4-g32", Int4WeightOnlyMethod(group_size=32)), dtype)
+        group = self.q.shape[1] // self.scale.shape[1]
+        if self.kind == "int4":
+            assert self.offset is not None
+            return methods.setdefault(f"int4-g{group}", Int4WeightOnlyMethod(group_size=group)).create(
+                self.q, self.scale, self.offset, dtype)
+        method = methods.setdefault(f"int8-g{group}", Int8WeightOnlyMethod(group_size=group))
+        if self.kind == "uint8":
+            assert self.offset is not None
+            return VnniWeight.from_logical(self.q, self.scale, self.offset, 8, method)
+        if kernel_enabled(dtype):  # the fp16 scales kept exact (the int8 weight would round them to `dtype`)
+            scale = self.scale.to(torch.float32)
+            return VnniWeight.from_logical((self.q.to(torch.int16) + 128).to(torch.uint8), scale, -128 * scale,
+                                           8, method)
+        return QuantizedWeight(self.q, self.scale.to(dtype), method)
 
 
 PackedReader = Callable[[np.ndarray, tuple[int, int]], PackedParts]
 PACKED_TYPES: dict[str, PackedReader] = {}
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+VNNI_ONLY_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")  # kept packed only where pagedllm's VNNI kernel runs
 
 
 def _blocks(data: np.ndarray, n: int, num_blocks: int, block_bytes: int) -> np.ndarray:
@@ -358,11 +374,7 @@ def _read_q4_k(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
     n, k = shape
     blocks = _blocks(data, n, k // 256, 144)
     d, dmin = _fp16(blocks[:, :, 0:2]), _fp16(blocks[:, :, 2:4])
-    packed = blocks[:, :, 4:16].astype(np.uint8)
-    low, high = packed[..., 0:4], packed[..., 4:8]  # groups 0-3: 6 bits each; 4-7 split across bytes
-    last = packed[..., 8:12]
-    sc = np.concatenate([low & 63, (last & 0x0F) | ((low >> 6) << 4)], axis=-1)
-    mins = np.concatenate([high & 63, (last >> 4) | ((high >> 6) << 4)], axis=-1)
+    sc, mins = _k_scales(blocks[:, :, 4:16].astype(np.uint8))  # groups 0-3: 6 bits each; 4-7 split
     qs = blocks[:, :, 16:].reshape(n, k // 256, 4, 32)
     q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k)  # per 64: 32 low nibbles, then 32 high
     scale = (d[..., None] * sc).reshape(n, k // 32)
@@ -371,14 +383,86 @@ def _read_q4_k(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
                        torch.from_numpy(offset.astype(np.float32)))
 
 
-PACKED_TYPES.update(Q8_0=_read_q8_0, Q4_0=_read_q4_0, Q4_1=_read_q4_1, Q4_K=_read_q4_k)
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 bytes of 6-bit scales and mins of Q4_K / Q5_K super-blocks -> (scales, mins), each [..., 8]."""
+    low, high, last = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([low & 63, (last & 0x0F) | ((low >> 6) << 4)], axis=-1)
+    mins = np.concatenate([high & 63, (last >> 4) | ((high >> 6) << 4)], axis=-1)
+    return sc, mins
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1: the 4 bytes of high bits (a little-endian uint32, bit j for weight j) -> [..., 32] of 0/16."""
+    bits = np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")
+    return bits.astype(np.uint8) << 4
+
+
+def _read_q5_0(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
+    """Q5_0 blocks (fp16 d, 4 bytes of fifth bits, 16 bytes of nibbles): w = (q - 16) * d, q 0..31."""
+    n, k = shape
+    blocks = _blocks(data, n, k // 32, 22)
+    d = _fp16(blocks[:, :, 0:2])
+    q = (_nibbles_of_32(blocks[:, :, 6:]) | _fifth_bits(blocks[:, :, 2:6])).reshape(n, k)
+    return PackedParts("uint8", torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(-16 * d))
+
+
+def _read_q5_1(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
+    """Q5_1 blocks (fp16 d and m, 4 bytes of fifth bits, 16 bytes of nibbles): w = q * d + m, q 0..31."""
+    n, k = shape
+    blocks = _blocks(data, n, k // 32, 24)
+    d, m = _fp16(blocks[:, :, 0:2]), _fp16(blocks[:, :, 2:4])
+    q = (_nibbles_of_32(blocks[:, :, 8:]) | _fifth_bits(blocks[:, :, 4:8])).reshape(n, k)
+    return PackedParts("uint8", torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
+
+
+def _read_q5_k(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
+    """Q5_K super-blocks of 256 (fp16 d and dmin, 12 bytes of 6-bit scales and mins, 32 bytes of fifth
+    bits, 128 bytes of nibbles laid out as Q4_K's): w = q * (d * sc) - dmin * m, q 0..31; byte l of the
+    fifth bits holds, at bits 2j and 2j + 1, weight l of the super-block's groups 2j and 2j + 1."""
+    n, k = shape
+    blocks = _blocks(data, n, k // 256, 176)
+    d, dmin = _fp16(blocks[:, :, 0:2]), _fp16(blocks[:, :, 2:4])
+    sc, mins = _k_scales(blocks[:, :, 4:16].astype(np.uint8))
+    qh = blocks[:, :, 16:48]  # [..., 32]
+    qs = blocks[:, :, 48:].reshape(n, k // 256, 4, 32)
+    low = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k // 256, 8, 32)  # group g = 2 * pair + half
+    high = np.stack([((qh >> g) & 1) << 4 for g in range(8)], axis=2)  # [n, blocks, 8, 32]
+    q = (low | high.astype(np.uint8)).reshape(n, k)
+    scale = (d[..., None] * sc).reshape(n, k // 32)
+    offset = (-(dmin[..., None] * mins)).reshape(n, k // 32)
+    return PackedParts("uint8", torch.from_numpy(q), torch.from_numpy(scale.astype(np.float32)),
+                       torch.from_numpy(offset.astype(np.float32)))
+
+
+def _read_q6_k(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
+    """Q6_K super-blocks of 256 (128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, fp16 d):
+    w = d * sc * (q - 32), q 0..63, one scale per 16 weights. Per half of 128 weights, position l < 32 of
+    its four quarters takes the low nibble of ql[l] or ql[l + 32] (low, then high nibbles) and bit pair
+    0, 1, 2 or 3 of qh[l]. d * sc is exact in fp32 (11- and 8-bit mantissas)."""
+    n, k = shape
+    blocks = _blocks(data, n, k // 256, 210)
+    ql = blocks[:, :, 0:128].reshape(n, k // 256, 2, 2, 32)  # [.., half, ql[l] or ql[l + 32], l]
+    qh = blocks[:, :, 128:192].reshape(n, k // 256, 2, 1, 32)
+    sc = np.ascontiguousarray(blocks[:, :, 192:208]).view(np.int8).astype(np.float32)  # [n, blocks, 16]
+    d = _fp16(blocks[:, :, 208:210])
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=3)  # quarters 0..3: ql[l] lo, ql[l+32] lo, ql[l] hi, ...
+    high = np.concatenate([(qh >> (2 * j)) & 3 for j in range(4)], axis=3) << 4
+    q = (low | high).astype(np.uint8).reshape(n, k)
+    scale = (d[..., None] * sc).reshape(n, k // 16).astype(np.float32)
+    return PackedParts("uint8", torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(-32 * scale))
+
+
+PACKED_TYPES.update(Q8_0=_read_q8_0, Q4_0=_read_q4_0, Q4_1=_read_q4_1, Q4_K=_read_q4_k,
+                    Q5_0=_read_q5_0, Q5_1=_read_q5_1, Q5_K=_read_q5_k, Q6_K=_read_q6_k)
 
 
 def dequantize_parts(parts: QuantizedParts) -> torch.Tensor:
-    """w = q * scale + offset in fp32, per group of 32: the same products and sums as llama.cpp's
-    reference (`gguf.quants.dequantize`), so the same bits."""
+    """w = q * scale + offset in fp32, per group (32 weights, 16 for Q6_K): the same products and sums as
+    llama.cpp's reference (`gguf.quants.dequantize`) for the types whose reference computes them so (Q8_0,
+    Q4_*); Q5_*/Q6_K's reference scales (q - bias) and may differ from this in the last bit."""
     n, k = parts.shape
-    w = parts.q.to(torch.float32).view(n, k // 32, 32) * parts.scale.to(torch.float32).unsqueeze(-1)
+    groups = parts.scale.shape[1]
+    w = parts.q.to(torch.float32).view(n, groups, k // groups) * parts.scale.to(torch.float32).unsqueeze(-1)
     if parts.offset is not None:
         w = w + parts.offset.unsqueeze(-1)
     return w.view(n, k)
@@ -581,6 +665,8 @@ class GGUFCheckpoint:
             raise ValueError(f"GGUF weights {list(srcs)} give this rank shape {shape}, expected {tuple(dst.shape)}.")
         if kind in INT4_TYPES and not self._int4_ok(shape, dst):
             return False
+        if kind in VNNI_ONLY_TYPES and not self._vnni_ok(shape, dst):
+            return False
         parts = []
         for view, name, (start, length) in zip(views, srcs, shard.ranges):
             if shard.dim == 0:
@@ -605,11 +691,22 @@ class GGUFCheckpoint:
         return True
 
     @staticmethod
-    def _int4_ok(shape: tuple[int, int], dst: torch.Tensor) -> bool:
-        """The int4 kernel takes bf16 activations on CPU (an fp32 or fp16 model would lose bits in it),
-        and output sizes in multiples of 16."""
+    def _vnni_ok(shape: tuple[int, int], dst: torch.Tensor) -> bool:
+        """pagedllm's VNNI kernel runs here for the model's dtype and takes the shape (groups of 16 cover
+        Q6_K too)."""
+        from pagedllm.layers.quantization.vnni import kernel_enabled, kernel_supports
+
+        return dst.device.type == "cpu" and kernel_enabled(dst.dtype) and kernel_supports(*shape, 16, 8) \
+            and kernel_supports(*shape, 32, 8)
+
+    @classmethod
+    def _int4_ok(cls, shape: tuple[int, int], dst: torch.Tensor) -> bool:
+        """pagedllm's VNNI kernel takes any float activations; torch's int4 kernel bf16 only (an fp32 or
+        fp16 model would lose bits in it), and output sizes in multiples of 16."""
         from pagedllm.layers.quantization.int4 import int4_supports
 
+        if cls._vnni_ok(shape, dst):
+            return True
         return dst.dtype == torch.bfloat16 and dst.device.type == "cpu" and int4_supports(*shape, 32)
 
     def log_summary(self, dtype: torch.dtype) -> None:

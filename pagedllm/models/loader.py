@@ -31,6 +31,7 @@ from pagedllm.layers.quantization.int4 import (
     int4_supports,
     quantize_groups,
 )
+from pagedllm.layers.quantization.vnni import select_quantized_kernels
 from pagedllm.models.gguf import GGUFCheckpoint, is_gguf_path
 from pagedllm.models.quantized_parts import QuantizedParts, shard_parts
 from pagedllm.models.registry import get_model_class
@@ -157,6 +158,10 @@ def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.dev
         _load_safetensors(model, config, device)
     model = model.to(device).eval()
     prepack_linear_weights(model, device, config.dtype, batch_invariant)
+    if device.type == "cpu":
+        model.quant_kernel_choices = select_quantized_kernels(model, config.dtype)
+        for choice in model.quant_kernel_choices:
+            logger.info("Quantized linear kernel: %s", choice.describe())
     return model
 
 

@@ -74,7 +74,7 @@ class QuantizedParts:
 
         if self.kind == "int4":
             assert self.offset is not None
-            return method.create(self.q, self.scale, self.offset)
+            return method.create(self.q, self.scale, self.offset, dtype=dtype)
         scale = self.scale.to(dtype) if self.kind == "int8" else self.scale
         return QuantizedWeight(self.q.contiguous(), scale.contiguous(), method)
 

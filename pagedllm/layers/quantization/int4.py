@@ -2,20 +2,21 @@
 channels, w = q * scale + offset, q in 0..15 (GGUF Q4_0 / Q4_1 / Q4_K and asymmetric or symmetric
 group quantization all take this form).
 
-The kernel is torch's own CPU int4 GEMM (`_weight_int4pack_mm_for_cpu`, on the layout
-`_convert_weight_to_int4pack_for_cpu` makes: output features in blocks that a matrix-vector product
-streams k by k), which computes (q - 8) * scale + zero per group with fp32 accumulation. Measured beside a
-C++ kernel of ours over row-major nibbles with fp32 scales, it was clearly faster from batch 1 to prefill;
-its fp32-activation variant (fp32 scales, exact for every GGUF block scale) is scalar code, tens of times
-slower, so the kernel runs on bf16 activations and stores `scales_and_zeros` in bf16 (see the error bound
-below). The weights stay 4 bits plus 32 bits of bf16 scale and zero per group: 5 bits a weight at group 32,
-as GGUF Q4_1.
-
-Error against the fp32 reference (q * scale + offset exactly, times x, in fp32): the scale and the zero
-(offset + 8 * scale) are each rounded to bf16 once (relative 2**-9), so each weight is off by at most
-2**-9 * (|q - 8| * |scale| + |zero|), and the bf16 output adds its own rounding (2**-9 relative);
-tests/test_int4.py checks exactly that bound. Models in fp32 or fp16 dequantize 4-bit files on load
-instead (models/gguf.py): their activations would lose bits in this kernel.
+Two kernels, chosen per model after loading (layers/quantization/vnni.py, select_quantized_kernels: by
+the measured kernel table, or PAGEDLLM_QUANT_KERNEL):
+- pagedllm's VNNI kernel (layers/csrc/cpu_quant_linear.cpp), on CPUs with AVX512-VNNI, for bf16 and fp16
+  models: activations quantized to int8 per row in blocks of 32, integer dot products, the scales and
+  offsets kept exact (its bound is in vnni.py). Where it runs, `create` builds that weight (VnniWeight).
+- torch's own CPU int4 GEMM (`_weight_int4pack_mm_for_cpu`, on the layout
+  `_convert_weight_to_int4pack_for_cpu` makes), elsewhere (AVX2-only CPUs) or when the table picks it.
+  It computes (q - 8) * scale + zero per group with fp32 accumulation on bf16 activations (its
+  fp32-activation variant is scalar code, tens of times slower), and stores `scales_and_zeros` in bf16.
+  Error against the fp32 reference (q * scale + offset exactly, times x, in fp32): the scale and the zero
+  (offset + 8 * scale) are each rounded to bf16 once (relative 2**-9), so each weight is off by at most
+  2**-9 * (|q - 8| * |scale| + |zero|), and the bf16 output adds its own rounding (2**-9 relative);
+  tests/test_int4.py checks exactly that bound.
+The weights stay 4 bits plus a scale and an offset per group. fp32 models are the precise reference and
+keep torch's kernels, so they dequantize 4-bit GGUF files on load (models/gguf.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import functools
 import torch
 
 from pagedllm.layers.quantization.base import QuantizationMethod, QuantizedWeight
+from pagedllm.layers.quantization.vnni import VnniWeight, kernel_enabled, kernel_supports
 
 INT4_LEVELS = 16
 INT4_ZERO = 8  # the kernel's q - 8
@@ -133,9 +135,20 @@ class Int4WeightOnlyMethod(QuantizationMethod):
         super().__init__()
         self.group_size = 128 if group_size is None else group_size
 
-    def create(self, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> Int4Weight:
+    def create(self, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+               dtype: torch.dtype = torch.bfloat16) -> Int4Weight | VnniWeight:
         """The weight w = q * scales + offsets per group: q [N, K] integers 0..15, scales and offsets
-        [N, K / G] in fp32 (exact for GGUF's fp16 block scales; rounded to bf16 here, once)."""
+        [N, K / G] in fp32 (exact for GGUF's fp16 block scales), for a model in `dtype`. Where pagedllm's
+        VNNI kernel runs for it, its weight (scales and offsets kept exact); else torch's layout (rounded
+        to bf16 here, once)."""
+        n, k = q.shape
+        groups = scales.shape[1]
+        if kernel_enabled(dtype) and kernel_supports(n, k, k // groups, 4):
+            return VnniWeight.from_logical(q, scales, offsets, 4, self)
+        return self.create_torch_layout(q, scales, offsets)
+
+    def create_torch_layout(self, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> Int4Weight:
+        """create's weight for torch's kernel, whatever the CPU."""
         n, k = q.shape
         groups = scales.shape[1]
         assert k % groups == 0 and int4_supports(n, k, k // groups), (n, k, groups)
@@ -144,13 +157,15 @@ class Int4WeightOnlyMethod(QuantizationMethod):
         scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(KERNEL_DTYPE).contiguous()
         return Int4Weight(pack_int4(q), scales_and_zeros, self, k)
 
-    def quantize(self, weight: torch.Tensor, scale_dtype: torch.dtype) -> Int4Weight:
+    def quantize(self, weight: torch.Tensor, scale_dtype: torch.dtype) -> Int4Weight | VnniWeight:
         """Asymmetric min/max quantization per group of `group_size` input channels (quantize_groups)."""
         q, scales, zero_points = quantize_groups(weight, self.group_size, scale_dtype)
         s = scales.to(torch.float32)
-        return self.create(q, s, -(INT4_ZERO + zero_points.to(torch.float32)) * s)
+        return self.create(q, s, -(INT4_ZERO + zero_points.to(torch.float32)) * s, scale_dtype)
 
     def dequantize(self, weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if isinstance(weight, VnniWeight):
+            return weight.dequantize(dtype)
         assert isinstance(weight, Int4Weight)
         n, k = weight.shape
         q = weight.unpacked().to(torch.float32).view(n, -1, weight.group_size) - INT4_ZERO
@@ -158,6 +173,8 @@ class Int4WeightOnlyMethod(QuantizationMethod):
         return (q * scales.unsqueeze(-1) + zeros.unsqueeze(-1)).view(n, k).to(dtype)
 
     def apply(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, VnniWeight):
+            return weight.apply(x, bias)
         assert isinstance(weight, Int4Weight)
         n, k = weight.shape
         x2 = x.reshape(-1, k)

@@ -1,6 +1,10 @@
 """int8 weight-only quantization (W8A16): symmetric, per output channel or per group of input channels.
 
-Kernels, measured on this project's CPUs (one thread, bf16 activations, the 386M Qwen2's shapes):
+On CPUs with AVX512-VNNI, bf16 and fp16 models run these weights on pagedllm's VNNI kernel unless the
+measured kernel table picks torch's (layers/quantization/vnni.py: repacked after loading as q + 128 with
+min = -128 * scale, losslessly, so the loader, the checkpoint writer and narrow() see the int8 form
+below). torch's kernels, which serve the rest (and fp32 models, the precise reference), measured on this
+project's CPUs (one thread, bf16 activations, the 386M Qwen2's shapes):
 - `torch._weight_int8pack_mm` (int8 weights, per-channel scales, bf16/fp16/fp32 activations) reads half
   the bytes of a bf16 GEMV and ran 2-4.6x faster than bf16 `F.linear` at one token, 0.9-1.3x at 8,
   0.6-0.9x at 16 (still ahead of dequantizing), 0.5-0.6x at 32 and 0.45x at 128: a matrix-vector
@@ -19,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.quantization.base import QuantizationMethod, QuantizedWeight
+from pagedllm.layers.quantization.vnni import VnniWeight
 
 INT8_MAX = 127
 # Up to this many tokens per call the int8 GEMV kernel wins; beyond, dequantize once and use a GEMM.
@@ -59,7 +64,14 @@ class Int8WeightOnlyMethod(QuantizationMethod):
             return False
         return x.dtype == torch.float32 or x.shape[1] % 16 == 0
 
+    def dequantize(self, weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if isinstance(weight, VnniWeight):
+            return weight.dequantize(dtype)
+        return super().dequantize(weight, dtype)
+
     def apply(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, VnniWeight):
+            return weight.apply(x, bias)
         n, k = weight.qweight.shape
         x2 = x.reshape(-1, k)
         if self._int8pack_ok(x2, weight):

@@ -1,0 +1,343 @@
+// y = x W^T for weight-only quantized linears (4-bit and 8-bit integers with a scale and a min per group
+// of input channels: w = q * scale + min), on CPUs with AVX512-VNNI.
+//
+// The activations are quantized too, each row on its own, in blocks of 32 (x ~ d * xq, xq int8, d the
+// block's absmax / 127, as llama.cpp's Q8_0, plus a second int8 term for the remainder: see
+// QuantizedRows), so the inner loop is an integer dot product: VPDPBUSD multiplies the unsigned weight
+// bytes by the signed activation bytes and sums four products into each int32 lane. Per unit of 32 (or 16) input channels the int32 sums are scaled by d into fp32; per group,
+// by the weight's scale, and the min term is min * sum(d * xq) over the group (the row's group sums are
+// computed once per call). 8-bit weights are stored unsigned (q + 128 for signed int8: min = -128 * scale).
+//
+// Layout (packed by the Python side, layers/quantization/vnni.py): output features in tiles of 16; a
+// tile's weights k-major, 4 consecutive k per feature in each 32-bit lane, so one 64-byte vector is 16
+// features x 4 k and one broadcast of 4 activation bytes feeds all 16 features (no horizontal sums):
+//   8-bit: per tile [K / 4][16][4] bytes
+//   4-bit: per tile [K / 8][64] bytes, byte i holding k-quad 2t (low nibble) and 2t + 1 (high) of lane i / 4
+// scales and mins: [N / 16][K / G][16], fp32 or fp16 (fp16 where every value is exact in it).
+//
+// Batch invariance: every row is quantized alone and each output is summed in one fixed order (integer
+// sums are exact; the fp32 steps run per row in the same sequence whether the row is computed alone or in
+// a block of four); threads split the output tiles, never k. Rows are computed four at a time per tile so
+// a batch loads (and unpacks) each weight vector once for four rows.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define PAGEDLLM_QLINEAR 1
+#endif
+
+namespace {
+
+bool qlinear_supports() {
+#ifdef PAGEDLLM_QLINEAR
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef PAGEDLLM_QLINEAR
+
+constexpr int kTile = 16;       // output features per tile (one zmm of fp32 / int32 lanes)
+constexpr int kBlock = 32;      // activation quantization block
+constexpr int kRows = 4;        // rows computed together per tile
+constexpr int kRowChunk = 64;   // rows whose quantized activations stay in L2 while a thread's tiles pass
+
+// Per call: the quantized activations of every row, in one or two int8 terms per block of 32 (a setting
+// of the process, the same for every row), x ~ d * xq + d2 * xq2 (xq2 quantizes what d * xq leaves over,
+// at most d / 2: about 15 bits against the block's absmax, where one int8 term, 8 bits, cost a real 135M
+// model 1.5% of its teacher-forced top-1 tokens; the second term doubles the integer products), the
+// block scales, and the group sums sum(x^) per weight group (xs [M, K / G]).
+struct QuantizedRows {
+  std::vector<int8_t> xq, xq2;
+  std::vector<float> d, d2;
+  std::vector<float> xs;
+};
+
+template <typename T>
+inline __m512 load16(const T* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+template <>
+inline __m512 load16<c10::Half>(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// fp16 scales are stored as raw uint16.
+inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_scales(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// 32 values -> int8 codes at scale absmax / 127 (round to nearest even; |v * inv| <= 127, no saturation).
+struct BlockCodes {
+  __m512i lo, hi;
+  float scale;
+};
+inline BlockCodes quantize_block(__m512 lo, __m512 hi) {
+  float absmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  float inv = absmax > 0.0f ? 127.0f / absmax : 0.0f;
+  __m512 vinv = _mm512_set1_ps(inv);
+  return {_mm512_cvtps_epi32(_mm512_mul_ps(lo, vinv)), _mm512_cvtps_epi32(_mm512_mul_ps(hi, vinv)),
+          absmax / 127.0f};
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t k, int64_t stride, int64_t group, int terms, QuantizedRows& q) {
+  const int64_t blocks = k / kBlock, groups = k / group, half = kBlock / 2;
+  q.xq.resize(m * k);
+  q.d.resize(m * blocks);
+  if (terms == 2) {
+    q.xq2.resize(m * k);
+    q.d2.resize(m * blocks);
+  }
+  q.xs.resize(m * groups);
+  // One thread: a row takes about a microsecond per thousand channels, less than what a second parallel
+  // region per call (its barrier) costs on a busy machine.
+  {
+    std::vector<float> sum16(k / 16);  // d * sum(xq) + d2 * sum(xq2) per 16 input channels
+    for (int64_t r = 0; r < m; ++r) {
+      const T* row = x + r * stride;
+      int8_t* out = q.xq.data() + r * k;
+      int8_t* out2 = terms == 2 ? q.xq2.data() + r * k : nullptr;
+      float* d = q.d.data() + r * blocks;
+      float* d2 = terms == 2 ? q.d2.data() + r * blocks : nullptr;
+      for (int64_t b = 0; b < blocks; ++b) {
+        __m512 lo = load16(row + b * kBlock), hi = load16(row + b * kBlock + 16);
+        BlockCodes first = quantize_block(lo, hi);
+        __m512 vscale = _mm512_set1_ps(first.scale);
+        // the remainder, rounded once (a fused multiply-subtract)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * kBlock), _mm512_cvtsepi32_epi8(first.lo));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * kBlock + half), _mm512_cvtsepi32_epi8(first.hi));
+        d[b] = first.scale;
+        sum16[2 * b] = first.scale * static_cast<float>(_mm512_reduce_add_epi32(first.lo));
+        sum16[2 * b + 1] = first.scale * static_cast<float>(_mm512_reduce_add_epi32(first.hi));
+        if (terms == 2) {
+          // the remainder, rounded once (a fused multiply-subtract)
+          BlockCodes second = quantize_block(_mm512_fnmadd_ps(_mm512_cvtepi32_ps(first.lo), vscale, lo),
+                                             _mm512_fnmadd_ps(_mm512_cvtepi32_ps(first.hi), vscale, hi));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out2 + b * kBlock), _mm512_cvtsepi32_epi8(second.lo));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out2 + b * kBlock + half), _mm512_cvtsepi32_epi8(second.hi));
+          d2[b] = second.scale;
+          sum16[2 * b] += second.scale * static_cast<float>(_mm512_reduce_add_epi32(second.lo));
+          sum16[2 * b + 1] += second.scale * static_cast<float>(_mm512_reduce_add_epi32(second.hi));
+        }
+      }
+      // sum(x^) per weight group, its 16-wide pieces added in order
+      float* xs = q.xs.data() + r * groups;
+      const int64_t pieces = group / 16;
+      for (int64_t g = 0; g < groups; ++g) {
+        float s = 0.0f;
+        for (int64_t p = g * pieces; p < (g + 1) * pieces; ++p) s += sum16[p];
+        xs[g] = s;
+      }
+    }
+  }
+}
+
+// 16 fp32 results to the output dtype, rounded to nearest even (as c10's conversions round), in vector
+// code: a scalar conversion per element costs as much as the products in a large-N prefill.
+inline void store16(__m512 v, float* dst) { _mm512_storeu_ps(dst, v); }
+inline void store16(__m512 v, c10::BFloat16* dst) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(rounded));
+}
+inline void store16(__m512 v, c10::Half* dst) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// One tile of 16 output features for R rows: out[r][0..16) in fp32.
+template <int BITS, int TERMS, typename S, int R, typename T>
+inline void tile_kernel(const uint8_t* w, const S* scales, const S* mins, const QuantizedRows& q, int64_t row0,
+                        int64_t k, int64_t group, T* out, int64_t out_stride) {
+  const int64_t blocks = k / kBlock, groups = k / group;
+  const int64_t unit = group < kBlock ? group : kBlock;  // input channels per int32 partial sum
+  const int8_t* xq[R];
+  const int8_t* xq2[R];
+  const float* d[R];
+  const float* d2[R];
+  const float* xs[R];
+  for (int r = 0; r < R; ++r) {
+    xq[r] = q.xq.data() + (row0 + r) * k;
+    xq2[r] = TERMS == 2 ? q.xq2.data() + (row0 + r) * k : nullptr;
+    d[r] = q.d.data() + (row0 + r) * blocks;
+    d2[r] = TERMS == 2 ? q.d2.data() + (row0 + r) * blocks : nullptr;
+    xs[r] = q.xs.data() + (row0 + r) * groups;
+  }
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 facc[R];
+    for (int r = 0; r < R; ++r) facc[r] = _mm512_setzero_ps();
+    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += unit) {
+      __m512i iacc[R], iacc2[R];
+      for (int r = 0; r < R; ++r) iacc[r] = iacc2[r] = _mm512_setzero_si512();
+      if constexpr (BITS == 8) {
+        const uint8_t* wp = w + k0 * kTile;
+        _mm_prefetch(reinterpret_cast<const char*>(wp + 1024), _MM_HINT_T0);
+        for (int64_t kk = 0; kk < unit; kk += 4) {
+          __m512i wv = _mm512_loadu_si512(wp + kk * kTile);
+          for (int r = 0; r < R; ++r) {
+            int32_t xb;
+            std::memcpy(&xb, xq[r] + k0 + kk, 4);
+            iacc[r] = _mm512_dpbusd_epi32(iacc[r], wv, _mm512_set1_epi32(xb));
+            if constexpr (TERMS == 2) {
+              std::memcpy(&xb, xq2[r] + k0 + kk, 4);
+              iacc2[r] = _mm512_dpbusd_epi32(iacc2[r], wv, _mm512_set1_epi32(xb));
+            }
+          }
+        }
+      } else {
+        const uint8_t* wp = w + k0 * kTile / 2;
+        _mm_prefetch(reinterpret_cast<const char*>(wp + 1024), _MM_HINT_T0);
+        for (int64_t kk = 0; kk < unit; kk += 8) {
+          __m512i packed = _mm512_loadu_si512(wp + kk * kTile / 2);
+          __m512i wlo = _mm512_and_si512(packed, nibble);
+          __m512i whi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+          for (int r = 0; r < R; ++r) {
+            int32_t xb0, xb1;
+            std::memcpy(&xb0, xq[r] + k0 + kk, 4);
+            std::memcpy(&xb1, xq[r] + k0 + kk + 4, 4);
+            iacc[r] = _mm512_dpbusd_epi32(iacc[r], wlo, _mm512_set1_epi32(xb0));
+            iacc[r] = _mm512_dpbusd_epi32(iacc[r], whi, _mm512_set1_epi32(xb1));
+            if constexpr (TERMS == 2) {
+              std::memcpy(&xb0, xq2[r] + k0 + kk, 4);
+              std::memcpy(&xb1, xq2[r] + k0 + kk + 4, 4);
+              iacc2[r] = _mm512_dpbusd_epi32(iacc2[r], wlo, _mm512_set1_epi32(xb0));
+              iacc2[r] = _mm512_dpbusd_epi32(iacc2[r], whi, _mm512_set1_epi32(xb1));
+            }
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r]), _mm512_set1_ps(d[r][k0 / kBlock]), facc[r]);
+        if constexpr (TERMS == 2)
+          facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc2[r]), _mm512_set1_ps(d2[r][k0 / kBlock]), facc[r]);
+      }
+    }
+    __m512 s = load_scales(scales + g * kTile), mn = load_scales(mins + g * kTile);
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(facc[r], s, acc[r]);
+      acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[r][g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store16(acc[r], out + r * out_stride);
+}
+
+template <int BITS, int TERMS, typename S, typename T>
+void qlinear_impl(const QuantizedRows& q, const uint8_t* w, const S* scales, const S* mins, int64_t m, int64_t n,
+                  int64_t k, int64_t group, T* y) {
+  const int64_t tiles = n / kTile, groups = k / group;
+  const int64_t tile_bytes = k * kTile * BITS / 8;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c0 = 0; c0 < m; c0 += kRowChunk) {
+      const int64_t c1 = std::min(m, c0 + kRowChunk);
+      for (int64_t t = begin; t < end; ++t) {
+        const uint8_t* wt = w + t * tile_bytes;
+        const S* st = scales + t * groups * kTile;
+        const S* mt = mins + t * groups * kTile;
+        for (int64_t r0 = c0; r0 < c1; r0 += kRows) {
+          T* out = y + r0 * n + t * kTile;
+          switch (std::min<int64_t>(kRows, c1 - r0)) {
+            case 4: tile_kernel<BITS, TERMS, S, 4>(wt, st, mt, q, r0, k, group, out, n); break;
+            case 3: tile_kernel<BITS, TERMS, S, 3>(wt, st, mt, q, r0, k, group, out, n); break;
+            case 2: tile_kernel<BITS, TERMS, S, 2>(wt, st, mt, q, r0, k, group, out, n); break;
+            default: tile_kernel<BITS, TERMS, S, 1>(wt, st, mt, q, r0, k, group, out, n); break;
+          }
+        }
+      }
+    }
+  });
+}
+
+template <int BITS, int TERMS, typename T>
+void dispatch_scales(const QuantizedRows& q, const at::Tensor& packed, const at::Tensor& scales,
+                     const at::Tensor& mins, int64_t m, int64_t n, int64_t k, int64_t group, T* y) {
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  if (scales.scalar_type() == at::kFloat) {
+    qlinear_impl<BITS, TERMS, float, T>(q, w, scales.data_ptr<float>(), mins.data_ptr<float>(), m, n, k, group, y);
+  } else {
+    qlinear_impl<BITS, TERMS, uint16_t, T>(q, w, reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                                           reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()), m, n, k,
+                                           group, y);
+  }
+}
+
+#endif  // PAGEDLLM_QLINEAR
+
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
+                   int64_t bits, int64_t group_size, int64_t activation_terms) {
+#ifdef PAGEDLLM_QLINEAR
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "qlinear: x must be [M, K] with unit stride along K");
+  TORCH_CHECK(bits == 4 || bits == 8, "qlinear: bits must be 4 or 8");
+  TORCH_CHECK(activation_terms == 1 || activation_terms == 2, "qlinear: activation_terms must be 1 or 2");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "qlinear: packed must be contiguous uint8");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == kTile && scales.is_contiguous() && mins.is_contiguous() &&
+                  scales.sizes() == mins.sizes() && scales.scalar_type() == mins.scalar_type() &&
+                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
+              "qlinear: scales and mins must be contiguous [N / 16, K / G, 16] fp32 or fp16");
+  const int64_t m = x.size(0), k = x.size(1), n = scales.size(0) * kTile;
+  TORCH_CHECK(k % kBlock == 0 && group_size % 16 == 0 && k % group_size == 0 &&
+                  (group_size < kBlock || group_size % kBlock == 0) && scales.size(1) == k / group_size,
+              "qlinear: K must be a multiple of 32 and of the group size (16 or a multiple of 32)");
+  TORCH_CHECK(packed.numel() == n * k * bits / 8, "qlinear: packed weight has the wrong size");
+  TORCH_CHECK(bits == 8 || group_size >= kBlock, "qlinear: 4-bit groups must hold 32 or more input channels");
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  thread_local QuantizedRows q;
+  auto run = [&](auto* xp, auto* yp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
+    quantize_rows<T>(xp, m, k, x.stride(0), group_size, static_cast<int>(activation_terms), q);
+    if (bits == 4 && activation_terms == 2)
+      dispatch_scales<4, 2, T>(q, packed, scales, mins, m, n, k, group_size, yp);
+    else if (bits == 4)
+      dispatch_scales<4, 1, T>(q, packed, scales, mins, m, n, k, group_size, yp);
+    else if (activation_terms == 2)
+      dispatch_scales<8, 2, T>(q, packed, scales, mins, m, n, k, group_size, yp);
+    else
+      dispatch_scales<8, 1, T>(q, packed, scales, mins, m, n, k, group_size, yp);
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: run(x.data_ptr<float>(), y.data_ptr<float>()); break;
+    case at::kBFloat16: run(x.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: run(x.data_ptr<c10::Half>(), y.data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, "qlinear: x must be fp32, bf16 or fp16");
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "qlinear: this build has no AVX512-VNNI (qlinear_supports() is false)");
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedllm_cpu_qlinear, m) {
+  m.def("qlinear_supports() -> bool", &qlinear_supports);
+  m.def("qlinear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int bits, int group_size, "
+        "int activation_terms) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu_qlinear, CPU, m) {
+  m.impl("qlinear", &qlinear);
+}

@@ -1,0 +1,312 @@
+"""The weight of pagedllm's own quantized CPU kernel (layers/csrc/cpu_quant_linear.cpp, AVX512-VNNI): 4-bit
+or 8-bit unsigned integers q with a scale and a min per group of input channels, w = q * scale + min.
+
+Every integer weight format the engine reads is this form without loss: int4 groups (our checkpoints,
+compressed-tensors W4A16, GGUF Q4_0 / Q4_1 / Q4_K), GGUF Q5_0 / Q5_1 / Q5_K / Q6_K as 8-bit (their 5 or
+6 bits fit a byte; Q6_K's groups are 16 wide), and signed int8 (per channel or per group, GGUF Q8_0) as
+q + 128 with min = -128 * scale. So the kernel's weight is built from the logical triple (q, scale, min)
+and gives it back (`logical()`): tensor-parallel narrowing and dequantizing work on that triple, never on
+the packed bytes.
+
+The kernel quantizes each activation row in blocks of 32 into two int8 terms, x^ = d * xq + d2 * xq2
+(d = the block's absmax / 127, xq = round(x / d); xq2 the same for the remainder x - d * xq, so d2 <= d /
+254: about 15 bits against the block's absmax; one int8 term alone, as llama.cpp's Q8_0, cost the real
+SmolLM2-135M 1.5% of its teacher-forced top-1 tokens against fp32, but does half the integer products:
+PAGEDLLM_QUANT_ACTIVATION_TERMS=1 chooses it, then d2 = 0 below), and multiplies in integers. Its
+error bound per output y = sum_k w_k x_k, the same for every format since the weights are exact (fp32
+scales and mins, or fp16 where every value is exactly one):
+- against x^ times the weight (dequantize, then an exact matmul): the fp32 steps, at most K / 8 + 4
+  roundings of 2**-24 relative to the terms the kernel sums, sum_k |x^_k| (q_k |scale| + |min|) (the min
+  term is added apart from q * scale, so their cancellation counts), plus the output's rounding to the
+  model dtype (2**-8 relative for bf16);
+- against x itself: plus the activation rounding, sum over blocks b of d2_b / 2 * sum_{k in b} |w_k|.
+tests/test_vnni_kernel.py checks both for every format against llama.cpp's and compressed-tensors'
+dequantization.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from pagedllm import envs
+from pagedllm.layers.quantization.base import QuantizationMethod, QuantizedWeight
+
+TILE = 16  # output features per tile: the kernel's unit, so N must be a multiple of it
+BLOCK = 32  # activation quantization block: K must be a multiple of it
+KERNEL_CHOICES = ("auto", "pagedllm", "torch")
+
+
+@functools.cache
+def _kernel_built() -> bool:
+    from pagedllm.cpu_kernels import load_cpu_kernels
+
+    return load_cpu_kernels() and bool(torch.ops.pagedllm_cpu_qlinear.qlinear_supports())
+
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def kernel_enabled(dtype: torch.dtype | None = None) -> bool:
+    """Whether weight-only int4 / int8 linears of a model in `dtype` use this kernel: built (AVX512-VNNI in
+    the CPU's flags), not turned off by PAGEDLLM_QUANT_KERNEL=torch (which keeps torch's own int4 / int8
+    kernels), and a half-precision model: an fp32 model is the precise reference, and keeps the kernels
+    whose activations are not quantized."""
+    if dtype is not None and dtype not in KERNEL_DTYPES:
+        return False
+    choice = str(envs.value("PAGEDLLM_QUANT_KERNEL")).strip().lower()
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"PAGEDLLM_QUANT_KERNEL must be one of {list(KERNEL_CHOICES)}, got {choice!r}.")
+    return choice != "torch" and _kernel_built()
+
+
+def activation_terms() -> int:
+    """How many int8 terms each block of 32 activations is quantized into (PAGEDLLM_QUANT_ACTIVATION_TERMS):
+    2 (default, about 15 bits: as faithful as bf16 activations) or 1 (llama.cpp's Q8_0: half the integer
+    products, so faster batches and prefill, and about 8 bits)."""
+    terms = str(envs.value("PAGEDLLM_QUANT_ACTIVATION_TERMS")).strip()
+    if terms not in ("1", "2"):
+        raise ValueError(f"PAGEDLLM_QUANT_ACTIVATION_TERMS must be 1 or 2, got {terms!r}.")
+    return int(terms)
+
+
+def kernel_supports(out_features: int, in_features: int, group_size: int, bits: int) -> bool:
+    """Whether the kernel takes an [out_features, in_features] weight with these groups."""
+    groups_ok = group_size % BLOCK == 0 or (bits == 8 and group_size == 16)
+    return (bits in (4, 8) and out_features % TILE == 0 and in_features % BLOCK == 0 and group_size > 0
+            and in_features % group_size == 0 and groups_ok)
+
+
+def pack_q(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """q [N, K] uint8 -> the kernel's bytes: per tile of 16 features, 4 consecutive k per feature side by
+    side (8-bit: [K / 4][16][4]); 4-bit: two such 64-byte vectors (k-quads 2t, 2t + 1) in one, low nibbles
+    then high."""
+    n, k = q.shape
+    tiles = q.to(torch.uint8).reshape(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3)  # [T, K/4, 16, 4]
+    if bits == 8:
+        return tiles.contiguous().view(-1)
+    pairs = tiles.reshape(n // TILE, k // 8, 2, TILE * 4)
+    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous().view(-1)
+
+
+def unpack_q(packed: torch.Tensor, n: int, k: int, bits: int) -> torch.Tensor:
+    """pack_q's inverse: [N, K] uint8."""
+    if bits == 8:
+        tiles = packed.view(n // TILE, k // 4, TILE, 4)
+    else:
+        pairs = packed.view(n // TILE, k // 8, 1, TILE * 4)
+        tiles = torch.cat([pairs & 15, pairs >> 4], dim=2).view(n // TILE, k // 4, TILE, 4)
+    return tiles.permute(0, 2, 1, 3).reshape(n, k)
+
+
+def pack_groups(values: torch.Tensor) -> torch.Tensor:
+    """[N, K / G] -> [N / 16, K / G, 16]: a tile's 16 scales of a group side by side."""
+    n, groups = values.shape
+    return values.view(n // TILE, TILE, groups).transpose(1, 2).contiguous()
+
+
+def unpack_groups(packed: torch.Tensor) -> torch.Tensor:
+    tiles, groups, _ = packed.shape
+    return packed.transpose(1, 2).reshape(tiles * TILE, groups)
+
+
+def _storage_dtype(*values: torch.Tensor) -> torch.dtype:
+    """fp16 where every value survives the round trip (GGUF's block scales do; half the bytes per group),
+    else fp32."""
+    for v in values:
+        half = v.to(torch.float16)
+        if not bool(torch.isfinite(half).all()) or not torch.equal(half.to(torch.float32), v):
+            return torch.float32
+    return torch.float16
+
+
+class VnniWeight(QuantizedWeight):
+    """`qweight`: pack_q's bytes; `scales`, `mins`: [N / 16, K / G, 16] fp32 or fp16. `method` is the
+    method the weight belongs to (int4 or int8), which routes its `apply` here."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int,
+                 in_features: int, method: QuantizationMethod):
+        super().__init__(qweight, scales, method)
+        self.mins = nn.Parameter(mins, requires_grad=False)
+        self.bits = bits
+        self.in_features = in_features
+        self.activation_terms = activation_terms()  # read once: every call of a model computes rows alike
+
+    @classmethod
+    def from_logical(cls, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
+                     method: QuantizationMethod) -> VnniWeight:
+        """w = q * scale + offset: q [N, K] integers (0..15 for 4 bits, 0..255 for 8), scale and offset
+        [N, K / G] (held exactly: fp32, or fp16 where that is exact)."""
+        n, k = q.shape
+        groups = scale.shape[1]
+        assert k % groups == 0 and kernel_supports(n, k, k // groups, bits), (n, k, groups, bits)
+        scale, offset = scale.to(torch.float32), offset.to(torch.float32)
+        dtype = _storage_dtype(scale, offset)
+        return cls(pack_q(q, bits), pack_groups(scale.to(dtype)), pack_groups(offset.to(dtype)), bits, k, method)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.scales.shape[0] * TILE, self.in_features))
+
+    @property
+    def group_size(self) -> int:
+        return self.in_features // self.scales.shape[1]
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in (self.qweight, self.scales, self.mins))
+
+    def logical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [N, K] uint8, scale [N, K / G] fp32, min [N, K / G] fp32)."""
+        n, k = self.shape
+        return (unpack_q(self.qweight.data, n, k, self.bits), unpack_groups(self.scales.data).to(torch.float32),
+                unpack_groups(self.mins.data).to(torch.float32))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        q, scale, offset = self.logical()
+        n, k = q.shape
+        w = q.to(torch.float32).view(n, scale.shape[1], -1) * scale.unsqueeze(-1) + offset.unsqueeze(-1)
+        return w.view(n, k).to(dtype)
+
+    def narrow(self, dim: int, start: int, length: int) -> VnniWeight:
+        """Output rows (dim 0) or whole groups of input columns (dim 1) of the logical weight, repacked."""
+        q, scale, offset = self.logical()
+        if dim == 1:
+            group = self.group_size
+            assert start % group == 0 and length % group == 0, "a shard must hold whole groups"
+            scale = scale.narrow(1, start // group, length // group)
+            offset = offset.narrow(1, start // group, length // group)
+        else:
+            scale, offset = scale.narrow(0, start, length), offset.narrow(0, start, length)
+        return VnniWeight.from_logical(q.narrow(dim, start, length), scale, offset, self.bits, self.method)
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        n, k = self.shape
+        x2 = x.reshape(-1, k)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = torch.ops.pagedllm_cpu_qlinear.qlinear(x2, self.qweight, self.scales, self.mins, self.bits,
+                                                   self.group_size, self.activation_terms)
+        if bias is not None:
+            y.add_(bias)
+        return y.view(*x.shape[:-1], n)
+
+    def extra_repr(self) -> str:
+        return (f"{self.method.name} (pagedllm VNNI kernel, {self.bits}-bit), shape={tuple(self.shape)}, "
+                f"group_size={self.group_size}, scales={str(self.scales.dtype).removeprefix('torch.')}")
+
+
+def int8_to_vnni(weight: QuantizedWeight) -> VnniWeight | None:
+    """A signed int8 weight (per-channel scales [N] or per-group [N, K / G]) as the kernel's, losslessly
+    (q + 128, min = -128 * scale); None where the kernel does not take its shape."""
+    q = weight.qweight.data
+    n, k = q.shape
+    scale = weight.scales.data.to(torch.float32)
+    scale = scale.view(n, 1) if scale.dim() == 1 else scale
+    if not kernel_supports(n, k, k // scale.shape[1], 8) or k % scale.shape[1]:
+        return None
+    u = (q.to(torch.int16) + 128).to(torch.uint8)
+    return VnniWeight.from_logical(u, scale, -128 * scale, 8, weight.method)
+
+
+def _label(weight: QuantizedWeight) -> str:
+    """The method and group size, which the kernel choice is made per (e.g. "int4-g128", "int8-channel")."""
+    if isinstance(weight, VnniWeight):
+        group = weight.group_size
+        per_channel = weight.method.name == "int8" and group == weight.in_features
+    else:
+        group = getattr(weight, "group_size", None) or (
+            weight.qweight.shape[1] // weight.scales.shape[1] if weight.scales.dim() == 2 else None)
+        per_channel = group is None
+    return f"{weight.method.name}-channel" if per_channel else f"{weight.method.name}-g{group}"
+
+
+def _torch_can_take(weight: QuantizedWeight) -> bool:
+    """Whether torch's kernels take the weight: not GGUF's Q5 / Q6 types (5- and 6-bit integers with
+    mins), and int4 only in the shapes its packing takes."""
+    if not isinstance(weight, VnniWeight):
+        return True
+    if weight.bits == 4:
+        from pagedllm.layers.quantization.int4 import int4_supports
+
+        return int4_supports(*weight.shape, weight.group_size)
+    scale, offset = unpack_groups(weight.scales.data).float(), unpack_groups(weight.mins.data).float()
+    return torch.equal(offset, -128 * scale)
+
+
+def _to_torch(weight: QuantizedWeight, dtype: torch.dtype) -> QuantizedWeight:
+    """The weight in torch's kernels' form (scales rounded to bf16 / the model dtype, as those kernels
+    take them); only for weights _torch_can_take."""
+    if not isinstance(weight, VnniWeight):
+        return weight
+    from pagedllm.layers.quantization.int4 import Int4WeightOnlyMethod
+
+    q, scale, offset = weight.logical()
+    if isinstance(weight.method, Int4WeightOnlyMethod):
+        return weight.method.create_torch_layout(q, scale, offset)
+    n = q.shape[0]
+    signed = (q.to(torch.int16) - 128).to(torch.int8)
+    scales = scale.to(dtype).view(n) if scale.shape[1] == 1 else scale.to(dtype)
+    return QuantizedWeight(signed, scales, weight.method)
+
+
+def _to_pagedllm(weight: QuantizedWeight) -> QuantizedWeight:
+    if isinstance(weight, VnniWeight) or weight.method.name != "int8":
+        return weight
+    return int8_to_vnni(weight) or weight
+
+
+def _timing_factory(label: str, dtype: torch.dtype):
+    """For the kernel choice's measurement: factory(path, weight) -> the matmul of that path."""
+    from pagedllm.layers.quantization.int4 import Int4WeightOnlyMethod
+    from pagedllm.layers.quantization.int8 import Int8WeightOnlyMethod
+
+    name, _, group_text = label.partition("-")
+    group = None if group_text == "channel" else int(group_text.removeprefix("g"))
+
+    def factory(path: str, weight: torch.Tensor):
+        if name == "int4":
+            from pagedllm.layers.quantization.int4 import INT4_ZERO, quantize_groups
+
+            method: QuantizationMethod = Int4WeightOnlyMethod(group)
+            q, scales, zero_points = quantize_groups(weight, group, dtype)
+            s = scales.to(torch.float32)
+            offsets = -(INT4_ZERO + zero_points.to(torch.float32)) * s
+            qw: QuantizedWeight = (VnniWeight.from_logical(q, s, offsets, 4, method) if path == "pagedllm"
+                                   else method.create_torch_layout(q, s, offsets))
+        else:
+            method = Int8WeightOnlyMethod(group)
+            qw = method.quantize(weight, dtype)
+            if path == "pagedllm":
+                qw = int8_to_vnni(qw) or qw
+        return lambda x: method.apply(x, qw, None)
+
+    return factory
+
+
+def select_quantized_kernels(model: nn.Module, dtype: torch.dtype) -> list:
+    """Choose, per method and group size, between pagedllm's VNNI kernel and torch's for the model's
+    weight-only quantized linears (layers/linear_tuning.choose_quant_kernel: forced, measured and cached,
+    or pagedllm's by default), and put each weight in the chosen kernel's form: int4 weights are built in
+    the VNNI layout where it runs (exact), int8 ones in their logical form. Returns the choices (the
+    benchmarks print them); none where the VNNI kernel does not run for this dtype (torch's as loaded)."""
+    if not kernel_enabled(dtype):
+        return []
+    from pagedllm.layers.linear_tuning import choose_quant_kernel
+
+    slots: dict[str, list[tuple[nn.Module, str, QuantizedWeight]]] = {}
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if (isinstance(child, QuantizedWeight) and child.method.name in ("int4", "int8")
+                    and child.qweight.device.type == "cpu"):
+                slots.setdefault(_label(child), []).append((module, name, child))
+    choices = []
+    for label, entries in slots.items():
+        paths = ["pagedllm", "torch"] if all(_torch_can_take(w) for _, _, w in entries) else ["pagedllm"]
+        choice = choose_quant_kernel(label, [tuple(w.shape) for _, _, w in entries], dtype, paths,
+                                     _timing_factory(label, dtype))
+        choices.append(choice)
+        for module, name, weight in entries:
+            setattr(module, name, _to_pagedllm(weight) if choice.path == "pagedllm" else _to_torch(weight, dtype))
+    return choices

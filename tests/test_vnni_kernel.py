@@ -1,0 +1,209 @@
+"""pagedllm's VNNI kernel for quantized linears (layers/csrc/cpu_quant_linear.cpp): every weight format it
+reads is repacked without loss (oracles: llama.cpp's `gguf.quants.dequantize` for each GGUF type, the
+compressed-tensors library's decompressor for W4A16), and its output stays within the bound stated in
+layers/quantization/vnni.py, the same for every type since the weights are exact:
+
+- against the same quantized activations x^ (each row in blocks of 32, x^ = d * xq + d2 * xq2: xq =
+  round(x / d), d the block's absmax / 127, and xq2 the same of the remainder x - d * xq) times the exact
+  weight in fp64: the fp32 steps (K / 8 + 4 roundings of 2**-24 in a row at most) relative to the terms
+  the kernel sums, |x^| @ B^T with B = q |scale| + |min| per weight (the min term is summed apart from
+  q * scale, so their cancellation counts), plus the output's rounding to its dtype (2**-8 relative for
+  bf16, 2**-23 for fp32);
+- against the unquantized activations: plus sum over blocks of d2 / 2 * sum |w| in the block (d2 is at
+  most d / 254: about 15 bits against the block's absmax); with PAGEDLLM_QUANT_ACTIVATION_TERMS=1 (one
+  term, llama.cpp's Q8_0) d2 = 0 above and d / 2 here.
+
+And a row's result never depends on the rows beside it (batch invariance).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from gguf_models import _random_k_blocks
+
+from pagedllm.layers.quantization.int4 import Int4WeightOnlyMethod
+from pagedllm.layers.quantization.int8 import Int8WeightOnlyMethod
+from pagedllm.layers.quantization.vnni import (
+    VnniWeight,
+    int8_to_vnni,
+    kernel_enabled,
+    kernel_supports,
+    pack_q,
+    unpack_q,
+)
+from pagedllm.models.gguf import PACKED_TYPES
+from pagedllm.platform import _cpu_flags
+
+VNNI_CPU = {"avx512f", "avx512bw", "avx512_vnni"} <= set(_cpu_flags())
+pytestmark = pytest.mark.skipif(not VNNI_CPU, reason="the CPU lacks AVX512-VNNI: torch's kernels serve it")
+
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"]
+OUTPUT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -23}
+FP32_ROUNDOFF = 2.0 ** -24
+
+
+def _gguf_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if kind.endswith("_K"):  # the gguf package cannot quantize K-quants: random valid blocks
+        return _random_k_blocks(n, k, kind, rng)
+    return quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, GGMLQuantizationType[kind])
+
+
+def _int8_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale) of fp32 blocks [..., 32] as the kernel rounds them: scale = absmax / 127, codes =
+    round-half-even(v * (127 / absmax)) in fp32."""
+    absmax = blocks.abs().amax(-1, keepdim=True)
+    # tensor / tensor: torch's scalar / tensor multiplies by a reciprocal, off by an ulp, and bf16 inputs
+    # hit exact ties (v = absmax / 2) where that ulp changes the rounding
+    inv = torch.where(absmax > 0, torch.full_like(absmax, 127) / absmax, torch.zeros_like(absmax))
+    return torch.round(blocks * inv), absmax / torch.full_like(absmax, 127)
+
+
+def _quantized_activations(x: torch.Tensor, terms: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x^ in fp64, the last term's scale of each element), as the kernel quantizes each row: x^ = d * xq
+    (+ d2 * xq2, xq2 the codes of the remainder x - d * xq, rounded once to fp32)."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // 32, 32)
+    codes, scale = _int8_codes(blocks)
+    if terms == 1:
+        return (codes.double() * scale.double()).view(m, k), scale.double().expand(m, k // 32, 32).reshape(m, k)
+    remainder = (blocks.double() - codes.double() * scale.double()).float()
+    codes2, scale2 = _int8_codes(remainder)
+    xhat = codes.double() * scale.double() + codes2.double() * scale2.double()
+    return xhat.view(m, k), scale2.double().expand(m, k // 32, 32).reshape(m, k)
+
+
+def _check_bounds(weight: VnniWeight, exact: torch.Tensor, x: torch.Tensor) -> None:
+    got = weight.method.apply(x, weight, None).double()
+    roundoff = OUTPUT_ROUNDOFF[x.dtype]
+    xhat, d = _quantized_activations(x, weight.activation_terms)
+    w = exact.double()
+    same_act = xhat @ w.T
+    q, scale, offset = (t.double() for t in weight.logical())
+    n, k = q.shape
+    terms = (q.view(n, scale.shape[1], -1) * scale.abs().unsqueeze(-1) + offset.abs().unsqueeze(-1)).view(n, k)
+    fp32_steps = (k / 8 + 4) * FP32_ROUNDOFF
+    tight = fp32_steps * (xhat.abs() @ terms.T) + roundoff * same_act.abs() + 1e-30
+    assert ((got - same_act).abs() <= tight).all(), ((got - same_act).abs() / tight).max()
+    ref = x.double() @ w.T
+    act_error = (d / 2).view(x.shape[0], -1, 32)
+    loose = tight + (act_error.view(x.shape[0], -1) @ w.abs().T) + roundoff * (ref - same_act).abs()
+    assert ((got - ref).abs() <= loose).all(), ((got - ref).abs() / loose).max()
+
+
+def _check_invariance(weight: VnniWeight, x: torch.Tensor) -> None:
+    full = weight.method.apply(x, weight, None)
+    for rows in (1, 2, 3, 5):
+        for start in range(0, x.shape[0] - rows + 1, 3):
+            assert torch.equal(weight.method.apply(x[start:start + rows], weight, None), full[start:start + rows])
+
+
+def test_the_kernel_is_built_where_the_cpu_has_avx512_vnni(monkeypatch):
+    """The C++ ops build with -march=native: on such a CPU the kernel must be there (a failed build would
+    otherwise only show as slower int4 / int8), and only half-precision models use it."""
+    assert kernel_enabled(torch.bfloat16) and kernel_enabled(torch.float16)
+    assert not kernel_enabled(torch.float32)
+    monkeypatch.setenv("PAGEDLLM_QUANT_KERNEL", "torch")
+    assert not kernel_enabled(torch.bfloat16)
+    monkeypatch.setenv("PAGEDLLM_QUANT_KERNEL", "fastest")
+    with pytest.raises(ValueError, match="PAGEDLLM_QUANT_KERNEL"):
+        kernel_enabled(torch.bfloat16)
+
+
+@pytest.mark.parametrize("terms", [2, 1])
+@pytest.mark.parametrize("kind", GGUF_TYPES)
+def test_gguf_types_repack_losslessly_and_stay_within_the_bound(kind, terms, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_QUANT_ACTIVATION_TERMS", str(terms))
+    n, k = 48, 512
+    data = _gguf_blocks(kind, n, k, seed=len(kind))
+    oracle = torch.from_numpy(dequantize(data, GGMLQuantizationType[kind]).reshape(n, k).astype(np.float64))
+    parts = PACKED_TYPES[kind](data, (n, k))
+    weight = parts.build(torch.bfloat16, {})
+    assert isinstance(weight, VnniWeight) and tuple(weight.shape) == (n, k)
+    # exact: q * scale + offset in fp64 is llama.cpp's value (which it computes in fp32: compare there too)
+    exact = weight.dequantize(torch.float64)
+    assert torch.equal(exact.float(), oracle.float())
+    assert (exact - oracle).abs().max() <= 2.0 ** -24 * oracle.abs().max()
+    for m in (1, 5, 64):  # a decode token, a small batch (a 4-row block and a remainder), a prefill chunk
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        for dtype in (torch.bfloat16, torch.float32):
+            _check_bounds(weight, exact, x.to(dtype))
+    _check_invariance(weight, torch.randn(11, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16))
+
+
+def test_q8_0_keeps_fp16_scales_and_q4_k_scale_products_fp32():
+    """Storage: fp16 scales where every value is exact in fp16 (Q8_0: 5 bits a weight beside 8, as the file)."""
+    q8 = PACKED_TYPES["Q8_0"](_gguf_blocks("Q8_0", 32, 256, 0), (32, 256)).build(torch.bfloat16, {})
+    assert q8.scales.dtype == torch.float16 and q8.group_size == 32
+    q6 = PACKED_TYPES["Q6_K"](_gguf_blocks("Q6_K", 32, 256, 0), (32, 256)).build(torch.bfloat16, {})
+    assert q6.group_size == 16
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_unpack_and_narrow_work_on_the_logical_weight(bits):
+    torch.manual_seed(0)
+    n, k, group = 64, 256, 64
+    q = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8)
+    assert torch.equal(unpack_q(pack_q(q, bits), n, k, bits), q)
+    scale, offset = torch.rand(n, k // group), -torch.rand(n, k // group)
+    weight = VnniWeight.from_logical(q, scale, offset, bits, Int4WeightOnlyMethod(group))
+    full = weight.dequantize()
+    x = torch.randn(3, k).to(torch.bfloat16)
+    for dim in (0, 1):
+        for rank in range(2):
+            size = full.shape[dim] // 2
+            shard = weight.narrow(dim, rank * size, size)
+            assert torch.equal(shard.dequantize(), full.narrow(dim, rank * size, size))
+            if dim == 0:  # a column shard computes its rows exactly as the whole weight does
+                assert torch.equal(shard.method.apply(x, shard, None),
+                                   weight.method.apply(x, weight, None)[:, rank * size:(rank + 1) * size])
+    with pytest.raises(AssertionError, match="whole groups"):
+        weight.narrow(1, 32, 128)
+    assert not kernel_supports(24, 256, 32, 4) and not kernel_supports(32, 48, 16, 4)
+
+
+@pytest.mark.parametrize("group_size", [None, 32, 128])
+def test_int8_weights_repack_losslessly(group_size):
+    n, k = 64, 256
+    method = Int8WeightOnlyMethod(group_size)
+    logical = method.quantize(torch.randn(n, k), torch.bfloat16)
+    weight = int8_to_vnni(logical)
+    assert weight is not None and weight.method is method
+    exact = method.dequantize(logical, torch.float64)
+    assert torch.equal(weight.dequantize(torch.float64), exact)
+    for m in (1, 7, 40):
+        _check_bounds(weight, exact, torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16))
+    _check_invariance(weight, torch.randn(9, k).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_w4a16_as_the_compressed_tensors_library_decompresses(symmetric):
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from test_int4 import _w4a16_compress, _w4a16_scheme
+
+    from pagedllm.layers.quantization.compressed_tensors import read_int4
+
+    n, k, group = 48, 256, 128
+    compressed = _w4a16_compress(torch.randn(n, k).to(torch.bfloat16), symmetric, group)
+    want = PackedQuantizationCompressor.decompress(dict(compressed), _w4a16_scheme(symmetric, group))["weight"]
+    q, scale, offset = read_int4("p", lambda name: compressed[name.removeprefix("p.")], {f"p.{k}" for k in compressed})
+    weight = Int4WeightOnlyMethod(group).create(q, scale, offset, torch.bfloat16)
+    assert isinstance(weight, VnniWeight)
+    exact = weight.dequantize(torch.float64)
+    # the library multiplies in the scale's dtype (bf16): one rounding of the exact value we keep
+    assert torch.equal(exact.to(want.dtype), want)
+    for m in (1, 16):
+        _check_bounds(weight, exact, torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16))
+
+
+def test_zero_rows_and_bias():
+    weight = Int4WeightOnlyMethod(32).quantize(torch.randn(32, 64), torch.bfloat16)
+    assert isinstance(weight, VnniWeight)
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    bias = torch.randn(32).to(torch.bfloat16)
+    assert torch.equal(weight.method.apply(x, weight, bias), bias.expand(2, 32))
+    assert weight.method.apply(torch.zeros(0, 64, dtype=torch.bfloat16), weight, None).shape == (0, 32)
