@@ -298,10 +298,18 @@ def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
     return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
+def position_keys(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+    """[N] int64: each seeded row's position_seed, as the bit pattern an int64 tensor holds."""
+    return torch.tensor([_int64(position_seed(r.params.seed, r.position)) for r in rows], dtype=torch.int64,
+                        device=device)
+
+
 def _seeded_uniform(rows: list[SamplingRow], token_ids: torch.Tensor) -> torch.Tensor:
     """[N, C] float64 uniforms in (0, 1): splitmix64 of (row's position key, token id), vectorized."""
-    keys = torch.tensor([_int64(position_seed(r.params.seed, r.position)) for r in rows], dtype=torch.int64,
-                        device=token_ids.device)
+    return _uniform_of_keys(position_keys(rows, token_ids.device), token_ids)
+
+
+def _uniform_of_keys(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     z = keys.unsqueeze(1) + (token_ids + 1) * _int64(_GOLDEN)
     z = (z ^ _shift_right(z, 30)) * _int64(0xBF58476D1CE4E5B9)
     z = (z ^ _shift_right(z, 27)) * _int64(0x94D049BB133111EB)
@@ -314,6 +322,35 @@ def seeded_gumbel(rows: list[SamplingRow], token_ids: torch.Tensor) -> torch.Ten
     function of (seed, position, token id) only, so any subset of a row's tokens gets the noise it would
     get within the whole vocabulary."""
     return -(-_seeded_uniform(rows, token_ids).log()).log()
+
+
+def _torch_seeded_race(values: torch.Tensor, token_ids: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+    """The reference race: every token's noise materialised (seeded_gumbel), then one argmax per row."""
+    if token_ids is None:
+        token_ids = torch.arange(values.shape[1], device=values.device).expand(values.shape[0], -1)
+    return (values.to(torch.float64) - (-_uniform_of_keys(keys, token_ids).log()).log()).argmax(dim=-1)
+
+
+def seeded_race(values: torch.Tensor, token_ids: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+    """[N] the winning column of each row: argmax over columns j of values[:, j] + the Gumbel noise of token
+    token_ids[:, j] (None: token j) at the row's key (position_keys). values: the kept logits, removed
+    ones -inf. On CPU in float32 through a C++ op that hashes each token once and takes logarithms only
+    for the few tokens that can still win (layers/csrc/seeded_race.cpp), the same column bit for bit."""
+    if values.is_cpu and values.dtype == torch.float32 and values.dim() == 2 and values.is_contiguous():
+        return _cpu_seeded_race(values, token_ids, keys)
+    return _torch_seeded_race(values, token_ids, keys)
+
+
+def _choose_cpu_seeded_race(values: torch.Tensor, token_ids: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+    """The first CPU call decides, once, between the C++ op and torch (as _choose_cpu_argmax_rows)."""
+    global _cpu_seeded_race
+    _cpu_seeded_race = torch.ops.pagedllm_cpu_sampler.seeded_race if uses_cpu_kernels(values) \
+        else _torch_seeded_race
+    return _cpu_seeded_race(values, token_ids, keys)
+
+
+_cpu_seeded_race: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor] = \
+    _choose_cpu_seeded_race
 
 
 def exponential_noise(shape: tuple[int, ...], rows: list[SamplingRow], device: torch.device,
@@ -332,11 +369,12 @@ def exponential_noise(shape: tuple[int, ...], rows: list[SamplingRow], device: t
 
 
 def sample_kept(logits: torch.Tensor, rows: list[SamplingRow],
-                draw: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                draw: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """[N] token ids of random rows: temperature and min-p over the whole row, then top-k/top-p over the
     candidates where they provably hold the kept set (else over the whole row); `draw(kept, ids, rows)`
-    picks a column of each row of `kept` (logits, the removed ones -inf), `ids` being their token ids and
-    `rows` their indices in `rows`. Candidate rows are drawn first, then whole rows."""
+    picks a column of each row of `kept` (logits, the removed ones -inf), `ids` being their token ids
+    (None for whole rows: column j is token j) and `rows` their indices in `rows`. Candidate rows are
+    drawn first, then whole rows."""
     temperature, top_k, top_p, min_p = _filter_params(rows, logits.dtype, logits.device, logits.shape[-1])
     scaled = apply_min_p(logits / temperature.unsqueeze(1), min_p)
     vocab = logits.shape[-1]
@@ -354,7 +392,7 @@ def sample_kept(logits: torch.Tensor, rows: list[SamplingRow],
         rows_v = full.nonzero().flatten()
         kept = apply_top_k_top_p_min_p(scaled[rows_v], top_k[rows_v], top_p[rows_v],
                                        torch.zeros_like(min_p[rows_v]))  # min-p already applied
-        token_ids[rows_v] = draw(kept, torch.arange(vocab, device=logits.device).expand(len(rows_v), vocab), rows_v)
+        token_ids[rows_v] = draw(kept, None, rows_v)
     return token_ids
 
 
@@ -363,8 +401,8 @@ def seeded_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     tokens that temperature, min-p, top-k and top-p keep. Rows whose kept set lies within the candidates
     race over those only; the race over the whole row picks the same token (the noise is per token)."""
 
-    def race(kept: torch.Tensor, ids: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        return (kept.to(torch.float64) + seeded_gumbel([rows[i] for i in indices.tolist()], ids)).argmax(dim=-1)
+    def race(kept: torch.Tensor, ids: torch.Tensor | None, indices: torch.Tensor) -> torch.Tensor:
+        return seeded_race(kept.contiguous(), ids, position_keys([rows[i] for i in indices.tolist()], kept.device))
 
     return sample_kept(logits, rows, race)
 

@@ -1,0 +1,165 @@
+// The seeded sampler's Gumbel race (pagedllm/layers/sampler.py: seeded_sample) without its noise tensor.
+//
+// A seeded row draws argmax_j (x_j + g_j) over its kept logits x (the removed ones -inf), where
+// g_j = -log(-log(u_j)) and u_j is splitmix64 of (the row's position key, token id j). The torch code
+// hashes every token of the row into [C] int64 and float64 tensors and takes two logs of each: about 15
+// full-row passes, 3 ms a row over a 49,152-token vocabulary, for one winner. Here:
+//
+//   1. the row's best logit x_t (the first, as argmax) and its race value r_t = x_t + g_t give a lower
+//      bound B <= max_j r_j;
+//   2. one pass hashes each kept token and keeps it as a contender only if it may still reach B:
+//      r_j >= B needs -log(u_j) <= exp(x_j - B), and -log(u) >= 1 - u, so 1 - u_j > exp(x_j - B) (with a
+//      margin far above the rounding of both sides) rules j out without a logarithm;
+//   3. the contenders (a handful: token j passes with probability about exp(x_j - B)) get their exact
+//      noise from at::log, the very function torch's reference calls (its result does not depend on a
+//      value's place in a tensor), and the largest x_j + g_j wins, the first on ties.
+//
+// So the chosen column is the reference's bit for bit: the same hash, the same float64 ops on the
+// same values for every token that can win, and the same tie rule. A row with a NaN takes its first NaN
+// and a row with +inf its first +inf (torch.argmax's answer); a row with nothing kept takes column 0.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/log.h>
+#include <torch/library.h>
+
+#include "fast_exp.h"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+
+// u_j of sampler.py's _seeded_uniform: splitmix64 of key + (token + 1) * golden, its top 53 bits + 1/2
+// scaled into (0, 1).
+inline double seeded_uniform(uint64_t key, int64_t token) {
+  uint64_t z = key + static_cast<uint64_t>(token + 1) * kGolden;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z = z ^ (z >> 31);
+  return (static_cast<double>(z >> 11) + 0.5) * 0x1p-53;
+}
+
+struct RowPlan {
+  int64_t answer = -1;             // decided without the race (NaN, +inf, nothing kept)
+  std::vector<int64_t> columns;    // the contenders
+  std::vector<double> uniforms;    // their u
+};
+
+// Steps 1 and 2 for one row of n values; token id of column j: ids[j], or j.
+inline void plan_row(const float* x, const int64_t* ids, int64_t n, uint64_t key, RowPlan& plan) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  int64_t top = -1;
+  float best = kNegInf;
+  for (int64_t j = 0; j < n; ++j) {
+    const float v = x[j];
+    if (v != v) {  // NaN: torch.argmax takes the first
+      plan.answer = j;
+      return;
+    }
+    if (v > best) {
+      best = v;
+      top = j;
+    }
+  }
+  if (top < 0) {  // every value -inf: the race's values are all -inf, argmax is column 0
+    plan.answer = 0;
+    return;
+  }
+  if (std::isinf(best)) {  // +inf + g is +inf: the first +inf wins
+    plan.answer = top;
+    return;
+  }
+  const double u_top = seeded_uniform(key, ids ? ids[top] : top);
+  // std::log, not at::log, may differ from the reference in the last bit: the margin covers that (the
+  // race values are below 1e3, their ulp below 1e-12).
+  const double bound = static_cast<double>(best) - std::log(-std::log(u_top)) - 1e-6;
+  for (int64_t j = 0; j < n; ++j) {
+    // v - B in double, then small enough (above -37.5 where it matters) for a float to hold it closely.
+    const double d = static_cast<double>(x[j]) - bound;
+    // exp(v - B) below 2^-54 (1 - u never is; this also skips -inf): no chance, and no hash needed.
+    if (!(d >= -37.5)) continue;
+    const double u = seeded_uniform(key, ids ? ids[j] : j);
+    const float gap = static_cast<float>(1.0 - u);
+    // fast_exp's relative error is about 2e-7 and the float roundings 1e-7: a 1e-4 margin is safe.
+    if (gap > pagedllm::fast_exp(static_cast<float>(d)) * 1.0001f) continue;
+    plan.columns.push_back(j);
+    plan.uniforms.push_back(u);
+  }
+}
+
+}  // namespace
+
+// values [N, C] float32 (removed tokens -inf), token_ids [N, C] int64 or None (column j is token j),
+// keys [N] int64 (sampler.position_seed per row) -> [N] int64, the winning column of each row.
+at::Tensor seeded_race(const at::Tensor& values, const std::optional<at::Tensor>& token_ids, const at::Tensor& keys) {
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kFloat && values.is_contiguous(),
+              "seeded_race: values must be a contiguous 2-D float32 tensor");
+  TORCH_CHECK(keys.dim() == 1 && keys.size(0) == values.size(0) && keys.scalar_type() == at::kLong,
+              "seeded_race: one int64 key per row");
+  const int64_t rows = values.size(0), cols = values.size(1);
+  const int64_t* ids = nullptr;
+  at::Tensor ids_contig;
+  if (token_ids.has_value()) {
+    ids_contig = token_ids->contiguous();
+    TORCH_CHECK(ids_contig.sizes() == values.sizes() && ids_contig.scalar_type() == at::kLong,
+                "seeded_race: token_ids must be int64 and shaped as values");
+    ids = ids_contig.data_ptr<int64_t>();
+  }
+  const auto keys_contig = keys.contiguous();
+  const float* x = values.data_ptr<float>();
+  const int64_t* key = keys_contig.data_ptr<int64_t>();
+  std::vector<RowPlan> plans(rows);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      plan_row(x + r * cols, ids ? ids + r * cols : nullptr, cols, static_cast<uint64_t>(key[r]), plans[r]);
+    }
+  });
+  // Step 3: every row's contenders in one tensor, through torch's own log (twice, as seeded_gumbel).
+  std::vector<double> uniforms;
+  for (const auto& plan : plans) uniforms.insert(uniforms.end(), plan.uniforms.begin(), plan.uniforms.end());
+  at::Tensor gumbel;
+  if (!uniforms.empty()) {
+    const auto u = at::from_blob(uniforms.data(), {static_cast<int64_t>(uniforms.size())},
+                                 at::TensorOptions().dtype(at::kDouble));
+    gumbel = -at::log(-at::log(u));
+  }
+  const double* g = uniforms.empty() ? nullptr : gumbel.data_ptr<double>();
+  auto out = at::empty({rows}, values.options().dtype(at::kLong));
+  int64_t* winner = out.data_ptr<int64_t>();
+  int64_t offset = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const RowPlan& plan = plans[r];
+    if (plan.answer >= 0) {
+      winner[r] = plan.answer;
+      continue;
+    }
+    double best = -std::numeric_limits<double>::infinity();
+    int64_t best_col = plan.columns.front();  // the top token always contends (its gap is below its bound)
+    for (size_t i = 0; i < plan.columns.size(); ++i) {
+      const double race = static_cast<double>(x[r * cols + plan.columns[i]]) + g[offset + i];
+      if (race > best) {  // strictly: the first of equal values wins, as argmax
+        best = race;
+        best_col = plan.columns[i];
+      }
+    }
+    winner[r] = best_col;
+    offset += static_cast<int64_t>(plan.columns.size());
+  }
+  return out;
+}
+
+TORCH_LIBRARY(pagedllm_cpu_sampler, m) {
+  m.def("seeded_race(Tensor values, Tensor? token_ids, Tensor keys) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu_sampler, CPU, m) {
+  m.impl("seeded_race", &seeded_race);
+}

@@ -1,0 +1,76 @@
+"""The seeded sampler's Gumbel race in C++ (layers/csrc/seeded_race.cpp) against its torch twin: the same
+column on every row, whatever the logits' shape (peaked, flat, ties, removed tokens, NaN and infinities),
+seed, position or token ids, so a seeded request's tokens do not depend on whether the kernels built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import SamplingParams
+from pagedllm.cpu_kernels import load_cpu_kernels
+from pagedllm.layers.sampler import SamplingRow, _torch_seeded_race, position_keys, seeded_race, seeded_sample
+
+pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="the C++ CPU kernels did not build")
+
+
+def cpp_race(values: torch.Tensor, ids: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+    return torch.ops.pagedllm_cpu_sampler.seeded_race(values, ids, keys)
+
+
+def keys_of(num_rows: int, seed: int) -> torch.Tensor:
+    rows = [SamplingRow(SamplingParams(seed=seed + i % 7, temperature=0.7), [], [], [], output_index=i * 13)
+            for i in range(num_rows)]
+    return position_keys(rows, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0, 60.0])
+def test_full_rows_pick_the_reference_column(scale: float) -> None:
+    """600 rows per scale, flat (many tokens can win) to peaked (one can), over a large vocabulary."""
+    gen = torch.Generator().manual_seed(int(scale * 10))
+    values = torch.randn(600, 3000, generator=gen) * scale
+    keys = keys_of(600, seed=int(scale))
+    got = cpp_race(values, None, keys)
+    assert torch.equal(got, _torch_seeded_race(values, None, keys))
+    assert len(set(got.tolist())) > 1  # the noise does decide
+
+
+def test_candidate_rows_with_token_ids_removed_tokens_and_ties() -> None:
+    gen = torch.Generator().manual_seed(3)
+    values = (torch.randn(400, 256, generator=gen) * 2).sort(dim=-1, descending=True).values
+    values[:, 40:] = float("-inf")                               # a top-k/top-p filter's removed tail
+    values[::3, 1] = values[::3, 0]                              # tied best logits
+    values[::5] = values[::5].round()                            # many exact ties
+    ids = torch.stack([torch.randperm(49152, generator=gen)[:256] for _ in range(400)])
+    keys = keys_of(400, seed=99)
+    assert torch.equal(cpp_race(values, ids, keys), _torch_seeded_race(values, ids, keys))
+
+
+def test_special_rows_match_torch_argmax() -> None:
+    """Nothing kept (column 0), a NaN (the first one), +inf (the first one), one kept token, huge logits."""
+    values = torch.randn(6, 500)
+    values[0] = float("-inf")
+    values[1, 7] = values[1, 300] = float("nan")
+    values[2, 11] = values[2, 400] = float("inf")
+    values[3] = float("-inf")
+    values[3, 123] = 1.0
+    values[4] *= 5e3
+    values[5] = values[5] * 1e-3 - 2e4
+    keys = keys_of(6, seed=5)
+    assert torch.equal(cpp_race(values, None, keys), _torch_seeded_race(values, None, keys))
+    assert cpp_race(values, None, keys)[:4].tolist() == [0, 7, 11, 123]
+
+
+def test_seeded_sample_is_the_same_with_and_without_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the sampler, temperature only (whole rows) and with top-p (candidates), many seeds and
+    positions: the C++ race and the torch twin choose the same tokens."""
+    from pagedllm.layers import sampler
+
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(64, 4096, generator=gen) * 4
+    rows = [SamplingRow(SamplingParams(seed=seed, temperature=t, top_p=p), [], [], [], output_index=pos)
+            for seed, pos, t, p in zip(range(64), range(0, 640, 10), [0.7, 1.0, 1.3, 0.5] * 16, [1.0, 0.9] * 32)]
+    with_op = seeded_sample(logits, rows)
+    monkeypatch.setattr(sampler, "_cpu_seeded_race", _torch_seeded_race)
+    assert torch.equal(seeded_sample(logits, rows), with_op)
+    assert torch.equal(seeded_race(logits, None, keys_of(64, 1)), _torch_seeded_race(logits, None, keys_of(64, 1)))
