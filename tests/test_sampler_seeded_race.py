@@ -35,6 +35,15 @@ def test_full_rows_pick_the_reference_column(scale: float) -> None:
     assert len(set(got.tolist())) > 1  # the noise does decide
 
 
+@pytest.mark.parametrize("offset", [-1000.0, 700.0, 1020.0, 3e4])
+def test_large_logits_keep_the_bound_exact(offset: float) -> None:
+    """Logits far from 0 (the float pass loses precision in v - B there; beyond 1024 a double pass runs)."""
+    gen = torch.Generator().manual_seed(int(offset) % 1000)
+    values = torch.randn(300, 2000, generator=gen) * 0.5 + offset
+    keys = keys_of(300, seed=17)
+    assert torch.equal(cpp_race(values, None, keys), _torch_seeded_race(values, None, keys))
+
+
 def test_candidate_rows_with_token_ids_removed_tokens_and_ties() -> None:
     gen = torch.Generator().manual_seed(3)
     values = (torch.randn(400, 256, generator=gen) * 2).sort(dim=-1, descending=True).values

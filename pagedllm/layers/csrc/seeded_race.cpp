@@ -27,6 +27,7 @@
 
 #include "fast_exp.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -52,6 +53,45 @@ struct RowPlan {
   std::vector<int64_t> columns;    // the contenders
   std::vector<double> uniforms;    // their u
 };
+
+// Rules a token out when 1 - u > exp(v - B) * kMargin. fast_exp's relative error is about 2e-7, the float
+// roundings of 1 - u and of v - B (|B| < 1024 there: 6e-5 of an absolute error at most) stay far below it.
+constexpr float kMargin = 1.001f;
+
+// Step 2 in float, a block at a time: a branch-free pass the compiler vectorises (64-bit multiplies and
+// conversions included, with AVX-512), then the few flagged tokens get their exact u.
+template <bool kIds>
+inline void scan_block(const float* x, const int64_t* ids, int64_t n, uint64_t key, double bound, RowPlan& plan) {
+  constexpr int64_t kBlock = 256;
+  const float bound_f = static_cast<float>(bound);
+  uint8_t flag[kBlock];
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t len = std::min(kBlock, n - start);
+    bool any = false;
+#pragma omp simd reduction(| : any)
+    for (int64_t i = 0; i < len; ++i) {
+      const int64_t j = start + i;
+      const float d = x[j] - bound_f;  // -inf for a removed token
+      uint64_t z = key + static_cast<uint64_t>((kIds ? ids[j] : j) + 1) * kGolden;
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+      z = z ^ (z >> 31);
+      // (2^53 - m - 1) 2^-53 <= 1 - u = (2^53 - m - 1/2) 2^-53: rounding down keeps the test conservative
+      const float gap = static_cast<float>(static_cast<int64_t>((1ull << 53) - (z >> 11) - 1)) * 0x1p-53f;
+      const bool keep = (d >= -37.5f) & (gap <= pagedllm::fast_exp(d) * kMargin);
+      flag[i] = keep;
+      any |= keep;
+    }
+    if (!any) continue;
+    for (int64_t i = 0; i < len; ++i) {
+      if (flag[i]) {
+        const int64_t j = start + i;
+        plan.columns.push_back(j);
+        plan.uniforms.push_back(seeded_uniform(key, kIds ? ids[j] : j));
+      }
+    }
+  }
+}
 
 // Steps 1 and 2 for one row of n values; token id of column j: ids[j], or j.
 inline void plan_row(const float* x, const int64_t* ids, int64_t n, uint64_t key, RowPlan& plan) {
@@ -81,15 +121,19 @@ inline void plan_row(const float* x, const int64_t* ids, int64_t n, uint64_t key
   // std::log, not at::log, may differ from the reference in the last bit: the margin covers that (the
   // race values are below 1e3, their ulp below 1e-12).
   const double bound = static_cast<double>(best) - std::log(-std::log(u_top)) - 1e-6;
-  for (int64_t j = 0; j < n; ++j) {
-    // v - B in double, then small enough (above -37.5 where it matters) for a float to hold it closely.
+  if (std::abs(bound) < 1024.0) {
+    if (ids) {
+      scan_block<true>(x, ids, n, key, bound, plan);
+    } else {
+      scan_block<false>(x, ids, n, key, bound, plan);
+    }
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) {  // huge logits: v - B in double, then small enough for a float
     const double d = static_cast<double>(x[j]) - bound;
-    // exp(v - B) below 2^-54 (1 - u never is; this also skips -inf): no chance, and no hash needed.
     if (!(d >= -37.5)) continue;
     const double u = seeded_uniform(key, ids ? ids[j] : j);
-    const float gap = static_cast<float>(1.0 - u);
-    // fast_exp's relative error is about 2e-7 and the float roundings 1e-7: a 1e-4 margin is safe.
-    if (gap > pagedllm::fast_exp(static_cast<float>(d)) * 1.0001f) continue;
+    if (static_cast<float>(1.0 - u) > pagedllm::fast_exp(static_cast<float>(d)) * kMargin) continue;
     plan.columns.push_back(j);
     plan.uniforms.push_back(u);
   }
