@@ -221,6 +221,11 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     return logits
 
 
+def select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows], without the copy when rows is every row in order (a [k+1, 49152] float32 copy per step)."""
+    return x if rows == list(range(x.shape[0])) else x[rows]
+
+
 def holds_back_stops(row: SamplingRow) -> bool:
     """min_tokens not reached yet: adjusted_logits masks the row's stop tokens."""
     return bool(row.stop_token_ids) and len(row.output_token_ids) < row.params.min_tokens
@@ -415,14 +420,16 @@ class Sampler:
                  token_bitmask: TokenBitmask | None = None) -> SamplerOutput:
         raw_logits = logits
         logits = adjusted_logits(logits, rows, token_bitmask)
-        token_ids = argmax_rows(logits)  # what greedy rows take
         seeded = [i for i, r in enumerate(rows) if not r.params.greedy and r.seeded]
         unseeded = [i for i, r in enumerate(rows) if not r.params.greedy and not r.seeded]
+        # what greedy rows take (a full pass over the logits, skipped when no row is greedy)
+        token_ids = argmax_rows(logits) if len(seeded) + len(unseeded) < len(rows) else \
+            torch.empty(len(rows), dtype=torch.long, device=logits.device)
         if seeded:
             # Speculative verification of a seeded request draws with the very same function (spec_decoder.py).
-            token_ids[seeded] = seeded_sample(logits[seeded], [rows[i] for i in seeded])
+            token_ids[seeded] = seeded_sample(select_rows(logits, seeded), [rows[i] for i in seeded])
         if unseeded:
-            token_ids[unseeded] = self._sample_unseeded(logits[unseeded], [rows[i] for i in unseeded])
+            token_ids[unseeded] = self._sample_unseeded(select_rows(logits, unseeded), [rows[i] for i in unseeded])
         if max_logprobs < 0 or all(r.params.logprobs is None for r in rows):
             # Nobody reads them (a request's cumulative logprob is reported only with its logprobs), and
             # the full-vocabulary pass would cost more than the greedy argmax itself.
