@@ -2,7 +2,7 @@
 (attention/csrc/paged_attention_cpu.cpp, namespace torch.ops.pagedllm_cpu), the decoder's small fused
 ops (layers/csrc/cpu_layers.cpp, torch.ops.pagedllm_cpu_layers: argmax, residual add + RMSNorm, RoPE), the
 blocked linear kernel (layers/csrc/cpu_linear.cpp, torch.ops.pagedllm_cpu_linear), the seeded sampler's
-Gumbel race (layers/csrc/seeded_race.cpp, torch.ops.pagedllm_cpu_sampler) and a step's input
+Gumbel race and top candidates (layers/csrc/sampler_ops.cpp, torch.ops.pagedllm_cpu_sampler) and a step's input
 tensors (worker/csrc/step_inputs.cpp, torch.ops.pagedllm_cpu_step).
 
 They are built with `-march=native` for the machine that runs them (AVX2 or AVX-512, whichever the CPU
@@ -34,7 +34,7 @@ _ROOT = os.path.dirname(__file__)
 _SOURCES = [os.path.join(_ROOT, "attention", "csrc", "paged_attention_cpu.cpp"),
             os.path.join(_ROOT, "layers", "csrc", "cpu_layers.cpp"),
             os.path.join(_ROOT, "layers", "csrc", "cpu_linear.cpp"),
-            os.path.join(_ROOT, "layers", "csrc", "seeded_race.cpp"),
+            os.path.join(_ROOT, "layers", "csrc", "sampler_ops.cpp"),
             os.path.join(_ROOT, "worker", "csrc", "step_inputs.cpp")]
 _INCLUDE = os.path.join(_ROOT, "csrc")  # headers both share (fast_exp.h)
 

@@ -1,6 +1,7 @@
-"""The seeded sampler's Gumbel race in C++ (layers/csrc/seeded_race.cpp) against its torch twin: the same
-column on every row, whatever the logits' shape (peaked, flat, ties, removed tokens, NaN and infinities),
-seed, position or token ids, so a seeded request's tokens do not depend on whether the kernels built."""
+"""The sampler's C++ ops (layers/csrc/sampler_ops.cpp) against their torch twins: the seeded Gumbel race
+picks the same column on every row, whatever the logits' shape (peaked, flat, ties, removed tokens, NaN
+and infinities), seed, position or token ids; the top candidates are torch.topk's values with the same
+columns per value. So a seeded request's tokens do not depend on whether the kernels built."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ import torch
 
 from pagedllm import SamplingParams
 from pagedllm.cpu_kernels import load_cpu_kernels
-from pagedllm.layers.sampler import SamplingRow, _torch_seeded_race, position_keys, seeded_race, seeded_sample
+from pagedllm.layers.sampler import (
+    SamplingRow,
+    _torch_seeded_race,
+    _torch_top_candidates,
+    position_keys,
+    seeded_race,
+    seeded_sample,
+    top_candidates,
+)
 
 pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="the C++ CPU kernels did not build")
 
@@ -81,5 +90,36 @@ def test_seeded_sample_is_the_same_with_and_without_the_op(monkeypatch: pytest.M
             for seed, pos, t, p in zip(range(64), range(0, 640, 10), [0.7, 1.0, 1.3, 0.5] * 16, [1.0, 0.9] * 32)]
     with_op = seeded_sample(logits, rows)
     monkeypatch.setattr(sampler, "_cpu_seeded_race", _torch_seeded_race)
+    monkeypatch.setattr(sampler, "_cpu_top_candidates", _torch_top_candidates)
     assert torch.equal(seeded_sample(logits, rows), with_op)
     assert torch.equal(seeded_race(logits, None, keys_of(64, 1)), _torch_seeded_race(logits, None, keys_of(64, 1)))
+
+
+@pytest.mark.parametrize("c", [1, 7, 256, 1000])
+def test_top_candidates_are_torch_topk_values(c: int) -> None:
+    """Peaked, flat, rounded (many ties), removed (-inf) and signed-zero rows: the values equal torch.topk's
+    and each value's columns are the same set."""
+    gen = torch.Generator().manual_seed(c)
+    x = torch.randn(40, 1000, generator=gen) * torch.tensor([0.1, 1.0, 5.0, 40.0]).repeat(10).unsqueeze(1)
+    x[1::4] = x[1::4].round()
+    x[2::4, 500:] = float("-inf")
+    x[3, :300] = 0.0
+    x[3, 300:600] = -0.0
+    x[5, 9] = float("inf")
+    got_values, got_ids = top_candidates(x, c)
+    values, ids = x.topk(c, dim=-1)
+    assert torch.equal(got_values, values)
+    assert torch.equal(x.gather(1, got_ids), got_values)
+    for row in range(x.shape[0]):
+        last = values[row, -1]
+        inside = got_ids[row][values[row] > last]
+        assert set(inside.tolist()) == set(ids[row][values[row] > last].tolist())
+        assert len(set(got_ids[row].tolist())) == c
+
+
+def test_top_candidates_with_nan_are_torch_topk() -> None:
+    x = torch.randn(3, 500)
+    x[1, 17] = float("nan")
+    got_values, got_ids = top_candidates(x, 10)
+    values, ids = x.topk(10, dim=-1)
+    assert torch.equal(got_ids, ids) and torch.equal(got_values.isnan(), values.isnan())

@@ -187,7 +187,7 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
     Every quantity is per row, so a row's result never depends on the rest of the batch."""
     vocab = logits.shape[-1]
     c = min(TOP_CANDIDATES, vocab)
-    values, ids = logits.topk(c, dim=-1)
+    values, ids = top_candidates(logits, c)
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
     within = k <= c
     log_norm = values.new_zeros(values.shape[0])  # overwritten below for every row
@@ -199,6 +199,35 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
     threshold, mass = _kept_threshold(values, k.clamp(max=c), top_p, log_norm)
     exact = (within | ((k >= vocab) & (mass >= top_p))) & ((threshold.squeeze(1) > values[:, -1]) | (c == vocab))
     return values.masked_fill(values < threshold, float("-inf")), ids, exact
+
+
+def top_candidates(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x.topk(c, dim=-1): each row's c largest values in descending order and their columns. On CPU in
+    float32 through a C++ op that counts a row's values in bins and sorts only the top bins' few hundred
+    (torch keeps a heap per row): the same values; tied values may list their columns in another order,
+    which the filters (they read values) and the race (it reads the kept set) never see."""
+    if x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[0] > 0:
+        return _cpu_top_candidates(x, c)
+    return x.topk(c, dim=-1)
+
+
+def _torch_top_candidates(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.topk(c, dim=-1)
+
+
+def _cpp_top_candidates(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    values, ids, has_nan = torch.ops.pagedllm_cpu_sampler.top_candidates(x, c)
+    return x.topk(c, dim=-1) if has_nan else (values, ids)  # torch orders NaN as the largest
+
+
+def _choose_cpu_top_candidates(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first CPU call decides, once, between the C++ op and torch (as _choose_cpu_argmax_rows)."""
+    global _cpu_top_candidates
+    _cpu_top_candidates = _cpp_top_candidates if uses_cpu_kernels(x) else _torch_top_candidates
+    return _cpu_top_candidates(x, c)
+
+
+_cpu_top_candidates: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = _choose_cpu_top_candidates
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -340,7 +369,7 @@ def seeded_race(values: torch.Tensor, token_ids: torch.Tensor | None, keys: torc
     """[N] the winning column of each row: argmax over columns j of values[:, j] + the Gumbel noise of token
     token_ids[:, j] (None: token j) at the row's key (position_keys). values: the kept logits, removed
     ones -inf. On CPU in float32 through a C++ op that hashes each token once and takes logarithms only
-    for the few tokens that can still win (layers/csrc/seeded_race.cpp), the same column bit for bit."""
+    for the few tokens that can still win (layers/csrc/sampler_ops.cpp), the same column bit for bit."""
     if values.is_cpu and values.dtype == torch.float32 and values.dim() == 2 and values.is_contiguous():
         return _cpu_seeded_race(values, token_ids, keys)
     return _torch_seeded_race(values, token_ids, keys)

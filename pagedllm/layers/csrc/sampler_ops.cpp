@@ -1,5 +1,7 @@
-// The seeded sampler's Gumbel race (pagedllm/layers/sampler.py: seeded_sample) without its noise tensor.
+// The sampler's full-vocabulary passes (pagedllm/layers/sampler.py): the seeded Gumbel race without its
+// noise tensor, and the top-C candidates that top-k/top-p filter.
 //
+// seeded_race:
 // A seeded row draws argmax_j (x_j + g_j) over its kept logits x (the removed ones -inf), where
 // g_j = -log(-log(u_j)) and u_j is splitmix64 of (the row's position key, token id j). The torch code
 // hashes every token of the row into [C] int64 and float64 tensors and takes two logs of each: about 15
@@ -28,10 +30,14 @@
 #include "fast_exp.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -200,10 +206,86 @@ at::Tensor seeded_race(const at::Tensor& values, const std::optional<at::Tensor>
   return out;
 }
 
+// top_candidates: each row's c largest values in descending order and their columns: torch.topk's values
+// (a tie may list its columns in another order, and -0 and +0 may swap places: the sampler's filters
+// read values only, and its exact-candidates test refuses a kept set that a tie at the last candidate
+// cuts, so the kept tokens are the same). torch.topk keeps a c-element
+// heap per row; here one pass counts the row's values in 2,048 bins of their order-preserving 32-bit
+// keys (sign, exponent and two mantissa bits), the bins from the top down that hold the c largest are
+// collected (a few hundred values for a trained model's logits), and only those are sorted.
+// A row with a NaN is left to torch (has_nan: the caller runs torch.topk instead).
+
+namespace {
+
+inline uint32_t order_key(float v) {  // ascending keys for ascending floats, -0 just below +0
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// false if the row holds a NaN
+inline bool top_row(const float* x, int64_t n, int64_t c, float* values, int64_t* columns,
+                    std::vector<uint32_t>& hist, std::vector<std::pair<uint32_t, int64_t>>& picked) {
+  constexpr int kShift = 21;
+  std::fill(hist.begin(), hist.end(), 0u);
+  bool nan = false;
+  for (int64_t j = 0; j < n; ++j) {
+    nan |= x[j] != x[j];
+    ++hist[order_key(x[j]) >> kShift];
+  }
+  if (nan) return false;
+  int64_t bin = static_cast<int64_t>(hist.size()) - 1, count = 0;
+  for (; bin > 0; --bin) {
+    count += hist[bin];
+    if (count >= c) break;
+  }
+  const uint32_t floor = static_cast<uint32_t>(bin) << kShift;
+  picked.clear();
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t key = order_key(x[j]);
+    if (key >= floor) picked.emplace_back(key, j);
+  }
+  // the c largest keys, largest first; equal keys by column
+  auto larger = [](const std::pair<uint32_t, int64_t>& a, const std::pair<uint32_t, int64_t>& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  };
+  std::partial_sort(picked.begin(), picked.begin() + c, picked.end(), larger);
+  for (int64_t i = 0; i < c; ++i) {
+    values[i] = x[picked[i].second];
+    columns[i] = picked[i].second;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, bool> top_candidates(const at::Tensor& x, int64_t c) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "top_candidates: x must be a contiguous 2-D float32 tensor");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  TORCH_CHECK(c >= 1 && c <= cols, "top_candidates: c must be in [1, columns]");
+  auto values = at::empty({rows, c}, x.options());
+  auto columns = at::empty({rows, c}, x.options().dtype(at::kLong));
+  const float* in = x.data_ptr<float>();
+  float* v = values.data_ptr<float>();
+  int64_t* col = columns.data_ptr<int64_t>();
+  std::atomic<bool> nan{false};
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> hist(2048);
+    std::vector<std::pair<uint32_t, int64_t>> picked;
+    for (int64_t r = begin; r < end; ++r) {
+      if (!top_row(in + r * cols, cols, c, v + r * c, col + r * c, hist, picked)) nan = true;
+    }
+  });
+  return {values, columns, nan.load()};
+}
+
 TORCH_LIBRARY(pagedllm_cpu_sampler, m) {
   m.def("seeded_race(Tensor values, Tensor? token_ids, Tensor keys) -> Tensor");
+  m.def("top_candidates(Tensor x, int c) -> (Tensor, Tensor, bool)");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu_sampler, CPU, m) {
   m.impl("seeded_race", &seeded_race);
+  m.impl("top_candidates", &top_candidates);
 }
