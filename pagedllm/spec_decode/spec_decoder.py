@@ -324,7 +324,10 @@ class SpecDecoder:
         alphas = [self.acceptance[r.request_id].alpha if r.request_id in self.acceptance
                   else AcceptanceEstimate().alpha for r in proposed]
         lengths = [len(proposals[r.request_id][0]) for r in proposed]
-        ks = allocate_speculative_tokens(alphas, lengths, num_base_tokens, self.step_cost.cost_function(), budget)
+        if self.step_cost.baseline_due(num_base_tokens):
+            ks = [0] * len(proposed)  # a step without speculation, for the cost model (baseline_due)
+        else:
+            ks = allocate_speculative_tokens(alphas, lengths, num_base_tokens, self.step_cost.cost_function(), budget)
         kept: dict[str, tuple[list[int], None]] = {}
         for request, k in zip(proposed, ks):
             tokens = proposals[request.request_id][0]
