@@ -2,7 +2,8 @@
 (attention/csrc/paged_attention_cpu.cpp, namespace torch.ops.pagedllm_cpu), the decoder's small fused
 ops (layers/csrc/cpu_layers.cpp, torch.ops.pagedllm_cpu_layers: argmax, residual add + RMSNorm, RoPE), the
 blocked linear kernel (layers/csrc/cpu_linear.cpp, torch.ops.pagedllm_cpu_linear), the quantized linear
-kernel (layers/csrc/cpu_quant_linear.cpp, torch.ops.pagedllm_cpu_qlinear) and a step's input
+kernel (layers/csrc/cpu_quant_linear.cpp, torch.ops.pagedllm_cpu_qlinear), the seeded sampler's Gumbel
+race and top candidates (layers/csrc/sampler_ops.cpp, torch.ops.pagedllm_cpu_sampler) and a step's input
 tensors (worker/csrc/step_inputs.cpp, torch.ops.pagedllm_cpu_step).
 
 They are built with `-march=native` for the machine that runs them (AVX2 or AVX-512, whichever the CPU
@@ -35,6 +36,7 @@ _SOURCES = [os.path.join(_ROOT, "attention", "csrc", "paged_attention_cpu.cpp"),
             os.path.join(_ROOT, "layers", "csrc", "cpu_layers.cpp"),
             os.path.join(_ROOT, "layers", "csrc", "cpu_linear.cpp"),
             os.path.join(_ROOT, "layers", "csrc", "cpu_quant_linear.cpp"),
+            os.path.join(_ROOT, "layers", "csrc", "sampler_ops.cpp"),
             os.path.join(_ROOT, "worker", "csrc", "step_inputs.cpp")]
 _INCLUDE = os.path.join(_ROOT, "csrc")  # headers both share (fast_exp.h)
 

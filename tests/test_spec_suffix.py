@@ -234,6 +234,29 @@ def test_a_step_speculates_only_while_it_pays() -> None:
     assert allocate_speculative_tokens([0.5] * 16, [4] * 16, 16, steep, budget=100) == [0] * 16
 
 
+@pytest.mark.parametrize("cost_per_token, speculates", [(0.125, False), (0.2, False), (0.01, True), (0.06, True)])
+def test_speculation_turns_off_at_batch_8_even_when_every_step_has_one_size(cost_per_token: float,
+                                                                            speculates: bool) -> None:
+    """Eight requests whose proposals always have 8 tokens (acceptance 0.6) make every speculating step the
+    same size, from which the slope cannot be learned: the model takes a step without speculation now and
+    then (baseline_due) and so learns that an extra position costs `cost_per_token` of a step. Where that
+    is more than the acceptance brings, speculation stays off; where it is less, it stays on. Step times
+    here are a given function of the step's size, never measured."""
+    model, batch, step_s = StepCostModel(), 8, 0.03
+    slope = cost_per_token * step_s
+    speculated = []
+    for _ in range(400):  # as SpecDecoder._allocate
+        if model.baseline_due(batch):
+            ks = [0] * batch
+        else:
+            ks = allocate_speculative_tokens([0.6] * batch, [8] * batch, batch, model.cost_function(), 10**6)
+        num_tokens = batch + sum(ks)
+        model.observe(num_tokens, step_s + slope * (num_tokens - batch))
+        speculated.append(num_tokens > batch)
+    share = sum(speculated[100:]) / 300
+    assert share > 0.95 if speculates else share < 0.02
+
+
 def test_step_cost_model_fits_measured_step_times() -> None:
     model = StepCostModel()
     assert model.fit() is None

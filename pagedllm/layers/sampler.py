@@ -188,7 +188,7 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
     Every quantity is per row, so a row's result never depends on the rest of the batch."""
     vocab = logits.shape[-1]
     c = min(TOP_CANDIDATES, vocab)
-    values, ids = logits.topk(c, dim=-1)
+    values, ids = top_candidates(logits, c)
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
     within = k <= c
     log_norm = values.new_zeros(values.shape[0])  # overwritten below for every row
@@ -200,6 +200,35 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
     threshold, mass = _kept_threshold(values, k.clamp(max=c), top_p, log_norm)
     exact = (within | ((k >= vocab) & (mass >= top_p))) & ((threshold.squeeze(1) > values[:, -1]) | (c == vocab))
     return values.masked_fill(values < threshold, float("-inf")), ids, exact
+
+
+def top_candidates(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x.topk(c, dim=-1): each row's c largest values in descending order and their columns. On CPU in
+    float32 through a C++ op that counts a row's values in bins and sorts only the top bins' few hundred
+    (torch keeps a heap per row): the same values; tied values may list their columns in another order,
+    which the filters (they read values) and the race (it reads the kept set) never see."""
+    if x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[0] > 0:
+        return _cpu_top_candidates(x, c)
+    return x.topk(c, dim=-1)
+
+
+def _torch_top_candidates(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.topk(c, dim=-1)
+
+
+def _cpp_top_candidates(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    values, ids, has_nan = torch.ops.pagedllm_cpu_sampler.top_candidates(x, c)
+    return x.topk(c, dim=-1) if has_nan else (values, ids)  # torch orders NaN as the largest
+
+
+def _choose_cpu_top_candidates(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first CPU call decides, once, between the C++ op and torch (as _choose_cpu_argmax_rows)."""
+    global _cpu_top_candidates
+    _cpu_top_candidates = _cpp_top_candidates if uses_cpu_kernels(x) else _torch_top_candidates
+    return _cpu_top_candidates(x, c)
+
+
+_cpu_top_candidates: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = _choose_cpu_top_candidates
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -220,6 +249,11 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
         logits = logits.clone()
         logits[rows] = sub
     return logits
+
+
+def select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows], without the copy when rows is every row in order (a [k+1, 49152] float32 copy per step)."""
+    return x if rows == list(range(x.shape[0])) else x[rows]
 
 
 def holds_back_stops(row: SamplingRow) -> bool:
@@ -311,10 +345,18 @@ def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
     return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
+def position_keys(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+    """[N] int64: each seeded row's position_seed, as the bit pattern an int64 tensor holds."""
+    return torch.tensor([_int64(position_seed(r.params.seed, r.position)) for r in rows], dtype=torch.int64,
+                        device=device)
+
+
 def _seeded_uniform(rows: list[SamplingRow], token_ids: torch.Tensor) -> torch.Tensor:
     """[N, C] float64 uniforms in (0, 1): splitmix64 of (row's position key, token id), vectorized."""
-    keys = torch.tensor([_int64(position_seed(r.params.seed, r.position)) for r in rows], dtype=torch.int64,
-                        device=token_ids.device)
+    return _uniform_of_keys(position_keys(rows, token_ids.device), token_ids)
+
+
+def _uniform_of_keys(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     z = keys.unsqueeze(1) + (token_ids + 1) * _int64(_GOLDEN)
     z = (z ^ _shift_right(z, 30)) * _int64(0xBF58476D1CE4E5B9)
     z = (z ^ _shift_right(z, 27)) * _int64(0x94D049BB133111EB)
@@ -327,6 +369,35 @@ def seeded_gumbel(rows: list[SamplingRow], token_ids: torch.Tensor) -> torch.Ten
     function of (seed, position, token id) only, so any subset of a row's tokens gets the noise it would
     get within the whole vocabulary."""
     return -(-_seeded_uniform(rows, token_ids).log()).log()
+
+
+def _torch_seeded_race(values: torch.Tensor, token_ids: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+    """The reference race: every token's noise materialised (seeded_gumbel), then one argmax per row."""
+    if token_ids is None:
+        token_ids = torch.arange(values.shape[1], device=values.device).expand(values.shape[0], -1)
+    return (values.to(torch.float64) - (-_uniform_of_keys(keys, token_ids).log()).log()).argmax(dim=-1)
+
+
+def seeded_race(values: torch.Tensor, token_ids: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+    """[N] the winning column of each row: argmax over columns j of values[:, j] + the Gumbel noise of token
+    token_ids[:, j] (None: token j) at the row's key (position_keys). values: the kept logits, removed
+    ones -inf. On CPU in float32 through a C++ op that hashes each token once and takes logarithms only
+    for the few tokens that can still win (layers/csrc/sampler_ops.cpp), the same column bit for bit."""
+    if values.is_cpu and values.dtype == torch.float32 and values.dim() == 2 and values.is_contiguous():
+        return _cpu_seeded_race(values, token_ids, keys)
+    return _torch_seeded_race(values, token_ids, keys)
+
+
+def _choose_cpu_seeded_race(values: torch.Tensor, token_ids: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+    """The first CPU call decides, once, between the C++ op and torch (as _choose_cpu_argmax_rows)."""
+    global _cpu_seeded_race
+    _cpu_seeded_race = torch.ops.pagedllm_cpu_sampler.seeded_race if uses_cpu_kernels(values) \
+        else _torch_seeded_race
+    return _cpu_seeded_race(values, token_ids, keys)
+
+
+_cpu_seeded_race: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor] = \
+    _choose_cpu_seeded_race
 
 
 def exponential_noise(shape: tuple[int, ...], rows: list[SamplingRow], device: torch.device,
@@ -345,13 +416,14 @@ def exponential_noise(shape: tuple[int, ...], rows: list[SamplingRow], device: t
 
 
 def sample_kept(logits: torch.Tensor, rows: list[SamplingRow],
-                draw: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                draw: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor],
                 params: FilterParams | None = None) -> torch.Tensor:
     """[N] token ids of random rows: temperature and min-p over the whole row, then top-k/top-p over the
     candidates where they provably hold the kept set (else over the whole row); `draw(kept, ids, rows)`
-    picks a column of each row of `kept` (logits, the removed ones -inf), `ids` being their token ids and
-    `rows` their indices in `rows`. Candidate rows are drawn first, then whole rows. `params`: the rows'
-    filter parameters where the caller has them as tensors (else read from `rows`)."""
+    picks a column of each row of `kept` (logits, the removed ones -inf), `ids` being their token ids
+    (None for whole rows: column j is token j) and `rows` their indices in `rows`. Candidate rows are
+    drawn first, then whole rows. `params`: the rows' filter parameters where the caller has them as
+    tensors (else read from `rows`)."""
     if params is None:
         params = _filter_params(rows, logits.dtype, logits.device, logits.shape[-1])
     temperature, top_k, top_p, min_p = params
@@ -371,7 +443,7 @@ def sample_kept(logits: torch.Tensor, rows: list[SamplingRow],
         rows_v = full.nonzero().flatten()
         kept = apply_top_k_top_p_min_p(scaled[rows_v], top_k[rows_v], top_p[rows_v],
                                        torch.zeros_like(min_p[rows_v]))  # min-p already applied
-        token_ids[rows_v] = draw(kept, torch.arange(vocab, device=logits.device).expand(len(rows_v), vocab), rows_v)
+        token_ids[rows_v] = draw(kept, None, rows_v)
     return token_ids
 
 
@@ -380,8 +452,8 @@ def seeded_sample(logits: torch.Tensor, rows: list[SamplingRow], params: FilterP
     tokens that temperature, min-p, top-k and top-p keep. Rows whose kept set lies within the candidates
     race over those only; the race over the whole row picks the same token (the noise is per token)."""
 
-    def race(kept: torch.Tensor, ids: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        return (kept.to(torch.float64) + seeded_gumbel([rows[i] for i in indices.tolist()], ids)).argmax(dim=-1)
+    def race(kept: torch.Tensor, ids: torch.Tensor | None, indices: torch.Tensor) -> torch.Tensor:
+        return seeded_race(kept.contiguous(), ids, position_keys([rows[i] for i in indices.tolist()], kept.device))
 
     return sample_kept(logits, rows, race, params)
 
@@ -396,15 +468,17 @@ class Sampler:
         `rows`)."""
         raw_logits = logits
         logits = adjusted_logits(logits, rows, token_bitmask)
-        token_ids = argmax_rows(logits)  # what greedy rows take
         seeded = [i for i, r in enumerate(rows) if not r.params.greedy and r.seeded]
         unseeded = [i for i, r in enumerate(rows) if not r.params.greedy and not r.seeded]
+        # what greedy rows take (a full pass over the logits, skipped when no row is greedy)
+        token_ids = argmax_rows(logits) if len(seeded) + len(unseeded) < len(rows) else \
+            torch.empty(len(rows), dtype=torch.long, device=logits.device)
         if seeded:
             # Speculative verification of a seeded request draws with the very same function (spec_decoder.py).
-            token_ids[seeded] = seeded_sample(logits[seeded], [rows[i] for i in seeded],
+            token_ids[seeded] = seeded_sample(select_rows(logits, seeded), [rows[i] for i in seeded],
                                               params.select(seeded) if params is not None else None)
         if unseeded:
-            token_ids[unseeded] = self._sample_unseeded(logits[unseeded], [rows[i] for i in unseeded],
+            token_ids[unseeded] = self._sample_unseeded(select_rows(logits, unseeded), [rows[i] for i in unseeded],
                                                         params.select(unseeded) if params is not None else None)
         if max_logprobs < 0 or all(r.params.logprobs is None for r in rows):
             # Nobody reads them (a request's cumulative logprob is reported only with its logprobs), and

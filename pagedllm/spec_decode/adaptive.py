@@ -36,6 +36,9 @@ MIN_COST_PER_TOKEN = 0.01
 # the prior slope weighs as much as this many tokens^2 of spread in the measured step sizes.
 STEP_COST_DECAY = 0.98
 STEP_COST_PRIOR_WEIGHT = 4.0
+# A step without speculation is taken to learn the slope (StepCostModel.baseline_due) only after this much
+# (decayed) weight of measured steps: a short request keeps its proposals whole.
+BASELINE_MIN_WEIGHT = 10.0
 
 
 class AcceptanceEstimate:
@@ -63,14 +66,32 @@ class StepCostModel:
 
     def __init__(self) -> None:
         self.weight = self.sum_n = self.sum_t = self.sum_nn = self.sum_nt = 0.0
+        self.last_num_tokens = 0
 
     def observe(self, num_tokens: int, seconds: float) -> None:
+        self.last_num_tokens = num_tokens
         d = STEP_COST_DECAY
         self.weight = d * self.weight + 1.0
         self.sum_n = d * self.sum_n + num_tokens
         self.sum_t = d * self.sum_t + seconds
         self.sum_nn = d * self.sum_nn + num_tokens * num_tokens
         self.sum_nt = d * self.sum_nt + num_tokens * seconds
+
+    def spread(self) -> float:
+        """The decayed sum of squared deviations of the measured step sizes (tokens^2): what the slope is
+        learned from."""
+        return self.sum_nn - self.sum_n * self.sum_n / self.weight if self.weight else 0.0
+
+    def baseline_due(self, num_base_tokens: int) -> bool:
+        """Whether the next step should not speculate, to measure the step without speculation: the last
+        step speculated, and the measured sizes vary too little to tell the slope from the prior. Without
+        it a batch whose proposals keep one length computes the same number of tokens every step, the slope
+        stays the prior's, and speculation stays on even where each verified position costs more than its
+        acceptance brings (at batch 8 with 4-bit weights, say). One such step in about a hundred (the
+        spread it adds decays below the prior's weight in that many steps) costs little; where speculation
+        pays, the slope learned keeps it on."""
+        return (self.weight >= BASELINE_MIN_WEIGHT and self.last_num_tokens > num_base_tokens
+                and self.spread() < STEP_COST_PRIOR_WEIGHT)
 
     def fit(self) -> tuple[float, float] | None:
         """(a, b), or None before any step was measured."""

@@ -28,7 +28,7 @@ import torch
 from pagedllm.config import SchedulerConfig
 from pagedllm.core_types.model_runner_output import ModelRunnerOutput
 from pagedllm.core_types.scheduler_output import ScheduledRequest
-from pagedllm.layers.sampler import SamplingRow, argmax_rows, processed_probs, seeded_sample
+from pagedllm.layers.sampler import SamplingRow, argmax_rows, processed_probs, seeded_sample, select_rows
 from pagedllm.metrics.reader import Counter, Gauge, Metric
 from pagedllm.outputs import position_logprobs
 from pagedllm.spec_decode import SpeculativeConfig
@@ -317,7 +317,10 @@ class SpecDecoder:
         alphas = [self.acceptance[r.request_id].alpha if r.request_id in self.acceptance
                   else AcceptanceEstimate().alpha for r in proposed]
         lengths = [len(proposals[r.request_id][0]) for r in proposed]
-        ks = allocate_speculative_tokens(alphas, lengths, num_base_tokens, self.step_cost.cost_function(), budget)
+        if self.step_cost.baseline_due(num_base_tokens):
+            ks = [0] * len(proposed)  # a step without speculation, for the cost model (baseline_due)
+        else:
+            ks = allocate_speculative_tokens(alphas, lengths, num_base_tokens, self.step_cost.cost_function(), budget)
         kept: dict[str, tuple[list[int], None]] = {}
         for request, k in zip(proposed, ks):
             tokens = proposals[request.request_id][0]
@@ -348,13 +351,15 @@ class SpecDecoder:
             token_bitmask = grammar_bitmask.select((s.request.request_id, start, len(s.spec_token_ids) + 1)
                                                    for (s, _), start in zip(verify, starts))
         adjusted = adjusted_logits(logits, rows, token_bitmask)
-        target_ids = argmax_rows(adjusted)  # what greedy rows take
         # Seeded rows: the target's own sample at each position, drawn as plain sampling draws it there, so
         # the output never depends on what was proposed (rejection_sampler.py). Unseeded random rows are
         # verified by rejection sampling against the target's distribution.
         seeded = [i for i, r in enumerate(rows) if not r.params.greedy and r.seeded]
+        # what greedy rows take (a full pass over k+1 rows of logits, skipped when every row is seeded)
+        target_ids = argmax_rows(adjusted) if len(seeded) < len(rows) else \
+            torch.empty(len(rows), dtype=torch.long, device=adjusted.device)
         if seeded:
-            target_ids[seeded] = seeded_sample(adjusted[seeded], [rows[i] for i in seeded])
+            target_ids[seeded] = seeded_sample(select_rows(adjusted, seeded), [rows[i] for i in seeded])
         unseeded = [i for i, r in enumerate(rows) if not r.params.greedy and not r.seeded]
         probs = processed_probs(adjusted, rows) if unseeded else None
         target_ids = target_ids.tolist()

@@ -1,0 +1,291 @@
+// The sampler's full-vocabulary passes (pagedllm/layers/sampler.py): the seeded Gumbel race without its
+// noise tensor, and the top-C candidates that top-k/top-p filter.
+//
+// seeded_race:
+// A seeded row draws argmax_j (x_j + g_j) over its kept logits x (the removed ones -inf), where
+// g_j = -log(-log(u_j)) and u_j is splitmix64 of (the row's position key, token id j). The torch code
+// hashes every token of the row into [C] int64 and float64 tensors and takes two logs of each: about 15
+// full-row passes, 3 ms a row over a 49,152-token vocabulary, for one winner. Here:
+//
+//   1. the row's best logit x_t (the first, as argmax) and its race value r_t = x_t + g_t give a lower
+//      bound B <= max_j r_j;
+//   2. one pass hashes each kept token and keeps it as a contender only if it may still reach B:
+//      r_j >= B needs -log(u_j) <= exp(x_j - B), and -log(u) >= 1 - u, so 1 - u_j > exp(x_j - B) (with a
+//      margin far above the rounding of both sides) rules j out without a logarithm;
+//   3. the contenders (a handful: token j passes with probability about exp(x_j - B)) get their exact
+//      noise from at::log, the very function torch's reference calls (its result does not depend on a
+//      value's place in a tensor), and the largest x_j + g_j wins, the first on ties.
+//
+// So the chosen column is the reference's bit for bit: the same hash, the same float64 ops on the
+// same values for every token that can win, and the same tie rule. A row with a NaN takes its first NaN
+// and a row with +inf its first +inf (torch.argmax's answer); a row with nothing kept takes column 0.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/log.h>
+#include <torch/library.h>
+
+#include "fast_exp.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+
+// u_j of sampler.py's _seeded_uniform: splitmix64 of key + (token + 1) * golden, its top 53 bits + 1/2
+// scaled into (0, 1).
+inline double seeded_uniform(uint64_t key, int64_t token) {
+  uint64_t z = key + static_cast<uint64_t>(token + 1) * kGolden;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z = z ^ (z >> 31);
+  return (static_cast<double>(z >> 11) + 0.5) * 0x1p-53;
+}
+
+struct RowPlan {
+  int64_t answer = -1;             // decided without the race (NaN, +inf, nothing kept)
+  std::vector<int64_t> columns;    // the contenders
+  std::vector<double> uniforms;    // their u
+};
+
+// Rules a token out when 1 - u > exp(v - B) * kMargin. fast_exp's relative error is about 2e-7, the float
+// roundings of 1 - u and of v - B (|B| < 1024 there: 6e-5 of an absolute error at most) stay far below it.
+constexpr float kMargin = 1.001f;
+
+// Step 2 in float, a block at a time: a branch-free pass the compiler vectorises (64-bit multiplies and
+// conversions included, with AVX-512), then the few flagged tokens get their exact u.
+template <bool kIds>
+inline void scan_block(const float* x, const int64_t* ids, int64_t n, uint64_t key, double bound, RowPlan& plan) {
+  constexpr int64_t kBlock = 256;
+  const float bound_f = static_cast<float>(bound);
+  uint8_t flag[kBlock];
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t len = std::min(kBlock, n - start);
+    bool any = false;
+#pragma omp simd reduction(| : any)
+    for (int64_t i = 0; i < len; ++i) {
+      const int64_t j = start + i;
+      const float d = x[j] - bound_f;  // -inf for a removed token
+      uint64_t z = key + static_cast<uint64_t>((kIds ? ids[j] : j) + 1) * kGolden;
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+      z = z ^ (z >> 31);
+      // (2^53 - m - 1) 2^-53 <= 1 - u = (2^53 - m - 1/2) 2^-53: rounding down keeps the test conservative
+      const float gap = static_cast<float>(static_cast<int64_t>((1ull << 53) - (z >> 11) - 1)) * 0x1p-53f;
+      const bool keep = (d >= -37.5f) & (gap <= pagedllm::fast_exp(d) * kMargin);
+      flag[i] = keep;
+      any |= keep;
+    }
+    if (!any) continue;
+    for (int64_t i = 0; i < len; ++i) {
+      if (flag[i]) {
+        const int64_t j = start + i;
+        plan.columns.push_back(j);
+        plan.uniforms.push_back(seeded_uniform(key, kIds ? ids[j] : j));
+      }
+    }
+  }
+}
+
+// Steps 1 and 2 for one row of n values; token id of column j: ids[j], or j.
+inline void plan_row(const float* x, const int64_t* ids, int64_t n, uint64_t key, RowPlan& plan) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  int64_t top = -1;
+  float best = kNegInf;
+  for (int64_t j = 0; j < n; ++j) {
+    const float v = x[j];
+    if (v != v) {  // NaN: torch.argmax takes the first
+      plan.answer = j;
+      return;
+    }
+    if (v > best) {
+      best = v;
+      top = j;
+    }
+  }
+  if (top < 0) {  // every value -inf: the race's values are all -inf, argmax is column 0
+    plan.answer = 0;
+    return;
+  }
+  if (std::isinf(best)) {  // +inf + g is +inf: the first +inf wins
+    plan.answer = top;
+    return;
+  }
+  const double u_top = seeded_uniform(key, ids ? ids[top] : top);
+  // std::log, not at::log, may differ from the reference in the last bit: the margin covers that (the
+  // race values are below 1e3, their ulp below 1e-12).
+  const double bound = static_cast<double>(best) - std::log(-std::log(u_top)) - 1e-6;
+  if (std::abs(bound) < 1024.0) {
+    if (ids) {
+      scan_block<true>(x, ids, n, key, bound, plan);
+    } else {
+      scan_block<false>(x, ids, n, key, bound, plan);
+    }
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) {  // huge logits: v - B in double, then small enough for a float
+    const double d = static_cast<double>(x[j]) - bound;
+    if (!(d >= -37.5)) continue;
+    const double u = seeded_uniform(key, ids ? ids[j] : j);
+    if (static_cast<float>(1.0 - u) > pagedllm::fast_exp(static_cast<float>(d)) * kMargin) continue;
+    plan.columns.push_back(j);
+    plan.uniforms.push_back(u);
+  }
+}
+
+}  // namespace
+
+// values [N, C] float32 (removed tokens -inf), token_ids [N, C] int64 or None (column j is token j),
+// keys [N] int64 (sampler.position_seed per row) -> [N] int64, the winning column of each row.
+at::Tensor seeded_race(const at::Tensor& values, const std::optional<at::Tensor>& token_ids, const at::Tensor& keys) {
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kFloat && values.is_contiguous(),
+              "seeded_race: values must be a contiguous 2-D float32 tensor");
+  TORCH_CHECK(keys.dim() == 1 && keys.size(0) == values.size(0) && keys.scalar_type() == at::kLong,
+              "seeded_race: one int64 key per row");
+  const int64_t rows = values.size(0), cols = values.size(1);
+  const int64_t* ids = nullptr;
+  at::Tensor ids_contig;
+  if (token_ids.has_value()) {
+    ids_contig = token_ids->contiguous();
+    TORCH_CHECK(ids_contig.sizes() == values.sizes() && ids_contig.scalar_type() == at::kLong,
+                "seeded_race: token_ids must be int64 and shaped as values");
+    ids = ids_contig.data_ptr<int64_t>();
+  }
+  const auto keys_contig = keys.contiguous();
+  const float* x = values.data_ptr<float>();
+  const int64_t* key = keys_contig.data_ptr<int64_t>();
+  std::vector<RowPlan> plans(rows);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      plan_row(x + r * cols, ids ? ids + r * cols : nullptr, cols, static_cast<uint64_t>(key[r]), plans[r]);
+    }
+  });
+  // Step 3: every row's contenders in one tensor, through torch's own log (twice, as seeded_gumbel).
+  std::vector<double> uniforms;
+  for (const auto& plan : plans) uniforms.insert(uniforms.end(), plan.uniforms.begin(), plan.uniforms.end());
+  at::Tensor gumbel;
+  if (!uniforms.empty()) {
+    const auto u = at::from_blob(uniforms.data(), {static_cast<int64_t>(uniforms.size())},
+                                 at::TensorOptions().dtype(at::kDouble));
+    gumbel = -at::log(-at::log(u));
+  }
+  const double* g = uniforms.empty() ? nullptr : gumbel.data_ptr<double>();
+  auto out = at::empty({rows}, values.options().dtype(at::kLong));
+  int64_t* winner = out.data_ptr<int64_t>();
+  int64_t offset = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const RowPlan& plan = plans[r];
+    if (plan.answer >= 0) {
+      winner[r] = plan.answer;
+      continue;
+    }
+    double best = -std::numeric_limits<double>::infinity();
+    int64_t best_col = plan.columns.front();  // the top token always contends (its gap is below its bound)
+    for (size_t i = 0; i < plan.columns.size(); ++i) {
+      const double race = static_cast<double>(x[r * cols + plan.columns[i]]) + g[offset + i];
+      if (race > best) {  // strictly: the first of equal values wins, as argmax
+        best = race;
+        best_col = plan.columns[i];
+      }
+    }
+    winner[r] = best_col;
+    offset += static_cast<int64_t>(plan.columns.size());
+  }
+  return out;
+}
+
+// top_candidates: each row's c largest values in descending order and their columns: torch.topk's values
+// (a tie may list its columns in another order, and -0 and +0 may swap places: the sampler's filters
+// read values only, and its exact-candidates test refuses a kept set that a tie at the last candidate
+// cuts, so the kept tokens are the same). torch.topk keeps a c-element
+// heap per row; here one pass counts the row's values in 2,048 bins of their order-preserving 32-bit
+// keys (sign, exponent and two mantissa bits), the bins from the top down that hold the c largest are
+// collected (a few hundred values for a trained model's logits), and only those are sorted.
+// A row with a NaN is left to torch (has_nan: the caller runs torch.topk instead).
+
+namespace {
+
+inline uint32_t order_key(float v) {  // ascending keys for ascending floats, -0 just below +0
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// false if the row holds a NaN
+inline bool top_row(const float* x, int64_t n, int64_t c, float* values, int64_t* columns,
+                    std::vector<uint32_t>& hist, std::vector<std::pair<uint32_t, int64_t>>& picked) {
+  constexpr int kShift = 21;
+  std::fill(hist.begin(), hist.end(), 0u);
+  bool nan = false;
+  for (int64_t j = 0; j < n; ++j) {
+    nan |= x[j] != x[j];
+    ++hist[order_key(x[j]) >> kShift];
+  }
+  if (nan) return false;
+  int64_t bin = static_cast<int64_t>(hist.size()) - 1, count = 0;
+  for (; bin > 0; --bin) {
+    count += hist[bin];
+    if (count >= c) break;
+  }
+  const uint32_t floor = static_cast<uint32_t>(bin) << kShift;
+  picked.clear();
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t key = order_key(x[j]);
+    if (key >= floor) picked.emplace_back(key, j);
+  }
+  // the c largest keys, largest first; equal keys by column
+  auto larger = [](const std::pair<uint32_t, int64_t>& a, const std::pair<uint32_t, int64_t>& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  };
+  std::partial_sort(picked.begin(), picked.begin() + c, picked.end(), larger);
+  for (int64_t i = 0; i < c; ++i) {
+    values[i] = x[picked[i].second];
+    columns[i] = picked[i].second;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, bool> top_candidates(const at::Tensor& x, int64_t c) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "top_candidates: x must be a contiguous 2-D float32 tensor");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  TORCH_CHECK(c >= 1 && c <= cols, "top_candidates: c must be in [1, columns]");
+  auto values = at::empty({rows, c}, x.options());
+  auto columns = at::empty({rows, c}, x.options().dtype(at::kLong));
+  const float* in = x.data_ptr<float>();
+  float* v = values.data_ptr<float>();
+  int64_t* col = columns.data_ptr<int64_t>();
+  std::atomic<bool> nan{false};
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> hist(2048);
+    std::vector<std::pair<uint32_t, int64_t>> picked;
+    for (int64_t r = begin; r < end; ++r) {
+      if (!top_row(in + r * cols, cols, c, v + r * c, col + r * c, hist, picked)) nan = true;
+    }
+  });
+  return {values, columns, nan.load()};
+}
+
+TORCH_LIBRARY(pagedllm_cpu_sampler, m) {
+  m.def("seeded_race(Tensor values, Tensor? token_ids, Tensor keys) -> Tensor");
+  m.def("top_candidates(Tensor x, int c) -> (Tensor, Tensor, bool)");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu_sampler, CPU, m) {
+  m.impl("seeded_race", &seeded_race);
+  m.impl("top_candidates", &top_candidates);
+}

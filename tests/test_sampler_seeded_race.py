@@ -1,0 +1,125 @@
+"""The sampler's C++ ops (layers/csrc/sampler_ops.cpp) against their torch twins: the seeded Gumbel race
+picks the same column on every row, whatever the logits' shape (peaked, flat, ties, removed tokens, NaN
+and infinities), seed, position or token ids; the top candidates are torch.topk's values with the same
+columns per value. So a seeded request's tokens do not depend on whether the kernels built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import SamplingParams
+from pagedllm.cpu_kernels import load_cpu_kernels
+from pagedllm.layers.sampler import (
+    SamplingRow,
+    _torch_seeded_race,
+    _torch_top_candidates,
+    position_keys,
+    seeded_race,
+    seeded_sample,
+    top_candidates,
+)
+
+pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="the C++ CPU kernels did not build")
+
+
+def cpp_race(values: torch.Tensor, ids: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+    return torch.ops.pagedllm_cpu_sampler.seeded_race(values, ids, keys)
+
+
+def keys_of(num_rows: int, seed: int) -> torch.Tensor:
+    rows = [SamplingRow(SamplingParams(seed=seed + i % 7, temperature=0.7), [], [], [], output_index=i * 13)
+            for i in range(num_rows)]
+    return position_keys(rows, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0, 60.0])
+def test_full_rows_pick_the_reference_column(scale: float) -> None:
+    """600 rows per scale, flat (many tokens can win) to peaked (one can), over a large vocabulary."""
+    gen = torch.Generator().manual_seed(int(scale * 10))
+    values = torch.randn(600, 3000, generator=gen) * scale
+    keys = keys_of(600, seed=int(scale))
+    got = cpp_race(values, None, keys)
+    assert torch.equal(got, _torch_seeded_race(values, None, keys))
+    assert len(set(got.tolist())) > 1  # the noise does decide
+
+
+@pytest.mark.parametrize("offset", [-1000.0, 700.0, 1020.0, 3e4])
+def test_large_logits_keep_the_bound_exact(offset: float) -> None:
+    """Logits far from 0 (the float pass loses precision in v - B there; beyond 1024 a double pass runs)."""
+    gen = torch.Generator().manual_seed(int(offset) % 1000)
+    values = torch.randn(300, 2000, generator=gen) * 0.5 + offset
+    keys = keys_of(300, seed=17)
+    assert torch.equal(cpp_race(values, None, keys), _torch_seeded_race(values, None, keys))
+
+
+def test_candidate_rows_with_token_ids_removed_tokens_and_ties() -> None:
+    gen = torch.Generator().manual_seed(3)
+    values = (torch.randn(400, 256, generator=gen) * 2).sort(dim=-1, descending=True).values
+    values[:, 40:] = float("-inf")                               # a top-k/top-p filter's removed tail
+    values[::3, 1] = values[::3, 0]                              # tied best logits
+    values[::5] = values[::5].round()                            # many exact ties
+    ids = torch.stack([torch.randperm(49152, generator=gen)[:256] for _ in range(400)])
+    keys = keys_of(400, seed=99)
+    assert torch.equal(cpp_race(values, ids, keys), _torch_seeded_race(values, ids, keys))
+
+
+def test_special_rows_match_torch_argmax() -> None:
+    """Nothing kept (column 0), a NaN (the first one), +inf (the first one), one kept token, huge logits."""
+    values = torch.randn(6, 500)
+    values[0] = float("-inf")
+    values[1, 7] = values[1, 300] = float("nan")
+    values[2, 11] = values[2, 400] = float("inf")
+    values[3] = float("-inf")
+    values[3, 123] = 1.0
+    values[4] *= 5e3
+    values[5] = values[5] * 1e-3 - 2e4
+    keys = keys_of(6, seed=5)
+    assert torch.equal(cpp_race(values, None, keys), _torch_seeded_race(values, None, keys))
+    assert cpp_race(values, None, keys)[:4].tolist() == [0, 7, 11, 123]
+
+
+def test_seeded_sample_is_the_same_with_and_without_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the sampler, temperature only (whole rows) and with top-p (candidates), many seeds and
+    positions: the C++ race and the torch twin choose the same tokens."""
+    from pagedllm.layers import sampler
+
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(64, 4096, generator=gen) * 4
+    rows = [SamplingRow(SamplingParams(seed=seed, temperature=t, top_p=p), [], [], [], output_index=pos)
+            for seed, pos, t, p in zip(range(64), range(0, 640, 10), [0.7, 1.0, 1.3, 0.5] * 16, [1.0, 0.9] * 32)]
+    with_op = seeded_sample(logits, rows)
+    monkeypatch.setattr(sampler, "_cpu_seeded_race", _torch_seeded_race)
+    monkeypatch.setattr(sampler, "_cpu_top_candidates", _torch_top_candidates)
+    assert torch.equal(seeded_sample(logits, rows), with_op)
+    assert torch.equal(seeded_race(logits, None, keys_of(64, 1)), _torch_seeded_race(logits, None, keys_of(64, 1)))
+
+
+@pytest.mark.parametrize("c", [1, 7, 256, 1000])
+def test_top_candidates_are_torch_topk_values(c: int) -> None:
+    """Peaked, flat, rounded (many ties), removed (-inf) and signed-zero rows: the values equal torch.topk's
+    and each value's columns are the same set."""
+    gen = torch.Generator().manual_seed(c)
+    x = torch.randn(40, 1000, generator=gen) * torch.tensor([0.1, 1.0, 5.0, 40.0]).repeat(10).unsqueeze(1)
+    x[1::4] = x[1::4].round()
+    x[2::4, 500:] = float("-inf")
+    x[3, :300] = 0.0
+    x[3, 300:600] = -0.0
+    x[5, 9] = float("inf")
+    got_values, got_ids = top_candidates(x, c)
+    values, ids = x.topk(c, dim=-1)
+    assert torch.equal(got_values, values)
+    assert torch.equal(x.gather(1, got_ids), got_values)
+    for row in range(x.shape[0]):
+        last = values[row, -1]
+        inside = got_ids[row][values[row] > last]
+        assert set(inside.tolist()) == set(ids[row][values[row] > last].tolist())
+        assert len(set(got_ids[row].tolist())) == c
+
+
+def test_top_candidates_with_nan_are_torch_topk() -> None:
+    x = torch.randn(3, 500)
+    x[1, 17] = float("nan")
+    got_values, got_ids = top_candidates(x, 10)
+    values, ids = x.topk(10, dim=-1)
+    assert torch.equal(got_ids, ids) and torch.equal(got_values.isnan(), values.isnan())
