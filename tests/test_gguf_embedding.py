@@ -62,16 +62,17 @@ def _token_embd(path: str) -> np.ndarray:
     return dequantize(tensor.data, GGMLQuantizationType[tensor.tensor_type.name]).reshape(tensor.shape[::-1])
 
 
-@pytest.mark.parametrize("weight_type,dtype", [("Q8_0", "float32"), ("Q4_1", "bfloat16")])
-def test_tied_embedding_stays_quantized_and_tokens_are_unchanged(tied_qwen2: str, tmp_path: Path, monkeypatch,
-                                                                weight_type: str, dtype: str) -> None:
-    path = write_gguf(tied_qwen2, str(tmp_path / f"tiny-{weight_type}.gguf"), weight_type)
+def test_tied_embedding_stays_quantized_and_tokens_are_unchanged(tied_qwen2: str, tmp_path: Path,
+                                                                monkeypatch) -> None:
+    """fp32 (the precise reference: no quantized kernel): the embedding keeps the file's Q8_0 rows, the LM
+    head one dense copy, and the tokens and logprobs are those of the dense-embedding engine, bit for bit."""
+    path = write_gguf(tied_qwen2, str(tmp_path / "tiny-Q8_0.gguf"), "Q8_0")
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
-    llm = LLM(model=path, dtype=dtype, block_size=8, max_model_len=128)
+    llm = LLM(model=path, dtype="float32", block_size=8, max_model_len=128)
     model = llm.llm_engine.model_runner.model
     embedding = model.embed_tokens
     assert isinstance(embedding.quantized_rows, GGUFRows) and embedding.weight is None
-    assert embedding.quantized_rows.type_name == weight_type
+    assert embedding.quantized_rows.type_name == "Q8_0"
     assert model.lm_head.packed_weight is not None and model.lm_head.weight is None  # one LM head copy
     ids = torch.tensor([0, 7, 300, 7, 511])
     assert torch.equal(embedding(ids), torch.from_numpy(_token_embd(path))[ids].to(embedding.dtype))
@@ -79,11 +80,38 @@ def test_tied_embedding_stays_quantized_and_tokens_are_unchanged(tied_qwen2: str
     del llm
 
     monkeypatch.setattr(GGUFTensor, "quantized_rows", lambda self, start, stop: None)  # the dense embedding
-    dense = LLM(model=path, dtype=dtype, block_size=8, max_model_len=128)
+    dense = LLM(model=path, dtype="float32", block_size=8, max_model_len=128)
     assert dense.llm_engine.model_runner.model.embed_tokens.quantized_rows is None
     want = [o.outputs[0] for o in dense.generate(PROMPTS, params, use_tqdm=False)]
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert [g.cumulative_logprob for g in got] == [w.cumulative_logprob for w in want]  # the same bits
+
+
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_1"])
+def test_tied_table_is_one_copy_the_lm_head_multiplies_as_stored(tied_qwen2: str, tmp_path: Path,
+                                                                weight_type: str) -> None:
+    """bf16 where pagedllm's VNNI kernel runs: the LM head multiplies by the file's table as stored and
+    the embedding reads its rows from that one copy, exactly as llama.cpp dequantizes them; the logits
+    are the dequantized table's within the kernel's activation rounding."""
+    from pagedllm.layers.quantization.vnni import VnniRows, VnniWeight, kernel_enabled
+
+    if not kernel_enabled(torch.bfloat16):
+        pytest.skip("pagedllm's VNNI kernel does not run on this CPU")
+    path = write_gguf(tied_qwen2, str(tmp_path / f"tiny-{weight_type}.gguf"), weight_type)
+    llm = LLM(model=path, dtype="bfloat16", block_size=8, max_model_len=128)
+    model = llm.llm_engine.model_runner.model
+    embedding, lm_head = model.embed_tokens, model.lm_head
+    assert isinstance(lm_head.quantized_weight, VnniWeight) and isinstance(embedding.quantized_rows, VnniRows)
+    assert embedding.weight is None and lm_head.weight is None and lm_head.packed_weight is None
+    table = torch.from_numpy(_token_embd(path))
+    ids = torch.tensor([0, 7, 300, 7, 511, 16, 15])
+    assert torch.equal(embedding.quantized_rows(ids), table[ids])
+    hidden = torch.randn(5, table.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    logits = lm_head.compute_logits(hidden)
+    want = hidden.float() @ table.T
+    assert torch.allclose(logits, want, atol=2e-2 * float(want.abs().max()), rtol=0)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
 
 
 def test_model_memory_tool_counts_the_quantized_embedding(tied_qwen2: str, tmp_path: Path) -> None:

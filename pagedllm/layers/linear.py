@@ -208,11 +208,36 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed_weight: torch.Tensor | None = None
     packed_matmul: Callable[..., torch.Tensor] | None = None
 
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__(vocab_size, hidden_size, dtype, tp_rank, tp_size)
+        # A quantized weight (a QuantizedWeight module) in place of `weight`: a tied GGUF table multiplied
+        # as stored (use_quantized_table)
+        self.quantized_weight: nn.Module | None = None
+
+    def use_quantized_table(self, embedding: VocabParallelEmbedding, dtype: torch.dtype) -> bool:
+        """Tied to an embedding kept in a GGUF block type: multiply by that table as stored, where a
+        quantized kernel takes it, and let the embedding read its rows from this one copy. False (nothing
+        changed) where none does; the LM head then loads its own dense weight."""
+        rows = embedding.quantized_rows
+        as_weight = getattr(rows, "as_weight", None)
+        if as_weight is None or self.vocab_end - self.vocab_start != self.num_embeddings_per_rank:
+            return False  # (a padded last shard would need padded packed rows)
+        weight = as_weight(dtype)
+        if weight is None:
+            return False
+        from pagedllm.layers.quantization.vnni import VnniRows
+
+        self.quantized_weight, self.weight = weight, None
+        embedding.quantized_rows = VnniRows(weight)
+        return True
+
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor | None:
         """float32 logits [N, vocab] on rank 0 (gathered once); None on the other ranks. upcast=False
         leaves them in the dtype the matmul made, for a caller that only takes each row's argmax (the
         same index: the cast to float32 is exact and keeps the order)."""
-        if self.packed_matmul is not None:
+        if self.quantized_weight is not None:
+            logits = self.quantized_weight.apply(hidden, None)
+        elif self.packed_matmul is not None:
             logits = self.packed_matmul(hidden, self.packed_weight)
         else:
             logits = F.linear(hidden, self.weight)

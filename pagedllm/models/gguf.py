@@ -486,6 +486,19 @@ class GGUFRows(torch.nn.Module):
         out = dequantize_parts(PACKED_TYPES[self.type_name](rows, (rows.shape[0], self.hidden_size)))
         return out.to(ids.device)  # the readers run on the host (numpy); a no-op on CPU
 
+    def as_weight(self, dtype: torch.dtype) -> torch.nn.Module | None:
+        """The table as pagedllm's VNNI kernel's weight, losslessly (a tied LM head that multiplies by it
+        as stored); None where that kernel does not run for `dtype` or take the table's shape."""
+        from pagedllm.layers.quantization.vnni import VnniWeight, kernel_enabled, kernel_supports
+
+        rows, bits = self.raw.shape[0], 4 if self.type_name in INT4_TYPES else 8
+        group = 16 if self.type_name == "Q6_K" else 32
+        if self.raw.device.type != "cpu" or not kernel_enabled(dtype) or \
+                not kernel_supports(rows, self.hidden_size, group, bits):
+            return None
+        weight = PACKED_TYPES[self.type_name](self.raw.numpy(), (rows, self.hidden_size)).build(dtype, {})
+        return weight if isinstance(weight, VnniWeight) else None
+
     def extra_repr(self) -> str:
         return f"{self.type_name}, rows={self.raw.shape[0]}, hidden_size={self.hidden_size}"
 

@@ -162,9 +162,11 @@ def load_decoder_weights(model: nn.Module, get_slice: GetSlice, names: set[str],
 
     model.embed_tokens.load(get_slice, "model.embed_tokens.weight")
     norm(model.norm.weight, "model.norm.weight")
-    # Tied, the LM head reads the embedding's weight, unless the embedding kept the file's quantized rows
-    # instead: then the LM head fills its own (until a kernel multiplies by those rows as they are).
-    if not model.config.tie_word_embeddings or model.embed_tokens.quantized_rows is not None:
+    # Tied, the LM head reads the embedding's weight; where the embedding kept the file's quantized rows
+    # instead, the LM head multiplies by that table as stored where a kernel can, else fills its own.
+    tied_table = (model.config.tie_word_embeddings and model.embed_tokens.quantized_rows is not None
+                  and model.lm_head.use_quantized_table(model.embed_tokens, model.config.dtype))
+    if not tied_table and (not model.config.tie_word_embeddings or model.embed_tokens.quantized_rows is not None):
         model.lm_head.load(get_slice, "lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight")
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."

@@ -35,6 +35,7 @@ from pagedllm.layers.quantization.vnni import select_quantized_kernels
 from pagedllm.models.gguf import GGUFCheckpoint, is_gguf_path
 from pagedllm.models.quantized_parts import QuantizedParts, shard_parts
 from pagedllm.models.registry import get_model_class
+from pagedllm.platform import release_free_heap_memory
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,9 @@ def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.dev
         model.quant_kernel_choices = select_quantized_kernels(model, config.dtype)
         for choice in model.quant_kernel_choices:
             logger.info("Quantized linear kernel: %s", choice.describe())
+        # What loading freed (file buffers, unpacked parts, weights replaced by packed ones) would stay in
+        # the heap, resident, until later allocations reuse it: hand it back now.
+        release_free_heap_memory()
     return model
 
 

@@ -197,6 +197,35 @@ class VnniWeight(QuantizedWeight):
                 f"group_size={self.group_size}, scales={str(self.scales.dtype).removeprefix('torch.')}")
 
 
+class VnniRows(nn.Module):
+    """An embedding table read from a tied LM head's VnniWeight: each lookup unpacks only the rows asked
+    for, w = q * scale + min in fp32 (VnniWeight.dequantize's arithmetic), so the table and the LM head are
+    one copy of the weights. The weight is the LM head's (registered there, not here)."""
+
+    def __init__(self, weight: VnniWeight):
+        super().__init__()
+        object.__setattr__(self, "source", weight)
+        weight.read_by_rows = True  # select_quantized_kernels keeps it in this layout
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w: VnniWeight = self.source  # type: ignore[assignment]
+        n, k = w.shape
+        ids = ids.reshape(-1).to(torch.long)
+        tile, lane = ids // TILE, ids % TILE
+        if w.bits == 8:  # [tiles, K / 4, 16 features, 4 k] -> the rows' [len, K / 4, 4]
+            q = w.qweight.view(n // TILE, k // 4, TILE, 4)[tile, :, lane]
+        else:  # byte j of a feature's 4 in k-octet t: k-quad 2t in its low nibble, 2t + 1 in its high one
+            packed = w.qweight.view(n // TILE, k // 8, TILE, 4)[tile, :, lane]
+            q = torch.stack([packed & 15, packed >> 4], dim=2)
+        groups = w.scales.shape[1]
+        scale = w.scales[tile, :, lane].to(torch.float32).unsqueeze(-1)
+        offset = w.mins[tile, :, lane].to(torch.float32).unsqueeze(-1)
+        return (q.reshape(-1, groups, k // groups).to(torch.float32) * scale + offset).view(-1, k)
+
+    def extra_repr(self) -> str:
+        return f"rows of the LM head's {self.source.bits}-bit VNNI weight"
+
+
 def int8_to_vnni(weight: QuantizedWeight) -> VnniWeight | None:
     """A signed int8 weight (per-channel scales [N] or per-group [N, K / G]) as the kernel's, losslessly
     (q + 128, min = -128 * scale); None where the kernel does not take its shape."""
@@ -299,7 +328,7 @@ def select_quantized_kernels(model: nn.Module, dtype: torch.dtype) -> list:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if (isinstance(child, QuantizedWeight) and child.method.name in ("int4", "int8")
-                    and child.qweight.device.type == "cpu"):
+                    and child.qweight.device.type == "cpu" and not getattr(child, "read_by_rows", False)):
                 slots.setdefault(_label(child), []).append((module, name, child))
     choices = []
     for label, entries in slots.items():
