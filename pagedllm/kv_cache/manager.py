@@ -232,6 +232,15 @@ class KVCacheManager:
         bs = self.block_size
         request_id = request.request_id
         num_computed = request.num_computed_tokens
+        if not new_computed_blocks and self.num_groups == 1 and self.groups[0].sliding_window is None:
+            # Most steps (decodes): the slots fit the blocks the request holds, and no block fills that the
+            # prefix cache has yet to register: nothing to allocate, cache or give back.
+            group = self.groups[0]
+            blocks = group.req_to_blocks.get(request_id)
+            end = num_computed + num_new_tokens
+            if blocks is not None and end + num_lookahead_tokens <= len(blocks) * bs and (
+                    not self.enable_caching or end // bs <= group.num_cached_blocks.get(request_id, 0)):
+                return True
         if new_computed_blocks and self.num_groups > 1:
             k = len(new_computed_blocks) // self.num_groups
             hits = [new_computed_blocks[i * k:(i + 1) * k] for i in range(self.num_groups)]

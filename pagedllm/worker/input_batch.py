@@ -82,17 +82,26 @@ class InputBatch:
             self.states = [self.requests[request_id] for request_id in self.request_ids]
             self.rows = self.block_tables.rows(self.request_ids)
             self.rows_array = np.array(self.rows, dtype=np.int64)
-        plan = []
-        for state, row, new_token_ids, num_new, start, sample, spec, num_prompt_lp in zip(
-                self.states, self.rows, columns.new_token_ids or repeat(None), columns.num_new_tokens,
-                columns.start_pos, columns.sample or repeat(True), columns.spec_token_ids or repeat(None),
-                columns.num_prompt_logprobs_computed or repeat(0)):
-            if new_token_ids:
-                self._write_tokens(row, len(state.all_token_ids), new_token_ids)
-                state.all_token_ids.extend(new_token_ids)
-            state.num_prompt_logprobs_computed = num_prompt_lp
-            plan.append(ScheduledRequest(state, num_new, start, (), sample, spec if spec is not None else []))
-        return plan
+        if columns.new_token_ids is not None:
+            token_ids = self.token_ids
+            for state, row, new_token_ids in zip(self.states, self.rows, columns.new_token_ids):
+                if new_token_ids:
+                    all_token_ids = state.all_token_ids
+                    if len(new_token_ids) == 1:  # a decode's sampled token: one element, no slice
+                        token_ids[row, len(all_token_ids)] = new_token_ids[0]
+                    else:
+                        self._write_tokens(row, len(all_token_ids), new_token_ids)
+                    all_token_ids.extend(new_token_ids)
+        if columns.num_prompt_logprobs_computed is not None:
+            for state, num_prompt_lp in zip(self.states, columns.num_prompt_logprobs_computed):
+                state.num_prompt_logprobs_computed = num_prompt_lp
+        else:
+            for state in self.states:
+                state.num_prompt_logprobs_computed = 0
+        return [ScheduledRequest(state, num_new, start, (), sample, spec if spec is not None else [])
+                for state, num_new, start, sample, spec in zip(
+                    self.states, columns.num_new_tokens, columns.start_pos, columns.sample or repeat(True),
+                    columns.spec_token_ids or repeat(None))]
 
     def append_sampled(self, sampled_token_ids: dict[str, list[int]]) -> None:
         """Async scheduling: a step's sampled tokens, appended as soon as they exist, because the next

@@ -57,27 +57,26 @@ class SchedulerOutputEncoder:
         for request_id in scheduler_output.finished_req_ids:
             self.num_sent_tokens.pop(request_id, None)
         new_requests = []
-        scheduled = ScheduledRequestsData()
         num_sent_tokens = self.num_sent_tokens
-        for s in scheduler_output.scheduled:
-            request = s.request
-            request_id = request.request_id
+        plan = scheduler_output.scheduled
+        requests = [s.request for s in plan]
+        request_ids = [request.request_id for request in requests]
+        new_token_ids = []
+        for request, request_id in zip(requests, request_ids):
             sent = num_sent_tokens.get(request_id)
             if sent is None:
                 new_requests.append(NewRequestData(request_id, request.prompt_token_ids, request.sampling_params,
                                                    request.lora_request))
                 sent = request.num_prompt_tokens
+            all_token_ids = request.all_token_ids
             # With async scheduling the worker appends the tokens it samples itself: those of steps still
             # running (placeholders here) are the worker's already, and are never sent.
-            num_sent_tokens[request_id] = request.num_tokens + request.num_output_placeholders
-            scheduled.request_ids.append(request_id)
-            scheduled.new_token_ids.append(request.all_token_ids[sent:])
-            scheduled.num_new_tokens.append(s.num_new_tokens)
-            scheduled.start_pos.append(s.start_pos)
-            scheduled.sample.append(s.sample)
-            scheduled.spec_token_ids.append(s.spec_token_ids)
-            scheduled.num_prompt_logprobs_computed.append(request.num_prompt_logprobs_computed)
-        request_ids = scheduled.request_ids
+            num_sent_tokens[request_id] = len(all_token_ids) + request.num_output_placeholders
+            new_token_ids.append(all_token_ids[sent:])
+        scheduled = ScheduledRequestsData(
+            request_ids, new_token_ids, [s.num_new_tokens for s in plan], [s.start_pos for s in plan],
+            [s.sample for s in plan], [s.spec_token_ids for s in plan],
+            [request.num_prompt_logprobs_computed for request in requests])
         scheduled.compact(self.request_ids)
         self.request_ids = request_ids
         return WorkerSchedulerOutput(new_requests, scheduled,
