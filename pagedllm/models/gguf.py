@@ -29,6 +29,7 @@ import torch
 
 from pagedllm import envs
 from pagedllm.distributed.parallel_state import WeightShard
+from pagedllm.layers.quantization.base import dequantize_groups
 from pagedllm.models.quantized_parts import QuantizedParts
 from pagedllm.platform import release_free_heap_memory
 
@@ -457,15 +458,9 @@ PACKED_TYPES.update(Q8_0=_read_q8_0, Q4_0=_read_q4_0, Q4_1=_read_q4_1, Q4_K=_rea
 
 
 def dequantize_parts(parts: QuantizedParts) -> torch.Tensor:
-    """w = q * scale + offset in fp32, per group (32 weights, 16 for Q6_K): the same products and sums as
-    llama.cpp's reference (`gguf.quants.dequantize`) for the types whose reference computes them so (Q8_0,
-    Q4_*); Q5_*/Q6_K's reference scales (q - bias) and may differ from this in the last bit."""
-    n, k = parts.shape
-    groups = parts.scale.shape[1]
-    w = parts.q.to(torch.float32).view(n, groups, k // groups) * parts.scale.to(torch.float32).unsqueeze(-1)
-    if parts.offset is not None:
-        w = w + parts.offset.unsqueeze(-1)
-    return w.view(n, k)
+    """The re-laid weight in fp32 (dequantize_groups): the same bits as llama.cpp's reference
+    (`gguf.quants.dequantize`), checked for every type in tests/test_gguf_embedding.py."""
+    return dequantize_groups(parts.q, parts.scale, parts.offset)
 
 
 class GGUFRows(torch.nn.Module):

@@ -66,6 +66,18 @@ class QuantizationConfig:
         return Fp8WeightOnlyMethod()
 
 
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """w = q * scale (+ offset) in fp32, one scale (and offset) per group of input channels: q [N, K]
+    integers, scale and offset [N, K / G]. Each product and sum is one fp32 rounding, as llama.cpp's
+    reference dequantization of the GGUF types that store q, a scale and a min computes them."""
+    n, k = q.shape
+    groups = scale.shape[1]
+    w = q.to(torch.float32).view(n, groups, k // groups) * scale.to(torch.float32).unsqueeze(-1)
+    if offset is not None:
+        w = w + offset.to(torch.float32).unsqueeze(-1)
+    return w.view(n, k)
+
+
 class QuantizedWeight(nn.Module):
     """A quantized [N, K] weight: `qweight` (int8 or float8_e4m3fn) and `scales`, both frozen."""
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from pagedllm import envs
-from pagedllm.layers.quantization.base import QuantizationMethod, QuantizedWeight
+from pagedllm.layers.quantization.base import QuantizationMethod, QuantizedWeight, dequantize_groups
 
 TILE = 16  # output features per tile: the kernel's unit, so N must be a multiple of it
 BLOCK = 32  # activation quantization block: K must be a multiple of it
@@ -164,10 +164,7 @@ class VnniWeight(QuantizedWeight):
                 unpack_groups(self.mins.data).to(torch.float32))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        q, scale, offset = self.logical()
-        n, k = q.shape
-        w = q.to(torch.float32).view(n, scale.shape[1], -1) * scale.unsqueeze(-1) + offset.unsqueeze(-1)
-        return w.view(n, k).to(dtype)
+        return dequantize_groups(*self.logical()).to(dtype)
 
     def narrow(self, dim: int, start: int, length: int) -> VnniWeight:
         """Output rows (dim 0) or whole groups of input columns (dim 1) of the logical weight, repacked."""
@@ -217,10 +214,7 @@ class VnniRows(nn.Module):
         else:  # byte j of a feature's 4 in k-octet t: k-quad 2t in its low nibble, 2t + 1 in its high one
             packed = w.qweight.view(n // TILE, k // 8, TILE, 4)[tile, :, lane]
             q = torch.stack([packed & 15, packed >> 4], dim=2)
-        groups = w.scales.shape[1]
-        scale = w.scales[tile, :, lane].to(torch.float32).unsqueeze(-1)
-        offset = w.mins[tile, :, lane].to(torch.float32).unsqueeze(-1)
-        return (q.reshape(-1, groups, k // groups).to(torch.float32) * scale + offset).view(-1, k)
+        return dequantize_groups(q.reshape(-1, k), w.scales[tile, :, lane], w.mins[tile, :, lane])
 
     def extra_repr(self) -> str:
         return f"rows of the LM head's {self.source.bits}-bit VNNI weight"
