@@ -83,15 +83,10 @@ class InputBatch:
             self.rows = self.block_tables.rows(self.request_ids)
             self.rows_array = np.array(self.rows, dtype=np.int64)
         if columns.new_token_ids is not None:
-            token_ids = self.token_ids
             for state, row, new_token_ids in zip(self.states, self.rows, columns.new_token_ids):
                 if new_token_ids:
-                    all_token_ids = state.all_token_ids
-                    if len(new_token_ids) == 1:  # a decode's sampled token: one element, no slice
-                        token_ids[row, len(all_token_ids)] = new_token_ids[0]
-                    else:
-                        self._write_tokens(row, len(all_token_ids), new_token_ids)
-                    all_token_ids.extend(new_token_ids)
+                    self._write_tokens(row, len(state.all_token_ids), new_token_ids)
+                    state.all_token_ids.extend(new_token_ids)
         if columns.num_prompt_logprobs_computed is not None:
             for state, num_prompt_lp in zip(self.states, columns.num_prompt_logprobs_computed):
                 state.num_prompt_logprobs_computed = num_prompt_lp
@@ -128,7 +123,10 @@ class InputBatch:
                             tensor(self.top_p[index], dtype), tensor(self.min_p[index], dtype))
 
     def _write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
-        self.token_ids[row, start:start + len(token_ids)] = token_ids
+        if len(token_ids) == 1:  # a decode's sampled token: one element, no slice
+            self.token_ids[row, start] = token_ids[0]
+        else:
+            self.token_ids[row, start:start + len(token_ids)] = token_ids
 
     def _row(self, request_id: str) -> int:
         row = self.block_tables.row(request_id)
