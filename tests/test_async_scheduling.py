@@ -273,7 +273,8 @@ def test_plan_travels_compact_and_arrives_whole() -> None:
     for step in steps:
         message = encoder.encode(step)
         sent.append(message.scheduled)
-        rebuilt = batch.update(message)
+        batch.update(message)
+        rebuilt = batch.plan(message.scheduled)
         assert [(s.request.request_id, s.num_new_tokens, s.start_pos, s.sample, s.spec_token_ids)
                 for s in rebuilt] == \
                [(s.request.request_id, s.num_new_tokens, s.start_pos, s.sample, s.spec_token_ids)

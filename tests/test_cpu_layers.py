@@ -8,6 +8,7 @@ model's outputs do not depend on whether the kernels built; fp32 RMSNorm may dif
 from __future__ import annotations
 
 import random
+from unittest import mock
 
 import pytest
 import torch
@@ -124,7 +125,8 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype) -> None:
 def test_step_inputs_op_matches_the_array_path() -> None:
     """ModelRunner.prepare's flat inputs from one C++ call equal the numpy path's, for decodes, speculative
     verification widths and prefill chunks mixed in one step, any block size, with and without zeroing;
-    and a decode step's, built from the last step's tensors (decode_step_inputs), equal them too."""
+    and a decode step's, built from an input batch's token rows and counts (decode_step_inputs), equal
+    them too."""
     import numpy as np
 
     from pagedllm.worker.step_inputs import decode_step_inputs, step_inputs, step_inputs_numpy
@@ -147,15 +149,41 @@ def test_step_inputs_op_matches_the_array_path() -> None:
                 assert a.dtype == b.dtype == torch.int64 and torch.equal(a, b), name
             assert (got.max_query_len, got.max_seq_len) == (want.max_query_len, want.max_seq_len) \
                 == (max(query_lens), max(p + q for p, q in zip(start_pos, query_lens)))
-            if set(query_lens) == {1}:  # a decode step, also from the last step's tensors
-                positions = torch.tensor(start_pos) - 1
-                if positions.min() >= 0:
-                    decoded = decode_step_inputs(torch.tensor(token_ids), positions, torch.tensor(rows),
-                                                 torch.from_numpy(table.copy()), bs, zero_pad)
+            if set(query_lens) == {1}:  # a decode step, also from an input batch's token rows and counts
+                token_table = np.zeros((20, 40 * bs), dtype=np.int64)
+                num_tokens = np.zeros(20, dtype=np.int64)
+                token_table[rows, start_pos] = token_ids
+                num_tokens[rows] = np.array(start_pos) + 1
+                for use_op in (True, False):  # the C++ op and the numpy path it stands in for
+                    with mock.patch("pagedllm.worker.step_inputs.load_cpu_kernels", lambda use_op=use_op: use_op):
+                        decoded = decode_step_inputs(torch.from_numpy(token_table), torch.from_numpy(num_tokens),
+                                                     torch.tensor(rows), torch.from_numpy(table.copy()), bs, zero_pad)
                     assert all(torch.equal(a, b) for a, b in zip(decoded[:6], want[:6]))
                     assert decoded[6:] == want[6:]
-                    decoded_here += 1
+                decoded_here += 1
     assert decoded_here > 50
+
+
+def test_append_tokens_op_matches_the_array_path() -> None:
+    """A decode step's sampled tokens, appended to an input batch's rows by the C++ op and by numpy alike."""
+    import numpy as np
+
+    from pagedllm.worker.step_inputs import append_tokens
+
+    rng = random.Random(1)
+    for _ in range(50):
+        counts = np.array([rng.randrange(0, 15) for _ in range(12)], dtype=np.int64)
+        rows = rng.sample(range(12), rng.randrange(1, 12))
+        token_ids = [rng.randrange(50_000) for _ in rows]
+        results = []
+        for use_op in (True, False):
+            table, num_tokens = np.zeros((12, 16), dtype=np.int64), counts.copy()
+            with mock.patch("pagedllm.worker.step_inputs.load_cpu_kernels", lambda use_op=use_op: use_op):
+                append_tokens(torch.from_numpy(table), torch.from_numpy(num_tokens), torch.tensor(rows), token_ids)
+            assert num_tokens[rows].tolist() == (counts[rows] + 1).tolist()
+            assert table[rows, counts[rows]].tolist() == token_ids
+            results.append((table, num_tokens))
+        assert all(np.array_equal(a, b) for a, b in zip(*results))
 
 
 def test_kernel_build_reads_copies_of_the_sources_inside_its_content_keyed_directory(tmp_path) -> None:

@@ -13,6 +13,12 @@ from pagedllm.core_types.scheduler_output import (
 from pagedllm.worker.input_batch import InputBatch
 
 
+def update(batch: InputBatch, step: WorkerSchedulerOutput) -> list:
+    """Apply a step's deltas; its plan over the batch's request states."""
+    batch.update(step)
+    return batch.plan(step.scheduled)
+
+
 def message(new: list[NewRequestData], ids: list[str] | None, num_new: list[int], start: list[int],
             new_tokens: list[list[int]] | None = None, finished: set[str] | None = None,
             table_changes: list[dict[str, tuple[int, list[int]]]] | None = None) -> WorkerSchedulerOutput:
@@ -28,7 +34,7 @@ def test_rows_follow_requests_through_arrival_finish_and_reuse() -> None:
     greedy = SamplingParams(temperature=0.0)
     sampled = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=3)
     with_logprobs = SamplingParams(temperature=0.0, logprobs=1)
-    plan = batch.update(message([NewRequestData("a", [1, 2, 3], greedy), NewRequestData("b", [4, 5], sampled)],
+    plan = update(batch, message([NewRequestData("a", [1, 2, 3], greedy), NewRequestData("b", [4, 5], sampled)],
                                 ["a", "b"], [3, 2], [0, 0], table_changes=[{"a": (0, [7]), "b": (0, [8])}]))
     assert [s.request.request_id for s in plan] == ["a", "b"]
     rows = batch.rows
@@ -41,13 +47,13 @@ def test_rows_follow_requests_through_arrival_finish_and_reuse() -> None:
     assert torch.equal(params.top_p, torch.tensor([1.0, 0.9])) and torch.equal(params.min_p, torch.tensor([0.0, 0.1]))
 
     # a decode step of the same requests: ids travel as None, each brings its sampled token
-    plan = batch.update(message([], None, [1, 1], [3, 2], new_tokens=[[9], [10]]))
+    plan = update(batch, message([], None, [1, 1], [3, 2], new_tokens=[[9], [10]]))
     assert [s.request.all_token_ids for s in plan] == [[1, 2, 3, 9], [4, 5, 10]]
     assert batch.token_ids[rows[0], :4].tolist() == [1, 2, 3, 9]
     assert batch.token_ids[rows[1], :3].tolist() == [4, 5, 10]
 
     # "a" finishes; "c" (greedy but asking for logprobs: the sampler's row) takes its row, a third grows the batch
-    plan = batch.update(message([NewRequestData("c", [6], with_logprobs), NewRequestData("d", [11, 12], greedy)],
+    plan = update(batch, message([NewRequestData("c", [6], with_logprobs), NewRequestData("d", [11, 12], greedy)],
                                 ["b", "c", "d"], [1, 1, 2], [3, 0, 0], new_tokens=[[], [], []], finished={"a"},
                                 table_changes=[{"c": (0, [5]), "d": (0, [6])}]))
     assert set(batch.requests) == {"b", "c", "d"}
@@ -59,7 +65,7 @@ def test_rows_follow_requests_through_arrival_finish_and_reuse() -> None:
     assert batch.all_greedy([batch.rows[2]]) and not batch.all_greedy(batch.rows)
 
     # "b" ends and a new request reuses its id in a plan of the same ids (sent as None): the new one runs
-    plan = batch.update(message([NewRequestData("b", [13, 14], greedy)], None, [2, 1, 1], [0, 1, 2],
+    plan = update(batch, message([NewRequestData("b", [13, 14], greedy)], None, [2, 1, 1], [0, 1, 2],
                                 new_tokens=[[], [15], [16]], finished={"b"}, table_changes=[{"b": (0, [9])}]))
     assert [s.request.all_token_ids for s in plan] == [[13, 14], [6, 15], [11, 12, 16]]
     assert batch.greedy[batch.rows].tolist() == [True, False, True]

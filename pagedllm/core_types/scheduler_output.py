@@ -23,13 +23,15 @@ class RunnerRequest(Protocol):
 
     request_id: str
     prompt_token_ids: list[int]
-    all_token_ids: list[int]
     sampling_params: SamplingParams
     lora_request: LoRARequest | None
     num_prompt_logprobs_computed: int
 
     @property
     def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
 
     @property
     def output_token_ids(self) -> Sequence[int]: ...

@@ -162,6 +162,8 @@ class Scheduler:
         running = RequestStatus.RUNNING
         chunked_prefill = self.config.enable_chunked_prefill
         allocate_slots = self.kv.allocate_slots
+        lookahead_tokens = self.config.num_lookahead_tokens
+        with_block_ids = self.connector is not None
         for request in order:
             if budget <= 0:
                 break
@@ -169,19 +171,23 @@ class Scheduler:
                 continue  # preempted earlier in this pass
             if request.num_output_placeholders and self._length_reached(request):
                 continue  # it ends by length when its token in flight arrives
-            num_new = request.num_tokens_with_spec - request.num_computed_tokens
+            start = request.num_computed_tokens
+            end = request.num_tokens_with_spec
+            num_new = end - start
             if num_new <= 0:
                 continue
             if num_new > budget:
                 if not chunked_prefill:
                     continue
                 num_new = budget
-            if request.spec_token_ids and request.num_computed_tokens + num_new < request.num_tokens_with_spec:
+            spec = request.spec_token_ids
+            if spec and start + num_new < end:
                 # A cut inside the proposals drops them all: compute only the known tokens this step.
-                request.spec_token_ids = []
-                num_new = min(num_new, request.num_tokens - request.num_computed_tokens)
+                request.spec_token_ids = spec = []
+                end = request.num_tokens_with_spec
+                num_new = min(num_new, request.num_tokens - start)
             # (every token known before this step is final: the default num_cacheable_tokens)
-            lookahead = self._num_lookahead_tokens(request, num_new) if self.config.num_lookahead_tokens else 0
+            lookahead = self._num_lookahead_tokens(request, num_new) if lookahead_tokens else 0
             if ahead:
                 if not allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
                     self.needs_sync = True
@@ -195,7 +201,10 @@ class Scheduler:
                         break
                 if request.status is not running:
                     continue
-            scheduled[request.request_id] = self._scheduled(request, num_new)
+            # (_scheduled, inline: its proposals were dropped above if cut)
+            scheduled[request.request_id] = ScheduledRequest(
+                request, num_new, start, self.kv.get_block_ids(request.request_id) if with_block_ids else (),
+                start + num_new >= end, list(spec) if spec else [])
             budget -= num_new
 
         # Admit waiting requests, unless this step had to preempt (memory is short).
@@ -382,6 +391,7 @@ class Scheduler:
         sampled_token_ids = model_output.sampled_token_ids
         # logprobs come only for the requests that asked: most steps have none to look up
         all_logprobs, all_sampled_logprobs = model_output.logprobs, model_output.sampled_logprobs
+        all_prompt_logprobs = model_output.prompt_logprobs
         async_scheduling = self.config.async_scheduling
         num_sampled = 0
         for item in output.scheduled:
@@ -393,17 +403,19 @@ class Scheduler:
                     continue  # ended (stop token, stop string, abort) while this step ran: its token is dropped
             else:
                 request.num_computed_tokens += item.num_new_tokens
-            if request.prompt_logprobs is not None and request.request_id in model_output.prompt_logprobs:
+            if all_prompt_logprobs and request.prompt_logprobs is not None \
+                    and request.request_id in all_prompt_logprobs:
                 # Entry i belongs to prompt token i: a recompute after preemption rewrites, never appends.
                 first = item.start_pos + 1
-                new = model_output.prompt_logprobs[request.request_id]
+                new = all_prompt_logprobs[request.request_id]
                 request.prompt_logprobs[first:first + len(new)] = new
             if item.sample:
                 tokens = sampled_token_ids[request.request_id]
-                num_rejected = len(item.spec_token_ids) + 1 - len(tokens)
-                if num_rejected > 0:  # KV of rejected speculative tokens is rolled back
-                    request.num_computed_tokens -= num_rejected
-                    self.kv.trim(request)
+                if item.spec_token_ids:
+                    num_rejected = len(item.spec_token_ids) + 1 - len(tokens)
+                    if num_rejected > 0:  # KV of rejected speculative tokens is rolled back
+                        request.num_computed_tokens -= num_rejected
+                        self.kv.trim(request)
                 if request.spec_token_ids:
                     request.spec_token_ids = []
                 logprobs = all_logprobs.get(request.request_id) if all_logprobs else None

@@ -105,6 +105,10 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.groups = [KVCacheGroupTables(window) for window in kv_cache_groups]
         self.num_groups = len(self.groups)
+        # One full-attention group (most models): a step that fits the blocks a request holds is answered
+        # at once (allocate_slots).
+        self._single_full_group = self.groups[0] if self.num_groups == 1 and self.groups[0].sliding_window is None \
+            else None
         # The window when there is one group and it slides (the case every earlier caller knew).
         self.sliding_window = kv_cache_groups[0] if self.num_groups == 1 else None
         self.pool = BlockPool(num_blocks, enable_caching,
@@ -232,10 +236,10 @@ class KVCacheManager:
         bs = self.block_size
         request_id = request.request_id
         num_computed = request.num_computed_tokens
-        if not new_computed_blocks and self.num_groups == 1 and self.groups[0].sliding_window is None:
+        group = self._single_full_group
+        if group is not None and not new_computed_blocks:
             # Most steps (decodes): the slots fit the blocks the request holds, and no block fills that the
             # prefix cache has yet to register: nothing to allocate, cache or give back.
-            group = self.groups[0]
             blocks = group.req_to_blocks.get(request_id)
             end = num_computed + num_new_tokens
             if blocks is not None and end + num_lookahead_tokens <= len(blocks) * bs and (

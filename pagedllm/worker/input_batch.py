@@ -7,24 +7,27 @@ tokens, and the manager rewrites its table when it is admitted again. A freed ro
 request. Rows are not condensed: every step gathers its requests' rows by index, in the plan's order
 (the order sampling draws its random numbers in), so a dense prefix of rows would buy nothing.
 
-Per row: the request's token ids (prompt and outputs, the same as its state's list; a decode step
-gathers its input ids from them), its block table in each KV cache group (worker/block_table.py),
+Per row: the request's token ids (prompt and outputs: the worker's one copy, which its state reads) and
+how many there are (a decode step computes each row's last one, so its inputs are gathered from these two arrays by one
+C++ call, worker/step_inputs.py), its block table in each KV cache group (worker/block_table.py),
 whether it takes the argmax of its raw logits (`greedy`: greedy sampling asking for nothing that changes
 or reports the logits) and the sampler's filter parameters (temperature, top-k, top-p, min-p). A step
-of unchanged requests reuses the last plan's rows; what changes is written in place.
+of unchanged requests reuses the last plan's rows (and their tensor and greedy flag); what changes is
+written in place.
 """
 
 from __future__ import annotations
 
-from itertools import repeat
+from itertools import chain, repeat
 
 import numpy as np
 import torch
 
-from pagedllm.core_types.scheduler_output import ScheduledRequest, WorkerSchedulerOutput
+from pagedllm.core_types.scheduler_output import ScheduledRequest, ScheduledRequestsData, WorkerSchedulerOutput
 from pagedllm.layers.sampler import FilterParams
 from pagedllm.worker.block_table import BlockTables
 from pagedllm.worker.request_state import CachedRequestState
+from pagedllm.worker.step_inputs import append_tokens
 
 # A top_k may not fit an int64; every value at or past the vocabulary size means the same (off), so it
 # is capped here and clamped to the vocabulary when read (filter_params).
@@ -39,6 +42,8 @@ class InputBatch:
         num_rows = self.block_tables.table.shape[0]
         # np.zeros is calloc'd: rows of short requests never touch the pages of their unused tail.
         self.token_ids = np.zeros((num_rows, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(num_rows, dtype=np.int64)
+        self._tensors()
         self.greedy = np.zeros(num_rows, dtype=bool)
         # The sampler's filter parameters (layers/sampler.FilterParams); float64 holds each Python float
         # exactly, so the cast to the logits' dtype gives the tensor the sampler makes from the floats.
@@ -52,18 +57,21 @@ class InputBatch:
         self.states: list[CachedRequestState] = []
         self.rows: list[int] = []
         self.rows_array = np.zeros(0, dtype=np.int64)
+        self.rows_tensor = torch.from_numpy(self.rows_array)
+        self.plan_greedy = True  # every row of the last plan takes the argmax of its raw logits
+        # states whose prompt-logprob count a plan set (reset when a plan sends none)
+        self._prompt_logprob_states: list[CachedRequestState] = []
 
-    def update(self, message: WorkerSchedulerOutput) -> list[ScheduledRequest]:
-        """Apply a step's deltas; returns its plan over the worker's request states, in the plan's order."""
+    def update(self, message: WorkerSchedulerOutput) -> None:
+        """Apply a step's deltas."""
         if message.finished_req_ids:
             for request_id in message.finished_req_ids:
                 self.requests.pop(request_id, None)
             self.block_tables.drop(message.finished_req_ids)
         for new in message.new_requests:
-            state = CachedRequestState(new.request_id, new.prompt_token_ids, new.sampling_params,
-                                       list(new.prompt_token_ids), lora_request=new.lora_request)
-            self.requests[new.request_id] = state
             row = self._row(new.request_id)
+            self.requests[new.request_id] = CachedRequestState(
+                new.request_id, new.prompt_token_ids, new.sampling_params, self, row, lora_request=new.lora_request)
             params = new.sampling_params
             self.greedy[row] = params.always_argmax
             self.temperature[row], self.top_p[row], self.min_p[row] = params.temperature, params.top_p, params.min_p
@@ -82,30 +90,44 @@ class InputBatch:
             self.states = [self.requests[request_id] for request_id in self.request_ids]
             self.rows = self.block_tables.rows(self.request_ids)
             self.rows_array = np.array(self.rows, dtype=np.int64)
+            self.rows_tensor = torch.from_numpy(self.rows_array)
+            self.plan_greedy = bool(self.greedy[self.rows_array].all())
         if columns.new_token_ids is not None:
-            for state, row, new_token_ids in zip(self.states, self.rows, columns.new_token_ids):
-                if new_token_ids:
-                    self._write_tokens(row, len(state.all_token_ids), new_token_ids)
-                    state.all_token_ids.extend(new_token_ids)
+            self._append_new_tokens(columns.new_token_ids)
         if columns.num_prompt_logprobs_computed is not None:
             for state, num_prompt_lp in zip(self.states, columns.num_prompt_logprobs_computed):
                 state.num_prompt_logprobs_computed = num_prompt_lp
-        else:
-            for state in self.states:
+            self._prompt_logprob_states = self.states
+        elif self._prompt_logprob_states:
+            for state in self._prompt_logprob_states:
                 state.num_prompt_logprobs_computed = 0
+            self._prompt_logprob_states = []
+
+    def plan(self, columns: ScheduledRequestsData) -> list[ScheduledRequest]:
+        """The plan of the step just applied (update), over the worker's request states, in its order."""
         return [ScheduledRequest(state, num_new, start, (), sample, spec if spec is not None else [])
                 for state, num_new, start, sample, spec in zip(
                     self.states, columns.num_new_tokens, columns.start_pos, columns.sample or repeat(True),
                     columns.spec_token_ids or repeat(None))]
+
+    def _append_new_tokens(self, new_token_ids: list[list[int]]) -> None:
+        """The tokens the plan's requests gained since the worker last saw them, in the plan's order."""
+        flat = list(chain.from_iterable(new_token_ids))
+        if len(flat) == len(new_token_ids) and all(new_token_ids):
+            # one token each (a decode step's sampled tokens): one call
+            append_tokens(self.token_tensor, self.num_tokens_tensor, self.rows_tensor, flat)
+            return
+        for row, token_ids in zip(self.rows, new_token_ids):
+            if token_ids:
+                self._write_tokens(row, int(self.num_tokens[row]), token_ids)
 
     def append_sampled(self, sampled_token_ids: dict[str, list[int]]) -> None:
         """Async scheduling: a step's sampled tokens, appended as soon as they exist, because the next
         plan (made before the engine saw them) already computes them."""
         row_of = self.block_tables.row_of
         for request_id, token_ids in sampled_token_ids.items():
-            state = self.requests[request_id]
-            self._write_tokens(row_of[request_id], len(state.all_token_ids), token_ids)
-            state.all_token_ids.extend(token_ids)
+            row = row_of[request_id]
+            self._write_tokens(row, int(self.num_tokens[row]), token_ids)
 
     def all_greedy(self, rows: list[int]) -> bool:
         """Whether every one of these rows takes the argmax of its raw logits."""
@@ -123,10 +145,14 @@ class InputBatch:
                             tensor(self.top_p[index], dtype), tensor(self.min_p[index], dtype))
 
     def _write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
-        if len(token_ids) == 1:  # a decode's sampled token: one element, no slice
-            self.token_ids[row, start] = token_ids[0]
-        else:
-            self.token_ids[row, start:start + len(token_ids)] = token_ids
+        end = start + len(token_ids)
+        self.token_ids[row, start:end] = token_ids
+        self.num_tokens[row] = end
+
+    def _tensors(self) -> None:
+        """Tensors sharing the token arrays' memory, for the step-input op."""
+        self.token_tensor = torch.from_numpy(self.token_ids)
+        self.num_tokens_tensor = torch.from_numpy(self.num_tokens)
 
     def _row(self, request_id: str) -> int:
         row = self.block_tables.row(request_id)
@@ -134,6 +160,8 @@ class InputBatch:
             num_rows = self.block_tables.table.shape[0]
             self.token_ids = np.concatenate([self.token_ids, np.zeros((num_rows - len(self.greedy),
                                                                        self.token_ids.shape[1]), dtype=np.int64)])
+            self.num_tokens = np.concatenate([self.num_tokens, np.zeros(num_rows - len(self.greedy), dtype=np.int64)])
+            self._tensors()
             for name in ("greedy", "temperature", "top_k", "top_p", "min_p"):
                 setattr(self, name, np.resize(getattr(self, name), num_rows))
         return row

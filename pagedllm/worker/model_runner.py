@@ -14,7 +14,9 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -55,9 +57,22 @@ class Batch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
-    order: list[ScheduledRequest]  # the scheduled requests in batch order
     query_starts: list[int]        # each request's first token in the flat batch
     rows: list[int]                # each request's row of the runner's InputBatch (and BlockTables)
+    # The scheduled requests in batch order; a decode step makes them only when something reads them
+    # (its inputs and a greedy step's sampling need none), from `make_order`.
+    _order: list[ScheduledRequest] | None = None
+    make_order: Callable[[], list[ScheduledRequest]] | None = None
+    # A decode step: every request computes its last known token and samples the next one, so row i of
+    # the hidden states is request i's only row and nothing but sampling is asked of it.
+    decode: bool = False
+
+    @property
+    def order(self) -> list[ScheduledRequest]:
+        if self._order is None:
+            assert self.make_order is not None
+            self._order = self.make_order()
+        return self._order
 
 
 # vLLM's CPU backend reserves VLLM_CPU_KVCACHE_SPACE GiB (default 4) for the KV cache; ours is the same
@@ -338,13 +353,15 @@ class ModelRunner:
         # each guarded: most decode steps have none of these
         if self.spec_decoder is not None and (message.finished_req_ids or message.preempted_ids):
             self.spec_decoder.free_requests(message.finished_req_ids | set(message.preempted_ids))
-        plan = self.input_batch.update(message)
+        self.input_batch.update(message)
+        columns = message.scheduled
+        runs = bool(columns.num_new_tokens)
         output = ModelRunnerOutput()
         connector_meta = message.kv_connector_metadata
         if self.kv_connector is not None and connector_meta is not None:
             self.kv_connector.start_load_kv(connector_meta)
-        if plan:
-            batch = self._prepare_plan(plan, message.scheduled)
+        if runs:
+            batch = self._prepare_plan(columns)
             forward_start = time.perf_counter()
             hidden = self.forward(batch)
             output.forward_s = time.perf_counter() - forward_start
@@ -354,8 +371,8 @@ class ModelRunner:
                 for layer in range(len(self.kv_caches)):
                     self.kv_connector.save_kv_layer(layer, connector_meta)
                 self.kv_connector.wait_for_save(connector_meta)
-            output.kv_connector_output = self.kv_connector.get_finished(wait=not plan)
-        if self.spec_decoder is not None and plan:
+            output.kv_connector_output = self.kv_connector.get_finished(wait=not runs)
+        if self.spec_decoder is not None and runs:
             self.spec_decoder.record_step(time.perf_counter() - start, output)
             self.spec_decoder.propose(batch.order, output)
         return output
@@ -363,25 +380,25 @@ class ModelRunner:
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
 
-    def _prepare_plan(self, plan: list[ScheduledRequest], columns: ScheduledRequestsData) -> Batch:
-        """The step's Batch from the input batch, where `plan` (InputBatch.update's, in the order of
-        `columns` and of the batch's last rows) runs the requests of its live rows. A step in which every
-        request computes one token (a decode step) takes its input ids, positions and rows from the batch's
-        arrays, with no per-request Python; any other goes through prepare."""
+    def _prepare_plan(self, columns: ScheduledRequestsData) -> Batch:
+        """The step's Batch from the input batch, just updated with the plan whose columns these are (in the
+        order of the batch's last rows). A decode step (each request computes one token and samples) takes
+        its inputs from the batch's arrays in one call, with no per-request Python; any other goes
+        through prepare."""
         input_batch = self.input_batch
-        n = len(plan)
-        if sum(columns.num_new_tokens) != n:
-            return self.prepare(plan, input_batch.rows)
-        rows = input_batch.rows_array
-        start_pos = np.array(columns.start_pos, dtype=np.int64)
-        input_ids = torch.from_numpy(input_batch.token_ids[rows, start_pos])
-        last_positions, rows_tensor = torch.from_numpy(start_pos - 1), torch.from_numpy(rows)
+        n = len(columns.num_new_tokens)
+        if columns.sample is not None or columns.spec_token_ids is not None or sum(columns.num_new_tokens) != n:
+            return self.prepare(input_batch.plan(columns), input_batch.rows)
         ones = [1] * n
         if self.lora_manager is not None:
-            self.lora_manager.prepare_step([s.request.lora_request for s in plan], ones)
-        inputs = [decode_step_inputs(input_ids, last_positions, rows_tensor, table, self.block_size,
-                                     zero_pad=self.backend.needs_dense_masks) for table in self.block_tables.tensors]
-        return self._batch(plan, n, inputs, ones, list(range(n)), input_batch.rows)
+            self.lora_manager.prepare_step([state.lora_request for state in input_batch.states], ones)
+        inputs = [decode_step_inputs(input_batch.token_tensor, input_batch.num_tokens_tensor, input_batch.rows_tensor,
+                                     table, self.block_size, zero_pad=self.backend.needs_dense_masks)
+                  for table in self.block_tables.tensors]
+        batch = self._batch(None, n, inputs, ones, list(range(n)), input_batch.rows)
+        batch.make_order = partial(input_batch.plan, columns)
+        batch.decode = True
+        return batch
 
     def prepare(self, scheduled: list[ScheduledRequest], rows: list[int] | None = None) -> Batch:
         """The step's Batch from the scheduled requests' token lists. `rows`: the requests' rows of the block
@@ -437,13 +454,14 @@ class ModelRunner:
         return self._batch(order, len(order) - len(long), inputs, entry_query_lens, query_starts, rows,
                            num_short_entries=len(entry_query_lens) - len(long))
 
-    def _batch(self, order: list[ScheduledRequest], num_short: int, inputs: list[StepInputs], query_lens: list[int],
-               query_starts: list[int], rows: list[int], num_short_entries: int | None = None) -> Batch:
+    def _batch(self, order: list[ScheduledRequest] | None, num_short: int, inputs: list[StepInputs],
+               query_lens: list[int], query_starts: list[int], rows: list[int],
+               num_short_entries: int | None = None) -> Batch:
         """The step's Batch from its flat inputs (step_inputs, one per KV cache group: the same tokens, each
         group's block tables and slots) and lists; the long prefill chunks of `order` follow its `num_short`
-        short ones. query_lens and num_short_entries count the attention's sequences (`inputs`'), which
-        split a verifying request into one per token."""
-        long = order[num_short:]
+        short ones (`order` None: a decode step's, all short). query_lens and num_short_entries count the
+        attention's sequences (`inputs`'), which split a verifying request into one per token."""
+        long = order[num_short:] if order is not None else []
         if num_short_entries is None:
             num_short_entries = num_short
         groups = [self._metadata(long, num_short, num_short_entries, group_inputs, query_lens, query_starts)
@@ -453,7 +471,7 @@ class ModelRunner:
             metadata.layer_metadata = [groups[group] for group in self.group_of_layer]
         on_device = (lambda t: t) if self.device.type == "cpu" else (lambda t: t.to(self.device))
         return Batch(input_ids=on_device(inputs[0].input_ids), positions=on_device(inputs[0].positions),
-                     metadata=metadata, order=order, query_starts=query_starts, rows=rows)
+                     metadata=metadata, query_starts=query_starts, rows=rows, _order=order)
 
     def _metadata(self, long: list[ScheduledRequest], num_short: int, num_short_entries: int, inputs: StepInputs,
                   query_lens: list[int], query_starts: list[int]) -> AttentionMetadata:
@@ -520,37 +538,24 @@ class ModelRunner:
         """Sample the next token of every request that reached its last known token. Requests carrying
         speculative tokens are handed, with the logits of their k+1 positions, to `self.spec_decoder`.
         Every row that needs logits goes through the LM head in one call (one gather under TP)."""
-        sample_rows: list[int] = []
-        sampled: list[ScheduledRequest] = []  # the requests of sample_rows, in order
-        sampled_batch_rows: list[int] = []    # and their rows of the input batch
         verify: list[tuple[ScheduledRequest, int]] = []  # (request, first row of its k+1 positions)
         verify_rows: list[int] = []
         prompt_lp: list[tuple[ScheduledRequest, int, int]] = []  # (request, first row, count)
-        for s, start, row in zip(batch.order, batch.query_starts, batch.rows):
-            request = s.request
-            params = request.sampling_params
-            if params.prompt_logprobs is not None and s.start_pos < request.num_prompt_tokens - 1 \
-                    and request.num_prompt_logprobs_computed < request.num_prompt_tokens:
-                count = min(s.start_pos + s.num_new_tokens, request.num_prompt_tokens - 1) - s.start_pos
-                prompt_lp.append((s, start, count))
-            if not s.sample:
-                continue
-            if s.spec_token_ids:
-                first = start + s.num_new_tokens - len(s.spec_token_ids) - 1
-                verify.append((s, first))
-                verify_rows.extend(range(first, first + len(s.spec_token_ids) + 1))
-            else:
-                sample_rows.append(start + s.num_new_tokens - 1)
-                sampled.append(s)
-                sampled_batch_rows.append(row)
+        sampled: list[ScheduledRequest] | None
+        if batch.decode:  # row i samples for request i, and nothing else is asked (the requests: batch.order)
+            sampled, sample_rows, sampled_batch_rows = None, list(range(len(batch.rows))), batch.rows
+        else:
+            sample_rows, sampled, sampled_batch_rows = self._sample_rows(batch, verify, verify_rows, prompt_lp)
         prompt_rows = [row for _, start, count in prompt_lp for row in range(start, start + count)]
         logits_rows = sample_rows + verify_rows + prompt_rows
         if not logits_rows:
             return
         # A plain decode step samples from every row in order: no gather (a copy of the hidden states).
-        all_rows = len(logits_rows) == hidden.shape[0] and logits_rows == list(range(len(logits_rows)))
+        all_rows = batch.decode or (len(logits_rows) == hidden.shape[0]
+                                    and logits_rows == list(range(len(logits_rows))))
         # Rows that take the argmax of their raw logits (InputBatch.greedy) need no sampler rows built.
-        all_greedy = grammar_bitmask is None and self.input_batch.all_greedy(sampled_batch_rows)
+        all_greedy = grammar_bitmask is None and (
+            self.input_batch.plan_greedy if batch.decode else self.input_batch.all_greedy(sampled_batch_rows))
         logits_start = time.perf_counter()
         if all_greedy and not verify_rows and not prompt_rows:
             # Nothing but argmaxes: the model's fused argmax over the LM head (the logits stay in the
@@ -558,14 +563,17 @@ class ModelRunner:
             token_tensor = self.model.argmax_logits(hidden if all_rows else hidden[sample_rows])
             output.forward_s += time.perf_counter() - logits_start
             if token_tensor is not None:  # rank 0
-                output.sampled_token_ids.update(zip([s.request.request_id for s in sampled],
-                                                    [[token] for token in token_tensor.tolist()]))
+                request_ids = ([s.request.request_id for s in sampled] if sampled is not None
+                               else self.input_batch.request_ids)
+                output.sampled_token_ids.update(zip(request_ids, [[token] for token in token_tensor.tolist()]))
             return
         all_logits = self.model.compute_logits(hidden if all_rows else hidden[logits_rows])
         output.forward_s += time.perf_counter() - logits_start
         if all_logits is None:
             return  # not rank 0: the logits were gathered there, and only rank 0 samples
         num_sample, num_verify = len(sample_rows), len(verify_rows)
+        if sampled is None:
+            sampled = batch.order
         if sample_rows and all_greedy:
             token_ids = argmax_rows(all_logits[:num_sample]).tolist()
             output.sampled_token_ids.update({s.request.request_id: [token] for s, token in zip(sampled, token_ids)})
@@ -598,6 +606,35 @@ class ModelRunner:
         for s, _, count in prompt_lp:
             output.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(s, all_logits[offset:offset + count])
             offset += count
+
+    @staticmethod
+    def _sample_rows(batch: Batch, verify: list[tuple[ScheduledRequest, int]], verify_rows: list[int],
+                     prompt_lp: list[tuple[ScheduledRequest, int, int]]
+                     ) -> tuple[list[int], list[ScheduledRequest], list[int]]:
+        """The rows of the hidden states that sample (and their requests and input-batch rows, in order);
+        fills `verify` and `verify_rows` with the requests that verify proposals and their rows, and
+        `prompt_lp` with those that want prompt logprobs."""
+        sample_rows: list[int] = []
+        sampled: list[ScheduledRequest] = []
+        sampled_batch_rows: list[int] = []
+        for s, start, row in zip(batch.order, batch.query_starts, batch.rows):
+            request = s.request
+            params = request.sampling_params
+            if params.prompt_logprobs is not None and s.start_pos < request.num_prompt_tokens - 1 \
+                    and request.num_prompt_logprobs_computed < request.num_prompt_tokens:
+                count = min(s.start_pos + s.num_new_tokens, request.num_prompt_tokens - 1) - s.start_pos
+                prompt_lp.append((s, start, count))
+            if not s.sample:
+                continue
+            if s.spec_token_ids:
+                first = start + s.num_new_tokens - len(s.spec_token_ids) - 1
+                verify.append((s, first))
+                verify_rows.extend(range(first, first + len(s.spec_token_ids) + 1))
+            else:
+                sample_rows.append(start + s.num_new_tokens - 1)
+                sampled.append(s)
+                sampled_batch_rows.append(row)
+        return sample_rows, sampled, sampled_batch_rows
 
     def sampling_row(self, request: RunnerRequest) -> SamplingRow:
         params = request.sampling_params

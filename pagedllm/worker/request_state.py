@@ -13,7 +13,10 @@ the request is, and the runner reads one request shape in one process and in man
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
 
 from pagedllm.core_types.scheduler_output import (
     NewRequestData,
@@ -25,14 +28,24 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
+class TokenRows(Protocol):
+    """Where a worker's request states keep their tokens (worker/input_batch.InputBatch)."""
+
+    token_ids: np.ndarray   # [rows, max_model_len]
+    num_tokens: np.ndarray  # [rows]
+
+
 @dataclass(eq=False)
 class CachedRequestState:
-    """A worker's copy of a request: all that ModelRunner reads of it."""
+    """A worker's copy of a request: all that ModelRunner reads of it. Its tokens live in its row of the
+    runner's InputBatch (the one copy, which the step's inputs are gathered from); the lists below are
+    read from there."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    all_token_ids: list[int] = field(default_factory=list)
+    batch: TokenRows
+    row: int
     num_prompt_logprobs_computed: int = 0
     lora_request: LoRARequest | None = None
 
@@ -41,8 +54,16 @@ class CachedRequestState:
         return len(self.prompt_token_ids)
 
     @property
+    def num_tokens(self) -> int:
+        return int(self.batch.num_tokens[self.row])
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.batch.token_ids[self.row, :self.batch.num_tokens[self.row]].tolist()
+
+    @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids):]
+        return self.batch.token_ids[self.row, len(self.prompt_token_ids):self.batch.num_tokens[self.row]].tolist()
 
 
 class SchedulerOutputEncoder:

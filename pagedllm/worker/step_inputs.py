@@ -46,17 +46,34 @@ def step_inputs(token_ids: list[int], start_pos: list[int], query_lens: list[int
     return step_inputs_numpy(token_ids, start_pos, query_lens, rows, table.numpy(), block_size, zero_pad)
 
 
-def decode_step_inputs(token_ids: torch.Tensor, last_positions: torch.Tensor, rows: torch.Tensor,
+def decode_step_inputs(token_table: torch.Tensor, num_tokens: torch.Tensor, rows: torch.Tensor,
                        table: torch.Tensor, block_size: int, zero_pad: bool) -> StepInputs:
-    """A decode step: request b computes token_ids[b] at position last_positions[b] + 1 with block-table row
-    rows[b] (1-D int64 CPU tensors, gathered from the runner's InputBatch). The same as step_inputs with
-    one token per request, without reading Python lists: torch parses an int[] argument element by
-    element, which was most of step_inputs' time on a 64-request decode."""
+    """A decode step: request b computes the last known token of row rows[b] of the runner's InputBatch
+    (token_table [rows, max_model_len] and num_tokens [rows], int64 CPU tensors sharing its arrays' memory)
+    at its position, with block-table row rows[b]. The same as step_inputs with one token per request,
+    without reading Python lists: torch parses an int[] argument element by element, which was most of
+    step_inputs' time on a 64-request decode."""
     if load_cpu_kernels():
         return StepInputs(*torch.ops.pagedllm_cpu_step.decode_step_inputs(
-            token_ids, last_positions, rows, table, block_size, zero_pad))
-    return step_inputs_numpy(token_ids.tolist(), (last_positions + 1).tolist(), [1] * len(rows), rows.tolist(),
+            token_table, num_tokens, rows, table, block_size, zero_pad))
+    row_index = rows.numpy()
+    start_pos = num_tokens.numpy()[row_index] - 1
+    token_ids = token_table.numpy()[row_index, start_pos]
+    return step_inputs_numpy(token_ids.tolist(), start_pos.tolist(), [1] * len(row_index), row_index.tolist(),
                              table.numpy(), block_size, zero_pad)
+
+
+def append_tokens(token_table: torch.Tensor, num_tokens: torch.Tensor, rows: torch.Tensor,
+                  token_ids: list[int]) -> None:
+    """Row rows[b] of an InputBatch (token_table, num_tokens: tensors sharing its arrays' memory) gains one
+    token, token_ids[b]: a decode step's sampled tokens, in one call."""
+    if load_cpu_kernels():
+        torch.ops.pagedllm_cpu_step.append_tokens(token_table, num_tokens, rows, token_ids)
+        return
+    row_index, counts = rows.numpy(), num_tokens.numpy()
+    ends = counts[row_index]
+    token_table.numpy()[row_index, ends] = token_ids
+    counts[row_index] = ends + 1
 
 
 def step_inputs_numpy(token_ids: list[int], start_pos: list[int], query_lens: list[int], rows: list[int],

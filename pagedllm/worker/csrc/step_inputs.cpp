@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -89,20 +90,57 @@ StepInputs step_inputs(at::IntArrayRef token_ids, at::IntArrayRef start_pos, at:
                query_lens.data(), rows.data(), table, block_size, zero_pad);
 }
 
-// A decode step (ModelRunner._prepare_plan): request b computes one token, token_ids[b], at position
-// last_positions[b] + 1, with block-table row rows[b]. Its arguments are tensors gathered from the
-// runner's InputBatch: reading the same numbers from Python lists (torch parses an int[] argument
-// element by element) was most of step_inputs' time.
-StepInputs decode_step_inputs(const at::Tensor& token_ids, const at::Tensor& last_positions, const at::Tensor& rows,
+// A decode step (ModelRunner._prepare_plan): request b computes the last known token of row rows[b] of the
+// runner's InputBatch, token_table[rows[b], num_tokens[rows[b]] - 1], at that position, with block-table
+// row rows[b]. Its arguments are the batch's arrays themselves: reading the same numbers from Python lists
+// (torch parses an int[] argument element by element) was most of step_inputs' time.
+StepInputs decode_step_inputs(const at::Tensor& token_table, const at::Tensor& num_tokens, const at::Tensor& rows,
                               const at::Tensor& table, int64_t block_size, bool zero_pad) {
-  for (const at::Tensor* t : {&token_ids, &last_positions, &rows}) {
-    TORCH_CHECK(t->dim() == 1 && t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
-                "decode_step_inputs: token_ids, last_positions and rows must be contiguous 1-D int64 CPU tensors");
+  TORCH_CHECK(token_table.dim() == 2 && num_tokens.dim() == 1 && rows.dim() == 1,
+              "decode_step_inputs: token_table must be 2-D, num_tokens and rows 1-D");
+  for (const at::Tensor* t : {&token_table, &num_tokens, &rows}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
+                "decode_step_inputs: token_table, num_tokens and rows must be contiguous int64 CPU tensors");
   }
-  const int64_t num_reqs = rows.size(0);
-  TORCH_CHECK(last_positions.size(0) == num_reqs, "decode_step_inputs: one position per request");
-  return build(num_reqs, token_ids.data_ptr<int64_t>(), token_ids.size(0), last_positions.data_ptr<int64_t>(), 1,
-               nullptr, rows.data_ptr<int64_t>(), table, block_size, zero_pad);
+  const int64_t num_reqs = rows.size(0), num_rows = token_table.size(0), row_len = token_table.size(1);
+  TORCH_CHECK(num_tokens.size(0) == num_rows, "decode_step_inputs: one token count per row");
+  const int64_t* row_index = rows.data_ptr<int64_t>();
+  const int64_t* counts = num_tokens.data_ptr<int64_t>();
+  const int64_t* tokens = token_table.data_ptr<int64_t>();
+  std::vector<int64_t> token_ids(num_reqs), start_pos(num_reqs);
+  for (int64_t b = 0; b < num_reqs; ++b) {
+    const int64_t row = row_index[b];
+    TORCH_CHECK(row >= 0 && row < num_rows, "decode_step_inputs: row out of range");
+    const int64_t last = counts[row] - 1;
+    TORCH_CHECK(last >= 0 && last < row_len, "decode_step_inputs: a row holds no token");
+    token_ids[b] = tokens[row * row_len + last];
+    start_pos[b] = last;
+  }
+  return build(num_reqs, token_ids.data(), num_reqs, start_pos.data(), 0, nullptr, row_index, table, block_size,
+               zero_pad);
+}
+
+// InputBatch.update: row rows[b] of the batch gains one token, token_ids[b] (a decode step's sampled tokens),
+// written after its num_tokens[rows[b]] known ones.
+void append_tokens(const at::Tensor& token_table, const at::Tensor& num_tokens, const at::Tensor& rows,
+                   at::IntArrayRef token_ids) {
+  TORCH_CHECK(token_table.dim() == 2 && num_tokens.dim() == 1 && rows.dim() == 1,
+              "append_tokens: token_table must be 2-D, num_tokens and rows 1-D");
+  for (const at::Tensor* t : {&token_table, &num_tokens, &rows}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
+                "append_tokens: token_table, num_tokens and rows must be contiguous int64 CPU tensors");
+  }
+  const int64_t num_reqs = rows.size(0), num_rows = token_table.size(0), row_len = token_table.size(1);
+  TORCH_CHECK(static_cast<int64_t>(token_ids.size()) == num_reqs && num_tokens.size(0) == num_rows,
+              "append_tokens: one token per request and one count per row");
+  const int64_t* row_index = rows.data_ptr<int64_t>();
+  int64_t* counts = num_tokens.data_ptr<int64_t>();
+  int64_t* tokens = token_table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < num_reqs; ++b) {
+    const int64_t row = row_index[b];
+    TORCH_CHECK(row >= 0 && row < num_rows && counts[row] < row_len, "append_tokens: row out of range or full");
+    tokens[row * row_len + counts[row]++] = token_ids[b];
+  }
 }
 
 }  // namespace
@@ -110,11 +148,13 @@ StepInputs decode_step_inputs(const at::Tensor& token_ids, const at::Tensor& las
 TORCH_LIBRARY(pagedllm_cpu_step, m) {
   m.def("step_inputs(int[] token_ids, int[] start_pos, int[] query_lens, int[] rows, Tensor table, "
         "int block_size, bool zero_pad) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int)");
-  m.def("decode_step_inputs(Tensor token_ids, Tensor last_positions, Tensor rows, Tensor table, int block_size, "
+  m.def("decode_step_inputs(Tensor token_table, Tensor num_tokens, Tensor rows, Tensor table, int block_size, "
         "bool zero_pad) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int)");
+  m.def("append_tokens(Tensor(a!) token_table, Tensor(b!) num_tokens, Tensor rows, int[] token_ids) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu_step, CPU, m) {
   m.impl("step_inputs", &step_inputs);
   m.impl("decode_step_inputs", &decode_step_inputs);
+  m.impl("append_tokens", &append_tokens);
 }
