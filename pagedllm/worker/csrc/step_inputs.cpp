@@ -90,20 +90,27 @@ StepInputs step_inputs(at::IntArrayRef token_ids, at::IntArrayRef start_pos, at:
                query_lens.data(), rows.data(), table, block_size, zero_pad);
 }
 
+// An InputBatch's token rows as the ops below take them: token_table [rows, max_model_len], num_tokens [rows]
+// and the plan's rows [requests], contiguous int64 CPU tensors.
+void check_token_rows(const char* op, const at::Tensor& token_table, const at::Tensor& num_tokens,
+                      const at::Tensor& rows) {
+  TORCH_CHECK(token_table.dim() == 2 && num_tokens.dim() == 1 && rows.dim() == 1, op,
+              ": token_table must be 2-D, num_tokens and rows 1-D");
+  for (const at::Tensor* t : {&token_table, &num_tokens, &rows}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(), op,
+                ": token_table, num_tokens and rows must be contiguous int64 CPU tensors");
+  }
+  TORCH_CHECK(num_tokens.size(0) == token_table.size(0), op, ": one token count per row");
+}
+
 // A decode step (ModelRunner._prepare_plan): request b computes the last known token of row rows[b] of the
 // runner's InputBatch, token_table[rows[b], num_tokens[rows[b]] - 1], at that position, with block-table
 // row rows[b]. Its arguments are the batch's arrays themselves: reading the same numbers from Python lists
 // (torch parses an int[] argument element by element) was most of step_inputs' time.
 StepInputs decode_step_inputs(const at::Tensor& token_table, const at::Tensor& num_tokens, const at::Tensor& rows,
                               const at::Tensor& table, int64_t block_size, bool zero_pad) {
-  TORCH_CHECK(token_table.dim() == 2 && num_tokens.dim() == 1 && rows.dim() == 1,
-              "decode_step_inputs: token_table must be 2-D, num_tokens and rows 1-D");
-  for (const at::Tensor* t : {&token_table, &num_tokens, &rows}) {
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
-                "decode_step_inputs: token_table, num_tokens and rows must be contiguous int64 CPU tensors");
-  }
+  check_token_rows("decode_step_inputs", token_table, num_tokens, rows);
   const int64_t num_reqs = rows.size(0), num_rows = token_table.size(0), row_len = token_table.size(1);
-  TORCH_CHECK(num_tokens.size(0) == num_rows, "decode_step_inputs: one token count per row");
   const int64_t* row_index = rows.data_ptr<int64_t>();
   const int64_t* counts = num_tokens.data_ptr<int64_t>();
   const int64_t* tokens = token_table.data_ptr<int64_t>();
@@ -124,15 +131,9 @@ StepInputs decode_step_inputs(const at::Tensor& token_table, const at::Tensor& n
 // written after its num_tokens[rows[b]] known ones.
 void append_tokens(const at::Tensor& token_table, const at::Tensor& num_tokens, const at::Tensor& rows,
                    at::IntArrayRef token_ids) {
-  TORCH_CHECK(token_table.dim() == 2 && num_tokens.dim() == 1 && rows.dim() == 1,
-              "append_tokens: token_table must be 2-D, num_tokens and rows 1-D");
-  for (const at::Tensor* t : {&token_table, &num_tokens, &rows}) {
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
-                "append_tokens: token_table, num_tokens and rows must be contiguous int64 CPU tensors");
-  }
+  check_token_rows("append_tokens", token_table, num_tokens, rows);
   const int64_t num_reqs = rows.size(0), num_rows = token_table.size(0), row_len = token_table.size(1);
-  TORCH_CHECK(static_cast<int64_t>(token_ids.size()) == num_reqs && num_tokens.size(0) == num_rows,
-              "append_tokens: one token per request and one count per row");
+  TORCH_CHECK(static_cast<int64_t>(token_ids.size()) == num_reqs, "append_tokens: one token per request");
   const int64_t* row_index = rows.data_ptr<int64_t>();
   int64_t* counts = num_tokens.data_ptr<int64_t>();
   int64_t* tokens = token_table.data_ptr<int64_t>();
