@@ -8,12 +8,12 @@ request. Rows are not condensed: every step gathers its requests' rows by index,
 (the order sampling draws its random numbers in), so a dense prefix of rows would buy nothing.
 
 Per row: the request's token ids (prompt and outputs: the worker's one copy, which its state reads) and
-how many there are (a decode step computes each row's last one, so its inputs are gathered from these two arrays by one
-C++ call, worker/step_inputs.py), its block table in each KV cache group (worker/block_table.py),
-whether it takes the argmax of its raw logits (`greedy`: greedy sampling asking for nothing that changes
-or reports the logits) and the sampler's filter parameters (temperature, top-k, top-p, min-p). A step
-of unchanged requests reuses the last plan's rows (and their tensor and greedy flag); what changes is
-written in place.
+how many there are (a decode step computes each row's last one, so its inputs are gathered from these
+two arrays in one C++ call, worker/step_inputs.py), its block table in each KV cache group
+(worker/block_table.py), whether it takes the argmax of its raw logits (`greedy`: greedy sampling asking
+for nothing that changes or reports the logits) and the sampler's filter parameters (temperature, top-k,
+top-p, min-p). A step of unchanged requests reuses the last plan's rows (and their tensor and greedy
+flag); what changes is written in place.
 """
 
 from __future__ import annotations
