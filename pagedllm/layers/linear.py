@@ -9,8 +9,8 @@
   and an all-reduce assembles the rows. ParallelLMHead uses the same split for the output projection:
   each rank computes the logits of its vocabulary range and rank 0 gathers them once per step.
 
-With tp_size 1 every layer is a plain F.linear / F.embedding on the whole weight: no extra copy, no
-collective, so a single-process engine runs exactly as before.
+With tp_size 1 every layer is a plain F.linear / F.embedding on the whole weight: no extra copy and no
+collective.
 
 Weights come from `get_slice(name)`, a safetensors slice: indexing it reads only the requested rows or
 columns from the file, so no rank ever materializes a whole sharded tensor.
