@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedllm import SamplingParams
@@ -70,3 +71,39 @@ def test_rows_follow_requests_through_arrival_finish_and_reuse() -> None:
     assert [s.request.all_token_ids for s in plan] == [[13, 14], [6, 15], [11, 12, 16]]
     assert batch.greedy[batch.rows].tolist() == [True, False, True]
     assert batch.block_tables.table[batch.rows, 0].tolist() == [9, 5, 6]
+
+
+@pytest.mark.parametrize("engine_args", [
+    pytest.param(dict(max_num_batched_tokens=7, max_num_seqs=3), id="chunked_budget7"),
+    pytest.param(dict(num_gpu_blocks_override=12, block_size=4), id="preempting"),
+    pytest.param(dict(speculative_model="[ngram]", num_speculative_tokens=3), id="ngram_spec"),
+])
+def test_decode_steps_gather_the_positions_the_plan_names(tiny_llama_dir: str, engine_args: dict) -> None:
+    """A decode step's inputs come from the input batch's token rows and counts, not from the plan's start
+    positions: every decode step of a run that chunks, preempts or speculates must find each request's
+    last known token at the position the scheduler planned, and its id where the engine has it."""
+    from pagedllm import LLM
+    from pagedllm.worker.model_runner import ModelRunner
+
+    checked = []
+    original = ModelRunner._prepare_plan
+
+    def checking(self: ModelRunner, columns):  # type: ignore[no-untyped-def]
+        batch = original(self, columns)
+        if batch.decode:
+            rows = self.input_batch.rows
+            assert (self.input_batch.num_tokens[rows] - 1).tolist() == columns.start_pos
+            assert batch.positions.tolist() == columns.start_pos
+            assert batch.input_ids.tolist() == [s.request.all_token_ids[s.start_pos] for s in batch.order]
+            checked.append(len(rows))
+        return batch
+
+    prompts = [[(7 * i + j) % 500 + 1 for j in range(5 + 3 * i)] for i in range(6)]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=10, ignore_eos=True)
+              for i in range(6)]
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=128, **engine_args)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ModelRunner, "_prepare_plan", checking)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [10] * 6
+    assert checked, "the run had no decode step"
