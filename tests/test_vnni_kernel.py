@@ -207,3 +207,87 @@ def test_zero_rows_and_bias():
     bias = torch.randn(32).to(torch.bfloat16)
     assert torch.equal(weight.method.apply(x, weight, bias), bias.expand(2, 32))
     assert weight.method.apply(torch.zeros(0, 64, dtype=torch.bfloat16), weight, None).shape == (0, 32)
+
+
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 a * b + c rounded once, as a fused multiply-add: the product is exact in fp64, the sum is
+    rounded to odd there (its exact error by TwoSum makes the last bit sticky), and that rounds to fp32
+    exactly as the exact sum would."""
+    p, c = a.double() * b.double(), c.double()
+    s = p + c
+    bp = s - p
+    err = (p - (s - bp)) + (c - bp)
+    even = (s.view(torch.int64) & 1) == 0
+    nudged = torch.nextafter(s, torch.where(err > 0, torch.inf, -torch.inf).double())
+    return torch.where((err != 0) & even, nudged, s).float()
+
+
+def _rows_as_the_kernel_quantizes(x: torch.Tensor, terms: int, group: int):
+    """Per row: the int8 codes and block scales of each term (_int8_codes), and the group sums the kernel
+    folds the mins with: per 16 channels d * sum(xq) (+ d2 * sum(xq2), the two products rounded apart and
+    added), then the 16-wide pieces added in order from 0."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // 32, 32)
+    codes, scale = _int8_codes(blocks)
+    parts = [(codes, scale)]
+    if terms == 2:
+        parts.append(_int8_codes((blocks.double() - codes.double() * scale.double()).float()))
+    sum16 = None
+    for c, s in parts:
+        piece = (c.view(m, k // 32, 2, 16).sum(-1) * s).view(m, k // 16)
+        sum16 = piece if sum16 is None else sum16 + piece
+    xs = torch.zeros(m, k // group)
+    for p in range(group // 16):
+        xs = xs + sum16.view(m, k // group, group // 16)[:, :, p]
+    return [(c.view(m, k), s.view(m, k // 32)) for c, s in parts], xs
+
+
+def _kernel_arithmetic(x: torch.Tensor, weight: VnniWeight) -> torch.Tensor:
+    """The kernel's result bit for bit, step by step: per output, per group, per unit of 32 input channels
+    (16 for 16-wide groups) the exact integer sum of each term times its block scale fma'd into the group's
+    fp32 sum; per group acc = fma(group sum, scale, acc), then acc = fma(min, the row's group sum, acc); the
+    result rounded to the output dtype. Batch invariance follows: nothing here looks at another row."""
+    q, scale, offset = weight.logical()
+    n, k = q.shape
+    group = weight.group_size
+    unit = min(group, 32)
+    terms, xs = _rows_as_the_kernel_quantizes(x, weight.activation_terms, group)
+    qd = q.double()
+    acc = torch.zeros(x.shape[0], n)
+    for g in range(k // group):
+        facc = torch.zeros(x.shape[0], n)
+        for k0 in range(g * group, (g + 1) * group, unit):
+            for codes, d in terms:
+                isum = (codes[:, k0:k0 + unit].double() @ qd[:, k0:k0 + unit].T).float()  # exact integers
+                facc = _fma32(isum, d[:, k0 // 32:k0 // 32 + 1], facc)
+        acc = _fma32(facc, scale[:, g], acc)
+        acc = _fma32(offset[:, g].expand_as(acc), xs[:, g:g + 1], acc)
+    return acc.to(x.dtype)
+
+
+@pytest.mark.parametrize("terms", [2, 1])
+@pytest.mark.parametrize("bits,group,fp16_scales", [(8, None, False), (8, 16, True), (8, 64, False),
+                                                    (4, 32, True), (4, 128, False), (4, 64, True)])
+def test_the_kernel_computes_each_output_in_its_fixed_arithmetic(bits, group, fp16_scales, terms, monkeypatch):
+    """Bit for bit the arithmetic of _kernel_arithmetic, for every row count (the kernel computes rows in
+    blocks of up to four and tiles several at a time, in ways that differ with the batch) and for tile
+    counts that leave every remainder: a faster kernel must give the same bits."""
+    assert kernel_enabled(torch.bfloat16)
+    monkeypatch.setenv("PAGEDLLM_QUANT_ACTIVATION_TERMS", str(terms))
+    n, k = 16 * 7, 256
+    gen = torch.Generator().manual_seed(bits * 1000 + (group or 0) + terms)
+    q = torch.randint(0, 2 ** bits, (n, k), generator=gen, dtype=torch.uint8)
+    groups = k // (group or k)
+    scale = torch.rand(n, groups, generator=gen) * 0.02 + 0.001
+    offset = -torch.rand(n, groups, generator=gen) * 0.1
+    if fp16_scales:  # values exact in fp16: the weight keeps them in fp16
+        scale, offset = scale.half().float(), offset.half().float()
+    method = Int8WeightOnlyMethod(group) if bits == 8 else Int4WeightOnlyMethod(group)
+    weight = VnniWeight.from_logical(q, scale, offset, bits, method)
+    assert weight.scales.dtype == (torch.float16 if fp16_scales else torch.float32)
+    x = torch.randn(64, k, generator=gen) * torch.logspace(-3, 1, k)[torch.randperm(k, generator=gen)]
+    for dtype in (torch.bfloat16, torch.float16):
+        xd = x.to(dtype)
+        want = _kernel_arithmetic(xd, weight)
+        for m in (1, 2, 3, 5, 16, 17, 64):
+            assert torch.equal(weight.method.apply(xd[-m:], weight, None), want[-m:]), m

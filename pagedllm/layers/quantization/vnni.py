@@ -133,6 +133,10 @@ class VnniWeight(QuantizedWeight):
         self.bits = bits
         self.in_features = in_features
         self.activation_terms = activation_terms()  # read once: every call of a model computes rows alike
+        # plain ints for apply: a decode step calls it about a hundred times, and each Parameter read
+        # through nn.Module.__getattr__ costs as much as a small matmul's arithmetic
+        self._out_features = scales.shape[0] * TILE
+        self._group_size = in_features // scales.shape[1]
 
     @classmethod
     def from_logical(cls, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
@@ -179,12 +183,13 @@ class VnniWeight(QuantizedWeight):
         return VnniWeight.from_logical(q.narrow(dim, start, length), scale, offset, self.bits, self.method)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        n, k = self.shape
+        n, k = self._out_features, self.in_features
         x2 = x.reshape(-1, k)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        y = torch.ops.pagedllm_cpu_qlinear.qlinear(x2, self.qweight, self.scales, self.mins, self.bits,
-                                                   self.group_size, self.activation_terms)
+        params = self._parameters
+        y = torch.ops.pagedllm_cpu_qlinear.qlinear(x2, params["qweight"], params["scales"], params["mins"],
+                                                   self.bits, self._group_size, self.activation_terms)
         if bias is not None:
             y.add_(bias)
         return y.view(*x.shape[:-1], n)
