@@ -55,6 +55,18 @@ def test_matmul_matches_dequantized_reference(method: str, group: int | None, dt
     assert (got - want).abs().max() <= bound * scale
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_int8_row_is_computed_alike_in_a_batch_of_any_size(dtype: torch.dtype) -> None:
+    """Batch invariance of torch's int8 kernel path (per-channel scales): a row's output is the same bits
+    alone as inside a batch of 8, 16, 17 or 64 rows (a kernel switch at a row count would compute it two
+    ways, and a request's tokens would then depend on who shares its step)."""
+    weight = QuantizationConfig("int8", None).get_method().quantize(_weight(48, 64), dtype)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(7)).to(dtype)
+    alone = torch.cat([linear(x[i:i + 1], weight, None) for i in range(64)])
+    for m in (8, 16, 17, 64):
+        assert torch.equal(linear(x[:m], weight, None), alone[:m]), m
+
+
 @pytest.mark.parametrize("method,group", CASES)
 def test_quantization_error_is_within_half_a_step(method: str, group: int | None) -> None:
     w = _weight(32, 64, seed=3)

@@ -7,12 +7,14 @@ below). torch's kernels, which serve the rest (and fp32 models, the precise refe
 project's CPUs (one thread, bf16 activations, the 386M Qwen2's shapes):
 - `torch._weight_int8pack_mm` (int8 weights, per-channel scales, bf16/fp16/fp32 activations) reads half
   the bytes of a bf16 GEMV and ran 2-4.6x faster than bf16 `F.linear` at one token, 0.9-1.3x at 8,
-  0.6-0.9x at 16 (still ahead of dequantizing), 0.5-0.6x at 32 and 0.45x at 128: a matrix-vector
-  kernel. With bf16/fp16 activations it needs K % 16 == 0 (K = 24 gave inf, K = 5 crashed), so other
-  shapes take the dequantizing path.
+  0.6-0.9x at 16, 0.5-0.6x at 32 and 0.45x at 128: a matrix-vector kernel, which computes each row the
+  same whatever the number of rows. It serves every call it can take, prefill chunks included, although
+  dequantizing would be faster past 16 rows: a switch at a row count would compute a row two ways, and a
+  request's tokens would then depend on its batch (outputs must not). With bf16/fp16 activations it needs
+  K % 16 == 0 (K = 24 gave inf, K = 5 crashed), so other shapes take the dequantizing path, always.
 - Dequantize-then-matmul: an int8 -> bf16 copy (about 9.4 Gelem/s) into a preallocated buffer, the
-  model-dtype matmul, and the scales applied to the output. Slower than bf16 alone at small batches (it
-  reads the int8 weight and writes and reads the bf16 one), the better choice for prefill chunks.
+  model-dtype matmul, and the scales applied to the output: for per-group scales, the shapes above and
+  CUDA.
 - Dequantizing in row chunks that stay in cache was slower still (0.2-0.8x bf16): many small matmuls.
 On CUDA the dequantizing path is used (untested here: no GPU in this project's sessions).
 """
@@ -26,8 +28,6 @@ from pagedllm.layers.quantization.base import QuantizationMethod, QuantizedWeigh
 from pagedllm.layers.quantization.vnni import VnniWeight
 
 INT8_MAX = 127
-# Up to this many tokens per call the int8 GEMV kernel wins; beyond, dequantize once and use a GEMM.
-INT8PACK_MAX_TOKENS = 16
 _INT8PACK_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -59,8 +59,6 @@ class Int8WeightOnlyMethod(QuantizationMethod):
 
     def _int8pack_ok(self, x: torch.Tensor, weight: QuantizedWeight) -> bool:
         if x.device.type != "cpu" or x.dtype not in _INT8PACK_DTYPES or weight.scales.dim() != 1:
-            return False
-        if x.shape[0] > INT8PACK_MAX_TOKENS:
             return False
         return x.dtype == torch.float32 or x.shape[1] % 16 == 0
 
