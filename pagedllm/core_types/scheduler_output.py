@@ -33,6 +33,10 @@ class RunnerRequest(Protocol):
     @property
     def all_token_ids(self) -> Sequence[int]: ...
 
+    def token_slice(self, start: int, end: int) -> Sequence[int]:
+        """The known tokens at positions [start, end) (fewer where end passes the last known one)."""
+        ...
+
     @property
     def output_token_ids(self) -> Sequence[int]: ...
 

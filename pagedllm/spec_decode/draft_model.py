@@ -50,6 +50,9 @@ class DraftSeq:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        return self.all_token_ids[start:end]
+
 
 class DraftModelProposer:
     model_free = False

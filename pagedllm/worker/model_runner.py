@@ -426,10 +426,11 @@ class ModelRunner:
             query_starts.append(len(token_ids))
             start_pos.append(start)
             query_lens.append(num_new)
-            known = s.request.all_token_ids
-            token_ids.extend(known[start:end])
-            if end > len(known):
-                token_ids.extend(s.spec_token_ids[:end - len(known)])
+            # (a slice of the known tokens: a long request's whole list is not copied for each chunk)
+            known = s.request.token_slice(start, end)
+            token_ids.extend(known)
+            if len(known) < num_new:
+                token_ids.extend(s.spec_token_ids[:num_new - len(known)])
         if self.lora_manager is not None:
             self.lora_manager.prepare_step([s.request.lora_request for s in order], query_lens)
         entry_start_pos, entry_query_lens, entry_rows = start_pos, query_lens, rows

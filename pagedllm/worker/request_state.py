@@ -53,9 +53,9 @@ class CachedRequestState:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.batch.num_tokens[self.row])
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """The known tokens at positions [start, end) (fewer where end passes the last known one)."""
+        return self.batch.token_ids[self.row, start:min(end, self.batch.num_tokens[self.row])].tolist()
 
     @property
     def all_token_ids(self) -> list[int]:
