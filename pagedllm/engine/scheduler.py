@@ -163,7 +163,6 @@ class Scheduler:
         chunked_prefill = self.config.enable_chunked_prefill
         allocate_slots = self.kv.allocate_slots
         lookahead_tokens = self.config.num_lookahead_tokens
-        with_block_ids = self.connector is not None
         for request in order:
             if budget <= 0:
                 break
@@ -180,11 +179,9 @@ class Scheduler:
                 if not chunked_prefill:
                     continue
                 num_new = budget
-            spec = request.spec_token_ids
-            if spec and start + num_new < end:
+            if request.spec_token_ids and start + num_new < end:
                 # A cut inside the proposals drops them all: compute only the known tokens this step.
-                request.spec_token_ids = spec = []
-                end = request.num_tokens_with_spec
+                request.spec_token_ids = []
                 num_new = min(num_new, request.num_tokens - start)
             # (every token known before this step is final: the default num_cacheable_tokens)
             lookahead = self._num_lookahead_tokens(request, num_new) if lookahead_tokens else 0
@@ -201,10 +198,7 @@ class Scheduler:
                         break
                 if request.status is not running:
                     continue
-            # (_scheduled, inline: its proposals were dropped above if cut)
-            scheduled[request.request_id] = ScheduledRequest(
-                request, num_new, start, self.kv.get_block_ids(request.request_id) if with_block_ids else (),
-                start + num_new >= end, list(spec) if spec else [])
+            scheduled[request.request_id] = self._scheduled(request, num_new)
             budget -= num_new
 
         # Admit waiting requests, unless this step had to preempt (memory is short).
