@@ -91,7 +91,7 @@ class InputBatch:
             self.rows = self.block_tables.rows(self.request_ids)
             self.rows_array = np.array(self.rows, dtype=np.int64)
             self.rows_tensor = torch.from_numpy(self.rows_array)
-            self.plan_greedy = bool(self.greedy[self.rows_array].all())
+            self.plan_greedy = self.all_greedy(self.rows_array)
         if columns.new_token_ids is not None:
             self._append_new_tokens(columns.new_token_ids)
         if columns.num_prompt_logprobs_computed is not None:
@@ -129,7 +129,7 @@ class InputBatch:
             row = row_of[request_id]
             self._write_tokens(row, int(self.num_tokens[row]), token_ids)
 
-    def all_greedy(self, rows: list[int]) -> bool:
+    def all_greedy(self, rows: list[int] | np.ndarray) -> bool:
         """Whether every one of these rows takes the argmax of its raw logits."""
         return bool(self.greedy[rows].all())
 

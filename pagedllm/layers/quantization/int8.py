@@ -13,8 +13,8 @@ project's CPUs (one thread, bf16 activations, the 386M Qwen2's shapes):
   request's tokens would then depend on its batch (outputs must not). With bf16/fp16 activations it needs
   K % 16 == 0 (K = 24 gave inf, K = 5 crashed), so other shapes take the dequantizing path, always.
 - Dequantize-then-matmul: an int8 -> bf16 copy (about 9.4 Gelem/s) into a preallocated buffer, the
-  model-dtype matmul, and the scales applied to the output: for per-group scales, the shapes above and
-  CUDA.
+  model-dtype matmul, and the scales applied to the output: for per-group scales, bf16/fp16 activations
+  whose K is not a multiple of 16, and CUDA.
 - Dequantizing in row chunks that stay in cache was slower still (0.2-0.8x bf16): many small matmuls.
 On CUDA the dequantizing path is used (untested here: no GPU in this project's sessions).
 """
