@@ -248,7 +248,8 @@ def test_server_with_async_scheduling(tiny_llama_dir: str, tmp_path) -> None:
 def test_plan_travels_compact_and_arrives_whole() -> None:
     """What reaches a worker: a plan's columns that say nothing travel as None, and its request ids as None
     when they are the previous plan's. The worker's InputBatch rebuilds the same plan over its own request
-    states, whose tokens (and the batch's token rows) equal the engine's."""
+    states, whose tokens (the prompt from the plan, the sampled ones appended by the worker itself) equal
+    the engine's."""
     from pagedllm.core_types.scheduler_output import ScheduledRequest, SchedulerOutput
     from pagedllm.engine.request import Request
     from pagedllm.worker.input_batch import InputBatch
@@ -261,16 +262,16 @@ def test_plan_travels_compact_and_arrives_whole() -> None:
                                sum(n for _, n, _, _, _ in items), [])
 
     encoder, batch = SchedulerOutputEncoder(), InputBatch(max_num_reqs=2, max_model_len=16, max_blocks_per_req=4)
-    steps = [plan([(r, 3, 0, True, []) for r in requests])]                       # prompts: new requests
-    for r in requests:
-        r.append_output_token(100)
-    steps.append(plan([(r, 1, 3, True, []) for r in requests]))                   # decode: same ids
-    requests[0].append_output_token(101)
-    steps.append(plan([(requests[0], 1, 4, True, [])]))                            # fewer requests
-    requests[0].append_output_token(102)
-    steps.append(plan([(requests[0], 3, 5, True, [7, 8])]))                        # speculative tokens
+    by_id = {r.request_id: r for r in requests}
+    # each step's plan, made from the engine's requests, and the tokens it samples (which the engine and
+    # the worker each append: none travels in the next plan)
+    steps = [(lambda: plan([(r, 3, 0, True, []) for r in requests]), {r.request_id: [100] for r in requests}),
+             (lambda: plan([(r, 1, 3, True, []) for r in requests]), {"r0": [101]}),
+             (lambda: plan([(requests[0], 1, 4, True, [])]), {"r0": [102]}),
+             (lambda: plan([(requests[0], 3, 5, True, [7, 8])]), {"r0": [7, 103]})]
     sent = []
-    for step in steps:
+    for make_plan, sampled in steps:
+        step = make_plan()
         message = encoder.encode(step)
         sent.append(message.scheduled)
         batch.update(message)
@@ -280,10 +281,13 @@ def test_plan_travels_compact_and_arrives_whole() -> None:
                [(s.request.request_id, s.num_new_tokens, s.start_pos, s.sample, s.spec_token_ids)
                 for s in step.scheduled]
         for s in rebuilt:
-            assert s.request.all_token_ids == s.request.prompt_token_ids + \
-                next(r for r in requests if r.request_id == s.request.request_id).output_token_ids
+            assert s.request.all_token_ids == s.request.prompt_token_ids + by_id[s.request.request_id].output_token_ids
             row = batch.block_tables.row_of[s.request.request_id]
             assert batch.token_ids[row, :len(s.request.all_token_ids)].tolist() == s.request.all_token_ids
+        batch.append_sampled(sampled)
+        for request_id, tokens in sampled.items():
+            for token in tokens:
+                by_id[request_id].append_output_token(token)
     assert sent[0].request_ids is not None and sent[1].request_ids is None and sent[2].request_ids == ["r0"]
     assert sent[1].spec_token_ids is None and sent[1].sample is None and sent[3].spec_token_ids == [[7, 8]]
 

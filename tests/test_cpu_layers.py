@@ -155,11 +155,19 @@ def test_step_inputs_op_matches_the_array_path() -> None:
                 token_table[rows, start_pos] = token_ids
                 num_tokens[rows] = np.array(start_pos) + 1
                 for use_op in (True, False):  # the C++ op and the numpy path it stands in for
-                    with mock.patch("pagedllm.worker.step_inputs.load_cpu_kernels", lambda use_op=use_op: use_op):
-                        decoded = decode_step_inputs(torch.from_numpy(token_table), torch.from_numpy(num_tokens),
-                                                     torch.tensor(rows), torch.from_numpy(table.copy()), bs, zero_pad)
-                    assert all(torch.equal(a, b) for a, b in zip(decoded[:6], want[:6]))
-                    assert decoded[6:] == want[6:]
+                    # the last tokens already in the rows, or appended by the same call (new_tokens)
+                    for appended in (False, True):
+                        tokens, counts = token_table.copy(), num_tokens.copy()
+                        if appended:
+                            counts[rows] -= 1
+                        with mock.patch("pagedllm.worker.step_inputs.load_cpu_kernels", lambda use_op=use_op: use_op):
+                            decoded = decode_step_inputs(
+                                torch.from_numpy(tokens), torch.from_numpy(counts), torch.tensor(rows),
+                                torch.from_numpy(table.copy()), bs, zero_pad,
+                                torch.tensor(token_ids) if appended else None)
+                        assert all(torch.equal(a, b) for a, b in zip(decoded[:6], want[:6]))
+                        assert decoded[6:] == want[6:]
+                        assert np.array_equal(tokens, token_table) and np.array_equal(counts, num_tokens)
                 decoded_here += 1
     assert decoded_here > 50
 
@@ -179,7 +187,8 @@ def test_append_tokens_op_matches_the_array_path() -> None:
         for use_op in (True, False):
             table, num_tokens = np.zeros((12, 16), dtype=np.int64), counts.copy()
             with mock.patch("pagedllm.worker.step_inputs.load_cpu_kernels", lambda use_op=use_op: use_op):
-                append_tokens(torch.from_numpy(table), torch.from_numpy(num_tokens), torch.tensor(rows), token_ids)
+                append_tokens(torch.from_numpy(table), torch.from_numpy(num_tokens), torch.tensor(rows),
+                              torch.tensor(token_ids))
             assert num_tokens[rows].tolist() == (counts[rows] + 1).tolist()
             assert table[rows, counts[rows]].tolist() == token_ids
             results.append((table, num_tokens))

@@ -21,9 +21,9 @@ def update(batch: InputBatch, step: WorkerSchedulerOutput) -> list:
 
 
 def message(new: list[NewRequestData], ids: list[str] | None, num_new: list[int], start: list[int],
-            new_tokens: list[list[int]] | None = None, finished: set[str] | None = None,
+            finished: set[str] | None = None,
             table_changes: list[dict[str, tuple[int, list[int]]]] | None = None) -> WorkerSchedulerOutput:
-    columns = ScheduledRequestsData(request_ids=ids, new_token_ids=new_tokens, num_new_tokens=num_new,
+    columns = ScheduledRequestsData(request_ids=ids, num_new_tokens=num_new,
                                     start_pos=start, sample=None, spec_token_ids=None,
                                     num_prompt_logprobs_computed=None)
     return WorkerSchedulerOutput(new, columns, finished or set(), [], None,
@@ -47,15 +47,21 @@ def test_rows_follow_requests_through_arrival_finish_and_reuse() -> None:
     assert torch.equal(params.temperature, torch.tensor([0.0, 0.7]))
     assert torch.equal(params.top_p, torch.tensor([1.0, 0.9])) and torch.equal(params.min_p, torch.tensor([0.0, 0.1]))
 
-    # a decode step of the same requests: ids travel as None, each brings its sampled token
-    plan = update(batch, message([], None, [1, 1], [3, 2], new_tokens=[[9], [10]]))
+    # the worker samples a token for each (a decode step's: held, one per row of the plan), and the next
+    # step of the same requests names no ids: the held tokens are appended when the rows are read
+    batch.hold_sampled(torch.tensor([9, 10]))
+    plan = update(batch, message([], None, [1, 1], [3, 2]))
+    assert batch.held_tokens is not None and batch.num_tokens[rows].tolist() == [3, 2]
     assert [s.request.all_token_ids for s in plan] == [[1, 2, 3, 9], [4, 5, 10]]
+    assert batch.held_tokens is None
     assert batch.token_ids[rows[0], :4].tolist() == [1, 2, 3, 9]
     assert batch.token_ids[rows[1], :3].tolist() == [4, 5, 10]
+    # held again, then a plan with other rows: appended to the old plan's rows first
+    batch.hold_sampled(torch.tensor([21, 22]))
 
     # "a" finishes; "c" (greedy but asking for logprobs: the sampler's row) takes its row, a third grows the batch
     plan = update(batch, message([NewRequestData("c", [6], with_logprobs), NewRequestData("d", [11, 12], greedy)],
-                                ["b", "c", "d"], [1, 1, 2], [3, 0, 0], new_tokens=[[], [], []], finished={"a"},
+                                ["b", "c", "d"], [1, 1, 2], [3, 0, 0], finished={"a"},
                                 table_changes=[{"c": (0, [5]), "d": (0, [6])}]))
     assert set(batch.requests) == {"b", "c", "d"}
     assert batch.rows[1] == rows[0]
@@ -64,10 +70,12 @@ def test_rows_follow_requests_through_arrival_finish_and_reuse() -> None:
     assert batch.token_ids[batch.rows[2], :2].tolist() == [11, 12]
     assert batch.block_tables.table[batch.rows, 0].tolist() == [8, 5, 6]
     assert batch.all_greedy([batch.rows[2]]) and not batch.all_greedy(batch.rows)
+    assert batch.token_ids[batch.rows[0], :4].tolist() == [4, 5, 10, 22] and batch.held_tokens is None
+    batch.append_sampled({"c": [15], "d": [16]})  # any other step's, by request id
 
     # "b" ends and a new request reuses its id in a plan of the same ids (sent as None): the new one runs
     plan = update(batch, message([NewRequestData("b", [13, 14], greedy)], None, [2, 1, 1], [0, 1, 2],
-                                new_tokens=[[], [15], [16]], finished={"b"}, table_changes=[{"b": (0, [9])}]))
+                                finished={"b"}, table_changes=[{"b": (0, [9])}]))
     assert [s.request.all_token_ids for s in plan] == [[13, 14], [6, 15], [11, 12, 16]]
     assert batch.greedy[batch.rows].tolist() == [True, False, True]
     assert batch.block_tables.table[batch.rows, 0].tolist() == [9, 5, 6]
@@ -81,7 +89,8 @@ def test_rows_follow_requests_through_arrival_finish_and_reuse() -> None:
 def test_decode_steps_gather_the_positions_the_plan_names(tiny_llama_dir: str, engine_args: dict) -> None:
     """A decode step's inputs come from the input batch's token rows and counts, not from the plan's start
     positions: every decode step of a run that chunks, preempts or speculates must find each request's
-    last known token at the position the scheduler planned, and its id where the engine has it."""
+    last known token at the position the scheduler planned, and its id where the engine has it (the
+    worker's rows, which it appends its sampled tokens to, hold the engine's tokens)."""
     from pagedllm import LLM
     from pagedllm.worker.model_runner import ModelRunner
 
@@ -95,6 +104,10 @@ def test_decode_steps_gather_the_positions_the_plan_names(tiny_llama_dir: str, e
             assert (self.input_batch.num_tokens[rows] - 1).tolist() == columns.start_pos
             assert batch.positions.tolist() == columns.start_pos
             assert batch.input_ids.tolist() == [s.request.all_token_ids[s.start_pos] for s in batch.order]
+            # the worker appended the tokens it sampled itself: the engine's copies agree
+            engine_requests = llm.llm_engine.scheduler.requests
+            assert [s.request.all_token_ids for s in batch.order] == \
+                [engine_requests[s.request.request_id].all_token_ids for s in batch.order]
             checked.append(len(rows))
         return batch
 

@@ -20,6 +20,9 @@ class ModelRunnerOutput:
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals for the next step
     kv_connector_output: KVConnectorOutput | None = None
-    # Seconds the model's forward pass and LM head took on the sampling rank: what a profile of the engine
-    # needs when the model runs in another process (the rest of a step is overhead).
+    # Where the step's time went on the sampling rank, for a profile of the engine (benchmarks/profile.py),
+    # in process or not: applying the plan and building the inputs; the model's forward pass and LM head;
+    # sampling and keeping the sampled tokens (the rest of a step is overhead).
+    prepare_s: float = 0.0
     forward_s: float = 0.0
+    sample_s: float = 0.0

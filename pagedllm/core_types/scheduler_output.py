@@ -88,10 +88,10 @@ class ScheduledRequestsData:
     one per request (unpickling is on the worker's critical path under async scheduling). A column that
     says nothing (every entry empty, zero or True) travels as None, and request_ids as None when they are
     the previous plan's, in its order: a decode step's plan is then two lists of ints
-    (SchedulerOutputEncoder.encode, InputBatch.update)."""
+    (SchedulerOutputEncoder.encode, InputBatch.update). No sampled token travels: the worker appends its
+    own."""
 
     request_ids: list[str] | None = field(default_factory=list)
-    new_token_ids: list[list[int]] | None = field(default_factory=list)  # appended since the worker last saw it
     num_new_tokens: list[int] = field(default_factory=list)
     start_pos: list[int] = field(default_factory=list)
     sample: list[bool] | None = field(default_factory=list)
@@ -101,8 +101,6 @@ class ScheduledRequestsData:
     def compact(self, previous_request_ids: list[str] | None) -> None:
         if self.request_ids == previous_request_ids:
             self.request_ids = None
-        if not any(self.new_token_ids):  # type: ignore[arg-type]
-            self.new_token_ids = None
         if all(self.sample):  # type: ignore[arg-type]
             self.sample = None
         if not any(self.spec_token_ids):  # type: ignore[arg-type]

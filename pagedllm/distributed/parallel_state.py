@@ -87,6 +87,12 @@ def broadcast_object(obj: Any = None, src: int = 0) -> Any:
     return box[0]
 
 
+def broadcast_tensor(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Rank `src`'s CPU tensor, in place of each rank's tensor of the same shape and dtype (over gloo)."""
+    dist.broadcast(tensor, src=src, group=_CPU_GROUP)
+    return tensor
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's Python object, in rank order, on every rank."""
     out: list[Any] = [None] * _TP_WORLD_SIZE

@@ -230,8 +230,10 @@ class SpecDecoder:
                                                  request.all_token_ids[:s.start_pos + s.num_new_tokens],
                                                  request.sampling_params, num_computed_tokens=s.start_pos))
                 continue
-            all_token_ids = request.all_token_ids + new_tokens
-            num_output_tokens = len(request.output_token_ids) + len(new_tokens)
+            # (the runner appended the sampled tokens to the request's before this pass)
+            all_token_ids = request.all_token_ids
+            output_token_ids = request.output_token_ids
+            num_output_tokens = len(output_token_ids)
             k = min(self.num_speculative_tokens_for(request.request_id), max_model_len - len(all_token_ids) - 1)
             if not allocate:
                 k = min(k, budget)
@@ -249,7 +251,7 @@ class SpecDecoder:
                 budget -= k
             candidates.append(draft_request)
             base_rows.append(SamplingRow(request.sampling_params, request.prompt_token_ids,
-                                         request.output_token_ids + new_tokens,
+                                         output_token_ids,
                                          list(request.sampling_params.all_stop_token_ids)))
             num_spec_tokens.append(k)
         if not candidates and not catch_up:

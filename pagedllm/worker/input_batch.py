@@ -14,11 +14,18 @@ two arrays in one C++ call, worker/step_inputs.py), its block table in each KV c
 for nothing that changes or reports the logits) and the sampler's filter parameters (temperature, top-k,
 top-p, min-p). A step of unchanged requests reuses the last plan's rows (and their tensor and greedy
 flag); what changes is written in place.
+
+The worker appends the tokens it samples itself (as vLLM V1's runner does), in process and out, with
+async scheduling or without: the engine sends a request's prompt once and never a sampled token. A
+decode step's tokens (one per row of its plan, a tensor) are held until the next step's input gather
+appends them in the same C++ call (ModelRunner._prepare_plan); anything else that reads the rows first
+(a request state's token lists, another kind of step, a plan with other rows) appends them before it
+reads (flush_sampled).
 """
 
 from __future__ import annotations
 
-from itertools import chain, repeat
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -59,11 +66,17 @@ class InputBatch:
         self.rows_array = np.zeros(0, dtype=np.int64)
         self.rows_tensor = torch.from_numpy(self.rows_array)
         self.plan_greedy = True  # every row of the last plan takes the argmax of its raw logits
+        # A decode step's sampled tokens, one per row of the plan (rows_tensor), not yet in token_ids
+        self.held_tokens: torch.Tensor | None = None
         # states whose prompt-logprob count a plan set (reset when a plan sends none)
         self._prompt_logprob_states: list[CachedRequestState] = []
 
     def update(self, message: WorkerSchedulerOutput) -> None:
         """Apply a step's deltas."""
+        columns = message.scheduled
+        if self.held_tokens is not None and (columns.request_ids is not None or message.new_requests
+                                             or message.finished_req_ids):
+            self.flush_sampled()  # they belong to the last plan's rows
         if message.finished_req_ids:
             for request_id in message.finished_req_ids:
                 self.requests.pop(request_id, None)
@@ -82,7 +95,6 @@ class InputBatch:
                 for request_id in group_changes:
                     self._row(request_id)
             self.block_tables.apply(message.block_table_changes)
-        columns = message.scheduled
         if columns.request_ids is not None or message.new_requests or message.finished_req_ids:
             # (the same ids may name a new request: one that finished and one that reused its id)
             if columns.request_ids is not None:
@@ -92,8 +104,6 @@ class InputBatch:
             self.rows_array = np.array(self.rows, dtype=np.int64)
             self.rows_tensor = torch.from_numpy(self.rows_array)
             self.plan_greedy = self.all_greedy(self.rows_array)
-        if columns.new_token_ids is not None:
-            self._append_new_tokens(columns.new_token_ids)
         if columns.num_prompt_logprobs_computed is not None:
             for state, num_prompt_lp in zip(self.states, columns.num_prompt_logprobs_computed):
                 state.num_prompt_logprobs_computed = num_prompt_lp
@@ -110,20 +120,24 @@ class InputBatch:
                     self.states, columns.num_new_tokens, columns.start_pos, columns.sample or repeat(True),
                     columns.spec_token_ids or repeat(None))]
 
-    def _append_new_tokens(self, new_token_ids: list[list[int]]) -> None:
-        """The tokens the plan's requests gained since the worker last saw them, in the plan's order."""
-        flat = list(chain.from_iterable(new_token_ids))
-        if len(flat) == len(new_token_ids) and all(new_token_ids):
-            # one token each (a decode step's sampled tokens): one call
-            append_tokens(self.token_tensor, self.num_tokens_tensor, self.rows_tensor, flat)
-            return
-        for row, token_ids in zip(self.rows, new_token_ids):
-            if token_ids:
-                self._write_tokens(row, int(self.num_tokens[row]), token_ids)
+    def hold_sampled(self, token_ids: torch.Tensor) -> None:
+        """A decode step's sampled tokens, token_ids[i] for row i of the plan (int64 [requests]): appended
+        by the next decode step's input gather, or by flush_sampled when something reads the rows first."""
+        assert self.held_tokens is None
+        self.held_tokens = token_ids
+
+    def take_held_tokens(self) -> torch.Tensor | None:
+        """The held tokens, for the decode step's gather that appends them (step_inputs.decode_step_inputs)."""
+        held, self.held_tokens = self.held_tokens, None
+        return held
+
+    def flush_sampled(self) -> None:
+        """Append the held tokens (if any) to their rows now."""
+        if self.held_tokens is not None:
+            append_tokens(self.token_tensor, self.num_tokens_tensor, self.rows_tensor, self.take_held_tokens())
 
     def append_sampled(self, sampled_token_ids: dict[str, list[int]]) -> None:
-        """Async scheduling: a step's sampled tokens, appended as soon as they exist, because the next
-        plan (made before the engine saw them) already computes them."""
+        """A step's sampled tokens by request id (any number each: accepted proposals and the bonus token)."""
         row_of = self.block_tables.row_of
         for request_id, token_ids in sampled_token_ids.items():
             row = row_of[request_id]

@@ -33,6 +33,7 @@ from pagedllm.core_types.scheduler_output import (
     ScheduledRequestsData,
     WorkerSchedulerOutput,
 )
+from pagedllm.distributed.parallel_state import broadcast_object, broadcast_tensor
 from pagedllm.kv_cache.quant import KV_CACHE_DTYPES, is_quantized, resolve_kv_cache_dtype  # noqa: F401
 from pagedllm.layers.sampler import Sampler, SamplingRow, argmax_rows
 from pagedllm.models.loader import load_model
@@ -66,6 +67,8 @@ class Batch:
     # A decode step: every request computes its last known token and samples the next one, so row i of
     # the hidden states is request i's only row and nothing but sampling is asked of it.
     decode: bool = False
+    # A decode step's sampled tokens, row i's for request i (set by sample() on the rank that samples)
+    sampled_tokens: torch.Tensor | None = None
 
     @property
     def order(self) -> list[ScheduledRequest]:
@@ -363,9 +366,14 @@ class ModelRunner:
         if runs:
             batch = self._prepare_plan(columns)
             forward_start = time.perf_counter()
+            output.prepare_s = forward_start - start
             hidden = self.forward(batch)
-            output.forward_s = time.perf_counter() - forward_start
-            self.sample(batch, hidden, output, message.grammar_bitmask)
+            sample_start = time.perf_counter()
+            output.forward_s = model_s = sample_start - forward_start
+            self.sample(batch, hidden, output, message.grammar_bitmask)  # adds the LM head's time to forward_s
+            self._keep_sampled(batch, output)
+            lm_head_s = output.forward_s - model_s
+            output.sample_s = time.perf_counter() - sample_start - lm_head_s
         if self.kv_connector is not None:
             if connector_meta is not None and connector_meta.reqs_to_save:
                 for layer in range(len(self.kv_caches)):
@@ -376,6 +384,24 @@ class ModelRunner:
             self.spec_decoder.record_step(time.perf_counter() - start, output)
             self.spec_decoder.propose(batch.order, output)
         return output
+
+    def _keep_sampled(self, batch: Batch, output: ModelRunnerOutput) -> None:
+        """Append the step's sampled tokens to the input batch's rows, on every rank (rank 0 alone samples,
+        and sends them to the others), before anything reads them (the proposer drafts past them). A
+        decode step's are held as a tensor, for the next step's input gather to append (InputBatch)."""
+        if batch.decode:
+            tokens = batch.sampled_tokens
+            if self.tp_size > 1:
+                tokens = broadcast_tensor(tokens.to(device="cpu", dtype=torch.long) if tokens is not None
+                                          else torch.empty(len(batch.rows), dtype=torch.long))
+            if tokens is not None:  # (None: nothing sampled, as where a step fails before it samples)
+                self.input_batch.hold_sampled(tokens.to(device="cpu", dtype=torch.long))
+            return
+        sampled = output.sampled_token_ids
+        if self.tp_size > 1:
+            sampled = broadcast_object(sampled if self.tp_rank == 0 else None)
+        if sampled:
+            self.input_batch.append_sampled(sampled)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
@@ -388,13 +414,19 @@ class ModelRunner:
         input_batch = self.input_batch
         n = len(columns.num_new_tokens)
         if columns.sample is not None or columns.spec_token_ids is not None or sum(columns.num_new_tokens) != n:
+            input_batch.flush_sampled()
             return self.prepare(input_batch.plan(columns), input_batch.rows)
         ones = [1] * n
         if self.lora_manager is not None:
             self.lora_manager.prepare_step([state.lora_request for state in input_batch.states], ones)
-        inputs = [decode_step_inputs(input_batch.token_tensor, input_batch.num_tokens_tensor, input_batch.rows_tensor,
-                                     table, self.block_size, zero_pad=self.backend.needs_dense_masks)
-                  for table in self.block_tables.tensors]
+        # the last decode step's sampled tokens (held by the input batch) are appended by the first call
+        held = input_batch.take_held_tokens()
+        inputs = []
+        for table in self.block_tables.tensors:
+            inputs.append(decode_step_inputs(input_batch.token_tensor, input_batch.num_tokens_tensor,
+                                             input_batch.rows_tensor, table, self.block_size,
+                                             self.backend.needs_dense_masks, held))
+            held = None
         batch = self._batch(None, n, inputs, ones, list(range(n)), input_batch.rows)
         batch.make_order = partial(input_batch.plan, columns)
         batch.decode = True
@@ -567,6 +599,7 @@ class ModelRunner:
                 request_ids = ([s.request.request_id for s in sampled] if sampled is not None
                                else self.input_batch.request_ids)
                 output.sampled_token_ids.update(zip(request_ids, [[token] for token in token_tensor.tolist()]))
+                batch.sampled_tokens = token_tensor
             return
         all_logits = self.model.compute_logits(hidden if all_rows else hidden[logits_rows])
         output.forward_s += time.perf_counter() - logits_start
@@ -576,7 +609,8 @@ class ModelRunner:
         if sampled is None:
             sampled = batch.order
         if sample_rows and all_greedy:
-            token_ids = argmax_rows(all_logits[:num_sample]).tolist()
+            batch.sampled_tokens = argmax_rows(all_logits[:num_sample])
+            token_ids = batch.sampled_tokens.tolist()
             output.sampled_token_ids.update({s.request.request_id: [token] for s, token in zip(sampled, token_ids)})
         elif sample_rows:
             rows = [self.sampling_row(s.request) for s in sampled]
@@ -587,6 +621,7 @@ class ModelRunner:
                 token_bitmask = grammar_bitmask.select((s.request.request_id, i, 1) for i, s in enumerate(sampled))
             params = self.input_batch.filter_params(sampled_batch_rows, logits.dtype, logits.device, logits.shape[-1])
             result = self.sampler(logits, rows, max_logprobs, token_bitmask, params)
+            batch.sampled_tokens = result.token_ids
             token_ids = result.token_ids.tolist()
             sampled_lp = result.sampled_logprobs.tolist() if result.sampled_logprobs is not None else None
             for i, s in enumerate(sampled):

@@ -4,11 +4,10 @@ The scheduler's plan refers to the engine's Request objects, which the workers n
 executor, the in-process one included, sends a WorkerSchedulerOutput, and each worker keeps its own copy
 of each live request (CachedRequestState: token ids, sampling params, in the runner's InputBatch). A step
 brings only what changed, as vLLM V1 does (NewRequestData / CachedRequestData): a request seen for the
-first time comes whole, later steps bring just the tokens appended since (sampled tokens, by rank 0 a
-step ago; with async scheduling the worker appends its own sampled tokens instead, see
-InputBatch.append_sampled) and the counts, and the plan the block-table entries the KV cache manager
-wrote since the last one. A step's message is therefore a few dozen bytes per request no matter how long
-the request is, and the runner reads one request shape in one process and in many.
+first time comes whole (its prompt); later steps bring its counts only, because the worker appends the
+tokens it samples itself (InputBatch), and the plan the block-table entries the KV cache manager wrote
+since the last one. A step's message is therefore a few dozen bytes per request no matter how long the
+request is, and the runner reads one request shape in one process and in many.
 """
 
 from __future__ import annotations
@@ -33,6 +32,9 @@ class TokenRows(Protocol):
 
     token_ids: np.ndarray   # [rows, max_model_len]
     num_tokens: np.ndarray  # [rows]
+    held_tokens: object     # not None: sampled tokens not yet in the arrays (flush_sampled writes them)
+
+    def flush_sampled(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -55,47 +57,47 @@ class CachedRequestState:
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """The known tokens at positions [start, end) (fewer where end passes the last known one)."""
-        return self.batch.token_ids[self.row, start:min(end, self.batch.num_tokens[self.row])].tolist()
+        batch = self._rows()
+        return batch.token_ids[self.row, start:min(end, batch.num_tokens[self.row])].tolist()
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.batch.token_ids[self.row, :self.batch.num_tokens[self.row]].tolist()
+        batch = self._rows()
+        return batch.token_ids[self.row, :batch.num_tokens[self.row]].tolist()
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.batch.token_ids[self.row, len(self.prompt_token_ids):self.batch.num_tokens[self.row]].tolist()
+        batch = self._rows()
+        return batch.token_ids[self.row, len(self.prompt_token_ids):batch.num_tokens[self.row]].tolist()
+
+    def _rows(self) -> TokenRows:
+        batch = self.batch
+        if batch.held_tokens is not None:
+            batch.flush_sampled()
+        return batch
 
 
 class SchedulerOutputEncoder:
-    """Engine side: remembers how many tokens of each request the workers have, and the last plan's
-    request ids (a plan with the same ones, in the same order, sends None for them)."""
+    """Engine side: remembers which requests the workers hold, and the last plan's request ids (a plan with
+    the same ones, in the same order, sends None for them)."""
 
     def __init__(self) -> None:
-        self.num_sent_tokens: dict[str, int] = {}
+        self.known_ids: set[str] = set()
         self.request_ids: list[str] | None = None
 
     def encode(self, scheduler_output: SchedulerOutput) -> WorkerSchedulerOutput:
-        for request_id in scheduler_output.finished_req_ids:
-            self.num_sent_tokens.pop(request_id, None)
-        new_requests = []
-        num_sent_tokens = self.num_sent_tokens
+        known_ids = self.known_ids
+        known_ids.difference_update(scheduler_output.finished_req_ids)
         plan = scheduler_output.scheduled
         requests = [s.request for s in plan]
         request_ids = [request.request_id for request in requests]
-        new_token_ids = []
-        for request, request_id in zip(requests, request_ids):
-            sent = num_sent_tokens.get(request_id)
-            if sent is None:
-                new_requests.append(NewRequestData(request_id, request.prompt_token_ids, request.sampling_params,
-                                                   request.lora_request))
-                sent = request.num_prompt_tokens
-            all_token_ids = request.all_token_ids
-            # With async scheduling the worker appends the tokens it samples itself: those of steps still
-            # running (placeholders here) are the worker's already, and are never sent.
-            num_sent_tokens[request_id] = len(all_token_ids) + request.num_output_placeholders
-            new_token_ids.append(all_token_ids[sent:])
+        new_requests = [NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params,
+                                       request.lora_request)
+                        for request in requests if request.request_id not in known_ids]
+        if new_requests:
+            known_ids.update(new.request_id for new in new_requests)
         scheduled = ScheduledRequestsData(
-            request_ids, new_token_ids, [s.num_new_tokens for s in plan], [s.start_pos for s in plan],
+            request_ids, [s.num_new_tokens for s in plan], [s.start_pos for s in plan],
             [s.sample for s in plan], [s.spec_token_ids for s in plan],
             [request.num_prompt_logprobs_computed for request in requests])
         scheduled.compact(self.request_ids)

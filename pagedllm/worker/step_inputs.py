@@ -47,15 +47,19 @@ def step_inputs(token_ids: list[int], start_pos: list[int], query_lens: list[int
 
 
 def decode_step_inputs(token_table: torch.Tensor, num_tokens: torch.Tensor, rows: torch.Tensor,
-                       table: torch.Tensor, block_size: int, zero_pad: bool) -> StepInputs:
+                       table: torch.Tensor, block_size: int, zero_pad: bool,
+                       new_tokens: torch.Tensor | None = None) -> StepInputs:
     """A decode step: request b computes the last known token of row rows[b] of the runner's InputBatch
     (token_table [rows, max_model_len] and num_tokens [rows], int64 CPU tensors sharing its arrays' memory)
     at its position, with block-table row rows[b]. The same as step_inputs with one token per request,
     without reading Python lists: torch parses an int[] argument element by element, which was most of
-    step_inputs' time on a 64-request decode."""
+    step_inputs' time on a 64-request decode. `new_tokens` (int64 [requests]), where given, are appended to
+    the rows first (append_tokens), in the same call."""
     if load_cpu_kernels():
         return StepInputs(*torch.ops.pagedllm_cpu_step.decode_step_inputs(
-            token_table, num_tokens, rows, table, block_size, zero_pad))
+            token_table, num_tokens, rows, table, block_size, zero_pad, new_tokens))
+    if new_tokens is not None:
+        append_tokens(token_table, num_tokens, rows, new_tokens)
     row_index = rows.numpy()
     start_pos = num_tokens.numpy()[row_index] - 1
     token_ids = token_table.numpy()[row_index, start_pos]
@@ -64,15 +68,17 @@ def decode_step_inputs(token_table: torch.Tensor, num_tokens: torch.Tensor, rows
 
 
 def append_tokens(token_table: torch.Tensor, num_tokens: torch.Tensor, rows: torch.Tensor,
-                  token_ids: list[int]) -> None:
+                  token_ids: torch.Tensor) -> None:
     """Row rows[b] of an InputBatch (token_table, num_tokens: tensors sharing its arrays' memory) gains one
-    token, token_ids[b]: a decode step's sampled tokens, in one call."""
+    token, token_ids[b] (int64 [requests]): a decode step's sampled tokens, in one call."""
     if load_cpu_kernels():
         torch.ops.pagedllm_cpu_step.append_tokens(token_table, num_tokens, rows, token_ids)
         return
     row_index, counts = rows.numpy(), num_tokens.numpy()
     ends = counts[row_index]
-    token_table.numpy()[row_index, ends] = token_ids
+    if (ends >= token_table.shape[1]).any():
+        raise RuntimeError("append_tokens: row out of range or full")
+    token_table.numpy()[row_index, ends] = token_ids.numpy()
     counts[row_index] = ends + 1
 
 

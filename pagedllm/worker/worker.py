@@ -16,7 +16,7 @@ import torch
 from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.core_types.model_runner_output import ModelRunnerOutput
 from pagedllm.core_types.scheduler_output import WorkerSchedulerOutput
-from pagedllm.distributed.parallel_state import broadcast_object, collective_bytes, init_distributed_environment
+from pagedllm.distributed.parallel_state import collective_bytes, init_distributed_environment
 from pagedllm.layers.quantization import QuantizedWeight
 from pagedllm.metrics.reader import Metric
 from pagedllm.platform import configure_cpu_allocator
@@ -32,7 +32,6 @@ class Worker:
                  speculative_config: SpeculativeConfig | None = None, distributed_init_method: str | None = None):
         self.rank = rank
         self.parallel_config = parallel_config
-        self.async_scheduling = scheduler_config.async_scheduling
         tp_size = parallel_config.tensor_parallel_size
         if device.type == "cuda" and tp_size > 1:
             device = torch.device("cuda", rank % parallel_config.ranks_per_node)
@@ -73,12 +72,6 @@ class Worker:
         one included): rank 0 returns the sampled tokens, the others None."""
         self.num_computed_tokens += sum(message.scheduled.num_new_tokens)
         output = self.model_runner.execute(message)
-        if self.async_scheduling and message.scheduled.num_new_tokens:
-            # The next plan is already on its way and computes these tokens: every rank needs them now.
-            sampled = output.sampled_token_ids
-            if self.parallel_config.tensor_parallel_size > 1:
-                sampled = broadcast_object(sampled if self.rank == 0 else None)
-            self.model_runner.input_batch.append_sampled(sampled)
         return output if self.rank == 0 else None
 
     def live_request_ids(self) -> list[str]:

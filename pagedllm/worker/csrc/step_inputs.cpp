@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -103,13 +104,36 @@ void check_token_rows(const char* op, const at::Tensor& token_table, const at::T
   TORCH_CHECK(num_tokens.size(0) == token_table.size(0), op, ": one token count per row");
 }
 
+// Row rows[b] of an InputBatch gains one token, token_ids[b]: a decode step's sampled tokens (int64 [requests]),
+// written after the row's num_tokens[rows[b]] known ones.
+void append_rows(const char* op, const at::Tensor& token_table, const at::Tensor& num_tokens, const at::Tensor& rows,
+                 const at::Tensor& token_ids) {
+  TORCH_CHECK(token_ids.dim() == 1 && token_ids.scalar_type() == at::kLong && token_ids.is_contiguous() &&
+                  token_ids.device().is_cpu() && token_ids.size(0) == rows.size(0),
+              op, ": token_ids must be a contiguous int64 CPU tensor with one token per row");
+  const int64_t num_reqs = rows.size(0), num_rows = token_table.size(0), row_len = token_table.size(1);
+  const int64_t* row_index = rows.data_ptr<int64_t>();
+  const int64_t* new_tokens = token_ids.data_ptr<int64_t>();
+  int64_t* counts = num_tokens.data_ptr<int64_t>();
+  int64_t* tokens = token_table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < num_reqs; ++b) {
+    const int64_t row = row_index[b];
+    TORCH_CHECK(row >= 0 && row < num_rows && counts[row] < row_len, op, ": row out of range or full");
+    tokens[row * row_len + counts[row]++] = new_tokens[b];
+  }
+}
+
 // A decode step (ModelRunner._prepare_plan): request b computes the last known token of row rows[b] of the
 // runner's InputBatch, token_table[rows[b], num_tokens[rows[b]] - 1], at that position, with block-table
 // row rows[b]. Its arguments are the batch's arrays themselves: reading the same numbers from Python lists
-// (torch parses an int[] argument element by element) was most of step_inputs' time.
+// (torch parses an int[] argument element by element) was most of step_inputs' time. `new_tokens`, where
+// given, are the tokens the last step sampled for these rows, appended first: the step then computes them
+// (one call instead of two, each of which costs its cold-cache price after the forward pass).
 StepInputs decode_step_inputs(const at::Tensor& token_table, const at::Tensor& num_tokens, const at::Tensor& rows,
-                              const at::Tensor& table, int64_t block_size, bool zero_pad) {
+                              const at::Tensor& table, int64_t block_size, bool zero_pad,
+                              const std::optional<at::Tensor>& new_tokens) {
   check_token_rows("decode_step_inputs", token_table, num_tokens, rows);
+  if (new_tokens.has_value()) append_rows("decode_step_inputs", token_table, num_tokens, rows, *new_tokens);
   const int64_t num_reqs = rows.size(0), num_rows = token_table.size(0), row_len = token_table.size(1);
   const int64_t* row_index = rows.data_ptr<int64_t>();
   const int64_t* counts = num_tokens.data_ptr<int64_t>();
@@ -127,31 +151,21 @@ StepInputs decode_step_inputs(const at::Tensor& token_table, const at::Tensor& n
                zero_pad);
 }
 
-// InputBatch.update: row rows[b] of the batch gains one token, token_ids[b] (a decode step's sampled tokens),
-// written after its num_tokens[rows[b]] known ones.
+// InputBatch.flush_sampled: the held tokens of a decode step (see append_rows), when something reads the rows
+// before the next decode step's gather appends them.
 void append_tokens(const at::Tensor& token_table, const at::Tensor& num_tokens, const at::Tensor& rows,
-                   at::IntArrayRef token_ids) {
+                   const at::Tensor& token_ids) {
   check_token_rows("append_tokens", token_table, num_tokens, rows);
-  const int64_t num_reqs = rows.size(0), num_rows = token_table.size(0), row_len = token_table.size(1);
-  TORCH_CHECK(static_cast<int64_t>(token_ids.size()) == num_reqs, "append_tokens: one token per request");
-  const int64_t* row_index = rows.data_ptr<int64_t>();
-  int64_t* counts = num_tokens.data_ptr<int64_t>();
-  int64_t* tokens = token_table.data_ptr<int64_t>();
-  for (int64_t b = 0; b < num_reqs; ++b) {
-    const int64_t row = row_index[b];
-    TORCH_CHECK(row >= 0 && row < num_rows && counts[row] < row_len, "append_tokens: row out of range or full");
-    tokens[row * row_len + counts[row]++] = token_ids[b];
-  }
+  append_rows("append_tokens", token_table, num_tokens, rows, token_ids);
 }
-
 }  // namespace
 
 TORCH_LIBRARY(pagedllm_cpu_step, m) {
   m.def("step_inputs(int[] token_ids, int[] start_pos, int[] query_lens, int[] rows, Tensor table, "
         "int block_size, bool zero_pad) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int)");
-  m.def("decode_step_inputs(Tensor token_table, Tensor num_tokens, Tensor rows, Tensor table, int block_size, "
-        "bool zero_pad) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int)");
-  m.def("append_tokens(Tensor(a!) token_table, Tensor(b!) num_tokens, Tensor rows, int[] token_ids) -> ()");
+  m.def("decode_step_inputs(Tensor(a!) token_table, Tensor(b!) num_tokens, Tensor rows, Tensor table, int block_size, "
+        "bool zero_pad, Tensor? new_tokens) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int)");
+  m.def("append_tokens(Tensor(a!) token_table, Tensor(b!) num_tokens, Tensor rows, Tensor token_ids) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu_step, CPU, m) {
