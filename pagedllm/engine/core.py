@@ -293,14 +293,7 @@ class EngineCore:
         updated, _ = self.scheduler.update(scheduler_output, model_output)
         self.scheduler.update_draft_token_ids(model_output.spec_token_ids)
         now = time.time()
-        outputs = []
-        running = RequestStatus.RUNNING
-        for request in updated:
-            if request.defer_outputs and request.status is running:
-                if request.metrics.first_token_time is None:
-                    request.metrics.first_token_time = now
-                continue
-            outputs.append(self._make_output(request, now))
+        outputs = [self._make_output(request, now) for request in updated]
         self._flush_finished_if_idle()
         return outputs
 

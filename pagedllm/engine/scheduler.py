@@ -376,8 +376,9 @@ class Scheduler:
     # ---- after the forward pass ----
     def update(self, output: SchedulerOutput, model_output: ModelRunnerOutput
                ) -> tuple[list[Request], list[Request]]:
-        """Apply a step's results. Returns (requests with new tokens, requests finished by a stop token or
-        length)."""
+        """Apply a step's results. Returns (requests with new tokens whose outputs are due: all but those
+        that defer their outputs until they end, Request.defer_outputs; requests finished by a stop token
+        or length). A request's first token sets its metrics' first_token_time."""
         updated: list[Request] = []
         finished: list[Request] = []
         if model_output.kv_connector_output is not None and self.connector is not None:
@@ -388,6 +389,8 @@ class Scheduler:
         all_prompt_logprobs = model_output.prompt_logprobs
         async_scheduling = self.config.async_scheduling
         num_sampled = 0
+        now = None  # the clock, read once where a request gets its first token
+        running = RequestStatus.RUNNING
         for item in output.scheduled:
             request = item.request
             if async_scheduling:  # its tokens were counted as computed when it was scheduled
@@ -415,6 +418,10 @@ class Scheduler:
                 logprobs = all_logprobs.get(request.request_id) if all_logprobs else None
                 sampled_logprobs = all_sampled_logprobs.get(request.request_id) if all_sampled_logprobs else None
                 num_sampled += len(tokens)
+                if not request.output_token_ids and tokens:
+                    if now is None:
+                        now = time.time()
+                    request.metrics.first_token_time = now
                 stop_candidates, length_cap = request.stop_candidates, request.length_cap
                 for i, token in enumerate(tokens):
                     request.append_output_token(token)
@@ -428,7 +435,8 @@ class Scheduler:
                         break
                 # Tokens past a stop were verified but are not part of the output; their KV stays
                 # unreachable until the request is freed.
-                updated.append(request)
+                if not request.defer_outputs or request.status is not running:
+                    updated.append(request)
         self.num_sampled_tokens += num_sampled
         return updated, finished
 
