@@ -258,8 +258,9 @@ def test_plan_travels_compact_and_arrives_whole() -> None:
     requests = [Request(f"r{i}", [5, 6, 7 + i], SamplingParams(max_tokens=8)) for i in range(3)]
 
     def plan(items: list[tuple[Request, int, int, bool, list[int]]]) -> SchedulerOutput:
-        return SchedulerOutput([ScheduledRequest(r, n, start, [], sample, spec) for r, n, start, sample, spec in items],
-                               sum(n for _, n, _, _, _ in items), [])
+        return SchedulerOutput.of([ScheduledRequest(r, n, start, [], sample, spec)
+                                   for r, n, start, sample, spec in items],
+                                  num_batched_tokens=sum(n for _, n, *_ in items))
 
     encoder, batch = SchedulerOutputEncoder(), InputBatch(max_num_reqs=2, max_model_len=16, max_blocks_per_req=4)
     by_id = {r.request_id: r for r in requests}

@@ -133,8 +133,8 @@ class StepProfiler:
                 # with async scheduling the step applies the results of a plan made in the step before
                 plan = self._finished_plan if self._finished_plan is not None else self._plan
                 self.worker_forward_s += self._step_worker_forward_s
-                if plan is not None and plan.scheduled and all(
-                        s.start_pos >= s.request.num_prompt_tokens for s in plan.scheduled):
+                if plan is not None and plan.requests and all(
+                        start >= request.num_prompt_tokens for request, start in zip(plan.requests, plan.start_pos)):
                     self.decode_steps += 1
                     self.decode_worker_forward_s += self._step_worker_forward_s
                     for phase, seconds in self._step_seconds.items():

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from itertools import repeat
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedllm.distributed.kv_transfer.base import KVConnectorMetadata
 from pagedllm.lora.request import LoRARequest
@@ -55,9 +56,24 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    num_batched_tokens: int
-    preempted_ids: list[str]
+    """The plan for one step, as columns (vLLM V1's counts per request): request i of `requests` computes
+    num_new_tokens[i] tokens from position start_pos[i]; it samples unless sample[i] is False (a prompt
+    chunk short of its last known token), and verifies the proposals spec_token_ids[i] where it has
+    some. A column that says nothing is None (every request samples; none verifies), as it travels to
+    the workers (ScheduledRequestsData). The step's per-request loops read the columns; `scheduled` gives
+    the same plan as one object per request, for the readers that want them (a KV connector's saves, a
+    grammar's masks, a failed step's retries)."""
+
+    requests: list[Any]      # the engine's Requests (RunnerRequest-like: request_id, tokens, sampling params)
+    num_new_tokens: list[int]
+    start_pos: list[int]
+    num_batched_tokens: int = 0
+    preempted_ids: list[str] = field(default_factory=list)
+    sample: list[bool] | None = None
+    spec_token_ids: list[list[int]] | None = None
+    # Each request's block table, for a KV connector's saves (None without one; the KV cache manager's own
+    # lists, read during this step only). The runner keeps its own copy from block_table_changes.
+    block_ids: list[Sequence[int]] | None = None
     # Requests that left the engine since the last step: workers in other processes drop their copies.
     finished_req_ids: set[str] = field(default_factory=set)
     # Allowed tokens of the rows that sample under a grammar (None when no scheduled request has one).
@@ -65,13 +81,45 @@ class SchedulerOutput:
     # The KV connector's loads and saves for this step (None without a connector).
     kv_connector_metadata: KVConnectorMetadata | None = None
     # Block tables written since the last plan, one dict per KV cache group (KVCacheManager.take_table_changes;
-    # empty when none changed): the runner's copy of the tables is kept from these, not from each
-    # ScheduledRequest's block_ids.
+    # empty when none changed).
     block_table_changes: list[dict[str, tuple[int, list[int]]]] = field(default_factory=list)
+
+    def add(self, request: Any, num_new_tokens: int, start_pos: int, sample: bool, spec_token_ids: list[int]) -> None:
+        """Append a request to the plan (a column that said nothing starts saying it here)."""
+        index = len(self.requests)
+        self.requests.append(request)
+        self.num_new_tokens.append(num_new_tokens)
+        self.start_pos.append(start_pos)
+        if not sample and self.sample is None:
+            self.sample = [True] * index
+        if self.sample is not None:
+            self.sample.append(sample)
+        if spec_token_ids and self.spec_token_ids is None:
+            self.spec_token_ids = [[] for _ in range(index)]
+        if self.spec_token_ids is not None:
+            self.spec_token_ids.append(spec_token_ids)
+
+    @classmethod
+    def of(cls, scheduled: Sequence[ScheduledRequest], **fields: Any) -> SchedulerOutput:
+        """The plan of these requests (and the other fields given)."""
+        plan = cls([], [], [], **fields)
+        for s in scheduled:
+            plan.add(s.request, s.num_new_tokens, s.start_pos, s.sample, s.spec_token_ids)
+        if any(s.block_ids for s in scheduled):
+            plan.block_ids = [s.block_ids for s in scheduled]
+        return plan
+
+    @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        """The plan as one object per request, in its order."""
+        return [ScheduledRequest(request, num_new, start, block_ids, sample, list(spec) if spec else [])
+                for request, num_new, start, block_ids, sample, spec in zip(
+                    self.requests, self.num_new_tokens, self.start_pos, self.block_ids or repeat(()),
+                    self.sample or repeat(True), self.spec_token_ids or repeat(None))]
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.requests
 
 
 @dataclass
@@ -101,11 +149,11 @@ class ScheduledRequestsData:
     def compact(self, previous_request_ids: list[str] | None) -> None:
         if self.request_ids == previous_request_ids:
             self.request_ids = None
-        if all(self.sample):  # type: ignore[arg-type]
+        if self.sample is not None and all(self.sample):
             self.sample = None
-        if not any(self.spec_token_ids):  # type: ignore[arg-type]
+        if self.spec_token_ids is not None and not any(self.spec_token_ids):
             self.spec_token_ids = None
-        if not any(self.num_prompt_logprobs_computed):  # type: ignore[arg-type]
+        if self.num_prompt_logprobs_computed is not None and not any(self.num_prompt_logprobs_computed):
             self.num_prompt_logprobs_computed = None
 
 

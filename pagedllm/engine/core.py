@@ -203,9 +203,9 @@ class EngineCore:
         except ExecutorDeadError:
             raise  # a dead worker process is fatal for the engine, not one request's fault
         except Exception as exc:
-            if len(scheduler_output.scheduled) <= 1:
-                for item in scheduler_output.scheduled:
-                    self._fail_request(item.request, exc)
+            if len(scheduler_output.requests) <= 1:
+                for request in scheduler_output.requests:
+                    self._fail_request(request, exc)
                 return []
             return self._isolate_failure(scheduler_output, exc)
         return self._finish_step(scheduler_output, model_output)
@@ -252,7 +252,7 @@ class EngineCore:
         already allocated every request's slots, so each one can run its part of the plan alone.
         """
         logger.error("engine step of %d requests failed (%s: %s); retrying them one at a time",
-                     len(scheduler_output.scheduled), type(exc).__name__, exc)
+                     len(scheduler_output.requests), type(exc).__name__, exc)
         outputs: list[EngineCoreOutput] = []
         # The finished ids go with the first retry only; the step's grammar bitmask is keyed by request id,
         # so every retry can carry it whole, and so can its block-table changes (writing them again changes
@@ -261,10 +261,10 @@ class EngineCore:
         for item in scheduler_output.scheduled:
             if item.request.request_id not in self.scheduler.requests:
                 continue  # a sibling of an earlier culprit, ended with it
-            single = SchedulerOutput(scheduled=[item], num_batched_tokens=item.num_new_tokens,
-                                     preempted_ids=[], finished_req_ids=finished_req_ids,
-                                     grammar_bitmask=scheduler_output.grammar_bitmask,
-                                     block_table_changes=scheduler_output.block_table_changes)
+            single = SchedulerOutput.of([item], num_batched_tokens=item.num_new_tokens,
+                                        finished_req_ids=finished_req_ids,
+                                        grammar_bitmask=scheduler_output.grammar_bitmask,
+                                        block_table_changes=scheduler_output.block_table_changes)
             finished_req_ids = set()
             try:
                 model_output = self.model_executor.execute_model(single)

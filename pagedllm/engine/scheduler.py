@@ -13,10 +13,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
+from itertools import repeat
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core_types.model_runner_output import ModelRunnerOutput
-from pagedllm.core_types.scheduler_output import ScheduledRequest, SchedulerOutput
+from pagedllm.core_types.scheduler_output import SchedulerOutput
 from pagedllm.distributed.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.kv_cache.manager import KVCacheManager
@@ -152,8 +153,8 @@ class Scheduler:
         the next plan waits for the steps in flight), and admits no request that would stop it."""
         self.needs_sync = False
         budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, ScheduledRequest] = {}
-        preempted: list[str] = []
+        plan = SchedulerOutput([], [], [])
+        preempted = plan.preempted_ids
 
         # decodes first, so a long prompt never stalls them
         order = [request for request in self.running if request.num_computed_tokens >= request.num_prompt_tokens]
@@ -191,14 +192,14 @@ class Scheduler:
                     continue
             else:
                 while not allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
-                    victim = self._pick_victim(scheduled, request)
+                    victim = self._pick_victim(plan, request)
                     self._preempt(victim)
                     preempted.append(victim.request_id)
                     if victim is request:
                         break
                 if request.status is not running:
                     continue
-            scheduled[request.request_id] = self._scheduled(request, num_new)
+            self._add(plan, request, num_new)
             budget -= num_new
 
         # Admit waiting requests, unless this step had to preempt (memory is short).
@@ -253,7 +254,7 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             if num_new > 0:
-                scheduled[request.request_id] = self._scheduled(request, num_new)
+                self._add(plan, request, num_new)
                 budget -= num_new
                 if request.metrics.first_scheduled_time is None:  # every request is first run from here
                     request.metrics.first_scheduled_time = time.time()
@@ -261,11 +262,12 @@ class Scheduler:
         if self.config.async_scheduling:
             # The next plan may be made before this step's results: it must see this step's tokens as
             # computed, and the tokens it samples as known (placeholders until they arrive).
-            for item in scheduled.values():
-                item.request.num_computed_tokens += item.num_new_tokens
-                if item.sample:
-                    item.request.num_output_placeholders += 1
-        return self._plan(list(scheduled.values()), self.config.max_num_batched_tokens - budget, preempted)
+            for request, num_new, sample in zip(plan.requests, plan.num_new_tokens, plan.sample or repeat(True)):
+                request.num_computed_tokens += num_new
+                if sample:
+                    request.num_output_placeholders += 1
+        plan.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return self._finish_plan(plan)
 
     def _num_lookahead_tokens(self, request: Request, num_new: int, num_computed: int | None = None) -> int:
         """Slots past this step's tokens for the draft model's KV (config.num_lookahead_tokens), short of
@@ -274,17 +276,18 @@ class Scheduler:
             num_computed = request.num_computed_tokens
         return max(0, min(self.config.num_lookahead_tokens, self.config.max_model_len - num_computed - num_new))
 
-    def _plan(self, plan: list[ScheduledRequest], num_batched_tokens: int, preempted: list[str]) -> SchedulerOutput:
+    def _finish_plan(self, plan: SchedulerOutput) -> SchedulerOutput:
+        """What a plan carries besides its requests: the tables written and the requests ended since the
+        last one, a KV connector's transfers, the grammars' masks."""
+        plan.block_table_changes = self.kv.take_table_changes()
+        plan.finished_req_ids = self._take_finished_req_ids()
+        if self.connector is not None:
+            plan.block_ids = [self.kv.get_block_ids(request.request_id) for request in plan.requests]
+            plan.kv_connector_metadata = self.connector.build_connector_meta(plan.scheduled)
         som = self.structured_output_manager
-        return SchedulerOutput(
-            kv_connector_metadata=self.connector.build_connector_meta(plan) if self.connector else None,
-            scheduled=plan,
-            num_batched_tokens=num_batched_tokens,
-            block_table_changes=self.kv.take_table_changes(),
-            preempted_ids=preempted,
-            finished_req_ids=self._take_finished_req_ids(),
-            grammar_bitmask=som.grammar_bitmask(plan) if som is not None and self.guided_ids else None,
-        )
+        if som is not None and self.guided_ids:
+            plan.grammar_bitmask = som.grammar_bitmask(plan.scheduled)
+        return plan
 
     def _start_kv_load(self, request: Request, cached_blocks: list, num_cached: int, num_external: int) -> bool:
         """Allocate the blocks of the tokens a KV connector will load and park the request until they
@@ -333,15 +336,15 @@ class Scheduler:
         finished, self.finished_req_ids = self.finished_req_ids, set()
         return finished
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    @staticmethod
+    def _add(plan: SchedulerOutput, request: Request, num_new: int) -> None:
+        """Put the request's next `num_new` tokens in the plan; it samples if they reach its last known one."""
         start = request.num_computed_tokens
         spec = request.spec_token_ids
         reaches_end = start + num_new >= request.num_tokens_with_spec
         if spec and not reaches_end:
             request.spec_token_ids = spec = []  # a chunk that stops short drops its proposals
-        # the block table is the KV manager's own list: the KV connector reads it during this step only
-        block_ids = self.kv.get_block_ids(request.request_id) if self.connector is not None else ()
-        return ScheduledRequest(request, num_new, start, block_ids, reaches_end, list(spec) if spec else [])
+        plan.add(request, num_new, start, reaches_end, spec)
 
     def _lora_fits(self, request: Request, running_loras: set[int]) -> bool:
         """Whether admitting `request` keeps the running requests within max_loras distinct adapters."""
@@ -356,9 +359,9 @@ class Scheduler:
             return max(self.waiting, key=cached_len)
         return self.waiting[0]
 
-    def _pick_victim(self, scheduled: dict[str, ScheduledRequest], request: Request) -> Request:
+    def _pick_victim(self, plan: SchedulerOutput, request: Request) -> Request:
         for candidate in reversed(self.running):
-            if candidate is not request and candidate.request_id not in scheduled:
+            if candidate is not request and candidate not in plan.requests:  # (by identity)
                 return candidate
         return request
 
@@ -391,25 +394,26 @@ class Scheduler:
         num_sampled = 0
         now = None  # the clock, read once where a request gets its first token
         running = RequestStatus.RUNNING
-        for item in output.scheduled:
-            request = item.request
+        for request, num_new, start, sample, spec in zip(output.requests, output.num_new_tokens, output.start_pos,
+                                                         output.sample or repeat(True),
+                                                         output.spec_token_ids or repeat(None)):
             if async_scheduling:  # its tokens were counted as computed when it was scheduled
-                if item.sample:
+                if sample:
                     request.num_output_placeholders -= 1
                 if request.is_finished:
                     continue  # ended (stop token, stop string, abort) while this step ran: its token is dropped
             else:
-                request.num_computed_tokens += item.num_new_tokens
+                request.num_computed_tokens += num_new
             if all_prompt_logprobs and request.prompt_logprobs is not None \
                     and request.request_id in all_prompt_logprobs:
                 # Entry i belongs to prompt token i: a recompute after preemption rewrites, never appends.
-                first = item.start_pos + 1
+                first = start + 1
                 new = all_prompt_logprobs[request.request_id]
                 request.prompt_logprobs[first:first + len(new)] = new
-            if item.sample:
+            if sample:
                 tokens = sampled_token_ids[request.request_id]
-                if item.spec_token_ids:
-                    num_rejected = len(item.spec_token_ids) + 1 - len(tokens)
+                if spec:
+                    num_rejected = len(spec) + 1 - len(tokens)
                     if num_rejected > 0:  # KV of rejected speculative tokens is rolled back
                         request.num_computed_tokens -= num_rejected
                         self.kv.trim(request)

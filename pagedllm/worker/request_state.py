@@ -88,18 +88,19 @@ class SchedulerOutputEncoder:
     def encode(self, scheduler_output: SchedulerOutput) -> WorkerSchedulerOutput:
         known_ids = self.known_ids
         known_ids.difference_update(scheduler_output.finished_req_ids)
-        plan = scheduler_output.scheduled
-        requests = [s.request for s in plan]
+        requests = scheduler_output.requests
         request_ids = [request.request_id for request in requests]
         new_requests = [NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params,
                                        request.lora_request)
                         for request in requests if request.request_id not in known_ids]
         if new_requests:
             known_ids.update(new.request_id for new in new_requests)
+        # the plan's own columns travel as they are
         scheduled = ScheduledRequestsData(
-            request_ids, [s.num_new_tokens for s in plan], [s.start_pos for s in plan],
-            [s.sample for s in plan], [s.spec_token_ids for s in plan],
-            [request.num_prompt_logprobs_computed for request in requests])
+            request_ids, scheduler_output.num_new_tokens, scheduler_output.start_pos, scheduler_output.sample,
+            scheduler_output.spec_token_ids,
+            [request.num_prompt_logprobs_computed for request in requests]
+            if any(request.prompt_logprobs is not None for request in requests) else None)
         scheduled.compact(self.request_ids)
         self.request_ids = request_ids
         return WorkerSchedulerOutput(new_requests, scheduled,
