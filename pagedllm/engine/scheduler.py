@@ -183,6 +183,7 @@ class Scheduler:
             if request.spec_token_ids and start + num_new < end:
                 # A cut inside the proposals drops them all: compute only the known tokens this step.
                 request.spec_token_ids = []
+                end = request.num_tokens_with_spec
                 num_new = min(num_new, request.num_tokens - start)
             # (every token known before this step is final: the default num_cacheable_tokens)
             lookahead = self._num_lookahead_tokens(request, num_new) if lookahead_tokens else 0
@@ -199,7 +200,8 @@ class Scheduler:
                         break
                 if request.status is not running:
                     continue
-            self._add(plan, request, num_new)
+            # (a cut inside the proposals dropped them above: a request still holding some reaches them all)
+            plan.add(request, num_new, start, start + num_new >= end, request.spec_token_ids)
             budget -= num_new
 
         # Admit waiting requests, unless this step had to preempt (memory is short).
@@ -254,7 +256,8 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             if num_new > 0:
-                self._add(plan, request, num_new)
+                # (a waiting request holds no proposals: nothing drafts for it before it runs)
+                plan.add(request, num_new, num_cached, num_cached + num_new >= request.num_tokens_with_spec, [])
                 budget -= num_new
                 if request.metrics.first_scheduled_time is None:  # every request is first run from here
                     request.metrics.first_scheduled_time = time.time()
@@ -335,16 +338,6 @@ class Scheduler:
     def _take_finished_req_ids(self) -> set[str]:
         finished, self.finished_req_ids = self.finished_req_ids, set()
         return finished
-
-    @staticmethod
-    def _add(plan: SchedulerOutput, request: Request, num_new: int) -> None:
-        """Put the request's next `num_new` tokens in the plan; it samples if they reach its last known one."""
-        start = request.num_computed_tokens
-        spec = request.spec_token_ids
-        reaches_end = start + num_new >= request.num_tokens_with_spec
-        if spec and not reaches_end:
-            request.spec_token_ids = spec = []  # a chunk that stops short drops its proposals
-        plan.add(request, num_new, start, reaches_end, spec)
 
     def _lora_fits(self, request: Request, running_loras: set[int]) -> bool:
         """Whether admitting `request` keeps the running requests within max_loras distinct adapters."""
