@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -58,7 +58,7 @@ class Batch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
-    query_starts: list[int]        # each request's first token in the flat batch
+    query_starts: Sequence[int]    # each request's first token in the flat batch
     rows: list[int]                # each request's row of the runner's InputBatch (and BlockTables)
     # The scheduled requests in batch order; a decode step makes them only when something reads them
     # (its inputs and a greedy step's sampling need none), from `make_order`.
@@ -395,7 +395,9 @@ class ModelRunner:
                 tokens = broadcast_tensor(tokens.to(device="cpu", dtype=torch.long) if tokens is not None
                                           else torch.empty(len(batch.rows), dtype=torch.long))
             if tokens is not None:  # (None: nothing sampled, as where a step fails before it samples)
-                self.input_batch.hold_sampled(tokens.to(device="cpu", dtype=torch.long))
+                if tokens.device.type != "cpu" or tokens.dtype != torch.long:  # (a call here costs microseconds)
+                    tokens = tokens.to(device="cpu", dtype=torch.long)
+                self.input_batch.hold_sampled(tokens)
             return
         sampled = output.sampled_token_ids
         if self.tp_size > 1:
@@ -427,7 +429,7 @@ class ModelRunner:
                                              input_batch.rows_tensor, table, self.block_size,
                                              self.backend.needs_dense_masks, held))
             held = None
-        batch = self._batch(None, n, inputs, ones, list(range(n)), input_batch.rows)
+        batch = self._batch(None, n, inputs, ones, range(n), input_batch.rows)
         batch.make_order = partial(input_batch.plan, columns)
         batch.decode = True
         return batch
@@ -488,7 +490,7 @@ class ModelRunner:
                            num_short_entries=len(entry_query_lens) - len(long))
 
     def _batch(self, order: list[ScheduledRequest] | None, num_short: int, inputs: list[StepInputs],
-               query_lens: list[int], query_starts: list[int], rows: list[int],
+               query_lens: list[int], query_starts: Sequence[int], rows: list[int],
                num_short_entries: int | None = None) -> Batch:
         """The step's Batch from its flat inputs (step_inputs, one per KV cache group: the same tokens, each
         group's block tables and slots) and lists; the long prefill chunks of `order` follow its `num_short`
@@ -507,7 +509,7 @@ class ModelRunner:
                      metadata=metadata, query_starts=query_starts, rows=rows, _order=order)
 
     def _metadata(self, long: list[ScheduledRequest], num_short: int, num_short_entries: int, inputs: StepInputs,
-                  query_lens: list[int], query_starts: list[int]) -> AttentionMetadata:
+                  query_lens: list[int], query_starts: Sequence[int]) -> AttentionMetadata:
         """The attention metadata of one KV cache group (see _batch)."""
         bs = self.block_size
         device = self.device
