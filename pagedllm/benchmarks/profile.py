@@ -62,19 +62,22 @@ class StepProfiler:
         fn = getattr(owner, name, None)
         if fn is None:
             return
-        profiler = self
+        # (locals, not attribute reads: the wrapper's own cost lands in its caller's phase)
+        children, seconds, step_seconds, clock = self._children, self.seconds, self._step_seconds, time.perf_counter
 
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            profiler._children.append(0.0)
-            start = time.perf_counter()
+            children.append(0.0)
+            start = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                elapsed = time.perf_counter() - start
-                profiler._charge(phase, elapsed - profiler._children.pop())
-                if profiler._children:
-                    profiler._children[-1] += elapsed
+                elapsed = clock() - start
+                exclusive = elapsed - children.pop()
+                seconds[phase] += exclusive
+                step_seconds[phase] += exclusive
+                if children:
+                    children[-1] += elapsed
 
         self._replace(owner, name, timed)
 
