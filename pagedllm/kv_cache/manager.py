@@ -238,12 +238,13 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens
         group = self._single_full_group
         if group is not None and not new_computed_blocks:
-            # Most steps (decodes): the slots fit the blocks the request holds, and no block fills that the
-            # prefix cache has yet to register: nothing to allocate, cache or give back.
+            # Most steps (decodes): the slots fit the blocks the request holds: nothing to allocate or give
+            # back, and at most a block that filled to offer the prefix cache.
             blocks = group.req_to_blocks.get(request_id)
             end = num_computed + num_new_tokens
-            if blocks is not None and end + num_lookahead_tokens <= len(blocks) * bs and (
-                    not self.enable_caching or end // bs <= group.num_cached_blocks.get(request_id, 0)):
+            if blocks is not None and end + num_lookahead_tokens <= len(blocks) * bs:
+                if self.enable_caching and end // bs > group.num_cached_blocks.get(request_id, 0):
+                    self._cache_full_blocks(0, group, request, end, num_cacheable_tokens)
                 return True
         if new_computed_blocks and self.num_groups > 1:
             k = len(new_computed_blocks) // self.num_groups
