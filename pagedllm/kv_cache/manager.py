@@ -238,14 +238,21 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens
         group = self._single_full_group
         if group is not None and not new_computed_blocks:
-            # Most steps (decodes): the slots fit the blocks the request holds: nothing to allocate or give
-            # back, and at most a block that filled to offer the prefix cache.
+            # One full-attention group and no prefix hit (every decode step of most models): the blocks the
+            # slots need past those the request holds, then at most the blocks that filled to offer the
+            # prefix cache. The same as the general path below, without its hits and per-group plans.
             blocks = group.req_to_blocks.get(request_id)
             end = num_computed + num_new_tokens
-            if blocks is not None and end + num_lookahead_tokens <= len(blocks) * bs:
-                if self.enable_caching and end // bs > group.num_cached_blocks.get(request_id, 0):
-                    self._cache_full_blocks(0, group, request, end, num_cacheable_tokens)
-                return True
+            num_new_blocks = -(-(end + num_lookahead_tokens) // bs) - (len(blocks) if blocks is not None else 0)
+            if num_new_blocks > 0:
+                if num_new_blocks > self.pool.num_free_blocks:
+                    return False
+                self._allocate(group, request_id, num_new_blocks)
+            elif blocks is None:
+                self._allocate(group, request_id, 0)
+            if self.enable_caching and end // bs > group.num_cached_blocks.get(request_id, 0):
+                self._cache_full_blocks(0, group, request, end, num_cacheable_tokens)
+            return True
         if new_computed_blocks and self.num_groups > 1:
             k = len(new_computed_blocks) // self.num_groups
             hits = [new_computed_blocks[i * k:(i + 1) * k] for i in range(self.num_groups)]
