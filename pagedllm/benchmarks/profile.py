@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from typing import Any
 
 PHASES = ("scheduling", "input preparation", "forward", "sampling", "detokenisation", "output processing", "other")
@@ -56,9 +57,11 @@ class StepProfiler:
         self._step_worker_forward_s = 0.0
         self._finished_plan: Any = None  # the plan whose results the current step applied
 
-    def wrap(self, owner: Any, name: str, phase: str) -> None:
+    def wrap(self, owner: Any, name: str, phase: str,
+             split: Callable[[Any], Iterable[tuple[str, float]]] | None = None) -> None:
         """Time owner.name (an instance's method, or a class's function) as `phase`; absent names are
-        skipped, so the profile follows the engine's layout where it has the method."""
+        skipped, so the profile follows the engine's layout where it has the method. `split`: the parts of
+        a call's time its result reports (phase, seconds), charged to their phases instead."""
         fn = getattr(owner, name, None)
         if fn is None:
             return
@@ -69,52 +72,24 @@ class StepProfiler:
         def timed(*args: Any, **kwargs: Any) -> Any:
             children.append(0.0)
             start = clock()
+            result = None
             try:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
+                return result
             finally:
                 elapsed = clock() - start
                 exclusive = elapsed - children.pop()
+                if split is not None and result is not None:
+                    for part, part_seconds in split(result):
+                        seconds[part] += part_seconds
+                        step_seconds[part] += part_seconds
+                        exclusive -= part_seconds
                 seconds[phase] += exclusive
                 step_seconds[phase] += exclusive
                 if children:
                     children[-1] += elapsed
 
         self._replace(owner, name, timed)
-
-    def wrap_worker_step(self, owner: Any, name: str) -> None:
-        """Time owner.name, an executor's call that runs one step in this process and returns its
-        ModelRunnerOutput: the runner's own timings are charged to input preparation, forward and sampling,
-        the rest of the call to "other"."""
-        fn = getattr(owner, name, None)
-        if fn is None:
-            return
-        profiler = self
-
-        @functools.wraps(fn)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            profiler._children.append(0.0)
-            start = time.perf_counter()
-            output = None
-            try:
-                output = fn(*args, **kwargs)
-                return output
-            finally:
-                elapsed = time.perf_counter() - start
-                exclusive = elapsed - profiler._children.pop()
-                if output is not None:
-                    profiler._charge("input preparation", output.prepare_s)
-                    profiler._charge("forward", output.forward_s)
-                    profiler._charge("sampling", output.sample_s)
-                    exclusive -= output.prepare_s + output.forward_s + output.sample_s
-                profiler._charge("other", exclusive)
-                if profiler._children:
-                    profiler._children[-1] += elapsed
-
-        self._replace(owner, name, timed)
-
-    def _charge(self, phase: str, seconds: float) -> None:
-        self.seconds[phase] += seconds
-        self._step_seconds[phase] += seconds
 
     def _replace(self, owner: Any, name: str, fn: Any) -> None:
         """Set owner.name to fn until detach()."""
@@ -161,7 +136,10 @@ class StepProfiler:
         runner = getattr(engine, "model_runner", None)
         if runner is not None:
             self.wrap(getattr(engine.model_executor, "encoder", None), "encode", "input preparation")
-            self.wrap_worker_step(engine.model_executor, "execute_model")
+            # one step in this process: the runner's own clocks split it (the rest, such as drafting, is "other")
+            self.wrap(engine.model_executor, "execute_model", "other", split=lambda output: (
+                ("input preparation", output.prepare_s), ("forward", output.forward_s),
+                ("sampling", output.sample_s)))
         else:
             executor = getattr(engine, "model_executor", None)
             if executor is not None:

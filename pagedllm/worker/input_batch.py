@@ -74,9 +74,10 @@ class InputBatch:
     def update(self, message: WorkerSchedulerOutput) -> None:
         """Apply a step's deltas."""
         columns = message.scheduled
-        if self.held_tokens is not None and (columns.request_ids is not None or message.new_requests
-                                             or message.finished_req_ids):
-            self.flush_sampled()  # they belong to the last plan's rows
+        # (the same ids may name a new request: one that finished and one that reused its id)
+        new_plan = bool(columns.request_ids is not None or message.new_requests or message.finished_req_ids)
+        if new_plan:
+            self.flush_sampled()  # held tokens belong to the last plan's rows
         if message.finished_req_ids:
             for request_id in message.finished_req_ids:
                 self.requests.pop(request_id, None)
@@ -95,8 +96,7 @@ class InputBatch:
                 for request_id in group_changes:
                     self._row(request_id)
             self.block_tables.apply(message.block_table_changes)
-        if columns.request_ids is not None or message.new_requests or message.finished_req_ids:
-            # (the same ids may name a new request: one that finished and one that reused its id)
+        if new_plan:
             if columns.request_ids is not None:
                 self.request_ids = columns.request_ids
             self.states = [self.requests[request_id] for request_id in self.request_ids]

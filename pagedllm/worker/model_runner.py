@@ -390,13 +390,13 @@ class ModelRunner:
         and sends them to the others), before anything reads them (the proposer drafts past them). A
         decode step's are held as a tensor, for the next step's input gather to append (InputBatch)."""
         if batch.decode:
-            tokens = batch.sampled_tokens
+            tokens = batch.sampled_tokens  # (None off rank 0)
+            if tokens is not None and (tokens.device.type != "cpu" or tokens.dtype != torch.long):
+                tokens = tokens.to(device="cpu", dtype=torch.long)  # (only where needed: a call costs microseconds)
             if self.tp_size > 1:
-                tokens = broadcast_tensor(tokens.to(device="cpu", dtype=torch.long) if tokens is not None
+                tokens = broadcast_tensor(tokens if tokens is not None
                                           else torch.empty(len(batch.rows), dtype=torch.long))
-            if tokens is not None:  # (None: nothing sampled, as where a step fails before it samples)
-                if tokens.device.type != "cpu" or tokens.dtype != torch.long:  # (a call here costs microseconds)
-                    tokens = tokens.to(device="cpu", dtype=torch.long)
+            if tokens is not None:
                 self.input_batch.hold_sampled(tokens)
             return
         sampled = output.sampled_token_ids
