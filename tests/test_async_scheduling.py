@@ -285,7 +285,7 @@ def test_plan_travels_compact_and_arrives_whole() -> None:
             assert s.request.all_token_ids == s.request.prompt_token_ids + by_id[s.request.request_id].output_token_ids
             row = batch.block_tables.row_of[s.request.request_id]
             assert batch.token_ids[row, :len(s.request.all_token_ids)].tolist() == s.request.all_token_ids
-        batch.append_sampled(sampled)
+        batch.append_sampled([sampled.get(request.request_id, []) for request in step.requests])  # the plan's order
         for request_id, tokens in sampled.items():
             for token in tokens:
                 by_id[request_id].append_output_token(token)

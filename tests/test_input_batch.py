@@ -71,7 +71,7 @@ def test_rows_follow_requests_through_arrival_finish_and_reuse() -> None:
     assert batch.block_tables.table[batch.rows, 0].tolist() == [8, 5, 6]
     assert batch.all_greedy([batch.rows[2]]) and not batch.all_greedy(batch.rows)
     assert batch.token_ids[batch.rows[0], :4].tolist() == [4, 5, 10, 22] and batch.held_tokens is None
-    batch.append_sampled({"c": [15], "d": [16]})  # any other step's, by request id
+    batch.append_sampled([[], [15], [16]])  # any other step's, in the plan's order ("b" sampled nothing)
 
     # "b" ends and a new request reuses its id in a plan of the same ids (sent as None): the new one runs
     plan = update(batch, message([NewRequestData("b", [13, 14], greedy)], None, [2, 1, 1], [0, 1, 2],

@@ -17,9 +17,9 @@ def scheduler(budget: int) -> Scheduler:
 
 def run(sched: Scheduler, sampled: dict[str, list[int]]):  # type: ignore[no-untyped-def]
     plan = sched.schedule()
-    sched.update(plan, ModelRunnerOutput(sampled_token_ids={
-        request.request_id: sampled[request.request_id]
-        for request, sample in zip(plan.requests, plan.sample or [True] * len(plan.requests)) if sample}))
+    sched.update(plan, ModelRunnerOutput(sampled_token_ids=[
+        sampled[request.request_id] if sample else []
+        for request, sample in zip(plan.requests, plan.sample or [True] * len(plan.requests))]))
     return plan
 
 

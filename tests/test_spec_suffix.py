@@ -185,9 +185,9 @@ def trace_num_speculative_tokens(llm, request_id: str) -> list[int]:
     trace: list[int] = []
     original = decoder.propose
 
-    def propose(scheduled, output) -> None:
-        original(scheduled, output)
-        if request_id in output.sampled_token_ids:
+    def propose(scheduled, output, sampled_token_ids) -> None:
+        original(scheduled, output, sampled_token_ids)
+        if request_id in sampled_token_ids:
             k = len(output.spec_token_ids.get(request_id, []))
             trace.append(-1 if request_id in decoder.unverified else k)
 

@@ -10,9 +10,12 @@ from pagedllm.outputs import PositionLogprobs
 
 @dataclass
 class ModelRunnerOutput:
-    """What one forward pass produced, per request id."""
+    """What one forward pass produced: the sampled tokens in the plan's order (as vLLM V1's runner gives
+    them), the rarer results by request id."""
 
-    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)  # accepted + bonus tokens
+    # sampled_token_ids[i]: the tokens the plan's request i sampled (accepted proposals and the bonus
+    # token; none where it computed a prompt chunk only); an empty list: the step sampled nothing
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     sampled_logprobs: dict[str, list[float]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)

@@ -379,7 +379,8 @@ class Scheduler:
         finished: list[Request] = []
         if model_output.kv_connector_output is not None and self.connector is not None:
             self._update_kv_transfers(model_output.kv_connector_output)
-        sampled_token_ids = model_output.sampled_token_ids
+        sampled_token_ids = model_output.sampled_token_ids  # in the plan's order (empty: none sampled)
+        assert not sampled_token_ids or len(sampled_token_ids) == len(output.requests)
         # logprobs come only for the requests that asked: most steps have none to look up
         all_logprobs, all_sampled_logprobs = model_output.logprobs, model_output.sampled_logprobs
         all_prompt_logprobs = model_output.prompt_logprobs
@@ -387,9 +388,9 @@ class Scheduler:
         num_sampled = 0
         now = None  # the clock, read once where a request gets its first token
         running = RequestStatus.RUNNING
-        for request, num_new, start, sample, spec in zip(output.requests, output.num_new_tokens, output.start_pos,
-                                                         output.sample or repeat(True),
-                                                         output.spec_token_ids or repeat(None)):
+        for request, num_new, start, sample, spec, tokens in zip(
+                output.requests, output.num_new_tokens, output.start_pos, output.sample or repeat(True),
+                output.spec_token_ids or repeat(None), sampled_token_ids or repeat(())):
             if async_scheduling:  # its tokens were counted as computed when it was scheduled
                 if sample:
                     request.num_output_placeholders -= 1
@@ -404,7 +405,6 @@ class Scheduler:
                 new = all_prompt_logprobs[request.request_id]
                 request.prompt_logprobs[first:first + len(new)] = new
             if sample:
-                tokens = sampled_token_ids[request.request_id]
                 if spec:
                     num_rejected = len(spec) + 1 - len(tokens)
                     if num_rejected > 0:  # KV of rejected speculative tokens is rolled back

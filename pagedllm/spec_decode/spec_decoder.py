@@ -204,12 +204,14 @@ class SpecDecoder:
             self.unverified.pop(request_id, None)
             self.num_idle_steps.pop(request_id, None)
 
-    def propose(self, scheduled: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
-        """Draft past this step's sampled tokens for every request that sampled; into output.spec_token_ids."""
-        sampled = [s for s in scheduled if s.request.request_id in output.sampled_token_ids]
+    def propose(self, scheduled: list[ScheduledRequest], output: ModelRunnerOutput,
+                sampled_token_ids: dict[str, list[int]]) -> None:
+        """Draft past this step's sampled tokens (by request id, for the requests that sampled) for every
+        request that sampled; into output.spec_token_ids."""
+        sampled = [s for s in scheduled if s.request.request_id in sampled_token_ids]
         allocate = self.model_free and self.adaptive  # k from the proposals, acceptance and step cost
         if allocate:
-            self._observe_step(scheduled, sampled, output)
+            self._observe_step(scheduled, sampled, sampled_token_ids)
         # Decodes are scheduled first; keep all of them with their proposals inside one step's budget, so
         # the scheduler never has to cut a request's proposals short.
         budget = self.scheduler_config.max_num_batched_tokens - len(sampled)
@@ -223,7 +225,7 @@ class SpecDecoder:
         keeps_kv = self.keeps_kv
         for s in scheduled:
             request = s.request
-            new_tokens = output.sampled_token_ids.get(request.request_id)
+            new_tokens = sampled_token_ids.get(request.request_id)
             if new_tokens is None:
                 if keeps_kv:
                     catch_up.append(DraftRequest(request.request_id,
@@ -284,7 +286,7 @@ class SpecDecoder:
         estimate.record(num_draft, num_accepted)
 
     def _observe_step(self, scheduled: list[ScheduledRequest], sampled: list[ScheduledRequest],
-                      output: ModelRunnerOutput) -> None:
+                      sampled_token_ids: dict[str, list[int]]) -> None:
         """Learn from the step that just ran: its time (a decode step: every request computed its last
         token and its proposals, no prompt chunk), and whether each held-back proposal matched."""
         if len(sampled) == len(scheduled) and all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in scheduled):
@@ -295,7 +297,7 @@ class SpecDecoder:
             request_id = s.request.request_id
             held_back = self.unverified.pop(request_id, None)
             if held_back is not None:
-                matched = output.sampled_token_ids[request_id][0] == held_back
+                matched = sampled_token_ids[request_id][0] == held_back
                 self._record_acceptance(request_id, 1, int(matched))
                 self.stats.num_unverified_trials += 1
                 self.stats.num_unverified_matches += matched
@@ -338,8 +340,10 @@ class SpecDecoder:
 
     # ---- called by the target runner with the logits of the k+1 positions of every verified request ----
     def verify(self, verify: list[tuple[ScheduledRequest, int]], base_rows: list[SamplingRow], logits: torch.Tensor,
-               output: ModelRunnerOutput, grammar_bitmask: GrammarBitmask | None = None) -> None:
-        """base_rows[i]: the target runner's sampling row of verify[i]'s request."""
+               output: ModelRunnerOutput, grammar_bitmask: GrammarBitmask | None = None) -> dict[str, list[int]]:
+        """The tokens each of `verify`'s requests emits (its accepted proposals and the bonus token), by
+        request id; their counts and logprobs go into `output`. base_rows[i]: the target runner's sampling
+        row of verify[i]'s request."""
         rows = []
         for (s, _), base_row in zip(verify, base_rows):
             rows.extend(rows_with_drafts(base_row, s.spec_token_ids, len(s.spec_token_ids) + 1))
@@ -392,15 +396,14 @@ class SpecDecoder:
             output.num_accepted_tokens[request.request_id] = result.num_accepted
             emitted.append((s, result, offset))
             offset += k + 1
-        self._write_outputs(emitted, logits, output)
+        self._write_logprobs(emitted, logits, output)
+        return {s.request.request_id: result.token_ids for s, result, _ in emitted}
 
-    def _write_outputs(self, emitted: list[tuple[ScheduledRequest, RejectionResult, int]],
-                       logits: torch.Tensor, output: ModelRunnerOutput) -> None:
-        """Token ids of each emitted token, and the raw-model logprobs of those whose request asked for
-        logprobs (row j of a request scored token j)."""
+    def _write_logprobs(self, emitted: list[tuple[ScheduledRequest, RejectionResult, int]],
+                        logits: torch.Tensor, output: ModelRunnerOutput) -> None:
+        """The raw-model logprobs of the emitted tokens whose request asked for logprobs (row j of a request
+        scored token j)."""
         wants = [s.request.sampling_params.logprobs for s, _, _ in emitted]
-        for s, result, _ in emitted:
-            output.sampled_token_ids[s.request.request_id] = result.token_ids
         max_logprobs = max((n for n in wants if n is not None), default=None)
         if max_logprobs is None:
             return  # nobody reads them: skip the full-vocabulary log-softmax

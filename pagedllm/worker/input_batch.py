@@ -136,12 +136,12 @@ class InputBatch:
         if self.held_tokens is not None:
             append_tokens(self.token_tensor, self.num_tokens_tensor, self.rows_tensor, self.take_held_tokens())
 
-    def append_sampled(self, sampled_token_ids: dict[str, list[int]]) -> None:
-        """A step's sampled tokens by request id (any number each: accepted proposals and the bonus token)."""
-        row_of = self.block_tables.row_of
-        for request_id, token_ids in sampled_token_ids.items():
-            row = row_of[request_id]
-            self._write_tokens(row, int(self.num_tokens[row]), token_ids)
+    def append_sampled(self, sampled_token_ids: list[list[int]]) -> None:
+        """A step's sampled tokens, in the plan's order (ModelRunnerOutput's: any number each, accepted
+        proposals and the bonus token)."""
+        for row, token_ids in zip(self.rows, sampled_token_ids):
+            if token_ids:
+                self._write_tokens(row, int(self.num_tokens[row]), token_ids)
 
     def all_greedy(self, rows: list[int] | np.ndarray) -> bool:
         """Whether every one of these rows takes the argmax of its raw logits."""

@@ -382,7 +382,9 @@ class ModelRunner:
             output.kv_connector_output = self.kv_connector.get_finished(wait=not runs)
         if self.spec_decoder is not None and runs:
             self.spec_decoder.record_step(time.perf_counter() - start, output)
-            self.spec_decoder.propose(batch.order, output)
+            self.spec_decoder.propose(batch.order, output, {
+                request_id: tokens for request_id, tokens in zip(self.input_batch.request_ids, output.sampled_token_ids)
+                if tokens})
         return output
 
     def _keep_sampled(self, batch: Batch, output: ModelRunnerOutput) -> None:
@@ -598,22 +600,21 @@ class ModelRunner:
             token_tensor = self.model.argmax_logits(hidden if all_rows else hidden[sample_rows])
             output.forward_s += time.perf_counter() - logits_start
             if token_tensor is not None:  # rank 0
-                request_ids = ([s.request.request_id for s in sampled] if sampled is not None
-                               else self.input_batch.request_ids)
-                output.sampled_token_ids.update(zip(request_ids, [[token] for token in token_tensor.tolist()]))
                 batch.sampled_tokens = token_tensor
+                output.sampled_token_ids = self._in_plan_order(sampled, token_tensor.tolist())
             return
         all_logits = self.model.compute_logits(hidden if all_rows else hidden[logits_rows])
         output.forward_s += time.perf_counter() - logits_start
         if all_logits is None:
             return  # not rank 0: the logits were gathered there, and only rank 0 samples
         num_sample, num_verify = len(sample_rows), len(verify_rows)
+        decode = sampled is None
         if sampled is None:
             sampled = batch.order
+        token_ids: list[int] = []
         if sample_rows and all_greedy:
             batch.sampled_tokens = argmax_rows(all_logits[:num_sample])
             token_ids = batch.sampled_tokens.tolist()
-            output.sampled_token_ids.update({s.request.request_id: [token] for s, token in zip(sampled, token_ids)})
         elif sample_rows:
             rows = [self.sampling_row(s.request) for s in sampled]
             logits = all_logits[:num_sample]
@@ -627,23 +628,37 @@ class ModelRunner:
             token_ids = result.token_ids.tolist()
             sampled_lp = result.sampled_logprobs.tolist() if result.sampled_logprobs is not None else None
             for i, s in enumerate(sampled):
-                rid = s.request.request_id
-                output.sampled_token_ids[rid] = [token_ids[i]]
                 num_lp = s.request.sampling_params.logprobs
                 if num_lp is not None:
+                    rid = s.request.request_id
                     output.sampled_logprobs[rid] = [sampled_lp[i]]
                     top_ids = result.topk_token_ids[i, :num_lp].tolist() if num_lp else []
                     top_lps = result.topk_logprobs[i, :num_lp].tolist() if num_lp else []
                     output.logprobs[rid] = [position_logprobs(token_ids[i], sampled_lp[i],
                                                               int(result.sampled_ranks[i]), top_ids, top_lps)]
+        verified = None
         if verify:
             assert self.spec_decoder is not None
-            self.spec_decoder.verify(verify, [self.sampling_row(s.request) for s, _ in verify],
-                                     all_logits[num_sample:num_sample + num_verify], output, grammar_bitmask)
+            verified = self.spec_decoder.verify(verify, [self.sampling_row(s.request) for s, _ in verify],
+                                                all_logits[num_sample:num_sample + num_verify], output,
+                                                grammar_bitmask)
+        output.sampled_token_ids = self._in_plan_order(None if decode else sampled, token_ids, verified)
         offset = num_sample + num_verify
         for s, _, count in prompt_lp:
             output.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(s, all_logits[offset:offset + count])
             offset += count
+
+    def _in_plan_order(self, sampled: list[ScheduledRequest] | None, token_ids: list[int],
+                       verified: dict[str, list[int]] | None = None) -> list[list[int]]:
+        """Each of the plan's requests' sampled tokens, in the plan's order (ModelRunnerOutput's): token_ids[i]
+        for sampled[i] (for request i where sampled is None: a decode step, every request sampling), the
+        tokens of requests that verified proposals, none for the others."""
+        if sampled is None:
+            return [[token] for token in token_ids]
+        by_id = {s.request.request_id: [token] for s, token in zip(sampled, token_ids)}
+        if verified:
+            by_id.update(verified)
+        return [by_id.get(request_id, []) for request_id in self.input_batch.request_ids]
 
     @staticmethod
     def _sample_rows(batch: Batch, verify: list[tuple[ScheduledRequest, int]], verify_rows: list[int],
