@@ -121,6 +121,7 @@ class ModelRunner:
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.device = device
+        self.on_cpu = device.type == "cpu"  # (read every step: torch.device's attributes cost more)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.ranks_per_host = ranks_per_host  # CPU ranks on one host share its memory
         self.block_size = cache_config.block_size
@@ -392,9 +393,9 @@ class ModelRunner:
         and sends them to the others), before anything reads them (the proposer drafts past them). A
         decode step's are held as a tensor, for the next step's input gather to append (InputBatch)."""
         if batch.decode:
-            tokens = batch.sampled_tokens  # (None off rank 0)
-            if tokens is not None and (tokens.device.type != "cpu" or tokens.dtype != torch.long):
-                tokens = tokens.to(device="cpu", dtype=torch.long)  # (only where needed: a call costs microseconds)
+            tokens = batch.sampled_tokens  # int64 (every argmax and the sampler give it); None off rank 0
+            if tokens is not None and not self.on_cpu:
+                tokens = tokens.cpu()  # (only where needed: right after the forward pass, a call costs microseconds)
             if self.tp_size > 1:
                 tokens = broadcast_tensor(tokens if tokens is not None
                                           else torch.empty(len(batch.rows), dtype=torch.long))
@@ -506,7 +507,7 @@ class ModelRunner:
         metadata = groups[0]
         if len(groups) > 1:
             metadata.layer_metadata = [groups[group] for group in self.group_of_layer]
-        on_device = (lambda t: t) if self.device.type == "cpu" else (lambda t: t.to(self.device))
+        on_device = (lambda t: t) if self.on_cpu else (lambda t: t.to(self.device))
         return Batch(input_ids=on_device(inputs[0].input_ids), positions=on_device(inputs[0].positions),
                      metadata=metadata, query_starts=query_starts, rows=rows, _order=order)
 
@@ -516,7 +517,7 @@ class ModelRunner:
         bs = self.block_size
         device = self.device
         dense = self.backend.needs_dense_masks
-        on_device = (lambda t: t) if device.type == "cpu" else (lambda t: t.to(device))
+        on_device = (lambda t: t) if self.on_cpu else (lambda t: t.to(device))
         metadata = AttentionMetadata(
             slot_mapping=on_device(inputs.slot_mapping), query_start_loc=on_device(inputs.query_start_loc),
             seq_lens=on_device(inputs.seq_lens), block_tables=on_device(inputs.block_tables),
