@@ -87,7 +87,7 @@ STEPS = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("group", [1, 4, 7, 8])
 def test_cpu_kernels_match_naive(dtype: torch.dtype, block_size: int, group: int) -> None:
     for n, (seq_lens, query_lens) in enumerate(STEPS):
         step = random_step(seq_lens, query_lens, block_size, 2, group, 64, dtype, seed=n + 10 * group)

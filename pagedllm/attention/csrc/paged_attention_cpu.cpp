@@ -55,7 +55,8 @@ namespace {
 
 constexpr int64_t kQueryTile = 16;     // query positions per work item (times the group's heads)
 constexpr int64_t kSplitTokens = 512;  // context tokens per split of a decode-like sequence
-constexpr int64_t kPrefetchBlocks = 4;
+constexpr int64_t kPrefetchBlocks = 4;      // blocks ahead asked into L2
+constexpr int64_t kNearPrefetchBlocks = 2;  // blocks ahead asked into L1 by decode's fast path
 constexpr int64_t kKeptPartialFloats = int64_t{4} << 20;  // 16 MiB of flash-decoding partials kept per thread
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -224,20 +225,121 @@ PA_ALWAYS_INLINE void chunk_values(const cache_t* v, int64_t D, const float* pro
   }
 }
 
-// One 16-key chunk for all `rows` rows: scores and the online-softmax update row by row, then V for all.
+#if defined(__AVX512BF16__)
+// chunk_values for a bf16 cache where the CPU has AVX512-BF16: the probabilities rounded to bf16 (as torch's
+// CPU flash attention rounds them before its P @ V product on bf16 inputs), then for each pair of keys
+// j, j+1 one `_mm512_dpbf16_ps` per 16 columns and row, which multiplies both keys' values by their
+// probabilities exactly and adds them in fp32. The pair's two V rows are interleaved word by word
+// (_mm512_permutex2var_epi16) so that lane i holds column i of both, and the accumulators stay in the
+// columns' order. p_bf16 [R][16] holds the rounded probabilities; D a multiple of 32.
+template <int R>
+PA_ALWAYS_INLINE void chunk_values_bf16(const c10::BFloat16* v, int64_t D, const uint16_t* p_bf16, const float* alpha,
+                                        float* acc) {
+  // word 2i of the result is v_j[i] and word 2i + 1 is v_{j+1}[i]: columns 0..15 (low) and 16..31 (high)
+  alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v);
+  for (int64_t d = 0; d < D; d += 32) {
+    __m512 lo[R], hi[R];
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(alpha[r]);
+      lo[r] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), a);
+      hi[r] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d + 16), a);
+    }
+    for (int j = 0; j < 16; j += 2) {
+      const __m512i vj = _mm512_loadu_si512(vb + j * D + d), vj1 = _mm512_loadu_si512(vb + (j + 1) * D + d);
+      const __m512bh pair_lo = (__m512bh)_mm512_permutex2var_epi16(vj, low, vj1);
+      const __m512bh pair_hi = (__m512bh)_mm512_permutex2var_epi16(vj, high, vj1);
+      for (int r = 0; r < R; ++r) {
+        int32_t pj;  // (p_j, p_{j+1}) as one 32-bit lane, broadcast
+        std::memcpy(&pj, p_bf16 + r * 16 + j, sizeof(pj));
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(pj);
+        lo[r] = _mm512_dpbf16_ps(lo[r], pair_lo, p);
+        hi[r] = _mm512_dpbf16_ps(hi[r], pair_hi, p);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(acc + r * D + d, lo[r]);
+      _mm512_storeu_ps(acc + r * D + d + 16, hi[r]);
+    }
+  }
+}
+#endif
+
+// pagedllm::fast_exp on 16 lanes in registers (the same steps: 2^n by the exponent field, 2^f by the
+// degree-6 polynomial, 0 below 2^-126).
+PA_ALWAYS_INLINE __m512 fast_exp16(__m512 x) {
+  const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                               _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512 result =
+      _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23)));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(n, _mm512_set1_ps(-126.f), _CMP_GE_OQ), result);
+}
+
+// Scores and the online-softmax update of R rows (R <= 8) for one 16-key chunk, with no call and no row
+// waiting on another: each row's chain (dot products, max, exp, sum) is short next to the chunk's
+// bytes, so the rows' chains are laid side by side for the CPU to overlap. probs [R][16] receives the
+// unnormalised probabilities, alpha [R] each row's rescale of its accumulator.
+template <typename cache_t, int R>
+PA_ALWAYS_INLINE void softmax_rows(const float* q, const uint16_t* q_bf16, const cache_t* k, int64_t D, float scale,
+                                   float* row_max, float* row_sum, float* probs, float* alpha) {
+  __m512 s[R];
+  for (int r = 0; r < R; ++r) s[r] = chunk_scores(q + r * D, q_bf16 != nullptr ? q_bf16 + r * D : nullptr, k, D, scale);
+  float new_max[R];
+  for (int r = 0; r < R; ++r) {
+    new_max[r] = std::max(row_max[r], _mm512_reduce_max_ps(s[r]));
+    alpha[r] = pagedllm::fast_exp(row_max[r] - new_max[r]);  // 0 on the row's first chunk (row_max = -inf)
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 p = fast_exp16(_mm512_sub_ps(s[r], _mm512_set1_ps(new_max[r])));
+    _mm512_storeu_ps(probs + r * 16, p);
+    row_sum[r] = row_sum[r] * alpha[r] + _mm512_reduce_add_ps(p);
+    row_max[r] = new_max[r];
+  }
+}
+
+// One 16-key chunk for all `rows` rows: scores and the online-softmax update, then V for all.
 // probs [rows][16] and alpha [rows] are scratch.
 template <typename cache_t>
 PA_ALWAYS_INLINE void decode_chunk(const float* q, const uint16_t* q_bf16, const cache_t* k, const cache_t* v, int64_t rows,
                          int64_t D, float scale, float soft_cap, float* row_max, float* row_sum, float* acc,
                          float* probs, float* alpha) {
-  for (int64_t m = 0; m < rows; ++m) {
+  if (soft_cap == 0.f) {
+    int64_t m = 0;
+    for (; m + 8 <= rows; m += 8)
+      softmax_rows<cache_t, 8>(q + m * D, q_bf16 != nullptr ? q_bf16 + m * D : nullptr, k, D, scale, row_max + m,
+                               row_sum + m, probs + m * 16, alpha + m);
+    const float* qm = q + m * D;
+    const uint16_t* qm_bf16 = q_bf16 != nullptr ? q_bf16 + m * D : nullptr;
+    switch (rows - m) {
+      case 7: softmax_rows<cache_t, 7>(qm, qm_bf16, k, D, scale, row_max + m, row_sum + m, probs + m * 16, alpha + m); break;
+      case 6: softmax_rows<cache_t, 6>(qm, qm_bf16, k, D, scale, row_max + m, row_sum + m, probs + m * 16, alpha + m); break;
+      case 5: softmax_rows<cache_t, 5>(qm, qm_bf16, k, D, scale, row_max + m, row_sum + m, probs + m * 16, alpha + m); break;
+      case 4: softmax_rows<cache_t, 4>(qm, qm_bf16, k, D, scale, row_max + m, row_sum + m, probs + m * 16, alpha + m); break;
+      case 3: softmax_rows<cache_t, 3>(qm, qm_bf16, k, D, scale, row_max + m, row_sum + m, probs + m * 16, alpha + m); break;
+      case 2: softmax_rows<cache_t, 2>(qm, qm_bf16, k, D, scale, row_max + m, row_sum + m, probs + m * 16, alpha + m); break;
+      case 1: softmax_rows<cache_t, 1>(qm, qm_bf16, k, D, scale, row_max + m, row_sum + m, probs + m * 16, alpha + m); break;
+      default: break;
+    }
+  }
+  for (int64_t m = 0; m < rows && soft_cap > 0.f; ++m) {  // row by row, capped as in update_row_impl
     __m512 s = chunk_scores(q + m * D, q_bf16 != nullptr ? q_bf16 + m * D : nullptr, k, D, scale);
     float* pm = probs + m * 16;
-    if (soft_cap > 0.f) {  // as in update_row_impl: s / cap, tanh, * cap
-      _mm512_storeu_ps(pm, s);
-      for (int j = 0; j < 16; ++j) pm[j] = std::tanh(pm[j] / soft_cap) * soft_cap;
-      s = _mm512_loadu_ps(pm);
-    }
+    _mm512_storeu_ps(pm, s);
+    for (int j = 0; j < 16; ++j) pm[j] = std::tanh(pm[j] / soft_cap) * soft_cap;  // s / cap, tanh, * cap
+    s = _mm512_loadu_ps(pm);
     const float new_max = std::max(row_max[m], _mm512_reduce_max_ps(s));
     alpha[m] = std::exp(row_max[m] - new_max);  // exp(-inf) = 0 on the row's first block
     _mm512_storeu_ps(pm, _mm512_sub_ps(s, _mm512_set1_ps(new_max)));
@@ -250,6 +352,32 @@ PA_ALWAYS_INLINE void decode_chunk(const float* q, const uint16_t* q_bf16, const
     row_sum[m] = row_sum[m] * alpha[m] + sum;
     row_max[m] = new_max;
   }
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
+    if (q_bf16 != nullptr) {  // (the bf16 path: D a multiple of 32)
+      // probs' rows rounded to bf16, packed at its front (row r's 16 at p_bf16 + r * 16: each row is read
+      // before anything is written over it)
+      uint16_t* p_bf16 = reinterpret_cast<uint16_t*>(probs);
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_loadu_ps(probs + r * 16));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_bf16 + r * 16), (__m256i)rounded);
+      }
+      int64_t m = 0;
+      for (; m + 8 <= rows; m += 8) chunk_values_bf16<8>(v, D, p_bf16 + m * 16, alpha + m, acc + m * D);
+      const uint16_t* p = p_bf16 + m * 16;
+      switch (rows - m) {
+        case 7: return chunk_values_bf16<7>(v, D, p, alpha + m, acc + m * D);
+        case 6: return chunk_values_bf16<6>(v, D, p, alpha + m, acc + m * D);
+        case 5: return chunk_values_bf16<5>(v, D, p, alpha + m, acc + m * D);
+        case 4: return chunk_values_bf16<4>(v, D, p, alpha + m, acc + m * D);
+        case 3: return chunk_values_bf16<3>(v, D, p, alpha + m, acc + m * D);
+        case 2: return chunk_values_bf16<2>(v, D, p, alpha + m, acc + m * D);
+        case 1: return chunk_values_bf16<1>(v, D, p, alpha + m, acc + m * D);
+        default: return;
+      }
+    }
+  }
+#endif
   int64_t m = 0;
   for (; m + 4 <= rows; m += 4) chunk_values<cache_t, 4>(v, D, probs + m * 16, alpha + m, acc + m * D);
   switch (rows - m) {
@@ -430,14 +558,23 @@ inline void update_row(const float* q, const float* kT, const float* v, int64_t 
   }
 }
 
-// Ask the memory system for one block's K and V tiles (K at k, V `part` elements on), without waiting.
-template <typename cache_t>
-inline void prefetch_tile(const cache_t* k, int64_t part, int64_t tile_elems) {
+// Ask the memory system for `bytes` from p on, without waiting: into L2 (locality 2) or into L1 (3).
+// Always inlined, as prefetch_tile: a call in decode's block loop spills the vectors live across it.
+template <int locality>
+inline __attribute__((always_inline)) void prefetch_lines(const void* p, int64_t bytes) {
+  const char* start = static_cast<const char*>(p);
+  for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(start + byte, 0, locality);
+}
+
+// One block's K and V tiles (K at k, V `part` elements on), into L2 (locality 2) or L1 (3). The K and V
+// lines are asked for in turn.
+template <int locality = 2, typename cache_t>
+inline __attribute__((always_inline)) void prefetch_tile(const cache_t* k, int64_t part, int64_t tile_elems) {
   const char* k_bytes = reinterpret_cast<const char*>(k);
   const char* v_bytes = reinterpret_cast<const char*>(k + part);
   for (int64_t byte = 0; byte < tile_elems * static_cast<int64_t>(sizeof(cache_t)); byte += 64) {
-    __builtin_prefetch(k_bytes + byte, 0, 2);
-    __builtin_prefetch(v_bytes + byte, 0, 2);
+    __builtin_prefetch(k_bytes + byte, 0, locality);
+    __builtin_prefetch(v_bytes + byte, 0, locality);
   }
 }
 
@@ -550,6 +687,15 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
       // window reaches the block's first key.
       if (read_in_place && j0 == 0 && j1 == block_size && first_pos >= block_start + block_size - 1 &&
           (window == 0 || block_start > last_pos - window)) {
+        // Closer in, into L1: this block's V while its scores are computed, and the block
+        // kNearPrefetchBlocks ahead (on its way to L2). Decode's compute per block is short next to a
+        // miss, so a tile still in L2 when its loads come stalls them (2 threads, 8k context x 16: about
+        // a fifth of the kernel's time; see docs/performance/amd-zen4.md).
+        prefetch_lines<3>(v_src, tile_elems * static_cast<int64_t>(sizeof(cache_t)));
+        if (block_start + kNearPrefetchBlocks * block_size < k_stop) {
+          prefetch_tile<3>(kv_cache + w.kv_head * cs.head + block_table[logical + kNearPrefetchBlocks] * cs.block,
+                           cs.part, tile_elems);
+        }
         for (int64_t c = 0; c < block_size; c += 16) {
           decode_chunk(q, dot_bf16 ? q_bf16 : nullptr, k_src + c * D, v_src + c * D, rows, D, scale, soft_cap,
                        row_max, row_sum, acc, probs, alpha);
