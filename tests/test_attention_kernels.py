@@ -98,6 +98,19 @@ def test_cpu_kernels_match_naive(dtype: torch.dtype, block_size: int, group: int
                                    **TOL[dtype])
 
 
+@pytest.mark.parametrize("head_dim", [32, 96, 128])
+def test_bf16_decode_matches_naive_at_other_head_sizes(head_dim: int) -> None:
+    """Decode's bf16 path (dot products and P @ V in pairs of bf16, 8 query rows a pass) for every head size
+    it takes (a multiple of 32), with 7 and 12 query rows per KV head (a partial pass, and a full one plus
+    a partial one)."""
+    for group in (7, 12):
+        step = random_step([1, 17, 513, 2100], [1, 1, 1, 1], 16, 2, group, head_dim, torch.bfloat16,
+                           seed=head_dim + group)
+        scale = head_dim ** -0.5
+        torch.testing.assert_close(cpu_flash.paged_attention(*step, scale).double(), naive_attention(*step, scale),
+                                   **TOL[torch.bfloat16])
+
+
 def poison_outside_window(step, sliding_window):
     """The step with every block wholly before its first query's window replaced by a block of NaNs:
     a kernel that reads such a block (a sliding layer's freed block) instead of skipping it gives NaN."""
