@@ -270,10 +270,11 @@ PA_ALWAYS_INLINE void chunk_values_bf16(const c10::BFloat16* v, int64_t D, const
 #endif
 
 // pagedllm::fast_exp on 16 lanes in registers (the same steps: 2^n by the exponent field, 2^f by the
-// degree-6 polynomial, 0 below 2^-126).
+// degree-6 polynomial, 0 below 2^-126, and a NaN stays a NaN, so a poisoned key still shows).
 PA_ALWAYS_INLINE __m512 fast_exp16(__m512 x) {
-  const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                               _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
+  // (max and min return their second operand where either is NaN: x's side stays NaN, as std::max/min do)
+  const __m512 t = _mm512_min_ps(_mm512_set1_ps(127.f), _mm512_max_ps(_mm512_set1_ps(-127.f),
+                                                                      _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f))));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
@@ -285,7 +286,7 @@ PA_ALWAYS_INLINE __m512 fast_exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   const __m512 result =
       _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23)));
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(n, _mm512_set1_ps(-126.f), _CMP_GE_OQ), result);
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(n, _mm512_set1_ps(-126.f), _CMP_NLT_UQ), result);
 }
 
 // Scores and the online-softmax update of R rows (R <= 8) for one 16-key chunk, with no call and no row
