@@ -609,7 +609,6 @@ class ModelRunner:
         if all_logits is None:
             return  # not rank 0: the logits were gathered there, and only rank 0 samples
         num_sample, num_verify = len(sample_rows), len(verify_rows)
-        decode = sampled is None
         if sampled is None:
             sampled = batch.order
         token_ids: list[int] = []
@@ -643,7 +642,7 @@ class ModelRunner:
             verified = self.spec_decoder.verify(verify, [self.sampling_row(s.request) for s, _ in verify],
                                                 all_logits[num_sample:num_sample + num_verify], output,
                                                 grammar_bitmask)
-        output.sampled_token_ids = self._in_plan_order(None if decode else sampled, token_ids, verified)
+        output.sampled_token_ids = self._in_plan_order(None if batch.decode else sampled, token_ids, verified)
         offset = num_sample + num_verify
         for s, _, count in prompt_lp:
             output.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(s, all_logits[offset:offset + count])
