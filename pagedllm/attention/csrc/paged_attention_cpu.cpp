@@ -269,6 +269,24 @@ PA_ALWAYS_INLINE void chunk_values_bf16(const c10::BFloat16* v, int64_t D, const
 }
 #endif
 
+// f(R, m) for rows m..m+R-1 in groups of kMax rows, then the rest in one group, R a compile-time
+// std::integral_constant (the row kernels keep R rows' vectors in registers). f must be an always-inline
+// lambda (PA_INLINE_LAMBDA): a call in decode's block loop spills every vector register.
+template <int kMax, int R = kMax - 1, typename F>
+PA_ALWAYS_INLINE void rest_group(int64_t left, int64_t m, F& f) {
+  if constexpr (R > 0) {
+    if (left == R) return f(std::integral_constant<int, R>{}, m);
+    rest_group<kMax, R - 1>(left, m, f);
+  }
+}
+template <int kMax, typename F>
+PA_ALWAYS_INLINE void in_row_groups(int64_t rows, F&& f) {
+  int64_t m = 0;
+  for (; m + kMax <= rows; m += kMax) f(std::integral_constant<int, kMax>{}, m);
+  rest_group<kMax>(rows - m, m, f);
+}
+#define PA_INLINE_LAMBDA __attribute__((always_inline))
+
 // pagedllm::fast_exp on 16 lanes in registers (the same steps: 2^n by the exponent field, 2^f by the
 // degree-6 polynomial, 0 below 2^-126, and a NaN stays a NaN, so a poisoned key still shows).
 PA_ALWAYS_INLINE __m512 fast_exp16(__m512 x) {
@@ -318,22 +336,10 @@ PA_ALWAYS_INLINE void decode_chunk(const float* q, const uint16_t* q_bf16, const
                          int64_t D, float scale, float soft_cap, float* row_max, float* row_sum, float* acc,
                          float* probs, float* alpha) {
   if (soft_cap == 0.f) {
-    int64_t m = 0;
-    for (; m + 8 <= rows; m += 8)
-      softmax_rows<cache_t, 8>(q + m * D, q_bf16 != nullptr ? q_bf16 + m * D : nullptr, k, D, scale, row_max + m,
-                               row_sum + m, probs + m * 16, alpha + m);
-    const float* qm = q + m * D;
-    const uint16_t* qm_bf16 = q_bf16 != nullptr ? q_bf16 + m * D : nullptr;
-    switch (rows - m) {
-      case 7: softmax_rows<cache_t, 7>(qm, qm_bf16, k, D, scale, row_max + m, row_sum + m, probs + m * 16, alpha + m); break;
-      case 6: softmax_rows<cache_t, 6>(qm, qm_bf16, k, D, scale, row_max + m, row_sum + m, probs + m * 16, alpha + m); break;
-      case 5: softmax_rows<cache_t, 5>(qm, qm_bf16, k, D, scale, row_max + m, row_sum + m, probs + m * 16, alpha + m); break;
-      case 4: softmax_rows<cache_t, 4>(qm, qm_bf16, k, D, scale, row_max + m, row_sum + m, probs + m * 16, alpha + m); break;
-      case 3: softmax_rows<cache_t, 3>(qm, qm_bf16, k, D, scale, row_max + m, row_sum + m, probs + m * 16, alpha + m); break;
-      case 2: softmax_rows<cache_t, 2>(qm, qm_bf16, k, D, scale, row_max + m, row_sum + m, probs + m * 16, alpha + m); break;
-      case 1: softmax_rows<cache_t, 1>(qm, qm_bf16, k, D, scale, row_max + m, row_sum + m, probs + m * 16, alpha + m); break;
-      default: break;
-    }
+    in_row_groups<8>(rows, [&](auto r, int64_t m) PA_INLINE_LAMBDA {
+      softmax_rows<cache_t, decltype(r)::value>(q + m * D, q_bf16 != nullptr ? q_bf16 + m * D : nullptr, k, D, scale,
+                                                row_max + m, row_sum + m, probs + m * 16, alpha + m);
+    });
   }
   for (int64_t m = 0; m < rows && soft_cap > 0.f; ++m) {  // row by row, capped as in update_row_impl
     __m512 s = chunk_scores(q + m * D, q_bf16 != nullptr ? q_bf16 + m * D : nullptr, k, D, scale);
@@ -363,30 +369,16 @@ PA_ALWAYS_INLINE void decode_chunk(const float* q, const uint16_t* q_bf16, const
         const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_loadu_ps(probs + r * 16));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_bf16 + r * 16), (__m256i)rounded);
       }
-      int64_t m = 0;
-      for (; m + 8 <= rows; m += 8) chunk_values_bf16<8>(v, D, p_bf16 + m * 16, alpha + m, acc + m * D);
-      const uint16_t* p = p_bf16 + m * 16;
-      switch (rows - m) {
-        case 7: return chunk_values_bf16<7>(v, D, p, alpha + m, acc + m * D);
-        case 6: return chunk_values_bf16<6>(v, D, p, alpha + m, acc + m * D);
-        case 5: return chunk_values_bf16<5>(v, D, p, alpha + m, acc + m * D);
-        case 4: return chunk_values_bf16<4>(v, D, p, alpha + m, acc + m * D);
-        case 3: return chunk_values_bf16<3>(v, D, p, alpha + m, acc + m * D);
-        case 2: return chunk_values_bf16<2>(v, D, p, alpha + m, acc + m * D);
-        case 1: return chunk_values_bf16<1>(v, D, p, alpha + m, acc + m * D);
-        default: return;
-      }
+      in_row_groups<8>(rows, [&](auto r, int64_t m) PA_INLINE_LAMBDA {
+        chunk_values_bf16<decltype(r)::value>(v, D, p_bf16 + m * 16, alpha + m, acc + m * D);
+      });
+      return;
     }
   }
 #endif
-  int64_t m = 0;
-  for (; m + 4 <= rows; m += 4) chunk_values<cache_t, 4>(v, D, probs + m * 16, alpha + m, acc + m * D);
-  switch (rows - m) {
-    case 3: return chunk_values<cache_t, 3>(v, D, probs + m * 16, alpha + m, acc + m * D);
-    case 2: return chunk_values<cache_t, 2>(v, D, probs + m * 16, alpha + m, acc + m * D);
-    case 1: return chunk_values<cache_t, 1>(v, D, probs + m * 16, alpha + m, acc + m * D);
-    default: return;
-  }
+  in_row_groups<4>(rows, [&](auto r, int64_t m) PA_INLINE_LAMBDA {
+    chunk_values<cache_t, decltype(r)::value>(v, D, probs + m * 16, alpha + m, acc + m * D);
+  });
 }
 #endif
 
