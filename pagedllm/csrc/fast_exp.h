@@ -11,7 +11,9 @@
 
 namespace pagedllm {
 
-inline float fast_exp(float x) {
+// Always inlined: a plain `inline` function with external linkage may be left as a call through the PLT
+// in a shared object, and such a call inside an `omp simd` loop keeps the loop scalar.
+inline __attribute__((always_inline)) float fast_exp(float x) {
   const float t = std::min(std::max(x * 1.44269504088896341f, -127.f), 127.f);
   const float n = (t + 12582912.f) - 12582912.f;  // round to nearest without a libm call
   const float f = t - n;
