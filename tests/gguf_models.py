@@ -56,10 +56,12 @@ def _encode(name: str, w: np.ndarray, kind: str, rng: np.random.Generator) -> tu
 
 
 def write_gguf(model_dir: str, path: str, weight_type: str = "F32", seed: int = 0,
-               arch_name: str | None = None, metadata: dict | None = None) -> str:
+               arch_name: str | None = None, metadata: dict | None = None,
+               tensor_types: dict[str, str] | None = None) -> str:
     """Write the tiny model in `model_dir` as a GGUF file at `path`, its 2-D weights in `weight_type`
     (arch_name: declare another architecture, for refusal tests; metadata: more keys, as the writer's
-    add_<name>(value) calls)."""
+    add_<name>(value) calls; tensor_types: {a llama.cpp tensor name's suffix, e.g. "attn_v.weight": its
+    block type}, to mix types as llama.cpp's Q4_K_M does)."""
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     with open(os.path.join(model_dir, "tokenizer.json")) as f:
@@ -131,7 +133,8 @@ def write_gguf(model_dir: str, path: str, weight_type: str = "F32", seed: int = 
             w = _permute_qk(w, heads if "attn_q" in name else kv_heads)
         if model_type.startswith("gemma") and name.endswith("norm.weight"):
             w = w + 1  # llama.cpp stores Gemma's norms as the (1 + weight) they multiply by
-        data, qtype = _encode(name, w, weight_type, rng)
+        kind = next((t for suffix, t in (tensor_types or {}).items() if name.endswith(suffix)), weight_type)
+        data, qtype = _encode(name, w, kind, rng)
         writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -26,7 +26,7 @@ from tiny_models import build_model
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.quantization.int4 import Int4Weight, Int4WeightOnlyMethod, pack_int4, unpack_int4
-from pagedllm.layers.quantization.vnni import VnniWeight
+from pagedllm.layers.quantization.vnni import VnniWeight, kernel_enabled
 from pagedllm.models.gguf import INT4_TYPES, PACKED_TYPES, PackedParts
 
 BF16_UNIT_ROUNDOFF = 2.0 ** -8
@@ -188,6 +188,32 @@ def test_packed_engine_is_as_faithful_as_the_dequantized_engine(llama256, tmp_pa
     del dense
     got_top1, got_lp = _teacher_forced(packed, sequences, start)
     _assert_as_faithful((got_top1, got_lp), (dense_top1, dense_lp), (want_top1, want_lp))
+
+
+@pytest.mark.skipif(not kernel_enabled(torch.bfloat16), reason="mixed and 5-/6-bit types need the VNNI kernel")
+def test_a_file_that_mixes_block_types_stays_packed_in_its_own_bits(llama256, tmp_path, monkeypatch):
+    """A Q4_K_M-like file (q and k in Q5_0, v in Q8_0, down in Q6_K, the rest Q4_K): every projection stays
+    packed, a fused one whose parts differ in the widest part's bits (qkv: 8-bit, symmetric since every part
+    is), the file's own bits elsewhere, and the engine is as faithful as the dequantized one."""
+    types = {"attn_q.weight": "Q5_0", "attn_k.weight": "Q5_0", "attn_v.weight": "Q8_0", "ffn_down.weight": "Q6_K"}
+    path = write_gguf(llama256, str(tmp_path / "tiny-mixed.gguf"), "Q4_K", tensor_types=types)
+    packed = LLM(model=path, dtype="bfloat16")
+    layer = packed.llm_engine.model_runner.model.layers[0]
+    qkv, down, gate_up = (layer.self_attn.qkv_proj.weight, layer.mlp.down_proj.weight, layer.mlp.gate_up_proj.weight)
+    assert all(isinstance(w, VnniWeight) for w in (qkv, down, gate_up))
+    assert (qkv.bits, qkv.symmetric, qkv.group_size) == (8, True, 32)
+    assert (down.bits, down.symmetric, down.group_size) == (6, True, 16)
+    assert (gate_up.bits, gate_up.symmetric) == (4, False)
+    monkeypatch.setenv("PAGEDLLM_GGUF_DEQUANTIZE", "1")
+    reference = LLM(model=path, dtype="float32")
+    tokenizer = reference.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    sequences = [tokenizer(p).input_ids + list(o.outputs[0].token_ids)
+                 for p, o in zip(PROMPTS, reference.generate(PROMPTS, params, use_tqdm=False))]
+    want = _teacher_forced(reference, sequences, 1)
+    del reference
+    dense = _teacher_forced(LLM(model=path, dtype="bfloat16"), sequences, 1)
+    _assert_as_faithful(_teacher_forced(packed, sequences, 1), dense, want)
 
 
 def test_fp32_models_dequantize_4bit_files(llama256, tmp_path):

@@ -35,7 +35,7 @@ from pagedllm.layers.quantization.vnni import (
     pack_q,
     unpack_q,
 )
-from pagedllm.models.gguf import PACKED_TYPES
+from pagedllm.models.gguf import PACKED_TYPES, merge_mixed_parts
 from pagedllm.platform import _cpu_flags
 
 VNNI_CPU = {"avx512f", "avx512bw", "avx512_vnni"} <= set(_cpu_flags())
@@ -135,20 +135,49 @@ def test_gguf_types_repack_losslessly_and_stay_within_the_bound(kind, terms, mon
     _check_invariance(weight, torch.randn(11, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16))
 
 
-def test_q8_0_keeps_fp16_scales_and_q4_k_scale_products_fp32():
-    """Storage: fp16 scales where every value is exact in fp16 (Q8_0: 5 bits a weight beside 8, as the file)."""
-    q8 = PACKED_TYPES["Q8_0"](_gguf_blocks("Q8_0", 32, 256, 0), (32, 256)).build(torch.bfloat16, {})
-    assert q8.scales.dtype == torch.float16 and q8.group_size == 32
-    q6 = PACKED_TYPES["Q6_K"](_gguf_blocks("Q6_K", 32, 256, 0), (32, 256)).build(torch.bfloat16, {})
-    assert q6.group_size == 16
+# bits a weight the kernel keeps each type in: (weight bits, whether it stores mins), as the file stores it
+# where its scales are exact in fp16 (a K-quant's scale is a product of two: fp32)
+STORED = {"Q4_0": (4, False), "Q4_1": (4, True), "Q4_K": (4, True), "Q5_0": (5, False), "Q5_1": (5, True),
+          "Q5_K": (5, True), "Q6_K": (6, False), "Q8_0": (8, False)}
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("kind", GGUF_TYPES)
+def test_each_gguf_type_keeps_its_bits_and_drops_the_mins_a_symmetric_type_implies(kind):
+    """Storage: a 5-bit type in 5 bits and Q6_K in 6, fp16 scales where every value is exact in fp16, and
+    no mins where min = -2^(bits - 1) * scale: Q4_0, Q5_0 and Q8_0 then take the file's bytes."""
+    n, k = 32, 256
+    data = _gguf_blocks(kind, n, k, 0)
+    weight = PACKED_TYPES[kind](data, (n, k)).build(torch.bfloat16, {})
+    bits, with_mins = STORED[kind]
+    assert weight.bits == bits and weight.symmetric == (not with_mins)
+    assert weight.group_size == (16 if kind == "Q6_K" else 32)
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        assert weight.scales.dtype == torch.float16 and weight.nbytes() == data.nbytes
+
+
+@pytest.mark.parametrize("kinds", [("Q5_0", "Q5_0", "Q8_0"), ("Q4_K", "Q6_K"), ("Q4_0", "Q4_1"), ("Q5_1", "Q4_0")])
+def test_a_fused_projection_of_mixed_types_is_its_parts_exactly(kinds):
+    """merge_mixed_parts: the widest part's bits, the narrowest groups, every weight as llama.cpp
+    dequantizes it; symmetric only where every part is."""
+    n, k = 32, 256
+    blocks = [_gguf_blocks(kind, n, k, seed) for seed, kind in enumerate(kinds)]
+    weight = merge_mixed_parts([PACKED_TYPES[kind](data, (n, k)) for kind, data in zip(kinds, blocks)], {})
+    oracle = torch.cat([torch.from_numpy(dequantize(data, GGMLQuantizationType[kind]).reshape(n, k))
+                        for kind, data in zip(kinds, blocks)])
+    assert torch.equal(weight.dequantize(), oracle.float())
+    assert weight.bits == max(STORED[kind][0] for kind in kinds)
+    assert weight.symmetric == (not any(STORED[kind][1] for kind in kinds))
+    assert weight.group_size == (16 if "Q6_K" in kinds else 32)
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_pack_unpack_and_narrow_work_on_the_logical_weight(bits):
     torch.manual_seed(0)
     n, k, group = 64, 256, 64
     q = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8)
-    assert torch.equal(unpack_q(pack_q(q, bits), n, k, bits), q)
+    packed, high = pack_q(q, bits)
+    assert high.numel() == n * k * max(bits - 4, 0) // 8 if bits < 8 else high.numel() == 0
+    assert torch.equal(unpack_q(packed, high, n, k, bits), q)
     scale, offset = torch.rand(n, k // group), -torch.rand(n, k // group)
     weight = VnniWeight.from_logical(q, scale, offset, bits, Int4WeightOnlyMethod(group))
     full = weight.dequantize()
@@ -266,12 +295,16 @@ def _kernel_arithmetic(x: torch.Tensor, weight: VnniWeight) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("terms", [2, 1])
-@pytest.mark.parametrize("bits,group,fp16_scales", [(8, None, False), (8, 16, True), (8, 64, False),
-                                                    (4, 32, True), (4, 128, False), (4, 64, True)])
-def test_the_kernel_computes_each_output_in_its_fixed_arithmetic(bits, group, fp16_scales, terms, monkeypatch):
+@pytest.mark.parametrize("bits,group,fp16_scales,symmetric", [
+    (8, None, False, False), (8, 16, True, False), (8, 64, False, True), (4, 32, True, False),
+    (4, 128, False, False), (4, 64, True, True), (4, 16, False, False), (5, 32, True, True),
+    (5, 64, False, False), (6, 16, False, True), (6, 32, True, False)])
+def test_the_kernel_computes_each_output_in_its_fixed_arithmetic(bits, group, fp16_scales, symmetric, terms,
+                                                                 monkeypatch):
     """Bit for bit the arithmetic of _kernel_arithmetic, for every row count (the kernel computes rows in
     blocks of up to four and tiles several at a time, in ways that differ with the batch) and for tile
-    counts that leave every remainder: a faster kernel must give the same bits."""
+    counts that leave every remainder: a faster kernel must give the same bits. A symmetric weight keeps
+    no mins, and its min formed in the kernel is the one it would have stored."""
     assert kernel_enabled(torch.bfloat16)
     monkeypatch.setenv("PAGEDLLM_QUANT_ACTIVATION_TERMS", str(terms))
     n, k = 16 * 7, 256
@@ -282,12 +315,22 @@ def test_the_kernel_computes_each_output_in_its_fixed_arithmetic(bits, group, fp
     offset = -torch.rand(n, groups, generator=gen) * 0.1
     if fp16_scales:  # values exact in fp16: the weight keeps them in fp16
         scale, offset = scale.half().float(), offset.half().float()
+    if symmetric:
+        offset = -(2.0 ** (bits - 1)) * scale
     method = Int8WeightOnlyMethod(group) if bits == 8 else Int4WeightOnlyMethod(group)
     weight = VnniWeight.from_logical(q, scale, offset, bits, method)
     assert weight.scales.dtype == (torch.float16 if fp16_scales else torch.float32)
+    assert weight.symmetric == symmetric and weight.mins.numel() == (0 if symmetric else n * groups)
+    assert torch.equal(weight.logical()[2], offset)
     x = torch.randn(64, k, generator=gen) * torch.logspace(-3, 1, k)[torch.randperm(k, generator=gen)]
-    for dtype in (torch.bfloat16, torch.float16):
-        xd = x.to(dtype)
-        want = _kernel_arithmetic(xd, weight)
-        for m in (1, 2, 3, 5, 16, 17, 64):
-            assert torch.equal(weight.method.apply(xd[-m:], weight, None), want[-m:]), m
+    threads = torch.get_num_threads()
+    try:
+        for dtype in (torch.bfloat16, torch.float16):
+            xd = x.to(dtype)
+            want = _kernel_arithmetic(xd, weight)
+            for m in (1, 2, 3, 5, 16, 17, 64):
+                for count in (1, 2):  # threads split the output tiles; up to 4 rows each quantizes them itself
+                    torch.set_num_threads(count)
+                    assert torch.equal(weight.method.apply(xd[-m:], weight, None), want[-m:]), (m, count)
+    finally:
+        torch.set_num_threads(threads)

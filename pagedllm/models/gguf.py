@@ -7,10 +7,10 @@ does. The model then loads through the same `load_weights(get_slice, names)` as 
 permutation of the Llama q/k rows undone. F32/F16/BF16 tensors load as they are; a block type with a
 packed weight kernel stays packed: Q8_0 (int8 with one scale per 32 weights), Q4_0, Q4_1 and Q4_K (int4
 with a scale and an offset per 32 weights, layers/quantization/int4.py; with torch's int4 kernel, in bf16
-models only), and, where pagedllm's VNNI kernel runs (layers/quantization/vnni.py), Q5_0, Q5_1, Q5_K and
-Q6_K as 8-bit integers with a scale and an offset per 32 (Q6_K: 16) weights, so a Q4_K_M file stays packed
-whole. Every other block type, and every one under PAGEDLLM_GGUF_DEQUANTIZE=1, is dequantized into the
-model dtype on load.
+models only), and, where pagedllm's VNNI kernel runs (layers/quantization/vnni.py), Q5_0, Q5_1, Q5_K (5-bit)
+and Q6_K (6-bit, groups of 16) as stored, and a fused projection whose parts mix types in the widest of
+them, so a Q4_K_M file stays packed whole in about its own size. Every other block type, and every one
+under PAGEDLLM_GGUF_DEQUANTIZE=1, is dequantized into the model dtype on load.
 """
 
 from __future__ import annotations
@@ -295,8 +295,8 @@ def _field(reader, key: str) -> Any:
 class PackedParts(QuantizedParts):
     """A block-quantized weight, losslessly re-laid: `q` [N, K] integers, and per group of weights (32, or 16
     for Q6_K) a `scale` and (except Q8_0) an `offset`, so that w = q * scale + offset exactly as llama.cpp
-    dequantizes it. kind: "int8" (Q8_0: signed q, fp16 scales), "int4" (q 0..15) or "uint8" (Q5_*, Q6_K:
-    q 0..63, which only pagedllm's VNNI kernel reads packed)."""
+    dequantizes it. kind: "int8" (Q8_0: signed q, fp16 scales), "int4" (q 0..15), "uint5" (Q5_*: q 0..31)
+    or "uint6" (Q6_K: q 0..63); only pagedllm's VNNI kernel reads the last two packed."""
 
     def build(self, dtype: torch.dtype, methods: dict[str, Any]):  # type: ignore[override]
         """The QuantizedWeight; weights of one kind share one method (it owns the model's scratch buffers)."""
@@ -311,9 +311,9 @@ class PackedParts(QuantizedParts):
             return methods.setdefault(f"int4-g{group}", Int4WeightOnlyMethod(group_size=group)).create(
                 self.q, self.scale, self.offset, dtype)
         method = methods.setdefault(f"int8-g{group}", Int8WeightOnlyMethod(group_size=group))
-        if self.kind == "uint8":
+        if self.kind in UNSIGNED_BITS:
             assert self.offset is not None
-            return VnniWeight.from_logical(self.q, self.scale, self.offset, 8, method)
+            return VnniWeight.from_logical(self.q, self.scale, self.offset, UNSIGNED_BITS[self.kind], method)
         if kernel_enabled(dtype):  # the fp16 scales kept exact (the int8 weight would round them to `dtype`)
             scale = self.scale.to(torch.float32)
             return VnniWeight.from_logical((self.q.to(torch.int16) + 128).to(torch.uint8), scale, -128 * scale,
@@ -325,6 +325,7 @@ PackedReader = Callable[[np.ndarray, tuple[int, int]], PackedParts]
 PACKED_TYPES: dict[str, PackedReader] = {}
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 VNNI_ONLY_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")  # kept packed only where pagedllm's VNNI kernel runs
+UNSIGNED_BITS = {"uint5": 5, "uint6": 6}  # their PackedParts kinds, and the bits the kernel keeps them in
 
 
 def _blocks(data: np.ndarray, n: int, num_blocks: int, block_bytes: int) -> np.ndarray:
@@ -404,7 +405,7 @@ def _read_q5_0(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
     blocks = _blocks(data, n, k // 32, 22)
     d = _fp16(blocks[:, :, 0:2])
     q = (_nibbles_of_32(blocks[:, :, 6:]) | _fifth_bits(blocks[:, :, 2:6])).reshape(n, k)
-    return PackedParts("uint8", torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(-16 * d))
+    return PackedParts("uint5", torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(-16 * d))
 
 
 def _read_q5_1(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
@@ -413,7 +414,7 @@ def _read_q5_1(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
     blocks = _blocks(data, n, k // 32, 24)
     d, m = _fp16(blocks[:, :, 0:2]), _fp16(blocks[:, :, 2:4])
     q = (_nibbles_of_32(blocks[:, :, 8:]) | _fifth_bits(blocks[:, :, 4:8])).reshape(n, k)
-    return PackedParts("uint8", torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
+    return PackedParts("uint5", torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
 
 
 def _read_q5_k(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
@@ -431,7 +432,7 @@ def _read_q5_k(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
     q = (low | high.astype(np.uint8)).reshape(n, k)
     scale = (d[..., None] * sc).reshape(n, k // 32)
     offset = (-(dmin[..., None] * mins)).reshape(n, k // 32)
-    return PackedParts("uint8", torch.from_numpy(q), torch.from_numpy(scale.astype(np.float32)),
+    return PackedParts("uint5", torch.from_numpy(q), torch.from_numpy(scale.astype(np.float32)),
                        torch.from_numpy(offset.astype(np.float32)))
 
 
@@ -450,11 +451,47 @@ def _read_q6_k(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
     high = np.concatenate([(qh >> (2 * j)) & 3 for j in range(4)], axis=3) << 4
     q = (low | high).astype(np.uint8).reshape(n, k)
     scale = (d[..., None] * sc).reshape(n, k // 16).astype(np.float32)
-    return PackedParts("uint8", torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(-32 * scale))
+    return PackedParts("uint6", torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(-32 * scale))
 
 
 PACKED_TYPES.update(Q8_0=_read_q8_0, Q4_0=_read_q4_0, Q4_1=_read_q4_1, Q4_K=_read_q4_k,
                     Q5_0=_read_q5_0, Q5_1=_read_q5_1, Q5_K=_read_q5_k, Q6_K=_read_q6_k)
+
+
+def _unsigned(parts: PackedParts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(q unsigned, scale and offset fp32 [N, K / G], bits) of a block type's parts, as the VNNI kernel
+    takes them (Q8_0's signed q as q + 128, min = -128 * scale)."""
+    scale = parts.scale.to(torch.float32)
+    if parts.kind == "int8":
+        return (parts.q.to(torch.int16) + 128).to(torch.uint8), scale, -128 * scale, 8
+    assert parts.offset is not None
+    return parts.q, scale, parts.offset.to(torch.float32), 4 if parts.kind == "int4" else UNSIGNED_BITS[parts.kind]
+
+
+def merge_mixed_parts(parts: list[PackedParts], methods: dict[str, Any]):
+    """A fused projection whose parts the file stores in different block types (a Q4_K_M file keeps
+    attn_v wider than attn_q and attn_k) as one VNNI weight, losslessly: every part in the widest part's
+    bits and the narrowest groups (a wider group's scale repeated). A narrower symmetric part stays
+    symmetric (its q shifted by 2^(B - 1) - 2^(b - 1)), so a merge of symmetric types keeps no mins."""
+    from pagedllm.layers.quantization.int4 import Int4WeightOnlyMethod
+    from pagedllm.layers.quantization.int8 import Int8WeightOnlyMethod
+    from pagedllm.layers.quantization.vnni import VnniWeight, symmetric_min_factor
+
+    unsigned = [_unsigned(part) for part in parts]
+    bits = max(b for *_, b in unsigned)
+    group = min(q.shape[1] // scale.shape[1] for q, scale, _, _ in unsigned)
+    qs, scales, offsets = [], [], []
+    for q, scale, offset, b in unsigned:
+        if b < bits and torch.equal(offset, symmetric_min_factor(b) * scale):
+            q = q + ((1 << (bits - 1)) - (1 << (b - 1)))
+            offset = symmetric_min_factor(bits) * scale
+        repeat = q.shape[1] // scale.shape[1] // group
+        qs.append(q)
+        scales.append(scale.repeat_interleave(repeat, dim=1))
+        offsets.append(offset.repeat_interleave(repeat, dim=1))
+    method = (methods.setdefault(f"int4-g{group}", Int4WeightOnlyMethod(group_size=group)) if bits == 4 else
+              methods.setdefault(f"int8-g{group}", Int8WeightOnlyMethod(group_size=group)))
+    return VnniWeight.from_logical(torch.cat(qs), torch.cat(scales), torch.cat(offsets), bits, method)
 
 
 def dequantize_parts(parts: QuantizedParts) -> torch.Tensor:
@@ -486,8 +523,9 @@ class GGUFRows(torch.nn.Module):
         as stored); None where that kernel does not run for `dtype` or take the table's shape."""
         from pagedllm.layers.quantization.vnni import VnniWeight, kernel_enabled, kernel_supports
 
-        rows, bits = self.raw.shape[0], 4 if self.type_name in INT4_TYPES else 8
-        group = 16 if self.type_name == "Q6_K" else 32
+        rows, group = self.raw.shape[0], 16 if self.type_name == "Q6_K" else 32
+        bits = 4 if self.type_name in INT4_TYPES else 6 if self.type_name == "Q6_K" else \
+            5 if self.type_name in VNNI_ONLY_TYPES else 8
         if self.raw.device.type != "cpu" or not kernel_enabled(dtype) or \
                 not kernel_supports(rows, self.hidden_size, group, bits):
             return None
@@ -653,17 +691,17 @@ class GGUFCheckpoint:
 
     def load_linear(self, dst: torch.Tensor, srcs: tuple[str, ...], shard: WeightShard) -> bool:
         """The models' `load_linear` hook: keeps a projection packed when every part of it is stored in
-        one block type that a weight kernel reads (PACKED_TYPES); otherwise the model copies it dense.
+        a block type that a weight kernel reads (PACKED_TYPES; parts of different types only where the
+        VNNI kernel runs: merge_mixed_parts); otherwise the model copies it dense.
         Under tensor parallelism this rank's rows are cut from the file's blocks before they are read
         (rows hold whole blocks), its columns from the re-laid groups of 32 (never within a group), and
         only this rank's part is packed."""
         if envs.value("PAGEDLLM_GGUF_DEQUANTIZE"):
             return False
         views = [self.get_slice(name) for name in srcs]
-        kinds = {v.type_name for v in views if isinstance(v, GGUFTensor)}
-        if len(kinds) != 1 or len(views) != len(srcs) or next(iter(kinds)) not in PACKED_TYPES:
+        kinds = [view.type_name if isinstance(view, GGUFTensor) else None for view in views]
+        if len(views) != len(srcs) or any(kind not in PACKED_TYPES for kind in kinds):
             return False
-        kind = kinds.pop()
         k = views[0].shape[-1]
         if shard.dim == 0:
             shape = (sum(length for _, length in shard.ranges), k)
@@ -671,28 +709,32 @@ class GGUFCheckpoint:
             shape = (sum(v.shape[0] for v in views), shard.ranges[0][1])
         if shape != tuple(dst.shape):
             raise ValueError(f"GGUF weights {list(srcs)} give this rank shape {shape}, expected {tuple(dst.shape)}.")
-        if kind in INT4_TYPES and not self._int4_ok(shape, dst):
+        mixed = len(set(kinds)) > 1
+        if mixed and not self._vnni_ok(shape, dst):
             return False
-        if kind in VNNI_ONLY_TYPES and not self._vnni_ok(shape, dst):
+        if any(kind in INT4_TYPES for kind in kinds) and not self._int4_ok(shape, dst):
+            return False
+        if any(kind in VNNI_ONLY_TYPES for kind in kinds) and not self._vnni_ok(shape, dst):
             return False
         parts = []
-        for view, name, (start, length) in zip(views, srcs, shard.ranges):
+        for view, kind, name, (start, length) in zip(views, kinds, srcs, shard.ranges):
             if shard.dim == 0:
                 parts.append(PACKED_TYPES[kind](view.rows()[start:start + length], (length, k)))
             else:
                 parts.append(PACKED_TYPES[kind](view.rows(), view.shape).narrow(1, start, length, name))
-        fused = PackedParts.cat(parts)
-        weight = fused.build(dst.dtype, self._methods)
+        weight = (merge_mixed_parts(parts, self._methods) if mixed
+                  else PackedParts.cat(parts).build(dst.dtype, self._methods))
         module, attr = self._slots[id(dst)]
         del module._parameters[attr]  # frees the (never written) full-precision parameter
         setattr(module, attr, weight)
-        self.kept_packed[kind] += len(views)
+        for kind in kinds:
+            self.kept_packed[kind] += 1
         for view in views:
             self.reader.release(view.tensor)
         # The re-laid parts (a byte per weight and more) and the kernel's packing buffers are freed, but
         # with the allocator keeping freed memory in the heap they would pile up to several times the
         # file's size by the last layer: hand them back every so often.
-        self._transient_bytes += fused.q.numel() * 8
+        self._transient_bytes += sum(part.q.numel() for part in parts) * 8
         if self._transient_bytes >= TRIM_EVERY_BYTES:
             release_free_heap_memory()
             self._transient_bytes = 0

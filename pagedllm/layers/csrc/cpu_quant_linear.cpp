@@ -1,10 +1,11 @@
-// y = x W^T for weight-only quantized linears (4-bit and 8-bit integers with a scale and a min per group
-// of input channels: w = q * scale + min), on CPUs with AVX512-VNNI.
+// y = x W^T for weight-only quantized linears (4-, 5-, 6- and 8-bit unsigned integers with a scale and a
+// min per group of input channels: w = q * scale + min), on CPUs with AVX512-VNNI.
 //
 // The activations are quantized too, each row on its own, in blocks of 32 (x ~ d * xq, xq int8, d the
 // block's absmax / 127, as llama.cpp's Q8_0, plus a second int8 term for the remainder: see
 // QuantizedRows), so the inner loop is an integer dot product: VPDPBUSD multiplies the unsigned weight
-// bytes by the signed activation bytes and sums four products into each int32 lane. Per unit of 32 (or 16) input channels the int32 sums are scaled by d into fp32; per group,
+// bytes by the signed activation bytes and sums four products into each int32 lane. Per unit of 32 (or 16)
+// input channels the int32 sums are scaled by d into fp32; per group,
 // by the weight's scale, and the min term is min * sum(d * xq) over the group (the row's group sums are
 // computed once per call). 8-bit weights are stored unsigned (q + 128 for signed int8: min = -128 * scale).
 //
@@ -13,7 +14,13 @@
 // features x 4 k and one broadcast of 4 activation bytes feeds all 16 features (no horizontal sums):
 //   8-bit: per tile [K / 4][16][4] bytes
 //   4-bit: per tile [K / 8][64] bytes, byte i holding k-quad 2t (low nibble) and 2t + 1 (high) of lane i / 4
-// scales and mins: [N / 16][K / G][16], fp32 or fp16 (fp16 where every value is exact in it).
+//   5- and 6-bit (GGUF's Q5 and Q6 types as stored): the low 4 bits as 4-bit weights, and the rest in bit
+//   planes, per tile [K / 8][planes][2] 64-bit masks, bit i of mask (p, h) the bit 4 + p of byte i of
+//   the vector of k-quad 2t + h, added to the nibbles by a masked byte add
+// scales and mins: [N / 16][K / G][16], fp32 or fp16 (fp16 where every value is exact in it). A symmetric
+// weight (min = -2^(bits - 1) * scale: Q4_0, Q5_0, Q6_K, Q8_0, signed int8, symmetric int4) stores no
+// mins: the kernel forms the same min from the scale (a product by a power of two is exact), so it reads
+// the file's bytes and not a copy of its scales.
 //
 // Batch invariance: every row is quantized alone and each output is summed in one fixed order (integer
 // sums are exact; the fp32 steps run per row in the same sequence whether the row is computed alone or in
@@ -167,9 +174,30 @@ inline void store16(__m512 v, c10::Half* dst) {
 }
 
 // One tile of 16 output features for R rows: out[r][0..16) in fp32.
+// Software prefetch of the weight stream kPrefetchBytes ahead, every line: a decode step's linears are
+// many short streams (a 576 x 576 projection is 0.2 MB), and the hardware prefetcher alone starts each one
+// late; the lines past a thread's last tile are harmless extra reads.
+constexpr int64_t kPrefetchBytes = 4096;
+inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + o), _MM_HINT_T0);
+}
+
+// One weight tile's pointers: its packed bytes, bit planes (5- and 6-bit weights), scales and mins (null for
+// a symmetric weight, whose min is min_factor * scale).
+template <typename S>
+struct TileWeights {
+  const uint8_t* w;
+  const uint64_t* high;
+  const S* scales;
+  const S* mins;
+  float min_factor;
+};
+
 template <int BITS, int TERMS, typename S, int R, typename T>
-inline void tile_kernel(const uint8_t* w, const S* scales, const S* mins, const QuantizedRows& q, int64_t row0,
-                        int64_t k, int64_t group, T* out, int64_t out_stride) {
+inline void tile_kernel(const TileWeights<S>& tw, const QuantizedRows& q, int64_t row0, int64_t k, int64_t group,
+                        T* out, int64_t out_stride) {
+  const uint8_t* w = tw.w;
+  constexpr int kPlanes = BITS == 8 ? 0 : BITS - 4;
   const int64_t blocks = k / kBlock, groups = k / group;
   const int64_t unit = group < kBlock ? group : kBlock;  // input channels per int32 partial sum
   const int8_t* xq[R];
@@ -195,7 +223,7 @@ inline void tile_kernel(const uint8_t* w, const S* scales, const S* mins, const 
       for (int r = 0; r < R; ++r) iacc[r] = iacc2[r] = _mm512_setzero_si512();
       if constexpr (BITS == 8) {
         const uint8_t* wp = w + k0 * kTile;
-        _mm_prefetch(reinterpret_cast<const char*>(wp + 1024), _MM_HINT_T0);
+        prefetch_ahead(wp, unit * kTile);
         for (int64_t kk = 0; kk < unit; kk += 4) {
           __m512i wv = _mm512_loadu_si512(wp + kk * kTile);
           for (int r = 0; r < R; ++r) {
@@ -210,11 +238,19 @@ inline void tile_kernel(const uint8_t* w, const S* scales, const S* mins, const 
         }
       } else {
         const uint8_t* wp = w + k0 * kTile / 2;
-        _mm_prefetch(reinterpret_cast<const char*>(wp + 1024), _MM_HINT_T0);
+        prefetch_ahead(wp, unit * kTile / 2);
         for (int64_t kk = 0; kk < unit; kk += 8) {
           __m512i packed = _mm512_loadu_si512(wp + kk * kTile / 2);
           __m512i wlo = _mm512_and_si512(packed, nibble);
           __m512i whi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+          if constexpr (kPlanes > 0) {
+            const uint64_t* planes = tw.high + (k0 + kk) / 8 * kPlanes * 2;
+            for (int p = 0; p < kPlanes; ++p) {
+              const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << p));
+              wlo = _mm512_mask_add_epi8(wlo, _cvtu64_mask64(planes[2 * p]), wlo, bit);
+              whi = _mm512_mask_add_epi8(whi, _cvtu64_mask64(planes[2 * p + 1]), whi, bit);
+            }
+          }
           for (int r = 0; r < R; ++r) {
             int32_t xb0, xb1;
             std::memcpy(&xb0, xq[r] + k0 + kk, 4);
@@ -236,7 +272,8 @@ inline void tile_kernel(const uint8_t* w, const S* scales, const S* mins, const 
           facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc2[r]), _mm512_set1_ps(d2[r][k0 / kBlock]), facc[r]);
       }
     }
-    __m512 s = load_scales(scales + g * kTile), mn = load_scales(mins + g * kTile);
+    __m512 s = load_scales(tw.scales + g * kTile);
+    __m512 mn = tw.mins ? load_scales(tw.mins + g * kTile) : _mm512_mul_ps(s, _mm512_set1_ps(tw.min_factor));
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_fmadd_ps(facc[r], s, acc[r]);
       acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[r][g]), acc[r]);
@@ -245,25 +282,45 @@ inline void tile_kernel(const uint8_t* w, const S* scales, const S* mins, const 
   for (int r = 0; r < R; ++r) store16(acc[r], out + r * out_stride);
 }
 
+// Rows up to this many are quantized by each thread for itself, inside the parallel region (the same
+// bits on every thread): a decode step's linear would otherwise start with one thread quantizing while the
+// other waits and memory idles; with the first lines of its tiles asked for before it starts, the
+// quantization hides behind their reads. Above it the rows are quantized once, before the region.
+constexpr int64_t kLocalRows = 4;
+
 template <int BITS, int TERMS, typename S, typename T>
-void qlinear_impl(const QuantizedRows& q, const uint8_t* w, const S* scales, const S* mins, int64_t m, int64_t n,
-                  int64_t k, int64_t group, T* y) {
+void qlinear_impl(const T* x, int64_t x_stride, const uint8_t* w, const uint64_t* high, const S* scales,
+                  const S* mins, float min_factor, int64_t m, int64_t n, int64_t k, int64_t group, T* y) {
   const int64_t tiles = n / kTile, groups = k / group;
-  const int64_t tile_bytes = k * kTile * BITS / 8;
+  const int64_t tile_low_bytes = k * kTile * (BITS == 8 ? 8 : 4) / 8;  // the bytes or the nibbles
+  const int64_t tile_masks = BITS == 8 ? 0 : k / 8 * (BITS - 4) * 2;   // 64-bit bit-plane masks
+  const bool local = m <= kLocalRows;
+  thread_local QuantizedRows calling_thread_rows;
+  if (!local) quantize_rows<T>(x, m, k, x_stride, group, TERMS, calling_thread_rows);
+  const QuantizedRows* shared = &calling_thread_rows;  // (a thread_local named in the region is the thread's own)
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    const QuantizedRows* rows = shared;
+    thread_local QuantizedRows own;
+    if (local) {
+      const uint8_t* first = w + begin * tile_low_bytes;
+      const int64_t warm = std::min((end - begin) * tile_low_bytes, kPrefetchBytes);
+      for (int64_t o = 0; o < warm; o += 64) _mm_prefetch(reinterpret_cast<const char*>(first + o), _MM_HINT_T0);
+      quantize_rows<T>(x, m, k, x_stride, group, TERMS, own);
+      rows = &own;
+    }
+    const QuantizedRows& q = *rows;
     for (int64_t c0 = 0; c0 < m; c0 += kRowChunk) {
       const int64_t c1 = std::min(m, c0 + kRowChunk);
       for (int64_t t = begin; t < end; ++t) {
-        const uint8_t* wt = w + t * tile_bytes;
-        const S* st = scales + t * groups * kTile;
-        const S* mt = mins + t * groups * kTile;
+        const TileWeights<S> tw{w + t * tile_low_bytes, high + t * tile_masks, scales + t * groups * kTile,
+                                mins ? mins + t * groups * kTile : nullptr, min_factor};
         for (int64_t r0 = c0; r0 < c1; r0 += kRows) {
           T* out = y + r0 * n + t * kTile;
           switch (std::min<int64_t>(kRows, c1 - r0)) {
-            case 4: tile_kernel<BITS, TERMS, S, 4>(wt, st, mt, q, r0, k, group, out, n); break;
-            case 3: tile_kernel<BITS, TERMS, S, 3>(wt, st, mt, q, r0, k, group, out, n); break;
-            case 2: tile_kernel<BITS, TERMS, S, 2>(wt, st, mt, q, r0, k, group, out, n); break;
-            default: tile_kernel<BITS, TERMS, S, 1>(wt, st, mt, q, r0, k, group, out, n); break;
+            case 4: tile_kernel<BITS, TERMS, S, 4>(tw, q, r0, k, group, out, n); break;
+            case 3: tile_kernel<BITS, TERMS, S, 3>(tw, q, r0, k, group, out, n); break;
+            case 2: tile_kernel<BITS, TERMS, S, 2>(tw, q, r0, k, group, out, n); break;
+            default: tile_kernel<BITS, TERMS, S, 1>(tw, q, r0, k, group, out, n); break;
           }
         }
       }
@@ -272,51 +329,64 @@ void qlinear_impl(const QuantizedRows& q, const uint8_t* w, const S* scales, con
 }
 
 template <int BITS, int TERMS, typename T>
-void dispatch_scales(const QuantizedRows& q, const at::Tensor& packed, const at::Tensor& scales,
-                     const at::Tensor& mins, int64_t m, int64_t n, int64_t k, int64_t group, T* y) {
+void dispatch_scales(const T* x, int64_t x_stride, const at::Tensor& packed, const at::Tensor& high,
+                     const at::Tensor& scales, const at::Tensor& mins, int64_t m, int64_t n, int64_t k, int64_t group,
+                     T* y) {
   const uint8_t* w = packed.data_ptr<uint8_t>();
+  const uint64_t* planes = high.numel() ? reinterpret_cast<const uint64_t*>(high.data_ptr<uint8_t>()) : nullptr;
+  const bool symmetric = mins.numel() == 0;
+  const float min_factor = -static_cast<float>(1 << (BITS - 1));
   if (scales.scalar_type() == at::kFloat) {
-    qlinear_impl<BITS, TERMS, float, T>(q, w, scales.data_ptr<float>(), mins.data_ptr<float>(), m, n, k, group, y);
+    qlinear_impl<BITS, TERMS, float, T>(x, x_stride, w, planes, scales.data_ptr<float>(),
+                                        symmetric ? nullptr : mins.data_ptr<float>(), min_factor, m, n, k, group, y);
   } else {
-    qlinear_impl<BITS, TERMS, uint16_t, T>(q, w, reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
-                                           reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()), m, n, k,
-                                           group, y);
+    auto half = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
+    qlinear_impl<BITS, TERMS, uint16_t, T>(x, x_stride, w, planes, half(scales), symmetric ? nullptr : half(mins),
+                                           min_factor, m, n, k, group, y);
   }
 }
 
 #endif  // PAGEDLLM_QLINEAR
 
-at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
-                   int64_t bits, int64_t group_size, int64_t activation_terms) {
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& high, const at::Tensor& scales,
+                   const at::Tensor& mins, int64_t bits, int64_t group_size, int64_t activation_terms) {
 #ifdef PAGEDLLM_QLINEAR
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "qlinear: x must be [M, K] with unit stride along K");
-  TORCH_CHECK(bits == 4 || bits == 8, "qlinear: bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "qlinear: bits must be 4, 5, 6 or 8");
   TORCH_CHECK(activation_terms == 1 || activation_terms == 2, "qlinear: activation_terms must be 1 or 2");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "qlinear: packed must be contiguous uint8");
-  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == kTile && scales.is_contiguous() && mins.is_contiguous() &&
-                  scales.sizes() == mins.sizes() && scales.scalar_type() == mins.scalar_type() &&
+  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == kTile && scales.is_contiguous() &&
                   (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
-              "qlinear: scales and mins must be contiguous [N / 16, K / G, 16] fp32 or fp16");
+              "qlinear: scales must be contiguous [N / 16, K / G, 16] fp32 or fp16");
+  TORCH_CHECK(mins.numel() == 0 || (mins.is_contiguous() && scales.sizes() == mins.sizes() &&
+                                    scales.scalar_type() == mins.scalar_type()),
+              "qlinear: mins must be empty (a symmetric weight) or shaped and typed as the scales");
   const int64_t m = x.size(0), k = x.size(1), n = scales.size(0) * kTile;
   TORCH_CHECK(k % kBlock == 0 && group_size % 16 == 0 && k % group_size == 0 &&
                   (group_size < kBlock || group_size % kBlock == 0) && scales.size(1) == k / group_size,
               "qlinear: K must be a multiple of 32 and of the group size (16 or a multiple of 32)");
-  TORCH_CHECK(packed.numel() == n * k * bits / 8, "qlinear: packed weight has the wrong size");
-  TORCH_CHECK(bits == 8 || group_size >= kBlock, "qlinear: 4-bit groups must hold 32 or more input channels");
+  const int64_t low_bits = bits == 8 ? 8 : 4, planes = bits == 8 ? 0 : bits - 4;
+  TORCH_CHECK(packed.numel() == n * k * low_bits / 8, "qlinear: packed weight has the wrong size");
+  TORCH_CHECK(high.scalar_type() == at::kByte && high.is_contiguous() && high.numel() == n * k * planes / 8,
+              "qlinear: high must hold one bit plane per bit above 4 (n * k * (bits - 4) / 8 bytes)");
   auto y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  thread_local QuantizedRows q;
   auto run = [&](auto* xp, auto* yp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
-    quantize_rows<T>(xp, m, k, x.stride(0), group_size, static_cast<int>(activation_terms), q);
-    if (bits == 4 && activation_terms == 2)
-      dispatch_scales<4, 2, T>(q, packed, scales, mins, m, n, k, group_size, yp);
-    else if (bits == 4)
-      dispatch_scales<4, 1, T>(q, packed, scales, mins, m, n, k, group_size, yp);
-    else if (activation_terms == 2)
-      dispatch_scales<8, 2, T>(q, packed, scales, mins, m, n, k, group_size, yp);
-    else
-      dispatch_scales<8, 1, T>(q, packed, scales, mins, m, n, k, group_size, yp);
+    const int64_t stride = x.stride(0);
+    auto with_terms = [&](auto bits_constant) {
+      constexpr int B = decltype(bits_constant)::value;
+      if (activation_terms == 2)
+        dispatch_scales<B, 2, T>(xp, stride, packed, high, scales, mins, m, n, k, group_size, yp);
+      else
+        dispatch_scales<B, 1, T>(xp, stride, packed, high, scales, mins, m, n, k, group_size, yp);
+    };
+    switch (bits) {
+      case 4: with_terms(std::integral_constant<int, 4>{}); break;
+      case 5: with_terms(std::integral_constant<int, 5>{}); break;
+      case 6: with_terms(std::integral_constant<int, 6>{}); break;
+      default: with_terms(std::integral_constant<int, 8>{}); break;
+    }
   };
   switch (x.scalar_type()) {
     case at::kFloat: run(x.data_ptr<float>(), y.data_ptr<float>()); break;
@@ -334,7 +404,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 
 TORCH_LIBRARY(pagedllm_cpu_qlinear, m) {
   m.def("qlinear_supports() -> bool", &qlinear_supports);
-  m.def("qlinear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int bits, int group_size, "
+  m.def("qlinear(Tensor x, Tensor packed, Tensor high, Tensor scales, Tensor mins, int bits, int group_size, "
         "int activation_terms) -> Tensor");
 }
 

@@ -1,12 +1,14 @@
-"""The weight of pagedllm's own quantized CPU kernel (layers/csrc/cpu_quant_linear.cpp, AVX512-VNNI): 4-bit
-or 8-bit unsigned integers q with a scale and a min per group of input channels, w = q * scale + min.
+"""The weight of pagedllm's own quantized CPU kernel (layers/csrc/cpu_quant_linear.cpp, AVX512-VNNI): 4-,
+5-, 6- or 8-bit unsigned integers q with a scale and a min per group of input channels, w = q * scale + min.
 
 Every integer weight format the engine reads is this form without loss: int4 groups (our checkpoints,
-compressed-tensors W4A16, GGUF Q4_0 / Q4_1 / Q4_K), GGUF Q5_0 / Q5_1 / Q5_K / Q6_K as 8-bit (their 5 or
-6 bits fit a byte; Q6_K's groups are 16 wide), and signed int8 (per channel or per group, GGUF Q8_0) as
-q + 128 with min = -128 * scale. So the kernel's weight is built from the logical triple (q, scale, min)
-and gives it back (`logical()`): tensor-parallel narrowing and dequantizing work on that triple, never on
-the packed bytes.
+compressed-tensors W4A16, GGUF Q4_0 / Q4_1 / Q4_K), GGUF Q5_0 / Q5_1 / Q5_K (5 bits) and Q6_K (6 bits,
+groups of 16) in as many bits as the file stores, and signed int8 (per channel or per group, GGUF Q8_0) as
+q + 128 with min = -128 * scale. A symmetric weight (min = -2^(bits - 1) * scale, as Q4_0, Q5_0, Q6_K,
+Q8_0 and signed int8 are) keeps no mins: the kernel forms them from the scales, so such a weight takes
+the bytes its file does. The kernel's weight is built from the logical triple (q, scale, min) and gives
+it back (`logical()`): tensor-parallel narrowing and dequantizing work on that triple, never on the
+packed bytes.
 
 The kernel quantizes each activation row in blocks of 32 into two int8 terms, x^ = d * xq + d2 * xq2
 (d = the block's absmax / 127, xq = round(x / d); xq2 the same for the remainder x - d * xq, so d2 <= d /
@@ -72,33 +74,64 @@ def activation_terms() -> int:
     return int(terms)
 
 
+BITS = (4, 5, 6, 8)
+
+
 def kernel_supports(out_features: int, in_features: int, group_size: int, bits: int) -> bool:
     """Whether the kernel takes an [out_features, in_features] weight with these groups."""
-    groups_ok = group_size % BLOCK == 0 or (bits == 8 and group_size == 16)
-    return (bits in (4, 8) and out_features % TILE == 0 and in_features % BLOCK == 0 and group_size > 0
+    groups_ok = group_size % BLOCK == 0 or group_size == 16
+    return (bits in BITS and out_features % TILE == 0 and in_features % BLOCK == 0 and group_size > 0
             and in_features % group_size == 0 and groups_ok)
 
 
-def pack_q(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """q [N, K] uint8 -> the kernel's bytes: per tile of 16 features, 4 consecutive k per feature side by
-    side (8-bit: [K / 4][16][4]); 4-bit: two such 64-byte vectors (k-quads 2t, 2t + 1) in one, low nibbles
-    then high."""
+def _tiles(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N / 16, K / 4, 16, 4]: per tile of 16 features, 4 consecutive k per feature side by side."""
     n, k = q.shape
-    tiles = q.to(torch.uint8).reshape(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3)  # [T, K/4, 16, 4]
+    return q.reshape(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3)
+
+
+def _untile(tiles: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    return tiles.reshape(n // TILE, k // 4, TILE, 4).permute(0, 2, 1, 3).reshape(n, k)
+
+
+_BIT_WEIGHTS = 1 << torch.arange(8, dtype=torch.int32)
+
+
+def pack_q(q: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] uint8 -> the kernel's (bytes, bit planes). 8-bit: the bytes per tile [K / 4][16][4], no
+    planes. 4-, 5- and 6-bit: two such 64-byte vectors (k-quads 2t, 2t + 1) in one, low nibbles then high,
+    and per tile [K / 8][bits - 4][2] 64-bit little-endian masks (plane p, k-quad 2t + h): bit i the bit
+    4 + p of byte i of that k-quad's vector."""
+    n, k = q.shape
+    tiles = _tiles(q.to(torch.uint8))  # [T, K/4, 16, 4]
     if bits == 8:
-        return tiles.contiguous().view(-1)
-    pairs = tiles.reshape(n // TILE, k // 8, 2, TILE * 4)
-    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous().view(-1)
+        return tiles.contiguous().view(-1), torch.empty(0, dtype=torch.uint8)
+    pairs = tiles.reshape(n // TILE, k // 8, 2, TILE * 4)  # [T, K/8, quad parity, 64 bytes]
+    low = ((pairs[:, :, 0] & 15) | ((pairs[:, :, 1] & 15) << 4)).contiguous().view(-1)
+    if bits == 4:
+        return low, torch.empty(0, dtype=torch.uint8)
+    planes = torch.stack([(pairs >> (4 + p)) & 1 for p in range(bits - 4)], dim=2)  # [T, K/8, P, 2, 64]
+    masks = (planes.view(*planes.shape[:-1], 8, 8).to(torch.int32) * _BIT_WEIGHTS).sum(-1).to(torch.uint8)
+    return low, masks.contiguous().view(-1)
 
 
-def unpack_q(packed: torch.Tensor, n: int, k: int, bits: int) -> torch.Tensor:
+def unpack_q(packed: torch.Tensor, high: torch.Tensor, n: int, k: int, bits: int) -> torch.Tensor:
     """pack_q's inverse: [N, K] uint8."""
     if bits == 8:
-        tiles = packed.view(n // TILE, k // 4, TILE, 4)
-    else:
-        pairs = packed.view(n // TILE, k // 8, 1, TILE * 4)
-        tiles = torch.cat([pairs & 15, pairs >> 4], dim=2).view(n // TILE, k // 4, TILE, 4)
-    return tiles.permute(0, 2, 1, 3).reshape(n, k)
+        return _untile(packed, n, k)
+    pairs = packed.view(n // TILE, k // 8, 1, TILE * 4)
+    q = torch.cat([pairs & 15, pairs >> 4], dim=2)  # [T, K/8, quad parity, 64 bytes]
+    if bits > 4:
+        masks = high.view(n // TILE, k // 8, bits - 4, 2, 8, 1).to(torch.int32)
+        planes = ((masks >> torch.arange(8, dtype=torch.int32)) & 1).view(n // TILE, k // 8, bits - 4, 2, TILE * 4)
+        for p in range(bits - 4):
+            q = q | (planes[:, :, p].to(torch.uint8) << (4 + p))
+    return _untile(q, n, k)
+
+
+def symmetric_min_factor(bits: int) -> int:
+    """A symmetric weight's min over its scale: -2^(bits - 1) (q - 8 for 4 bits, q - 128 for 8)."""
+    return -(1 << (bits - 1))
 
 
 def pack_groups(values: torch.Tensor) -> torch.Tensor:
@@ -123,12 +156,14 @@ def _storage_dtype(*values: torch.Tensor) -> torch.dtype:
 
 
 class VnniWeight(QuantizedWeight):
-    """`qweight`: pack_q's bytes; `scales`, `mins`: [N / 16, K / G, 16] fp32 or fp16. `method` is the
-    method the weight belongs to (int4 or int8), which routes its `apply` here."""
+    """`qweight`, `high`: pack_q's bytes and bit planes; `scales`, `mins`: [N / 16, K / G, 16] fp32 or fp16,
+    `mins` empty for a symmetric weight. `method` is the method the weight belongs to (int4 or int8), which
+    routes its `apply` here."""
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int,
-                 in_features: int, method: QuantizationMethod):
+    def __init__(self, qweight: torch.Tensor, high: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                 bits: int, in_features: int, method: QuantizationMethod):
         super().__init__(qweight, scales, method)
+        self.high = nn.Parameter(high, requires_grad=False)
         self.mins = nn.Parameter(mins, requires_grad=False)
         self.bits = bits
         self.in_features = in_features
@@ -147,8 +182,14 @@ class VnniWeight(QuantizedWeight):
         groups = scale.shape[1]
         assert k % groups == 0 and kernel_supports(n, k, k // groups, bits), (n, k, groups, bits)
         scale, offset = scale.to(torch.float32), offset.to(torch.float32)
-        dtype = _storage_dtype(scale, offset)
-        return cls(pack_q(q, bits), pack_groups(scale.to(dtype)), pack_groups(offset.to(dtype)), bits, k, method)
+        symmetric = torch.equal(offset, symmetric_min_factor(bits) * scale)
+        dtype = _storage_dtype(scale) if symmetric else _storage_dtype(scale, offset)
+        mins = torch.empty(0, dtype=dtype) if symmetric else pack_groups(offset.to(dtype))
+        return cls(*pack_q(q, bits), pack_groups(scale.to(dtype)), mins, bits, k, method)
+
+    @property
+    def symmetric(self) -> bool:
+        return self.mins.numel() == 0
 
     @property
     def shape(self) -> torch.Size:
@@ -159,13 +200,15 @@ class VnniWeight(QuantizedWeight):
         return self.in_features // self.scales.shape[1]
 
     def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in (self.qweight, self.scales, self.mins))
+        return sum(p.numel() * p.element_size() for p in (self.qweight, self.high, self.scales, self.mins))
 
     def logical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [N, K] uint8, scale [N, K / G] fp32, min [N, K / G] fp32)."""
         n, k = self.shape
-        return (unpack_q(self.qweight.data, n, k, self.bits), unpack_groups(self.scales.data).to(torch.float32),
-                unpack_groups(self.mins.data).to(torch.float32))
+        scale = unpack_groups(self.scales.data).to(torch.float32)
+        offset = (symmetric_min_factor(self.bits) * scale if self.symmetric
+                  else unpack_groups(self.mins.data).to(torch.float32))
+        return unpack_q(self.qweight.data, self.high.data, n, k, self.bits), scale, offset
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_groups(*self.logical()).to(dtype)
@@ -188,15 +231,17 @@ class VnniWeight(QuantizedWeight):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         params = self._parameters
-        y = torch.ops.pagedllm_cpu_qlinear.qlinear(x2, params["qweight"], params["scales"], params["mins"],
-                                                   self.bits, self._group_size, self.activation_terms)
+        y = torch.ops.pagedllm_cpu_qlinear.qlinear(x2, params["qweight"], params["high"], params["scales"],
+                                                   params["mins"], self.bits, self._group_size,
+                                                   self.activation_terms)
         if bias is not None:
             y.add_(bias)
         return y.view(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
-        return (f"{self.method.name} (pagedllm VNNI kernel, {self.bits}-bit), shape={tuple(self.shape)}, "
-                f"group_size={self.group_size}, scales={str(self.scales.dtype).removeprefix('torch.')}")
+        return (f"{self.method.name} (pagedllm VNNI kernel, {self.bits}-bit{', symmetric' if self.symmetric else ''}), "
+                f"shape={tuple(self.shape)}, group_size={self.group_size}, "
+                f"scales={str(self.scales.dtype).removeprefix('torch.')}")
 
 
 class VnniRows(nn.Module):
@@ -218,8 +263,18 @@ class VnniRows(nn.Module):
             q = w.qweight.view(n // TILE, k // 4, TILE, 4)[tile, :, lane]
         else:  # byte j of a feature's 4 in k-octet t: k-quad 2t in its low nibble, 2t + 1 in its high one
             packed = w.qweight.view(n // TILE, k // 8, TILE, 4)[tile, :, lane]
-            q = torch.stack([packed & 15, packed >> 4], dim=2)
-        return dequantize_groups(q.reshape(-1, k), w.scales[tile, :, lane], w.mins[tile, :, lane])
+            q = torch.stack([packed & 15, packed >> 4], dim=2)  # [len, K / 8, quad parity, 4]
+            if w.bits > 4:  # mask (plane p, parity h) of k-octet t: bit 4 * lane + j of its 8 bytes
+                masks = w.high.view(n // TILE, k // 8, w.bits - 4, 2, 8)[tile]  # [len, K / 8, P, 2, 8]
+                byte = (lane * 4 // 8).view(-1, 1, 1, 1, 1).expand(*masks.shape[:-1], 1)
+                lanes = masks.gather(-1, byte).to(torch.int32)  # the byte holding this lane's 4 bits
+                shift = (lane * 4 % 8).view(-1, 1, 1, 1, 1).to(torch.int32) + torch.arange(4, dtype=torch.int32)
+                bits = (lanes >> shift) & 1  # [len, K / 8, P, 2, 4]
+                for p in range(w.bits - 4):
+                    q = q | (bits[:, :, p].to(torch.uint8) << (4 + p))
+        scale = w.scales[tile, :, lane].to(torch.float32)
+        offset = symmetric_min_factor(w.bits) * scale if w.symmetric else w.mins[tile, :, lane]
+        return dequantize_groups(q.reshape(-1, k), scale, offset)
 
     def extra_repr(self) -> str:
         return f"rows of the LM head's {self.source.bits}-bit VNNI weight"
@@ -259,8 +314,7 @@ def _torch_can_take(weight: QuantizedWeight) -> bool:
         from pagedllm.layers.quantization.int4 import int4_supports
 
         return int4_supports(*weight.shape, weight.group_size)
-    scale, offset = unpack_groups(weight.scales.data).float(), unpack_groups(weight.mins.data).float()
-    return torch.equal(offset, -128 * scale)
+    return weight.bits == 8 and weight.symmetric
 
 
 def _to_torch(weight: QuantizedWeight, dtype: torch.dtype) -> QuantizedWeight:
