@@ -201,6 +201,22 @@ def test_bench_latency_reports_roofline_fraction(
         assert report["weights_fit_in_cache"] and "last-level cache" in table
 
 
+def test_bench_latency_reads_a_packed_gguf_models_bytes_as_loaded(tiny_llama_dir: str, tmp_path: Path) -> None:
+    """A GGUF file's weights stay packed in its block types, which the planner does not know: the roofline
+    then divides by the bytes of the weights as loaded (the planner would count bf16 and read 3x)."""
+    from gguf_models import write_gguf
+
+    from pagedllm import LLM
+    from pagedllm.benchmarks.latency import run_latency
+
+    path = write_gguf(tiny_llama_dir, str(tmp_path / "tiny-Q4_0.gguf"), "Q4_0")
+    llm = LLM(model=path, dtype="bfloat16", max_model_len=64)
+    result = run_latency(llm, path, list(range(3, 11)), 4, num_iters=1, num_warmup=0)
+    loaded = llm.llm_engine.model_runner.weight_bytes()
+    assert result.weights_as_loaded and result.weight_bytes == loaded
+    assert loaded <= result.bytes_per_token < loaded + 64 * 1024  # the weights, and a few blocks of KV
+
+
 def test_last_level_cache_size_parsing(tmp_path: Path) -> None:
     from pagedllm.benchmarks.latency import last_level_cache_bytes
 

@@ -51,6 +51,8 @@ class LatencyResult:
     memory_bandwidth_all: list[float] = field(default_factory=list)
     roofline_fraction_all: list[float] = field(default_factory=list)
     weight_bytes: float = 0.0
+    # the weights' bytes are the loaded model's (kept packed as a GGUF file stores them), not the planner's
+    weights_as_loaded: bool = False
     last_level_cache_bytes: int | None = None  # CPU only, from sysfs; None where unknown
     # KV cache the request holds while decoding (at its last decode step, in one more untimed run):
     # blocks, layers each block holds (a KV cache group's, see kv_cache/manager.py; all layers with one
@@ -115,6 +117,17 @@ def _one_run(llm: Any, prompt_ids: list[int], output_len: int) -> tuple[float, f
     return ttft, decode_tps, e2e
 
 
+def _loaded_weight_bytes(engine: Any) -> int | None:
+    """The parameters' bytes of a model loaded with packed quantized weights though no quantization was asked
+    for (a GGUF file's block types), where its runner is in this process; else None."""
+    from pagedllm.layers.quantization import QuantizedWeight
+
+    runner = getattr(engine, "model_runner", None)
+    if runner is None or not any(isinstance(m, QuantizedWeight) for m in runner.model.modules()):
+        return None
+    return runner.weight_bytes()
+
+
 def run_latency(
     llm: Any, model: str, prompt_ids: list[int], output_len: int, num_iters: int = 5, num_warmup: int = 1,
     between_runs: Callable[[], None] | None = None,
@@ -150,8 +163,15 @@ def run_latency(
     mean_context = len(prompt_ids) + output_len // 2
     wb, kb = rl.dtype_bytes(weight_dtype), rl.dtype_bytes(kv_dtype)
     quantization = getattr(model_config, "quantization", None)
+    loaded = _loaded_weight_bytes(engine) if quantization is None else None
+    as_loaded = False
     if quantization is not None:  # the projections' quantized bytes, embeddings and LM head in the model dtype
         wb = rl.quantized_weight_dtype_bytes(spec, wb, quantization.method, quantization.group_size)
+    elif loaded is not None:
+        # kept packed as loaded (a GGUF file's block types, whose bits the planner does not know): a decode
+        # step reads the loaded weights (an untied embedding table is a buffer, not counted, as it is read
+        # a row a token)
+        wb, as_loaded = loaded / rl.decode_weight_params(spec, 1), True
     bytes_per_token = rl.decode_bytes_per_token(spec, mean_context, 1, wb, kb)
     roofline = bandwidth / bytes_per_token
     fractions = [rate * bytes_per_token / bw for rate, bw in zip(decode_rates, bandwidths)]
@@ -191,7 +211,8 @@ def run_latency(
         decode_tokens_per_s_all=list(decode_rates),
         memory_bandwidth_all=bandwidths,
         roofline_fraction_all=fractions,
-        weight_bytes=rl.weight_bytes(spec, wb),
+        weight_bytes=loaded if as_loaded else rl.weight_bytes(spec, wb),
+        weights_as_loaded=as_loaded,
         last_level_cache_bytes=None if on_cuda else last_level_cache_bytes(),
         decode_kv_blocks=kv[0], kv_layers_per_block=kv[1], decode_kv_bytes=kv[2],
         planner_sliding_window_kv_fraction=window["fraction_engine"] if window is not None else None,
@@ -245,7 +266,8 @@ def format_latency(r: LatencyResult) -> str:
         ),
         ("end-to-end", f"{r.e2e_s:,.3f} s"),
         ("memory bandwidth (measured)", f"{r.memory_bandwidth_bytes_per_s / 1e9:,.1f} GB/s (a copy before each run)"),
-        ("bytes per token (planner)", f"{r.bytes_per_token / 1e6:,.2f} MB"),
+        ("bytes per token (loaded weights)" if r.weights_as_loaded else "bytes per token (planner)",
+         f"{r.bytes_per_token / 1e6:,.2f} MB"),
         ("roofline", f"{r.roofline_tokens_per_s:,.1f} tokens/s"),
         ("fraction of roofline", f"{r.roofline_fraction:.1%} (each run against its own copy; runs: "
                                  + ", ".join(f"{f:.0%}" for f in r.roofline_fraction_all) + ")"),
