@@ -204,6 +204,11 @@ def test_a_file_that_mixes_block_types_stays_packed_in_its_own_bits(llama256, tm
     assert (qkv.bits, qkv.symmetric, qkv.group_size) == (8, True, 32)
     assert (down.bits, down.symmetric, down.group_size) == (6, True, 16)
     assert (gate_up.bits, gate_up.symmetric) == (4, False)
+    # every packed weight in one buffer (huge pages where Linux gives them), in the forward pass's order
+    weights = [m for m in packed.llm_engine.model_runner.model.modules() if isinstance(m, VnniWeight)]
+    assert len({w.qweight.untyped_storage().data_ptr() for w in weights}) == 1
+    starts = [w.qweight.data_ptr() for w in weights]
+    assert starts == sorted(starts)
     monkeypatch.setenv("PAGEDLLM_GGUF_DEQUANTIZE", "1")
     reference = LLM(model=path, dtype="float32")
     tokenizer = reference.get_tokenizer()
