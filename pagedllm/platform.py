@@ -193,6 +193,16 @@ def _unfreeze_at_exit() -> None:
 HUGE_PAGE_BYTES = 2 << 20
 
 
+def zero_page_buffer(nbytes: int) -> torch.Tensor:
+    """An uint8 CPU tensor of `nbytes` zeros that takes no memory until written: a private anonymous
+    mapping, whose pages the OS hands out zeroed on first touch. For the KV cache, most of which no request
+    may ever use. (calloc gives the same only while the heap's top is fresh: after a load has freed and
+    trimmed heap memory it may clear the whole allocation, making a 1.5 GiB cache resident at start-up.)"""
+    if nbytes == 0:
+        return torch.zeros(0, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
+
+
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
     """An uint8 CPU tensor of `nbytes` that Linux may back with 2 MiB transparent huge pages.
 

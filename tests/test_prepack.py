@@ -301,6 +301,28 @@ def test_huge_page_buffer() -> None:
     assert huge_page_buffer(100).numel() == 100
 
 
+def test_zero_page_buffer_reads_zeros_and_holds_no_memory_until_written() -> None:
+    """The KV cache's memory: 256 MiB of zeros that the process holds only where written, whatever state
+    loading left the heap in (calloc cleared a freed-and-trimmed heap's 1.5 GiB cache at start-up)."""
+    from pagedllm.platform import zero_page_buffer
+
+    if platform.system() != "Linux":
+        pytest.skip("reads /proc/self/statm")
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident()
+    buffer = zero_page_buffer(256 << 20)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == 256 << 20
+    assert resident() - before < 16 << 20
+    buffer[: 1 << 20].fill_(3)
+    assert int(buffer[(1 << 20) - 1]) == 3 and int(buffer[-1]) == 0 and int(buffer[1 << 20]) == 0
+    assert resident() - before < 24 << 20
+    assert zero_page_buffer(0).numel() == 0
+
+
 def test_blocked_pack_into_a_given_buffer() -> None:
     """The model's buffer is packed in place; a buffer of the wrong size is refused, not overrun."""
     if not blocked_layout_available(torch.bfloat16):

@@ -38,6 +38,7 @@ from pagedllm.kv_cache.quant import KV_CACHE_DTYPES, is_quantized, resolve_kv_ca
 from pagedllm.layers.sampler import Sampler, SamplingRow, argmax_rows
 from pagedllm.models.loader import load_model
 from pagedllm.outputs import PositionLogprobs, position_logprobs
+from pagedllm.platform import zero_page_buffer
 from pagedllm.spec_decode.spec_decoder import SpecDecoder
 from pagedllm.structured_output import GrammarBitmask
 from pagedllm.worker.block_table import BlockTables
@@ -294,10 +295,9 @@ class ModelRunner:
                                                                     self.kv_dtype))
         storage_dtype = torch.uint8 if is_quantized(self.kv_dtype) else self.kv_dtype
         if self.device.type == "cpu":
-            # calloc'd memory: the OS hands out zero pages on first touch, so start-up does not write
-            # (and the process does not hold) gigabytes of cache that no request has used yet.
-            nbytes = math.prod(shape) * storage_dtype.itemsize
-            cache = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(storage_dtype).view(shape)
+            # zero pages on first touch: start-up does not write (and the process does not hold) gigabytes
+            # of cache that no request has used yet
+            cache = zero_page_buffer(math.prod(shape) * storage_dtype.itemsize).view(storage_dtype).view(shape)
         else:
             cache = torch.zeros(shape, dtype=storage_dtype, device=self.device)
         self.kv_cache_tensors = list(cache.unbind(0))
