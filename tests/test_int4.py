@@ -173,6 +173,12 @@ def test_packed_engine_is_as_faithful_as_the_dequantized_engine(llama256, tmp_pa
     layer = packed.llm_engine.model_runner.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj.weight, INT4_WEIGHTS)
     assert isinstance(layer.mlp.down_proj.weight, INT4_WEIGHTS)
+    _assert_as_faithful_as_dequantized(packed, path, monkeypatch)
+
+
+def _assert_as_faithful_as_dequantized(packed: LLM, path: str, monkeypatch) -> None:
+    """Teacher-forced on the fp32 dequantized engine's greedy continuations, `packed` is as faithful to it as
+    the bf16 engine on dequantized weights (_assert_as_faithful)."""
     monkeypatch.setenv("PAGEDLLM_GGUF_DEQUANTIZE", "1")
     reference = LLM(model=path, dtype="float32")
     tokenizer = reference.get_tokenizer()
@@ -180,14 +186,13 @@ def test_packed_engine_is_as_faithful_as_the_dequantized_engine(llama256, tmp_pa
     sequences = [tokenizer(p).input_ids + list(o.outputs[0].token_ids)
                  for p, o in zip(PROMPTS, reference.generate(PROMPTS, params, use_tqdm=False))]
     start = 1
-    want_top1, want_lp = _teacher_forced(reference, sequences, start)
+    want = _teacher_forced(reference, sequences, start)
     del reference
     dense = LLM(model=path, dtype="bfloat16")
     assert isinstance(dense.llm_engine.model_runner.model.layers[0].mlp.down_proj.weight, torch.Tensor)
-    dense_top1, dense_lp = _teacher_forced(dense, sequences, start)
+    dense_result = _teacher_forced(dense, sequences, start)
     del dense
-    got_top1, got_lp = _teacher_forced(packed, sequences, start)
-    _assert_as_faithful((got_top1, got_lp), (dense_top1, dense_lp), (want_top1, want_lp))
+    _assert_as_faithful(_teacher_forced(packed, sequences, start), dense_result, want)
 
 
 @pytest.mark.skipif(not kernel_enabled(torch.bfloat16), reason="mixed and 5-/6-bit types need the VNNI kernel")
@@ -209,16 +214,7 @@ def test_a_file_that_mixes_block_types_stays_packed_in_its_own_bits(llama256, tm
     assert len({w.qweight.untyped_storage().data_ptr() for w in weights}) == 1
     starts = [w.qweight.data_ptr() for w in weights]
     assert starts == sorted(starts)
-    monkeypatch.setenv("PAGEDLLM_GGUF_DEQUANTIZE", "1")
-    reference = LLM(model=path, dtype="float32")
-    tokenizer = reference.get_tokenizer()
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    sequences = [tokenizer(p).input_ids + list(o.outputs[0].token_ids)
-                 for p, o in zip(PROMPTS, reference.generate(PROMPTS, params, use_tqdm=False))]
-    want = _teacher_forced(reference, sequences, 1)
-    del reference
-    dense = _teacher_forced(LLM(model=path, dtype="bfloat16"), sequences, 1)
-    _assert_as_faithful(_teacher_forced(packed, sequences, 1), dense, want)
+    _assert_as_faithful_as_dequantized(packed, path, monkeypatch)
 
 
 def test_fp32_models_dequantize_4bit_files(llama256, tmp_path):
