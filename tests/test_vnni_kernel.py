@@ -153,6 +153,9 @@ def test_each_gguf_type_keeps_its_bits_and_drops_the_mins_a_symmetric_type_impli
     assert weight.group_size == (16 if kind == "Q6_K" else 32)
     if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         assert weight.scales.dtype == torch.float16 and weight.nbytes() == data.nbytes
+    else:  # K-quants: int8 scales (and mins) per group, fp16 d (and -dmin) per 256 weights: within 3% of the file
+        assert weight.scales.dtype == torch.int8 and weight.super_scales.dtype == torch.float16
+        assert data.nbytes <= weight.nbytes() <= 1.03 * data.nbytes
 
 
 @pytest.mark.parametrize("kinds", [("Q5_0", "Q5_0", "Q8_0"), ("Q4_K", "Q6_K"), ("Q4_0", "Q4_1"), ("Q5_1", "Q4_0")])
@@ -334,3 +337,48 @@ def test_the_kernel_computes_each_output_in_its_fixed_arithmetic(bits, group, fp
                     assert torch.equal(weight.method.apply(xd[-m:], weight, None), want[-m:]), (m, count)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("bits,group,symmetric", [(4, 32, False), (5, 32, False), (6, 16, True)])
+def test_k_quant_scales_formed_in_the_kernel_give_the_stored_products_bits(bits, group, symmetric):
+    """Q4_K / Q5_K / Q6_K keep int8 scales (and mins) per group and fp16 d (and -dmin) per 256 weights; the
+    kernel forms sc * d in fp32 (exact), so its output is bit for bit _kernel_arithmetic's, at 1 and 2
+    threads and every row count."""
+    n, k = 16 * 5, 512
+    gen = torch.Generator().manual_seed(bits)
+    q = torch.randint(0, 2 ** bits, (n, k), generator=gen, dtype=torch.uint8)
+    sc = torch.randint(-128 if symmetric else 0, 128 if symmetric else 64, (n, k // group), generator=gen)
+    d = (torch.rand(n, k // 256, generator=gen) * 0.002 + 1e-4).half()
+    m = None if symmetric else torch.randint(0, 64, (n, k // group), generator=gen)
+    neg_dmin = None if symmetric else -(torch.rand(n, k // 256, generator=gen) * 0.002).half()
+    weight = VnniWeight.from_k_quant(q, sc, m, d, neg_dmin, bits, Int8WeightOnlyMethod(group))
+    assert weight.scales.dtype == torch.int8 and weight.symmetric == symmetric
+    _, scale, offset = weight.logical()
+    per_group = k // 256 and (k // group) // (k // 256)
+    assert torch.equal(scale, sc.float() * d.float().repeat_interleave(per_group, dim=1))
+    if not symmetric:
+        assert torch.equal(offset, m.float() * neg_dmin.float().repeat_interleave(per_group, dim=1))
+    x = (torch.randn(17, k, generator=gen) * 3).to(torch.bfloat16)
+    want = _kernel_arithmetic(x, weight)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in (1, 3, 17):
+                assert torch.equal(weight.method.apply(x[-rows:], weight, None), want[-rows:]), (rows, count)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kind", GGUF_TYPES)
+def test_rows_read_from_a_tied_table_are_llama_cpps_rows(kind):
+    """VnniRows (the embedding of a tied LM head kept in the kernel's layout) unpacks the asked rows of every
+    type, bit planes and K-quant factors included, to exactly llama.cpp's values."""
+    from pagedllm.layers.quantization.vnni import VnniRows
+
+    n, k = 48, 256
+    data = _gguf_blocks(kind, n, k, seed=3)
+    weight = PACKED_TYPES[kind](data, (n, k)).build(torch.bfloat16, {})
+    oracle = torch.from_numpy(dequantize(data, GGMLQuantizationType[kind]).reshape(n, k)).float()
+    ids = torch.tensor([0, 17, 47, 17, 5, 31])
+    assert torch.equal(VnniRows(weight)(ids), oracle[ids])

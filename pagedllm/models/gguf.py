@@ -292,11 +292,53 @@ def _field(reader, key: str) -> Any:
 # The parts of a fused projection are concatenated along the output rows before the weight is built.
 
 
+@dataclass
+class KQuantScales:
+    """A K-quant's scales as the file factors them: per group, small integers `sc` (and `m`) [N, K / G]; per
+    super-block of 256 weights, fp16 `d` (and `neg_dmin`, the negated dmin) [N, K / 256]. scale = sc * d and
+    min = m * neg_dmin are exact in fp32; m and neg_dmin are None for a symmetric type (Q6_K)."""
+
+    sc: torch.Tensor
+    m: torch.Tensor | None
+    d: torch.Tensor
+    neg_dmin: torch.Tensor | None
+
+    @staticmethod
+    def cat(parts: list[KQuantScales | None]) -> KQuantScales | None:
+        if any(p is None for p in parts) or len({p.m is None for p in parts}) > 1:  # type: ignore[union-attr]
+            return None
+        def joined(name: str) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in parts]
+            return None if values[0] is None else torch.cat(values)
+        return KQuantScales(*(joined(name) for name in ("sc", "m", "d", "neg_dmin")))  # type: ignore[arg-type]
+
+    def rows(self, start: int, length: int) -> KQuantScales:
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[start:start + length]
+        return KQuantScales(*(cut(getattr(self, name)) for name in ("sc", "m", "d", "neg_dmin")))  # type: ignore[arg-type]
+
+
 class PackedParts(QuantizedParts):
     """A block-quantized weight, losslessly re-laid: `q` [N, K] integers, and per group of weights (32, or 16
     for Q6_K) a `scale` and (except Q8_0) an `offset`, so that w = q * scale + offset exactly as llama.cpp
     dequantizes it. kind: "int8" (Q8_0: signed q, fp16 scales), "int4" (q 0..15), "uint5" (Q5_*: q 0..31)
     or "uint6" (Q6_K: q 0..63); only pagedllm's VNNI kernel reads the last two packed."""
+
+    k_scales: KQuantScales | None = None  # a K-quant's factored scales, kept where the VNNI kernel reads them
+
+    @staticmethod
+    def cat(parts: list[QuantizedParts]) -> QuantizedParts:
+        fused = QuantizedParts.cat(parts)
+        if len(parts) > 1 and isinstance(fused, PackedParts):
+            fused.k_scales = KQuantScales.cat([getattr(p, "k_scales", None) for p in parts])
+        return fused
+
+    def narrow(self, dim: int, start: int, length: int, name: str) -> QuantizedParts:
+        part = super().narrow(dim, start, length, name)
+        if isinstance(part, PackedParts) and part is not self:
+            # output rows keep their factors; a column shard keeps the fp32 products (exact as well)
+            part.k_scales = self.k_scales.rows(start, length) if dim == 0 and self.k_scales is not None else None
+        return part
 
     def build(self, dtype: torch.dtype, methods: dict[str, Any]):  # type: ignore[override]
         """The QuantizedWeight; weights of one kind share one method (it owns the model's scratch buffers)."""
@@ -306,6 +348,12 @@ class PackedParts(QuantizedParts):
         from pagedllm.layers.quantization.vnni import VnniWeight, kernel_enabled
 
         group = self.q.shape[1] // self.scale.shape[1]
+        if self.k_scales is not None and kernel_enabled(dtype):
+            bits = 4 if self.kind == "int4" else UNSIGNED_BITS[self.kind]
+            method = (methods.setdefault(f"int4-g{group}", Int4WeightOnlyMethod(group_size=group)) if bits == 4 else
+                      methods.setdefault(f"int8-g{group}", Int8WeightOnlyMethod(group_size=group)))
+            ks = self.k_scales
+            return VnniWeight.from_k_quant(self.q, ks.sc, ks.m, ks.d, ks.neg_dmin, bits, method)
         if self.kind == "int4":
             assert self.offset is not None
             return methods.setdefault(f"int4-g{group}", Int4WeightOnlyMethod(group_size=group)).create(
@@ -381,8 +429,22 @@ def _read_q4_k(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
     q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k)  # per 64: 32 low nibbles, then 32 high
     scale = (d[..., None] * sc).reshape(n, k // 32)
     offset = (-(dmin[..., None] * mins)).reshape(n, k // 32)
-    return PackedParts("int4", torch.from_numpy(q), torch.from_numpy(scale.astype(np.float32)),
-                       torch.from_numpy(offset.astype(np.float32)))
+    parts = PackedParts("int4", torch.from_numpy(q), torch.from_numpy(scale.astype(np.float32)),
+                        torch.from_numpy(offset.astype(np.float32)))
+    parts.k_scales = _k_quant_scales(sc.reshape(n, k // 32), mins.reshape(n, k // 32), d, dmin)
+    return parts
+
+
+def _k_quant_scales(sc: np.ndarray, mins: np.ndarray | None, d: np.ndarray, dmin: np.ndarray | None) -> KQuantScales:
+    """The factors of a K-quant's scales: per group sc (and m) as int8, per super-block d (and -dmin) in fp16."""
+    def small(values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values).astype(np.int8))
+
+    def half(values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values).astype(np.float16))
+
+    return KQuantScales(small(sc), None if mins is None else small(mins), half(d),
+                        None if dmin is None else half(-dmin))
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -432,8 +494,10 @@ def _read_q5_k(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
     q = (low | high.astype(np.uint8)).reshape(n, k)
     scale = (d[..., None] * sc).reshape(n, k // 32)
     offset = (-(dmin[..., None] * mins)).reshape(n, k // 32)
-    return PackedParts("uint5", torch.from_numpy(q), torch.from_numpy(scale.astype(np.float32)),
-                       torch.from_numpy(offset.astype(np.float32)))
+    parts = PackedParts("uint5", torch.from_numpy(q), torch.from_numpy(scale.astype(np.float32)),
+                        torch.from_numpy(offset.astype(np.float32)))
+    parts.k_scales = _k_quant_scales(sc.reshape(n, k // 32), mins.reshape(n, k // 32), d, dmin)
+    return parts
 
 
 def _read_q6_k(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
@@ -451,7 +515,9 @@ def _read_q6_k(data: np.ndarray, shape: tuple[int, int]) -> PackedParts:
     high = np.concatenate([(qh >> (2 * j)) & 3 for j in range(4)], axis=3) << 4
     q = (low | high).astype(np.uint8).reshape(n, k)
     scale = (d[..., None] * sc).reshape(n, k // 16).astype(np.float32)
-    return PackedParts("uint6", torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(-32 * scale))
+    parts = PackedParts("uint6", torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(-32 * scale))
+    parts.k_scales = _k_quant_scales(sc.reshape(n, k // 16), None, d, None)
+    return parts
 
 
 PACKED_TYPES.update(Q8_0=_read_q8_0, Q4_0=_read_q4_0, Q4_1=_read_q4_1, Q4_K=_read_q4_k,

@@ -17,7 +17,8 @@
 //   5- and 6-bit (GGUF's Q5 and Q6 types as stored): the low 4 bits as 4-bit weights, and the rest in bit
 //   planes, per tile [K / 8][planes][2] 64-bit masks, bit i of mask (p, h) the bit 4 + p of byte i of
 //   the vector of k-quad 2t + h, added to the nibbles by a masked byte add
-// scales and mins: [N / 16][K / G][16], fp32 or fp16 (fp16 where every value is exact in it). A symmetric
+// scales and mins: [N / 16][K / G][16], fp32 or fp16 (fp16 where every value is exact in it), or int8 for
+// GGUF's K-quants with fp16 multipliers per super-block [N / 16][K / 256][d, -dmin][16]. A symmetric
 // weight (min = -2^(bits - 1) * scale: Q4_0, Q5_0, Q6_K, Q8_0, signed int8, symmetric int4) stores no
 // mins: the kernel forms the same min from the scale (a product by a power of two is exact), so it reads
 // the file's bytes and not a copy of its scales.
@@ -185,7 +186,8 @@ inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* p, int6
 }
 
 // One weight tile's pointers: its packed bytes, bit planes (5- and 6-bit weights), scales and mins (null for
-// a symmetric weight, whose min is min_factor * scale).
+// a symmetric weight, whose min is min_factor * scale), and for int8 scales (GGUF's K-quants) the fp16
+// multipliers of each super-block of groups_per_super groups: [super][d, -dmin][16].
 template <typename S>
 struct TileWeights {
   const uint8_t* w;
@@ -193,7 +195,29 @@ struct TileWeights {
   const S* scales;
   const S* mins;
   float min_factor;
+  const uint16_t* super;
+  int64_t groups_per_super;
 };
+
+// The group's 16 scales and mins in fp32. K-quant scales are small integers times a per-super-block fp16
+// multiplier, formed here as llama.cpp forms them (d * sc, dmin * m): exact in fp32 (11- and 8-bit
+// mantissas), so the weight is the one the file describes, in 4.5 (Q4_K) or 6.56 (Q6_K) bits a weight.
+template <typename S>
+inline __m512 group_scales(const TileWeights<S>& tw, int64_t g) { return load_scales(tw.scales + g * kTile); }
+template <typename S>
+inline __m512 group_mins(const TileWeights<S>& tw, int64_t g) { return load_scales(tw.mins + g * kTile); }
+inline __m512 small_ints(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+template <>
+inline __m512 group_scales<int8_t>(const TileWeights<int8_t>& tw, int64_t g) {
+  return _mm512_mul_ps(small_ints(tw.scales + g * kTile), load_scales(tw.super + g / tw.groups_per_super * 2 * kTile));
+}
+template <>
+inline __m512 group_mins<int8_t>(const TileWeights<int8_t>& tw, int64_t g) {
+  return _mm512_mul_ps(small_ints(tw.mins + g * kTile),
+                       load_scales(tw.super + g / tw.groups_per_super * 2 * kTile + kTile));
+}
 
 template <int BITS, int TERMS, typename S, int R, typename T>
 inline void tile_kernel(const TileWeights<S>& tw, const QuantizedRows& q, int64_t row0, int64_t k, int64_t group,
@@ -274,8 +298,8 @@ inline void tile_kernel(const TileWeights<S>& tw, const QuantizedRows& q, int64_
           facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc2[r]), _mm512_set1_ps(d2[r][k0 / kBlock]), facc[r]);
       }
     }
-    __m512 s = load_scales(tw.scales + g * kTile);
-    __m512 mn = tw.mins ? load_scales(tw.mins + g * kTile) : _mm512_mul_ps(s, _mm512_set1_ps(tw.min_factor));
+    __m512 s = group_scales(tw, g);
+    __m512 mn = tw.mins ? group_mins(tw, g) : _mm512_mul_ps(s, _mm512_set1_ps(tw.min_factor));
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_fmadd_ps(facc[r], s, acc[r]);
       acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[r][g]), acc[r]);
@@ -292,8 +316,10 @@ constexpr int64_t kLocalRows = 4;
 
 template <int BITS, int TERMS, typename S, typename T>
 void qlinear_impl(const T* x, int64_t x_stride, const uint8_t* w, const uint64_t* high, const S* scales,
-                  const S* mins, float min_factor, int64_t m, int64_t n, int64_t k, int64_t group, T* y) {
+                  const S* mins, float min_factor, const uint16_t* super, int64_t supers, int64_t m, int64_t n,
+                  int64_t k, int64_t group, T* y) {
   const int64_t tiles = n / kTile, groups = k / group;
+  const int64_t groups_per_super = supers ? groups / supers : 1;
   const int64_t tile_low_bytes = k * kTile * (BITS == 8 ? 8 : 4) / 8;  // the bytes or the nibbles
   const int64_t tile_masks = BITS == 8 ? 0 : k / 8 * (BITS - 4) * 2;   // 64-bit bit-plane masks
   const bool local = m <= kLocalRows;
@@ -315,7 +341,8 @@ void qlinear_impl(const T* x, int64_t x_stride, const uint8_t* w, const uint64_t
       const int64_t c1 = std::min(m, c0 + kRowChunk);
       for (int64_t t = begin; t < end; ++t) {
         const TileWeights<S> tw{w + t * tile_low_bytes, high + t * tile_masks, scales + t * groups * kTile,
-                                mins ? mins + t * groups * kTile : nullptr, min_factor};
+                                mins ? mins + t * groups * kTile : nullptr, min_factor,
+                                super ? super + t * supers * 2 * kTile : nullptr, groups_per_super};
         for (int64_t r0 = c0; r0 < c1; r0 += kRows) {
           T* out = y + r0 * n + t * kTile;
           switch (std::min<int64_t>(kRows, c1 - r0)) {
@@ -332,34 +359,48 @@ void qlinear_impl(const T* x, int64_t x_stride, const uint8_t* w, const uint64_t
 
 template <int BITS, int TERMS, typename T>
 void dispatch_scales(const T* x, int64_t x_stride, const at::Tensor& packed, const at::Tensor& high,
-                     const at::Tensor& scales, const at::Tensor& mins, int64_t m, int64_t n, int64_t k, int64_t group,
-                     T* y) {
+                     const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& super, int64_t m, int64_t n,
+                     int64_t k, int64_t group, T* y) {
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const uint64_t* planes = high.numel() ? reinterpret_cast<const uint64_t*>(high.data_ptr<uint8_t>()) : nullptr;
   const bool symmetric = mins.numel() == 0;
   const float min_factor = -static_cast<float>(1 << (BITS - 1));
+  auto half = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
   if (scales.scalar_type() == at::kFloat) {
     qlinear_impl<BITS, TERMS, float, T>(x, x_stride, w, planes, scales.data_ptr<float>(),
-                                        symmetric ? nullptr : mins.data_ptr<float>(), min_factor, m, n, k, group, y);
-  } else {
-    auto half = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
+                                        symmetric ? nullptr : mins.data_ptr<float>(), min_factor, nullptr, 0, m, n, k,
+                                        group, y);
+  } else if (scales.scalar_type() == at::kHalf) {
     qlinear_impl<BITS, TERMS, uint16_t, T>(x, x_stride, w, planes, half(scales), symmetric ? nullptr : half(mins),
-                                           min_factor, m, n, k, group, y);
+                                           min_factor, nullptr, 0, m, n, k, group, y);
+  } else if constexpr (BITS != 8) {  // K-quants: 4 to 6 bits
+    qlinear_impl<BITS, TERMS, int8_t, T>(x, x_stride, w, planes, scales.data_ptr<int8_t>(),
+                                         symmetric ? nullptr : mins.data_ptr<int8_t>(), min_factor, half(super),
+                                         super.size(1), m, n, k, group, y);
+  } else {
+    TORCH_CHECK(false, "qlinear: int8 scales (K-quants) are for 4- to 6-bit weights");
   }
 }
 
 #endif  // PAGEDLLM_QLINEAR
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& high, const at::Tensor& scales,
-                   const at::Tensor& mins, int64_t bits, int64_t group_size, int64_t activation_terms) {
+                   const at::Tensor& mins, const at::Tensor& super, int64_t bits, int64_t group_size,
+                   int64_t activation_terms) {
 #ifdef PAGEDLLM_QLINEAR
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "qlinear: x must be [M, K] with unit stride along K");
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "qlinear: bits must be 4, 5, 6 or 8");
   TORCH_CHECK(activation_terms == 1 || activation_terms == 2, "qlinear: activation_terms must be 1 or 2");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "qlinear: packed must be contiguous uint8");
   TORCH_CHECK(scales.dim() == 3 && scales.size(2) == kTile && scales.is_contiguous() &&
-                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
-              "qlinear: scales must be contiguous [N / 16, K / G, 16] fp32 or fp16");
+                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf ||
+                   scales.scalar_type() == at::kChar),
+              "qlinear: scales must be contiguous [N / 16, K / G, 16] fp32, fp16 or int8 (with super)");
+  TORCH_CHECK(scales.scalar_type() != at::kChar ||
+                  (super.scalar_type() == at::kHalf && super.is_contiguous() && super.dim() == 4 &&
+                   super.size(0) == scales.size(0) && super.size(1) > 0 && scales.size(1) % super.size(1) == 0 &&
+                   super.size(2) == 2 && super.size(3) == kTile),
+              "qlinear: int8 scales need super [N / 16, super-blocks, 2, 16] fp16 (d, -dmin)");
   TORCH_CHECK(mins.numel() == 0 || (mins.is_contiguous() && scales.sizes() == mins.sizes() &&
                                     scales.scalar_type() == mins.scalar_type()),
               "qlinear: mins must be empty (a symmetric weight) or shaped and typed as the scales");
@@ -379,9 +420,9 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
     auto with_terms = [&](auto bits_constant) {
       constexpr int B = decltype(bits_constant)::value;
       if (activation_terms == 2)
-        dispatch_scales<B, 2, T>(xp, stride, packed, high, scales, mins, m, n, k, group_size, yp);
+        dispatch_scales<B, 2, T>(xp, stride, packed, high, scales, mins, super, m, n, k, group_size, yp);
       else
-        dispatch_scales<B, 1, T>(xp, stride, packed, high, scales, mins, m, n, k, group_size, yp);
+        dispatch_scales<B, 1, T>(xp, stride, packed, high, scales, mins, super, m, n, k, group_size, yp);
     };
     switch (bits) {
       case 4: with_terms(std::integral_constant<int, 4>{}); break;
@@ -406,8 +447,8 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 
 TORCH_LIBRARY(pagedllm_cpu_qlinear, m) {
   m.def("qlinear_supports() -> bool", &qlinear_supports);
-  m.def("qlinear(Tensor x, Tensor packed, Tensor high, Tensor scales, Tensor mins, int bits, int group_size, "
-        "int activation_terms) -> Tensor");
+  m.def("qlinear(Tensor x, Tensor packed, Tensor high, Tensor scales, Tensor mins, Tensor super, int bits, "
+        "int group_size, int activation_terms) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu_qlinear, CPU, m) {

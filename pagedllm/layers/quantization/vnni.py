@@ -157,14 +157,18 @@ def _storage_dtype(*values: torch.Tensor) -> torch.dtype:
 
 class VnniWeight(QuantizedWeight):
     """`qweight`, `high`: pack_q's bytes and bit planes; `scales`, `mins`: [N / 16, K / G, 16] fp32 or fp16,
-    `mins` empty for a symmetric weight. `method` is the method the weight belongs to (int4 or int8), which
-    routes its `apply` here."""
+    `mins` empty for a symmetric weight; or, for GGUF's K-quants, int8 scales and mins with `super_scales`
+    [N / 16, K / 256, 2, 16] fp16 (each super-block's d and -dmin: scale = sc * d, min = m * -dmin, exact
+    in fp32). `method` is the method the weight belongs to (int4 or int8), which routes its `apply` here."""
 
     def __init__(self, qweight: torch.Tensor, high: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                 bits: int, in_features: int, method: QuantizationMethod):
+                 bits: int, in_features: int, method: QuantizationMethod, super_scales: torch.Tensor | None = None):
         super().__init__(qweight, scales, method)
         self.high = nn.Parameter(high, requires_grad=False)
         self.mins = nn.Parameter(mins, requires_grad=False)
+        if super_scales is None:
+            super_scales = torch.empty(0, dtype=torch.float16)
+        self.super_scales = nn.Parameter(super_scales, requires_grad=False)
         self.bits = bits
         self.in_features = in_features
         self.activation_terms = activation_terms()  # read once: every call of a model computes rows alike
@@ -187,9 +191,39 @@ class VnniWeight(QuantizedWeight):
         mins = torch.empty(0, dtype=dtype) if symmetric else pack_groups(offset.to(dtype))
         return cls(*pack_q(q, bits), pack_groups(scale.to(dtype)), mins, bits, k, method)
 
+    @classmethod
+    def from_k_quant(cls, q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor | None, d: torch.Tensor,
+                     neg_dmin: torch.Tensor | None, bits: int, method: QuantizationMethod) -> VnniWeight:
+        """A K-quant as the file factors it: w = q * (sc * d) + m * neg_dmin, q [N, K], sc and m [N, K / G]
+        small integers (int8), d and neg_dmin [N, S] fp16 per super-block of K / S weights; m and neg_dmin
+        None for a symmetric type (Q6_K: min = -2^(bits - 1) * scale)."""
+        n, k = q.shape
+        groups, supers = sc.shape[1], d.shape[1]
+        assert groups % supers == 0 and kernel_supports(n, k, k // groups, bits) and bits < 8, (n, k, groups, bits)
+        pairs = torch.stack([d, d if neg_dmin is None else neg_dmin], dim=1)  # [N, 2, S]
+        super_scales = pairs.to(torch.float16).view(n // TILE, TILE, 2, supers).permute(0, 3, 2, 1).contiguous()
+        mins = torch.empty(0, dtype=torch.int8) if m is None else pack_groups(m.to(torch.int8))
+        return cls(*pack_q(q, bits), pack_groups(sc.to(torch.int8)), mins, bits, k, method, super_scales)
+
     @property
     def symmetric(self) -> bool:
         return self.mins.numel() == 0
+
+    def _scales_and_offsets(self, tile: torch.Tensor | None = None,
+                            lane: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 (scale, offset) [rows, K / G] of every output row, or of rows tile * 16 + lane."""
+        def rows(packed: torch.Tensor) -> torch.Tensor:  # [T, G, 16] -> [rows, G]
+            return unpack_groups(packed) if tile is None else packed[tile, :, lane]
+
+        scale = rows(self.scales.data).to(torch.float32)
+        offset = None if self.symmetric else rows(self.mins.data).to(torch.float32)
+        supers = self.super_scales.data
+        if supers.numel():  # a K-quant's small integers times its super-block's d and -dmin
+            repeat = scale.shape[1] // supers.shape[1]
+            d, neg_dmin = (rows(supers[:, :, j]).to(torch.float32).repeat_interleave(repeat, dim=1) for j in (0, 1))
+            scale = scale * d
+            offset = None if offset is None else offset * neg_dmin
+        return scale, symmetric_min_factor(self.bits) * scale if offset is None else offset
 
     @property
     def shape(self) -> torch.Size:
@@ -200,15 +234,12 @@ class VnniWeight(QuantizedWeight):
         return self.in_features // self.scales.shape[1]
 
     def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in (self.qweight, self.high, self.scales, self.mins))
+        return sum(self._parameters[name].nbytes for name in _ARENA_PARTS)
 
     def logical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [N, K] uint8, scale [N, K / G] fp32, min [N, K / G] fp32)."""
         n, k = self.shape
-        scale = unpack_groups(self.scales.data).to(torch.float32)
-        offset = (symmetric_min_factor(self.bits) * scale if self.symmetric
-                  else unpack_groups(self.mins.data).to(torch.float32))
-        return unpack_q(self.qweight.data, self.high.data, n, k, self.bits), scale, offset
+        return (unpack_q(self.qweight.data, self.high.data, n, k, self.bits), *self._scales_and_offsets())
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_groups(*self.logical()).to(dtype)
@@ -232,8 +263,8 @@ class VnniWeight(QuantizedWeight):
             x2 = x2.contiguous()
         params = self._parameters
         y = torch.ops.pagedllm_cpu_qlinear.qlinear(x2, params["qweight"], params["high"], params["scales"],
-                                                   params["mins"], self.bits, self._group_size,
-                                                   self.activation_terms)
+                                                   params["mins"], params["super_scales"], self.bits,
+                                                   self._group_size, self.activation_terms)
         if bias is not None:
             y.add_(bias)
         return y.view(*x.shape[:-1], n)
@@ -272,9 +303,7 @@ class VnniRows(nn.Module):
                 bits = (lanes >> shift) & 1  # [len, K / 8, P, 2, 4]
                 for p in range(w.bits - 4):
                     q = q | (bits[:, :, p].to(torch.uint8) << (4 + p))
-        scale = w.scales[tile, :, lane].to(torch.float32)
-        offset = symmetric_min_factor(w.bits) * scale if w.symmetric else w.mins[tile, :, lane]
-        return dequantize_groups(q.reshape(-1, k), scale, offset)
+        return dequantize_groups(q.reshape(-1, k), *w._scales_and_offsets(tile, lane))
 
     def extra_repr(self) -> str:
         return f"rows of the LM head's {self.source.bits}-bit VNNI weight"
@@ -396,7 +425,7 @@ def select_quantized_kernels(model: nn.Module, dtype: torch.dtype) -> list:
 
 
 _ARENA_ALIGN = 64
-_ARENA_PARTS = ("qweight", "high", "scales", "mins")
+_ARENA_PARTS = ("qweight", "high", "scales", "mins", "super_scales")
 
 
 def place_in_huge_pages(weights: list[VnniWeight]) -> None:
