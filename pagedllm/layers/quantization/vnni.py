@@ -94,9 +94,6 @@ def _untile(tiles: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return tiles.reshape(n // TILE, k // 4, TILE, 4).permute(0, 2, 1, 3).reshape(n, k)
 
 
-_BIT_WEIGHTS = 1 << torch.arange(8, dtype=torch.int32)
-
-
 def pack_q(q: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, K] uint8 -> the kernel's (bytes, bit planes). 8-bit: the bytes per tile [K / 4][16][4], no
     planes. 4-, 5- and 6-bit: two such 64-byte vectors (k-quads 2t, 2t + 1) in one, low nibbles then high,
@@ -111,7 +108,10 @@ def pack_q(q: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     if bits == 4:
         return low, torch.empty(0, dtype=torch.uint8)
     planes = torch.stack([(pairs >> (4 + p)) & 1 for p in range(bits - 4)], dim=2)  # [T, K/8, P, 2, 64]
-    masks = (planes.view(*planes.shape[:-1], 8, 8).to(torch.int32) * _BIT_WEIGHTS).sum(-1).to(torch.uint8)
+    bits_of_bytes = planes.view(*planes.shape[:-1], 8, 8)  # byte j of a mask holds bits 8j..8j+7
+    masks = bits_of_bytes[..., 0].clone()
+    for b in range(1, 8):  # in uint8 throughout: a model's largest table packs without a wider copy
+        masks |= bits_of_bytes[..., b] << b
     return low, masks.contiguous().view(-1)
 
 
@@ -434,7 +434,7 @@ def place_in_huge_pages(weights: list[VnniWeight]) -> None:
     4 KiB pages the prefetchers stop at every page of a decode step's many short weight streams (a 7 KiB
     tile spans two or three), and one 896 x 1152 int4 projection streamed at 15 GB/s where the same bytes
     in huge pages read at 19 (docs/performance/amd-zen4.md). The copies replace the tensors as they go,
-    and the heap they leave is handed back every 256 MiB, so the process holds about one copy."""
+    and the heap they leave is handed back every 64 MiB, so the process holds about one copy."""
     from pagedllm.platform import huge_page_buffer, release_free_heap_memory
 
     def aligned(param: torch.Tensor) -> int:
@@ -455,6 +455,6 @@ def place_in_huge_pages(weights: list[VnniWeight]) -> None:
             weight._parameters[name] = nn.Parameter(slot, requires_grad=False)
             offset += aligned(param)
             moved += nbytes
-        if moved >= 256 << 20:
+        if moved >= 64 << 20:
             release_free_heap_memory()
             moved = 0
