@@ -164,14 +164,13 @@ def run_latency(
     wb, kb = rl.dtype_bytes(weight_dtype), rl.dtype_bytes(kv_dtype)
     quantization = getattr(model_config, "quantization", None)
     loaded = _loaded_weight_bytes(engine) if quantization is None else None
-    as_loaded = False
     if quantization is not None:  # the projections' quantized bytes, embeddings and LM head in the model dtype
         wb = rl.quantized_weight_dtype_bytes(spec, wb, quantization.method, quantization.group_size)
     elif loaded is not None:
         # kept packed as loaded (a GGUF file's block types, whose bits the planner does not know): a decode
         # step reads the loaded weights (an untied embedding table is a buffer, not counted, as it is read
         # a row a token)
-        wb, as_loaded = loaded / rl.decode_weight_params(spec, 1), True
+        wb = loaded / rl.decode_weight_params(spec, 1)
     bytes_per_token = rl.decode_bytes_per_token(spec, mean_context, 1, wb, kb)
     roofline = bandwidth / bytes_per_token
     fractions = [rate * bytes_per_token / bw for rate, bw in zip(decode_rates, bandwidths)]
@@ -211,8 +210,8 @@ def run_latency(
         decode_tokens_per_s_all=list(decode_rates),
         memory_bandwidth_all=bandwidths,
         roofline_fraction_all=fractions,
-        weight_bytes=loaded if as_loaded else rl.weight_bytes(spec, wb),
-        weights_as_loaded=as_loaded,
+        weight_bytes=rl.weight_bytes(spec, wb) if loaded is None else loaded,
+        weights_as_loaded=loaded is not None,
         last_level_cache_bytes=None if on_cuda else last_level_cache_bytes(),
         decode_kv_blocks=kv[0], kv_layers_per_block=kv[1], decode_kv_bytes=kv[2],
         planner_sliding_window_kv_fraction=window["fraction_engine"] if window is not None else None,

@@ -340,32 +340,27 @@ class PackedParts(QuantizedParts):
             part.k_scales = self.k_scales.rows(start, length) if dim == 0 and self.k_scales is not None else None
         return part
 
+    @property
+    def bits(self) -> int:
+        """The bits the VNNI kernel keeps this kind in."""
+        return {"int4": 4, "int8": 8}.get(self.kind) or UNSIGNED_BITS[self.kind]
+
     def build(self, dtype: torch.dtype, methods: dict[str, Any]):  # type: ignore[override]
         """The QuantizedWeight; weights of one kind share one method (it owns the model's scratch buffers)."""
         from pagedllm.layers.quantization import QuantizedWeight
-        from pagedllm.layers.quantization.int4 import Int4WeightOnlyMethod
-        from pagedllm.layers.quantization.int8 import Int8WeightOnlyMethod
         from pagedllm.layers.quantization.vnni import VnniWeight, kernel_enabled
 
-        group = self.q.shape[1] // self.scale.shape[1]
+        method = _method(methods, self.bits, self.q.shape[1] // self.scale.shape[1])
         if self.k_scales is not None and kernel_enabled(dtype):
-            bits = 4 if self.kind == "int4" else UNSIGNED_BITS[self.kind]
-            method = (methods.setdefault(f"int4-g{group}", Int4WeightOnlyMethod(group_size=group)) if bits == 4 else
-                      methods.setdefault(f"int8-g{group}", Int8WeightOnlyMethod(group_size=group)))
             ks = self.k_scales
-            return VnniWeight.from_k_quant(self.q, ks.sc, ks.m, ks.d, ks.neg_dmin, bits, method)
+            return VnniWeight.from_k_quant(self.q, ks.sc, ks.m, ks.d, ks.neg_dmin, self.bits, method)
         if self.kind == "int4":
             assert self.offset is not None
-            return methods.setdefault(f"int4-g{group}", Int4WeightOnlyMethod(group_size=group)).create(
-                self.q, self.scale, self.offset, dtype)
-        method = methods.setdefault(f"int8-g{group}", Int8WeightOnlyMethod(group_size=group))
-        if self.kind in UNSIGNED_BITS:
-            assert self.offset is not None
-            return VnniWeight.from_logical(self.q, self.scale, self.offset, UNSIGNED_BITS[self.kind], method)
-        if kernel_enabled(dtype):  # the fp16 scales kept exact (the int8 weight would round them to `dtype`)
-            scale = self.scale.to(torch.float32)
-            return VnniWeight.from_logical((self.q.to(torch.int16) + 128).to(torch.uint8), scale, -128 * scale,
-                                           8, method)
+            return method.create(self.q, self.scale, self.offset, dtype)
+        # 5 and 6 bits only packed for the VNNI kernel; Q8_0 there too where it runs, its fp16 scales kept exact
+        # (the int8 weight would round them to `dtype`)
+        if self.kind in UNSIGNED_BITS or kernel_enabled(dtype):
+            return VnniWeight.from_logical(*_unsigned(self), method)
         return QuantizedWeight(self.q, self.scale.to(dtype), method)
 
 
@@ -524,6 +519,16 @@ PACKED_TYPES.update(Q8_0=_read_q8_0, Q4_0=_read_q4_0, Q4_1=_read_q4_1, Q4_K=_rea
                     Q5_0=_read_q5_0, Q5_1=_read_q5_1, Q5_K=_read_q5_k, Q6_K=_read_q6_k)
 
 
+def _method(methods: dict[str, Any], bits: int, group: int):
+    """The model's one method for weights of these bits and groups (int4 for 4 bits, else int8)."""
+    from pagedllm.layers.quantization.int4 import Int4WeightOnlyMethod
+    from pagedllm.layers.quantization.int8 import Int8WeightOnlyMethod
+
+    if bits == 4:
+        return methods.setdefault(f"int4-g{group}", Int4WeightOnlyMethod(group_size=group))
+    return methods.setdefault(f"int8-g{group}", Int8WeightOnlyMethod(group_size=group))
+
+
 def _unsigned(parts: PackedParts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(q unsigned, scale and offset fp32 [N, K / G], bits) of a block type's parts, as the VNNI kernel
     takes them (Q8_0's signed q as q + 128, min = -128 * scale)."""
@@ -531,7 +536,7 @@ def _unsigned(parts: PackedParts) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     if parts.kind == "int8":
         return (parts.q.to(torch.int16) + 128).to(torch.uint8), scale, -128 * scale, 8
     assert parts.offset is not None
-    return parts.q, scale, parts.offset.to(torch.float32), 4 if parts.kind == "int4" else UNSIGNED_BITS[parts.kind]
+    return parts.q, scale, parts.offset.to(torch.float32), parts.bits
 
 
 def merge_mixed_parts(parts: list[PackedParts], methods: dict[str, Any]):
@@ -539,8 +544,6 @@ def merge_mixed_parts(parts: list[PackedParts], methods: dict[str, Any]):
     attn_v wider than attn_q and attn_k) as one VNNI weight, losslessly: every part in the widest part's
     bits and the narrowest groups (a wider group's scale repeated). A narrower symmetric part stays
     symmetric (its q shifted by 2^(B - 1) - 2^(b - 1)), so a merge of symmetric types keeps no mins."""
-    from pagedllm.layers.quantization.int4 import Int4WeightOnlyMethod
-    from pagedllm.layers.quantization.int8 import Int8WeightOnlyMethod
     from pagedllm.layers.quantization.vnni import VnniWeight, symmetric_min_factor
 
     unsigned = [_unsigned(part) for part in parts]
@@ -555,9 +558,8 @@ def merge_mixed_parts(parts: list[PackedParts], methods: dict[str, Any]):
         qs.append(q)
         scales.append(scale.repeat_interleave(repeat, dim=1))
         offsets.append(offset.repeat_interleave(repeat, dim=1))
-    method = (methods.setdefault(f"int4-g{group}", Int4WeightOnlyMethod(group_size=group)) if bits == 4 else
-              methods.setdefault(f"int8-g{group}", Int8WeightOnlyMethod(group_size=group)))
-    return VnniWeight.from_logical(torch.cat(qs), torch.cat(scales), torch.cat(offsets), bits, method)
+    return VnniWeight.from_logical(torch.cat(qs), torch.cat(scales), torch.cat(offsets), bits,
+                                   _method(methods, bits, group))
 
 
 def dequantize_parts(parts: QuantizedParts) -> torch.Tensor:
@@ -776,11 +778,9 @@ class GGUFCheckpoint:
         if shape != tuple(dst.shape):
             raise ValueError(f"GGUF weights {list(srcs)} give this rank shape {shape}, expected {tuple(dst.shape)}.")
         mixed = len(set(kinds)) > 1
-        if mixed and not self._vnni_ok(shape, dst):
+        if (mixed or any(kind in VNNI_ONLY_TYPES for kind in kinds)) and not self._vnni_ok(shape, dst):
             return False
         if any(kind in INT4_TYPES for kind in kinds) and not self._int4_ok(shape, dst):
-            return False
-        if any(kind in VNNI_ONLY_TYPES for kind in kinds) and not self._vnni_ok(shape, dst):
             return False
         parts = []
         for view, kind, name, (start, length) in zip(views, kinds, srcs, shard.ranges):
