@@ -63,6 +63,10 @@ constexpr int kBlock = 32;      // activation quantization block
 constexpr int kRows = 4;        // rows computed together per tile
 constexpr int kRowChunk = 64;   // rows whose quantized activations stay in L2 while a thread's tiles pass
 
+// A weight of `bits` is stored as 8-bit bytes, or as 4-bit nibbles plus one bit plane per bit above 4.
+constexpr int64_t low_bits(int64_t bits) { return bits == 8 ? 8 : 4; }
+constexpr int64_t bit_planes(int64_t bits) { return bits == 8 ? 0 : bits - 4; }
+
 // Per call: the quantized activations of every row, in one or two int8 terms per block of 32 (a setting
 // of the process, the same for every row), x ~ d * xq + d2 * xq2 (xq2 quantizes what d * xq leaves over,
 // at most d / 2: about 15 bits against the block's absmax, where one int8 term, 8 bits, cost a real 135M
@@ -223,7 +227,7 @@ template <int BITS, int TERMS, typename S, int R, typename T>
 inline void tile_kernel(const TileWeights<S>& tw, const QuantizedRows& q, int64_t row0, int64_t k, int64_t group,
                         T* out, int64_t out_stride) {
   const uint8_t* w = tw.w;
-  constexpr int kPlanes = BITS == 8 ? 0 : BITS - 4;
+  constexpr int kPlanes = bit_planes(BITS);
   const int64_t blocks = k / kBlock, groups = k / group;
   const int64_t unit = group < kBlock ? group : kBlock;  // input channels per int32 partial sum
   const int8_t* xq[R];
@@ -320,8 +324,8 @@ void qlinear_impl(const T* x, int64_t x_stride, const uint8_t* w, const uint64_t
                   int64_t k, int64_t group, T* y) {
   const int64_t tiles = n / kTile, groups = k / group;
   const int64_t groups_per_super = supers ? groups / supers : 1;
-  const int64_t tile_low_bytes = k * kTile * (BITS == 8 ? 8 : 4) / 8;  // the bytes or the nibbles
-  const int64_t tile_masks = BITS == 8 ? 0 : k / 8 * (BITS - 4) * 2;   // 64-bit bit-plane masks
+  const int64_t tile_low_bytes = k * kTile * low_bits(BITS) / 8;  // the bytes or the nibbles
+  const int64_t tile_masks = k / 8 * bit_planes(BITS) * 2;        // 64-bit bit-plane masks
   const bool local = m <= kLocalRows;
   thread_local QuantizedRows calling_thread_rows;
   if (!local) quantize_rows<T>(x, m, k, x_stride, group, TERMS, calling_thread_rows);
@@ -408,8 +412,8 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   TORCH_CHECK(k % kBlock == 0 && group_size % 16 == 0 && k % group_size == 0 &&
                   (group_size < kBlock || group_size % kBlock == 0) && scales.size(1) == k / group_size,
               "qlinear: K must be a multiple of 32 and of the group size (16 or a multiple of 32)");
-  const int64_t low_bits = bits == 8 ? 8 : 4, planes = bits == 8 ? 0 : bits - 4;
-  TORCH_CHECK(packed.numel() == n * k * low_bits / 8, "qlinear: packed weight has the wrong size");
+  const int64_t planes = bit_planes(bits);
+  TORCH_CHECK(packed.numel() == n * k * low_bits(bits) / 8, "qlinear: packed weight has the wrong size");
   TORCH_CHECK(high.scalar_type() == at::kByte && high.is_contiguous() && high.numel() == n * k * planes / 8,
               "qlinear: high must hold one bit plane per bit above 4 (n * k * (bits - 4) / 8 bytes)");
   auto y = at::empty({m, n}, x.options());
