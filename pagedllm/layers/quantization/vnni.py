@@ -257,22 +257,28 @@ class VnniWeight(QuantizedWeight):
         return VnniWeight.from_logical(q.narrow(dim, start, length), scale, offset, self.bits, self.method)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        n, k = self._out_features, self.in_features
-        x2 = x.reshape(-1, k)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
+        # (a model's activations are already [T, K] rows: a reshape and a view cost a microsecond each, a
+        # tenth of a small projection's call)
+        flat = x.dim() == 2 and x.stride(1) == 1
+        x2 = x if flat else x.reshape(-1, self.in_features).contiguous()
         params = self._parameters
         y = torch.ops.pagedllm_cpu_qlinear.qlinear(x2, params["qweight"], params["high"], params["scales"],
                                                    params["mins"], params["super_scales"], self.bits,
                                                    self._group_size, self.activation_terms)
         if bias is not None:
             y.add_(bias)
-        return y.view(*x.shape[:-1], n)
+        return y if flat else y.view(*x.shape[:-1], self._out_features)
 
     def extra_repr(self) -> str:
         return (f"{self.method.name} (pagedllm VNNI kernel, {self.bits}-bit{', symmetric' if self.symmetric else ''}), "
                 f"shape={tuple(self.shape)}, group_size={self.group_size}, "
                 f"scales={str(self.scales.dtype).removeprefix('torch.')}")
+
+
+def vnni_matmul(x: torch.Tensor, weight: VnniWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The `matmul` of a linear module whose weight is a VnniWeight (layers/linear.py's `linear` without its
+    type tests)."""
+    return weight.apply(x, bias)
 
 
 class VnniRows(nn.Module):
@@ -419,7 +425,10 @@ def select_quantized_kernels(model: nn.Module, dtype: torch.dtype) -> list:
                                      _timing_factory(label, dtype))
         choices.append(choice)
         for module, name, weight in entries:
-            setattr(module, name, _to_pagedllm(weight) if choice.path == "pagedllm" else _to_torch(weight, dtype))
+            weight = _to_pagedllm(weight) if choice.path == "pagedllm" else _to_torch(weight, dtype)
+            setattr(module, name, weight)
+            if isinstance(weight, VnniWeight) and name == "weight" and hasattr(module, "matmul"):
+                module.matmul = vnni_matmul  # the kernel, chosen once: no per-call dispatch on the weight's type
     place_in_huge_pages([m for m in model.modules() if isinstance(m, VnniWeight) and m.qweight.device.type == "cpu"])
     return choices
 
