@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from pagedllm.cpu_kernels import load_cpu_kernels
+from pagedllm.layers.module import Module
 
 
 def uses_cpu_kernels(x: torch.Tensor) -> bool:
@@ -23,7 +24,7 @@ def uses_cpu_kernels(x: torch.Tensor) -> bool:
     return x.is_cpu and load_cpu_kernels()
 
 
-class CustomOp(torch.nn.Module):
+class CustomOp(Module):
     def __init__(self) -> None:
         super().__init__()
         self._impl: Callable[..., Any] | None = None

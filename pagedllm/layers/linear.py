@@ -36,6 +36,7 @@ from pagedllm.distributed.parallel_state import (
     tensor_model_parallel_gather,
 )
 from pagedllm.layers.linear_tuning import choose_linear_kernel
+from pagedllm.layers.module import Module
 from pagedllm.layers.quantization import linear
 from pagedllm.layers.sampler import argmax_rows
 from pagedllm.platform import huge_page_buffer, release_free_heap_memory
@@ -58,7 +59,7 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(Module):
     """Output features split across ranks. Part i of the fused weight is rows
     [shard_indices[i] * shard_sizes[i], (shard_indices[i] + 1) * shard_sizes[i]) of checkpoint tensor i."""
 
@@ -120,7 +121,7 @@ def kv_heads_per_rank(total_num_kv_heads: int, tp_size: int) -> tuple[int, int]:
     return 1, tp_size // total_num_kv_heads
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Module):
     """Input features split across ranks; one all-reduce sums the partial products."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
@@ -148,7 +149,7 @@ class RowParallelLinear(nn.Module):
             self.bias.copy_(get_slice(bias_name)[:])
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(Module):
     """Rows of the vocabulary split into tp_size ranges of ceil(vocab / tp_size); the last is zero-padded.
 
     A checkpoint slice that offers `quantized_rows(start, stop)` (a GGUF block-quantized table) is kept as

@@ -23,6 +23,7 @@ from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.attention.mla import TorchMLAAttention
 from pagedllm.config import ModelConfig
 from pagedllm.layers.activation import get_act_and_mul
+from pagedllm.layers.module import Module
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, yarn_mscale
 from pagedllm.layers.sampler import argmax_rows
@@ -58,7 +59,7 @@ def reject_quantization(config: ModelConfig, architecture: str) -> None:
         raise ValueError(f"quantization is not supported for {architecture} yet; pass quantization=None.")
 
 
-class DeepseekMLP(nn.Module):
+class DeepseekMLP(Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, dtype: torch.dtype):
         super().__init__()
         self.gate_up_weight = _param(2 * intermediate_size, hidden_size, dtype=dtype)
@@ -74,7 +75,7 @@ class DeepseekMLP(nn.Module):
         self.down_weight.copy_(get_tensor(f"{p}down_proj.weight"))
 
 
-class DeepseekMLAAttention(nn.Module):
+class DeepseekMLAAttention(Module):
     def __init__(self, config: ModelConfig, mla: TorchMLAAttention, rotary: RotaryEmbedding, interleaved: bool):
         super().__init__()
         hf, dtype, hidden = config.hf_config, config.dtype, config.hidden_size
@@ -137,7 +138,7 @@ class DeepseekMLAAttention(nn.Module):
         self.o_weight.copy_(get_tensor(f"{p}o_proj.weight"))
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(Module):
     def __init__(self, config: ModelConfig, layer_idx: int, mla: TorchMLAAttention, rotary: RotaryEmbedding,
                  interleaved: bool, moe: MoEConfig | None, v3: bool):
         super().__init__()
@@ -157,7 +158,7 @@ class DeepseekDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(Module):
     model_type = "deepseek_v2"
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1):

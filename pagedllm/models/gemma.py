@@ -27,6 +27,7 @@ from pagedllm.layers.linear import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
+from pagedllm.layers.module import Module
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.layers.sampler import argmax_rows
@@ -62,7 +63,7 @@ class GemmaAttention(LlamaAttention):
         self.logits_soft_cap = logits_soft_cap
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding, layer_idx: int,
                  qk_norm: bool, logits_soft_cap: float | None, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
@@ -88,7 +89,7 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
-class Gemma2ForCausalLM(nn.Module):
+class Gemma2ForCausalLM(Module):
     # Gemma 3 sets these: q/k norm and a second rotary table for its local layers.
     qk_norm = False
     local_rope = False

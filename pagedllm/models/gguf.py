@@ -29,6 +29,7 @@ import torch
 
 from pagedllm import envs
 from pagedllm.distributed.parallel_state import WeightShard
+from pagedllm.layers.module import Module
 from pagedllm.layers.quantization.base import dequantize_groups
 from pagedllm.models.quantized_parts import QuantizedParts
 from pagedllm.platform import release_free_heap_memory
@@ -568,7 +569,7 @@ def dequantize_parts(parts: QuantizedParts) -> torch.Tensor:
     return dequantize_groups(parts.q, parts.scale, parts.offset)
 
 
-class GGUFRows(torch.nn.Module):
+class GGUFRows(Module):
     """An embedding table kept in the file's block type: the stored rows ([rows, bytes per row] uint8,
     a block never spans two rows) and, per lookup, only the rows asked for dequantized by the same
     readers that re-lay the projections (PACKED_TYPES). A Q8_0 table takes 34 bytes per 32 weights where

@@ -23,11 +23,12 @@ from pagedllm.layers.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from pagedllm.layers.module import Module
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding,
                  tp_rank: int = 0, tp_size: int = 1, layer_idx: int = 0, o_bias: bool = False):
         super().__init__()
@@ -64,7 +65,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(Module):
     def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         size = config.intermediate_size
@@ -77,7 +78,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding,
                  tp_rank: int = 0, tp_size: int = 1, layer_idx: int = 0):
         super().__init__()
@@ -99,7 +100,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         self.config = config

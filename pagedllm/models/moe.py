@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.activation import get_act_and_mul
+from pagedllm.layers.module import Module
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -163,7 +164,7 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class FusedMoE(nn.Module):
+class FusedMoE(Module):
     """Router + routed experts (+ DeepSeek's shared experts, a dense MLP every token passes through).
 
     `hf_prefix` is the checkpoint's name for this block relative to the layer ("mlp." or Mixtral's

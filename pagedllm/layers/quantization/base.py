@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedllm.layers.module import Module
+
 QUANTIZATION_METHODS = ("int8", "fp8", "int4")
 GROUPED_METHODS = ("int8", "int4")  # methods with per-group scales (fp8: per output channel)
 
@@ -78,7 +80,7 @@ def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
     return w.view(n, k)
 
 
-class QuantizedWeight(nn.Module):
+class QuantizedWeight(Module):
     """A quantized [N, K] weight: `qweight` (int8 or float8_e4m3fn) and `scales`, both frozen."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, method: QuantizationMethod):

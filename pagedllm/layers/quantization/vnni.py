@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from pagedllm import envs
+from pagedllm.layers.module import Module
 from pagedllm.layers.quantization.base import QuantizationMethod, QuantizedWeight, dequantize_groups
 
 TILE = 16  # output features per tile: the kernel's unit, so N must be a multiple of it
@@ -281,7 +282,7 @@ def vnni_matmul(x: torch.Tensor, weight: VnniWeight, bias: torch.Tensor | None =
     return weight.apply(x, bias)
 
 
-class VnniRows(nn.Module):
+class VnniRows(Module):
     """An embedding table read from a tied LM head's VnniWeight: each lookup unpacks only the rows asked
     for, w = q * scale + min in fp32 (VnniWeight.dequantize's arithmetic), so the table and the LM head are
     one copy of the weights. The weight is the LM head's (registered there, not here)."""
