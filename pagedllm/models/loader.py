@@ -22,6 +22,7 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import WeightShard
 from pagedllm.layers.linear import prepack_linear_weights
+from pagedllm.layers.module import bind_attributes
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.quantization.compressed_tensors import has_quantized, read_int4, read_quantized
 from pagedllm.layers.quantization.int4 import (
@@ -166,6 +167,7 @@ def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.dev
         # What loading freed (file buffers, unpacked parts, weights replaced by packed ones) would stay in
         # the heap, resident, until later allocations reuse it: hand it back now.
         release_free_heap_memory()
+    bind_attributes(model)
     return model
 
 
