@@ -26,7 +26,7 @@ from tiny_models import build_model
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.quantization.int4 import Int4Weight, Int4WeightOnlyMethod, pack_int4, unpack_int4
-from pagedllm.layers.quantization.vnni import VnniWeight, kernel_enabled
+from pagedllm.layers.quantization.vnni import VnniWeight, kernel_enabled, vnni_matmul
 from pagedllm.models.gguf import INT4_TYPES, PACKED_TYPES, PackedParts
 
 BF16_UNIT_ROUNDOFF = 2.0 ** -8
@@ -209,6 +209,7 @@ def test_a_file_that_mixes_block_types_stays_packed_in_its_own_bits(llama256, tm
     assert (qkv.bits, qkv.symmetric, qkv.group_size) == (8, True, 32)
     assert (down.bits, down.symmetric, down.group_size) == (6, True, 16)
     assert (gate_up.bits, gate_up.symmetric) == (4, False)
+    assert layer.mlp.down_proj.matmul is vnni_matmul  # the kernel, chosen at load
     # every packed weight in one buffer (huge pages where Linux gives them), in the forward pass's order
     weights = [m for m in packed.llm_engine.model_runner.model.modules() if isinstance(m, VnniWeight)]
     assert len({w.qweight.untyped_storage().data_ptr() for w in weights}) == 1
