@@ -185,3 +185,25 @@ def test_a_generation_config_beside_the_file_gives_its_default_sampling(models, 
     (tmp_path / "generation_config.json").write_text('{"do_sample": false, "max_new_tokens": 7}')
     params = LLM(model=path, dtype="float32").get_default_sampling_params()
     assert params.temperature == 0.0 and params.max_tokens == 7
+
+
+def test_plan_reads_a_gguf_file_and_counts_its_stored_bytes(models, tmp_path):
+    """`pagedllm plan --model file.gguf`: the file's metadata gives the shape, and the weights count at the
+    bytes the file stores them in (the engine keeps them packed), not in the activation dtype."""
+    from pagedllm.planner import roofline as rl
+    from pagedllm.planner.cli import PlanInputs, build_plan
+    from pagedllm.planner.hardware import get_hardware
+    from pagedllm.planner.presets import load_model_spec
+
+    path = write_gguf(models["llama256"], str(tmp_path / "tiny-Q4_0.gguf"), "Q4_0")
+    spec = load_model_spec(path)
+    dense = load_model_spec(models["llama256"])
+    assert (spec.num_layers, spec.hidden_size, spec.num_params) == (dense.num_layers, dense.hidden_size,
+                                                                    dense.num_params)
+    held, read = spec.stored_weight_bytes
+    assert read < held < rl.weight_bytes(dense, 2) / 3  # untied: a step reads its embedding by rows
+    plan = build_plan(spec, get_hardware("h100-sxm", "bfloat16"), PlanInputs(context=64))
+    assert plan["model"]["weight_bytes"] == pytest.approx(held)
+    assert plan["model"]["weight_dtype"].startswith("as stored")
+    assert build_plan(spec, get_hardware("h100-sxm", "bfloat16"),
+                      PlanInputs(context=64, dtype="bfloat16"))["model"]["weight_bytes"] > 3 * held

@@ -351,3 +351,10 @@ def test_disaggregation_section_by_hand() -> None:
     assert "disaggregation" not in build_plan(spec, hw, PlanInputs(context=8192, batch=32))
     with pytest.raises(ValueError, match="--link-gbs"):
         PlanInputs(link_gbs=0.0).validate()
+
+
+def test_a_file_that_is_no_config_gets_an_error_that_names_the_parameter(tmp_path: Path) -> None:
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)))
+    with pytest.raises(ValueError, match="--model .* neither a config.json nor a .gguf file"):
+        load_model_spec(str(binary))

@@ -154,6 +154,17 @@ def _read_gemma3_rope(reader, arch: str, hf: dict[str, Any]) -> None:
         params.setdefault("sliding_attention", {"rope_type": "default"})["rope_theta"] = float(local_base)
 
 
+def stored_weight_bytes(path: str) -> tuple[int, int]:
+    """(every tensor's bytes as the file stores them, the bytes a decode step reads): what the engine holds
+    and streams when it keeps the file's block types packed. An untied token embedding is left out of the
+    second (a step reads a row of it per token)."""
+    index = GGUFTensorIndex(path)
+    sizes = {t.name: t.nbytes for t in index.tensors}
+    total = sum(sizes.values())
+    untied_embedding = sizes.get("token_embd.weight", 0) if "output.weight" in sizes else 0
+    return total, total - untied_embedding
+
+
 def _checkpoint_dtype(reader) -> str:
     """The dtype `auto` means for this file: its own float type, bfloat16 for block-quantized files."""
     kinds = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) > 1)

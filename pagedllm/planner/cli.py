@@ -59,6 +59,12 @@ def build_plan(spec: rl.ModelSpec, hw: HardwareSpec, inputs: PlanInputs) -> dict
     if inputs.quantization:
         # the projections at 1 byte plus scales; embeddings, LM head and norms stay in the weight dtype
         wb, wb_total = (rl.quantized_weight_dtype_bytes(spec, wb, inputs.quantization, decode=d) for d in (True, False))
+    elif inputs.dtype == "auto" and spec.stored_weight_bytes is not None:
+        # a GGUF file's block types, kept packed as loaded: the bytes per weight it stores
+        held, read = spec.stored_weight_bytes
+        assert spec.num_params is not None
+        wb, wb_total = read / rl.decode_weight_params(spec, 1), held / spec.num_params
+        weight_dtype = f"as stored, {wb_total * 8:.2f} bits a weight"
     ctx, batch, tp = inputs.context, inputs.batch, inputs.tp
     ridge = hw.ridge_point
     cap = rl.capacity(spec, hw.memory_bytes, inputs.gpu_memory_utilization, tp, wb_total, kb, inputs.block_size, ctx)

@@ -97,14 +97,24 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 
 
 def load_model_spec(model: str) -> ModelSpec:
-    """A preset name, a directory holding config.json, or a path to a config.json."""
+    """A preset name, a directory holding config.json, a path to a config.json, or a GGUF file (its
+    metadata's config, and its weights' bytes as stored)."""
     if model.lower() in MODEL_PRESETS:
         return ModelSpec.from_hf_config(MODEL_PRESETS[model.lower()], name=model.lower())
     path = Path(model)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from pagedllm.models.gguf import gguf_model_name, read_hf_config, stored_weight_bytes
+
+        spec = ModelSpec.from_hf_config(read_hf_config(model), name=gguf_model_name(model))
+        spec.stored_weight_bytes = stored_weight_bytes(model)
+        return spec
     if path.is_dir() and (path / "config.json").exists():
         return ModelSpec.from_hf_config(path / "config.json", name=path.name)
     if path.is_file():
-        return ModelSpec.from_hf_config(path, name=path.parent.name or path.name)
+        try:
+            return ModelSpec.from_hf_config(path, name=path.parent.name or path.name)
+        except (UnicodeDecodeError, ValueError, KeyError) as exc:  # (json's errors are ValueErrors)
+            raise ValueError(f"--model {model!r} is neither a config.json nor a .gguf file ({exc})") from exc
     raise ValueError(
         f"--model {model!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor a directory or file with a config.json"
     )

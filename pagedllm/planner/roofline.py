@@ -86,6 +86,9 @@ class ModelSpec:
     # Filled from the shape unless given (e.g. a published count that includes extra heads).
     num_params: int | None = None
     num_active_params: int | None = None
+    # A GGUF file's weights in its own block types, which the engine keeps packed: (bytes held, bytes a
+    # decode step reads); None for a checkpoint in one float dtype.
+    stored_weight_bytes: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.num_params is None:
