@@ -197,6 +197,7 @@ def test_plan_reads_a_gguf_file_and_counts_its_stored_bytes(models, tmp_path):
 
     path = write_gguf(models["llama256"], str(tmp_path / "tiny-Q4_0.gguf"), "Q4_0")
     spec = load_model_spec(path)
+    assert load_model_spec(str(tmp_path)).stored_weight_bytes == spec.stored_weight_bytes  # its directory
     dense = load_model_spec(models["llama256"])
     assert (spec.num_layers, spec.hidden_size, spec.num_params) == (dense.num_layers, dense.hidden_size,
                                                                     dense.num_params)

@@ -97,17 +97,19 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 
 
 def load_model_spec(model: str) -> ModelSpec:
-    """A preset name, a directory holding config.json, a path to a config.json, or a GGUF file (its
-    metadata's config, and its weights' bytes as stored)."""
+    """A preset name, a directory holding config.json, a path to a config.json, or a GGUF file or a
+    directory holding one (its metadata's config, and its weights' bytes as stored)."""
     if model.lower() in MODEL_PRESETS:
         return ModelSpec.from_hf_config(MODEL_PRESETS[model.lower()], name=model.lower())
     path = Path(model)
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        from pagedllm.models.gguf import gguf_model_name, read_hf_config, stored_weight_bytes
+    if path.suffix.lower() == ".gguf" or (path.is_dir() and not (path / "config.json").exists()):
+        from pagedllm.models.gguf import gguf_model_name, read_hf_config, resolve_gguf_file, stored_weight_bytes
 
-        spec = ModelSpec.from_hf_config(read_hf_config(model), name=gguf_model_name(model))
-        spec.stored_weight_bytes = stored_weight_bytes(model)
-        return spec
+        gguf_file = resolve_gguf_file(model)  # the file, or the one .gguf of a directory (as the engine takes)
+        if gguf_file is not None:
+            spec = ModelSpec.from_hf_config(read_hf_config(gguf_file), name=gguf_model_name(gguf_file))
+            spec.stored_weight_bytes = stored_weight_bytes(gguf_file)
+            return spec
     if path.is_dir() and (path / "config.json").exists():
         return ModelSpec.from_hf_config(path / "config.json", name=path.name)
     if path.is_file():
