@@ -12,6 +12,7 @@ import mmap
 import os
 import platform
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -223,3 +224,24 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     except (OSError, ValueError):
         return torch.empty(nbytes, dtype=torch.uint8)
     return buffer[offset:offset + nbytes]
+
+
+class HugePageArena:
+    """One huge_page_buffer handed out front to back in 64-byte aligned slices: a model's weights placed in
+    the order the forward pass reads them, so a decode step streams through one region of 2 MiB pages."""
+
+    ALIGN = 64
+
+    def __init__(self, sizes: Iterable[int]):
+        self.buffer = huge_page_buffer(sum(self._aligned(nbytes) for nbytes in sizes))
+        self.offset = 0
+
+    @classmethod
+    def _aligned(cls, nbytes: int) -> int:
+        return -(-nbytes // cls.ALIGN) * cls.ALIGN
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """The next `nbytes` of the buffer (uint8), the sizes taken in the order they were given."""
+        out = self.buffer[self.offset:self.offset + nbytes]
+        self.offset += self._aligned(nbytes)
+        return out

@@ -39,7 +39,7 @@ from pagedllm.layers.linear_tuning import choose_linear_kernel
 from pagedllm.layers.module import Module
 from pagedllm.layers.quantization import linear
 from pagedllm.layers.sampler import argmax_rows
-from pagedllm.platform import huge_page_buffer, release_free_heap_memory
+from pagedllm.platform import HugePageArena, release_free_heap_memory
 
 logger = logging.getLogger(__name__)
 
@@ -321,29 +321,20 @@ def blocked_layout_available(dtype: torch.dtype) -> bool:
 
 
 class _PackedArena:
-    """One buffer for all of a model's blocked weights, in the order the forward pass reads them, so a
-    decode step streams through one region, in 2 MiB pages where Linux gives them (huge_page_buffer)."""
-
-    ALIGN = 64
+    """All of a model's blocked weights in one HugePageArena, packed straight into it in the order the
+    forward pass reads them."""
 
     def __init__(self, weights: list[torch.Tensor]):
-        self.buffer = huge_page_buffer(sum(self._aligned(self._nbytes(w)) for w in weights))
-        self.offset = 0
+        self.arena = HugePageArena(self._nbytes(w) for w in weights)
 
     @staticmethod
     def _nbytes(weight: torch.Tensor) -> int:
         """The packed weight's size, by the kernel's own rule."""
         return torch.ops.pagedllm_cpu_linear.blocked_linear_packed_numel(weight) * weight.element_size()
 
-    @classmethod
-    def _aligned(cls, nbytes: int) -> int:
-        return -(-nbytes // cls.ALIGN) * cls.ALIGN
-
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """`weight` packed straight into the next slice of the buffer."""
-        nbytes = self._nbytes(weight)
-        out = self.buffer[self.offset:self.offset + nbytes].view(weight.dtype)
-        self.offset += self._aligned(nbytes)
+        """`weight` packed straight into the next slice of the arena."""
+        out = self.arena.take(self._nbytes(weight)).view(weight.dtype)
         return torch.ops.pagedllm_cpu_linear.blocked_linear_pack(weight, out)
 
 

@@ -433,37 +433,28 @@ def select_quantized_kernels(model: nn.Module, dtype: torch.dtype) -> list:
     return choices
 
 
-_ARENA_ALIGN = 64
 _ARENA_PARTS = ("qweight", "high", "scales", "mins", "super_scales")
 
 
 def place_in_huge_pages(weights: list[VnniWeight]) -> None:
-    """Move the weights' tensors into one buffer, in the order given (the forward pass's: model.modules()),
-    that Linux may back with 2 MiB pages (platform.huge_page_buffer), as the blocked bf16 weights are: with
-    4 KiB pages the prefetchers stop at every page of a decode step's many short weight streams (a 7 KiB
-    tile spans two or three), and one 896 x 1152 int4 projection streamed at 15 GB/s where the same bytes
-    in huge pages read at 19 (docs/performance/amd-zen4.md). The copies replace the tensors as they go,
-    and the heap they leave is handed back every 64 MiB, so the process holds about one copy."""
-    from pagedllm.platform import huge_page_buffer, release_free_heap_memory
-
-    def aligned(param: torch.Tensor) -> int:
-        return -(-param.numel() * param.element_size() // _ARENA_ALIGN) * _ARENA_ALIGN
+    """Move the weights' tensors into one HugePageArena, in the order given (the forward pass's:
+    model.modules()), as the blocked bf16 weights are: with 4 KiB pages the prefetchers stop at every page
+    of a decode step's many short weight streams (a 7 KiB tile spans two or three), and one 896 x 1152 int4
+    projection streamed at 15 GB/s where the same bytes in huge pages read at 19
+    (docs/performance/amd-zen4.md). The copies replace the tensors as they go, and the heap they leave is
+    handed back every 64 MiB, so the process holds about one copy."""
+    from pagedllm.platform import HugePageArena, release_free_heap_memory
 
     unique = list({id(w): w for w in weights}.values())  # a tied weight is reached twice
-    total = sum(aligned(w._parameters[name]) for w in unique for name in _ARENA_PARTS)
-    if total == 0:
+    params = [(w, name, w._parameters[name]) for w in unique for name in _ARENA_PARTS]
+    if not any(param.nbytes for _, _, param in params):
         return
-    buffer, offset, moved = huge_page_buffer(total), 0, 0
-    for weight in unique:
-        for name in _ARENA_PARTS:
-            param = weight._parameters[name]
-            assert param is not None
-            nbytes = param.numel() * param.element_size()
-            slot = buffer[offset:offset + nbytes].view(param.dtype).view(param.shape)
-            slot.copy_(param.data)
-            weight._parameters[name] = nn.Parameter(slot, requires_grad=False)
-            offset += aligned(param)
-            moved += nbytes
+    arena, moved = HugePageArena(param.nbytes for _, _, param in params), 0
+    for weight, name, param in params:
+        slot = arena.take(param.nbytes).view(param.dtype).view(param.shape)
+        slot.copy_(param.data)
+        weight._parameters[name] = nn.Parameter(slot, requires_grad=False)
+        moved += param.nbytes
         if moved >= 64 << 20:
             release_free_heap_memory()
             moved = 0
