@@ -315,19 +315,19 @@ class KQuantScales:
     d: torch.Tensor
     neg_dmin: torch.Tensor | None
 
+    def _tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return self.sc, self.m, self.d, self.neg_dmin
+
     @staticmethod
     def cat(parts: list[KQuantScales | None]) -> KQuantScales | None:
         if any(p is None for p in parts) or len({p.m is None for p in parts}) > 1:  # type: ignore[union-attr]
             return None
-        def joined(name: str) -> torch.Tensor | None:
-            values = [getattr(p, name) for p in parts]
-            return None if values[0] is None else torch.cat(values)
-        return KQuantScales(*(joined(name) for name in ("sc", "m", "d", "neg_dmin")))  # type: ignore[arg-type]
+        columns = zip(*(p._tensors() for p in parts))  # type: ignore[union-attr]
+        return KQuantScales(*(None if c[0] is None else torch.cat(c) for c in columns))  # type: ignore[arg-type]
 
     def rows(self, start: int, length: int) -> KQuantScales:
-        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[start:start + length]
-        return KQuantScales(*(cut(getattr(self, name)) for name in ("sc", "m", "d", "neg_dmin")))  # type: ignore[arg-type]
+        return KQuantScales(*(None if t is None else t[start:start + length]  # type: ignore[arg-type]
+                              for t in self._tensors()))
 
 
 class PackedParts(QuantizedParts):
