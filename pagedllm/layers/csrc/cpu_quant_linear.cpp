@@ -182,8 +182,7 @@ inline void store16(__m512 v, c10::Half* dst) {
 // Software prefetch of the weight stream kPrefetchBytes ahead, every line, for one row (a decode step):
 // its linears are many short streams (a 576 x 576 projection is 0.2 MB) that the hardware prefetcher
 // alone starts late; the lines past a thread's last tile are harmless extra reads. Blocks of rows are
-// compute-bound, and there the prefetches cost more than they hide (batch 16 of the 386M int4 model read
-// 7-10% slower with them).
+// compute-bound, and there the prefetches cost more than they hide (docs/performance/amd-zen4.md).
 constexpr int64_t kPrefetchBytes = 4096;
 inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + o), _MM_HINT_T0);

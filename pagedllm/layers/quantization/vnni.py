@@ -439,9 +439,8 @@ _ARENA_PARTS = ("qweight", "high", "scales", "mins", "super_scales")
 def place_in_huge_pages(weights: list[VnniWeight]) -> None:
     """Move the weights' tensors into one HugePageArena, in the order given (the forward pass's:
     model.modules()), as the blocked bf16 weights are: with 4 KiB pages the prefetchers stop at every page
-    of a decode step's many short weight streams (a 7 KiB tile spans two or three), and one 896 x 1152 int4
-    projection streamed at 15 GB/s where the same bytes in huge pages read at 19
-    (docs/performance/amd-zen4.md). The copies replace the tensors as they go, and the heap they leave is
+    of a decode step's many short weight streams (a 7 KiB tile spans two or three; the figures are in
+    docs/performance/amd-zen4.md). The copies replace the tensors as they go, and the heap they leave is
     handed back every 64 MiB, so the process holds about one copy."""
     from pagedllm.platform import HugePageArena, release_free_heap_memory
 
