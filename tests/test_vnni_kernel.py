@@ -354,7 +354,7 @@ def test_k_quant_scales_formed_in_the_kernel_give_the_stored_products_bits(bits,
     weight = VnniWeight.from_k_quant(q, sc, m, d, neg_dmin, bits, Int8WeightOnlyMethod(group))
     assert weight.scales.dtype == torch.int8 and weight.symmetric == symmetric
     _, scale, offset = weight.logical()
-    per_group = k // 256 and (k // group) // (k // 256)
+    per_group = 256 // group  # groups per super-block of 256 weights
     assert torch.equal(scale, sc.float() * d.float().repeat_interleave(per_group, dim=1))
     if not symmetric:
         assert torch.equal(offset, m.float() * neg_dmin.float().repeat_interleave(per_group, dim=1))
