@@ -42,10 +42,12 @@ ENV_VARS: dict[str, EnvVar] = {var.name: var for var in [
            "never build or load the C++ CPU ops: every op runs its plain-torch path"),
     EnvVar("PAGEDLLM_CPU_PREPACK_WEIGHTS", str, "1",
            "CPU linear kernel: 1 the fastest measured on this CPU (layers/linear_tuning.py), blocked "
-           "pagedllm's blocked kernel, onednn oneDNN's prepacked layout, 0 plain F.linear"),
+           "pagedllm's blocked kernel, amx the same on AMX tiles (bf16), onednn oneDNN's prepacked layout, "
+           "0 plain F.linear"),
     EnvVar("PAGEDLLM_CPU_TUNE", bool, True,
            "time the CPU linear kernels on a model's shapes at its first start (at most 8 s, cached beside "
-           "the compiled kernels); 0 takes the static default (the blocked kernel where it runs) untimed"),
+           "the compiled kernels); 0 takes the static default (the blocked kernel, on AMX tiles for bf16 "
+           "where the CPU has them) untimed"),
     EnvVar("PAGEDLLM_QUANT_KERNEL", str, "auto",
            "int4 / int8 weight-only linears on CPU: auto (pagedllm's VNNI kernel where the CPU has AVX512-VNNI, "
            "else torch's), pagedllm, or torch (torch's _weight_int4pack_mm / _weight_int8pack_mm paths)"),

@@ -60,14 +60,21 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
 
 def _use_layout(layout: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """Select a layout through PAGEDLLM_CPU_PREPACK_WEIGHTS, or skip where this CPU cannot run it."""
-    monkeypatch.setenv(PREPACK_ENV, "onednn" if layout == "onednn" else "1")
+    monkeypatch.setenv(PREPACK_ENV, layout)
     if layout == "onednn" and not _onednn_packs(dtype):
         pytest.skip(f"oneDNN does not prepack {dtype} weights on this CPU")
     if layout == "blocked" and not blocked_layout_available(dtype):
         pytest.skip(f"the blocked kernel does not run {dtype} on this CPU (AVX-512 / AVX512-BF16)")
+    if layout == "amx" and not _amx_runs(dtype):
+        pytest.skip(f"no AMX tiles for {dtype} on this CPU")
 
 
-@pytest.mark.parametrize("layout", ["blocked", "onednn"])
+def _amx_runs(dtype: torch.dtype) -> bool:
+    """The blocked kernel runs on AMX tiles here (bf16 on a CPU with amx_bf16)."""
+    return blocked_layout_available(dtype) and bool(torch.ops.pagedllm_cpu_linear.blocked_linear_supports(dtype, True))
+
+
+@pytest.mark.parametrize("layout", ["blocked", "amx", "onednn"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_layers_match_f_linear(dtype: torch.dtype, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     _use_layout(layout, dtype, monkeypatch)
@@ -79,7 +86,8 @@ def test_packed_layers_match_f_linear(dtype: torch.dtype, layout: str, monkeypat
     plain["down"] = F.linear(plain["up"][:, :40], model.down.weight)
     assert prepack_linear_weights(model, torch.device("cpu"), dtype) == 3
     assert is_prepacked(model.up.matmul)
-    assert isinstance(model.up.matmul, BlockedLinear) == (layout == "blocked")
+    assert isinstance(model.up.matmul, BlockedLinear) == (layout != "onednn")
+    assert getattr(model.up.matmul, "amx", False) == (layout == "amx")
     assert not model.head.weight.is_mkldnn  # the embedding's rows stay readable; the head has a copy
     packed = {"up": model.up(x), "head": model.head.compute_logits(x)}
     packed["down"] = model.down(plain["up"][:, :40])
@@ -104,18 +112,23 @@ def test_an_lm_head_no_embedding_reads_keeps_only_its_packed_copy(monkeypatch: p
     torch.testing.assert_close(model.head.compute_logits(x), want, rtol=1.6e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("out_features", "in_features"), [(1, 1), (63, 33), (64, 64), (130, 97), (700, 300)])
-def test_blocked_kernel_against_float64(dtype: torch.dtype, out_features: int, in_features: int) -> None:
-    """Odd sizes (padded to the 64-wide blocks and, in bf16, to pairs of k), a bias, and 3-D input: the
-    kernel stays within the dtype's rounding of a float64 product, as F.linear does."""
+@pytest.mark.parametrize(("out_features", "in_features"),
+                         [(1, 1), (63, 33), (64, 64), (130, 97), (700, 300), (192, 96), (128, 4864)])
+def test_blocked_kernel_against_float64(dtype: torch.dtype, out_features: int, in_features: int, amx: bool) -> None:
+    """Odd sizes (padded to the 64-wide blocks and, in bf16, to pairs of k; on AMX tiles, k past the last
+    step of 32 and a block narrower than 64), a bias, and 3-D input: the kernel stays within the dtype's
+    rounding of a float64 product, as F.linear does."""
     if not blocked_layout_available(dtype):
         pytest.skip(f"the blocked kernel does not run {dtype} on this CPU")
+    if amx and not _amx_runs(dtype):
+        pytest.skip(f"no AMX tiles for {dtype} on this CPU")
     torch.manual_seed(0)
     weight, bias = torch.randn(out_features, in_features, dtype=dtype), torch.randn(out_features, dtype=dtype)
     x = torch.randn(2, 7, in_features, dtype=dtype)
     packed = torch.ops.pagedllm_cpu_linear.blocked_linear_pack(weight)
-    out = BlockedLinear(out_features)(x, packed, bias)
+    out = BlockedLinear(out_features, amx)(x, packed, bias)
     exact = F.linear(x.double(), weight.double(), bias.double())
     assert out.shape == exact.shape and out.dtype == dtype
     ours = (out.double() - exact).abs().max()
@@ -180,12 +193,13 @@ def test_refused_prepack_keeps_plain_weights(monkeypatch: pytest.MonkeyPatch) ->
     assert torch.equal(model.up(x), plain)
 
 
-@pytest.mark.parametrize("layout", ["blocked", "onednn"])
+@pytest.mark.parametrize("layout", ["blocked", "amx", "onednn"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_rows_do_not_depend_on_the_batch(dtype: torch.dtype, layout: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Why a target model stays packed: either layout computes a row the same way in any batch (the
-    blocked kernel's register tiles of 6 rows and its 256-row passes included), on any number of threads."""
+    blocked kernel's register tiles of 6 rows, its AMX tiles of 16 and its 256-row passes included), on
+    any number of threads."""
     _use_layout(layout, dtype, monkeypatch)
     model = _layers(dtype)
     prepack_linear_weights(model, torch.device("cpu"), dtype)
@@ -368,13 +382,14 @@ def test_lm_head_argmax_in_one_pass(tiny_qwen2_dir: str, monkeypatch: pytest.Mon
             weight[:, 0] = float("-inf")
             x[:, 0] = 1.0
         packed = ops.blocked_linear_pack(weight)
-        logits = ops.blocked_linear(x, packed, n, None)
-        want = argmax_rows(logits)
-        assert torch.equal(want, logits.float().argmax(dim=-1))
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            assert torch.equal(ops.blocked_linear_argmax(x, packed, n), want), (rows, k, n, case, threads)
-        torch.set_num_threads(1)
+        for amx in (False, True) if _amx_runs(torch.bfloat16) else (False,):
+            logits = ops.blocked_linear(x, packed, n, None, amx)
+            want = argmax_rows(logits)
+            assert torch.equal(want, logits.float().argmax(dim=-1))
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                assert torch.equal(ops.blocked_linear_argmax(x, packed, n, amx), want), (rows, k, n, case, amx)
+            torch.set_num_threads(1)
 
     llm = LLM(model=tiny_qwen2_dir, dtype="bfloat16", seed=0, max_model_len=256)
     model = llm.llm_engine.model_runner.model

@@ -1,8 +1,9 @@
 """`pagedllm bench prepack`: prefill and decode with the linear weights prepacked (the default on CPU),
-in pagedllm's blocked layout and in oneDNN's, against plain F.linear on the same weights, in one run.
+in pagedllm's blocked layout (on AMX tiles too where the CPU has them) and in oneDNN's, against plain
+F.linear on the same weights, in one run.
 
-The model is loaded once per variant (PAGEDLLM_CPU_PREPACK_WEIGHTS=0, =onednn, and =1 for the blocked
-layout where this CPU runs it; all engines stay loaded); for each batch size they take turns in every
+The model is loaded once per variant (PAGEDLLM_CPU_PREPACK_WEIGHTS=0, =onednn, =blocked and =amx where
+this CPU runs them; all engines stay loaded); for each batch size they take turns in every
 iteration, so load from other processes on a shared machine falls on all alike. Per iteration: a
 one-token request batch (prefill, timed whole), then the same prompts with `--output-len` tokens; decode
 speed is the engine's RequestMetrics' (tokens after the first over the time from the last first token to
@@ -26,10 +27,11 @@ import torch
 from pagedllm.assets import demo_model_path
 from pagedllm.benchmarks.quantization import RANDOM_QWEN2, _decode_rates, build_random_qwen2
 from pagedllm.benchmarks.reporting import fail, int_list, set_num_threads, write_json
-from pagedllm.layers.linear import PREPACK_ENV, blocked_layout_available
+from pagedllm.layers.linear import PREPACK_ENV
+from pagedllm.layers.linear_tuning import runnable_paths
 
-# the PAGEDLLM_CPU_PREPACK_WEIGHTS value each engine loads under
-VARIANTS = {"plain": "0", "onednn": "onednn", "blocked": "blocked"}
+# the PAGEDLLM_CPU_PREPACK_WEIGHTS value each engine loads under (those this CPU runs)
+VARIANTS = {"plain": "0", "onednn": "onednn", "blocked": "blocked", "amx": "amx"}
 
 
 def _load(model: str, flag: str, **kwargs: Any) -> Any:
@@ -52,8 +54,7 @@ def run_prepack_benchmark(model: str, batch_sizes: list[int], input_len: int, ou
 
     num_blocks = max(batch_sizes) * ((input_len + output_len) // 16 + 2)
     torch_dtype = getattr(torch, dtype)
-    variants = {name: flag for name, flag in VARIANTS.items()
-                if name != "blocked" or blocked_layout_available(torch_dtype)}
+    variants = {name: flag for name, flag in VARIANTS.items() if name in runnable_paths(torch_dtype)}
     llms = {name: _load(model, flag, dtype=dtype, seed=seed, enable_prefix_caching=False,
                         max_num_seqs=max(batch_sizes), num_gpu_blocks_override=num_blocks)
             for name, flag in variants.items()}

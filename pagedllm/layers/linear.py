@@ -253,9 +253,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Each row's argmax of compute_logits(hidden, upcast=False): a plain-greedy step's tokens (None off
         rank 0). With the weight in the blocked bf16 layout, in one pass that never stores the logits
         (blocked_linear_argmax: the same index, from the same rounded values)."""
-        if self.tp_size == 1 and isinstance(self.packed_matmul, BlockedLinear) and hidden.dtype == torch.bfloat16:
+        matmul = self.packed_matmul
+        if self.tp_size == 1 and isinstance(matmul, BlockedLinear) and hidden.dtype == torch.bfloat16:
             return torch.ops.pagedllm_cpu_linear.blocked_linear_argmax(hidden, self.packed_weight,
-                                                                       self.packed_matmul.out_features)
+                                                                       matmul.out_features, matmul.amx)
         logits = self.compute_logits(hidden, upcast=False)
         return argmax_rows(logits) if logits is not None else None
 
@@ -267,7 +268,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 #
 # - "blocked" (pagedllm's own kernel, layers/csrc/cpu_linear.cpp; fp32 with AVX-512 or AVX2 + FMA, bf16
 #   with AVX512-BF16): 64 (AVX2: 16) output features at a time stored k-major, so a batch-1 decode step
-#   reads each weight as one sequential stream.
+#   reads each weight as one sequential stream. "amx" is the same layout read by AMX tiles (bf16).
 # - "onednn" (`torch.ops.mkldnn._reorder_linear_weight`): bf16 bit-identical to F.linear; on CPUs with
 #   AMX it uses the matrix tiles.
 # Which is faster depends on the CPU (3x either way at batch 16), so it is measured on this CPU, on the
@@ -278,7 +279,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 # path for one or two rows, about 1e-5 apart), so a model whose logits reach the outputs stays packed. A
 # draft model's numerics never reach them (its proposals are verified by the target); with oneDNN, small
 # fp32 weights stay plain there, since oneDNN's per-call cost exceeds F.linear's on shapes under 1 MiB.
-PREPACK_ENV = "PAGEDLLM_CPU_PREPACK_WEIGHTS"  # 0: plain F.linear; blocked / onednn: that one; else measured
+PREPACK_ENV = "PAGEDLLM_CPU_PREPACK_WEIGHTS"  # 0: plain F.linear; amx / blocked / onednn: that one; else measured
 PREPACK_DTYPES = (torch.float32, torch.bfloat16)
 PLAIN_FP32_MAX_NUMEL = 1 << 18  # 1 MiB of fp32
 
@@ -290,13 +291,15 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 class BlockedLinear:
     """The matmul of a weight packed by `torch.ops.pagedllm_cpu_linear.blocked_linear_pack` (a module's
-    `matmul`); it keeps the output size, which the flat packed tensor does not carry."""
+    `matmul`); it keeps the output size, which the flat packed tensor does not carry, and whether the
+    kernel runs on AMX tiles (the "amx" path)."""
 
-    def __init__(self, out_features: int):
+    def __init__(self, out_features: int, amx: bool = False):
         self.out_features = out_features
+        self.amx = amx
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.ops.pagedllm_cpu_linear.blocked_linear(x, weight, self.out_features, bias)
+        return torch.ops.pagedllm_cpu_linear.blocked_linear(x, weight, self.out_features, bias, self.amx)
 
 
 def is_prepacked(matmul: Callable[..., torch.Tensor] | None) -> bool:
@@ -313,7 +316,7 @@ def prepack_enabled(device: torch.device, dtype: torch.dtype) -> bool:
 def blocked_layout_available(dtype: torch.dtype) -> bool:
     """pagedllm's blocked kernel runs this dtype on this CPU (its C++ ops built; fp32 needs AVX2 + FMA or
     AVX-512, bf16 AVX512-BF16), and PAGEDLLM_CPU_PREPACK_WEIGHTS does not ask for another path. (With
-    the default, the measured table may still choose oneDNN; PAGEDLLM_CPU_TUNE=0 keeps the blocked one.)"""
+    the default, the measured table may still choose oneDNN; PAGEDLLM_CPU_TUNE=0 keeps the blocked layout.)"""
     from pagedllm.cpu_kernels import load_cpu_kernels
 
     return (str(envs.value(PREPACK_ENV)).strip().lower() not in ("onednn", "0", "plain") and load_cpu_kernels()
@@ -338,11 +341,13 @@ class _PackedArena:
         return torch.ops.pagedllm_cpu_linear.blocked_linear_pack(weight, out)
 
 
-def _pack(weight: torch.Tensor, arena: _PackedArena | None) -> tuple[torch.Tensor, Callable[..., torch.Tensor]]:
-    """(the weight in the blocked layout, in `arena`, or in oneDNN's without one; the matmul that reads it)."""
+def _pack(weight: torch.Tensor, arena: _PackedArena | None, amx: bool = False
+          ) -> tuple[torch.Tensor, Callable[..., torch.Tensor]]:
+    """(the weight in the blocked layout, in `arena`, or in oneDNN's without one; the matmul that reads it,
+    on AMX tiles if `amx`)."""
     weight = weight.detach().contiguous()
     if arena is not None:
-        return arena.pack(weight), BlockedLinear(weight.shape[0])
+        return arena.pack(weight), BlockedLinear(weight.shape[0], amx)
     return torch.ops.mkldnn._reorder_linear_weight(weight), packed_linear
 
 
@@ -374,7 +379,7 @@ def prepack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.
     logger.info("Linear kernel: %s", choice.describe())
     if choice.path == "plain":
         return 0
-    blocked = choice.path == "blocked"
+    blocked, amx = choice.path in ("blocked", "amx"), choice.path == "amx"
 
     def keep_plain(weight: torch.Tensor) -> bool:
         return (not blocked and not batch_invariant and dtype == torch.float32
@@ -390,10 +395,10 @@ def prepack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.
         for module in targets:
             if isinstance(module, ParallelLMHead):
                 # A copy: a tied embedding reads `weight` by rows, which a packed layout cannot serve.
-                module.packed_weight, module.packed_matmul = _pack(module.weight, arena)
+                module.packed_weight, module.packed_matmul = _pack(module.weight, arena, amx)
                 extra_bytes += module.weight.numel() * module.weight.element_size()
             else:
-                packed, module.matmul = _pack(module.weight, arena)
+                packed, module.matmul = _pack(module.weight, arena, amx)
                 freed_bytes += module.weight.numel() * module.weight.element_size()
                 module.weight = nn.Parameter(packed, requires_grad=False)
             if arena is not None and freed_bytes >= 256 << 20:
@@ -416,9 +421,10 @@ def prepack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.
             module.weight = None
     if arena is not None:
         release_free_heap_memory()
-    logger.info("Prepacked %d linear weights (%s, %s layout)%s%s; %s=0 turns it off, =blocked / =onednn "
-                "force a layout",
-                len(targets), str(dtype).removeprefix("torch."), "blocked" if blocked else "oneDNN",
+    logger.info("Prepacked %d linear weights (%s, %s layout)%s%s; %s=0 turns it off, =amx / =blocked / =onednn "
+                "force a path",
+                len(targets), str(dtype).removeprefix("torch."),
+                "blocked, AMX tiles" if amx else "blocked" if blocked else "oneDNN",
                 f", plus a {extra_bytes / 2**20:.1f} MiB LM head copy" if extra_bytes > 0 else "",
                 f"; {num_plain} small ones stay plain (not batch-invariant: a draft)" if num_plain else "",
                 PREPACK_ENV)

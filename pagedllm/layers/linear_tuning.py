@@ -18,8 +18,9 @@ time relative to that bucket's fastest (BUCKET_WEIGHTS: batch-1 decode and batch
 Plain F.linear is not batch-invariant (the BLAS takes another path for one or two rows), so it is a
 candidate only for a model whose numerics never reach the outputs (a speculative draft).
 
-PAGEDLLM_CPU_PREPACK_WEIGHTS=blocked|onednn|0 forces a path; PAGEDLLM_CPU_TUNE=0 skips the measurement
-(and any table) and takes the static default, the blocked kernel where it runs, else oneDNN.
+PAGEDLLM_CPU_PREPACK_WEIGHTS=amx|blocked|onednn|0 forces a path; PAGEDLLM_CPU_TUNE=0 skips the measurement
+(and any table) and takes the static default, the first of PATHS this CPU runs (the blocked kernel on AMX
+tiles for bf16 where the CPU has them, else the blocked kernel, else oneDNN).
 
 Weight-only quantized linears (int4, int8) are chosen the same way, per method and group size, between
 pagedllm's VNNI kernel and torch's own (choose_quant_kernel, the same table under "int4-g128:NxK" keys);
@@ -46,9 +47,10 @@ from pagedllm import envs
 
 logger = logging.getLogger(__name__)
 
-PATHS = ("blocked", "onednn", "plain")
+PATHS = ("amx", "blocked", "onednn", "plain")
 QUANT_PATHS = ("pagedllm", "torch")
-PATH_NAMES = {"blocked": "pagedllm's blocked kernel", "onednn": "oneDNN prepacked", "plain": "F.linear",
+PATH_NAMES = {"amx": "pagedllm's blocked kernel on AMX tiles", "blocked": "pagedllm's blocked kernel",
+              "onednn": "oneDNN prepacked", "plain": "F.linear",
               "pagedllm": "pagedllm's VNNI kernel", "torch": "torch's kernel"}
 # row-count bucket -> the row count it is timed at
 BUCKETS = {"1": 1, "2-4": 4, "5-16": 16, "17-64": 64, "prefill": 256}
@@ -89,11 +91,14 @@ class LinearKernelChoice:
 
 def runnable_paths(dtype: torch.dtype) -> list[str]:
     """The candidates this CPU runs for dtype: the blocked kernel where its C++ ops are built and support
-    the dtype, oneDNN where it reorders the dtype's weights, F.linear always."""
+    the dtype (on AMX tiles too, for bf16 where the CPU has them), oneDNN where it reorders the dtype's
+    weights, F.linear always."""
     from pagedllm.cpu_kernels import load_cpu_kernels
 
     paths = []
     if load_cpu_kernels() and bool(torch.ops.pagedllm_cpu_linear.blocked_linear_supports(dtype)):
+        if bool(torch.ops.pagedllm_cpu_linear.blocked_linear_supports(dtype, True)):
+            paths.append("amx")
         paths.append("blocked")
     if torch.backends.mkldnn.is_available():
         try:
@@ -160,9 +165,10 @@ def shape_key(dtype: torch.dtype | str, shape: Shape) -> str:
 
 def _matmul(path: str, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> x @ weight^T by one path, its weight packed once here."""
-    if path == "blocked":
+    if path in ("blocked", "amx"):
         packed, out_features = torch.ops.pagedllm_cpu_linear.blocked_linear_pack(weight), weight.shape[0]
-        return lambda x: torch.ops.pagedllm_cpu_linear.blocked_linear(x, packed, out_features, None)
+        amx = path == "amx"
+        return lambda x: torch.ops.pagedllm_cpu_linear.blocked_linear(x, packed, out_features, None, amx)
     if path == "onednn":
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
@@ -264,7 +270,7 @@ def _pick(bucket_ms: dict[str, dict[str, float]], candidates: list[str]) -> str 
 
 
 def _static_default(paths: list[str]) -> str:
-    return "blocked" if "blocked" in paths else "onednn" if "onednn" in paths else "plain"
+    return next(path for path in PATHS if path in paths)
 
 
 def choose_linear_kernel(shapes: Iterable[Shape], dtype: torch.dtype, batch_invariant: bool = True
@@ -272,12 +278,13 @@ def choose_linear_kernel(shapes: Iterable[Shape], dtype: torch.dtype, batch_inva
     """The path for a model's linears of this dtype (their (out, in) shapes, one per layer), by the rules
     in this module's docstring; measures the shapes the cached table lacks unless told not to."""
     forced = str(envs.value("PAGEDLLM_CPU_PREPACK_WEIGHTS")).strip().lower()
-    if forced not in ("1", "auto", "blocked", "onednn", "0", "plain"):
-        raise ValueError(f"PAGEDLLM_CPU_PREPACK_WEIGHTS must be 1 (measured), blocked, onednn or 0, got {forced!r}.")
+    if forced not in ("1", "auto", "amx", "blocked", "onednn", "0", "plain"):
+        raise ValueError(f"PAGEDLLM_CPU_PREPACK_WEIGHTS must be 1 (measured), amx, blocked, onednn or 0, got "
+                         f"{forced!r}.")
     paths = runnable_paths(dtype)
     if forced in ("0", "plain"):
         return LinearKernelChoice(dtype, "plain", f"PAGEDLLM_CPU_PREPACK_WEIGHTS={forced}")
-    if forced in ("onednn", "blocked"):
+    if forced in ("onednn", "blocked", "amx"):
         if forced in paths:
             return LinearKernelChoice(dtype, forced, f"PAGEDLLM_CPU_PREPACK_WEIGHTS={forced}")
         fallback = _static_default([p for p in paths if p != forced])

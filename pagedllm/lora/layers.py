@@ -66,7 +66,7 @@ def pack_like(base: Matmul, weight: torch.Tensor) -> tuple[torch.Tensor, Matmul]
     """(weight in the layout `base` reads, the matmul that reads it): LoRA runs on the base's kernel."""
     weight = weight.contiguous()
     if isinstance(base, BlockedLinear):
-        return torch.ops.pagedllm_cpu_linear.blocked_linear_pack(weight), BlockedLinear(weight.shape[0])
+        return torch.ops.pagedllm_cpu_linear.blocked_linear_pack(weight), BlockedLinear(weight.shape[0], base.amx)
     if base is packed_linear:
         return torch.ops.mkldnn._reorder_linear_weight(weight), packed_linear
     return weight, F.linear

@@ -18,6 +18,11 @@
 // computed alone or in a tile of six; threads split the output blocks, never k. So a row's result does
 // not depend on what else is in the batch or on the thread count, as the engine's outputs must not.
 //
+// AMX (`amx=True`, bf16 only, where the build and the process have the tiles): the same packed weights
+// read by TDPBF16PS, 16 rows x 64 outputs at a time. It sums a row in another order than VDPBF16PS (the
+// two differ in the last bits), so it is a path of its own for every row count, chosen by measurement
+// (layers/linear_tuning.py), never a fast case of the AVX-512 path for some batches.
+//
 // Built with -march=native: without AVX2 + FMA (fp32) or AVX512-BF16 (bf16) `blocked_linear_supports`
 // says no and the caller keeps oneDNN.
 
@@ -28,6 +33,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "amx.h"
 #include "half_keys.h"
 
 #include <algorithm>
@@ -326,6 +332,120 @@ void blocked_linear_impl(const T* x, int64_t m, int64_t k, const T* w, int64_t n
   });
 }
 
+#if defined(PAGEDLLM_AMX)
+// A full block (64 outputs) of up to 16 rows is four 16 x 16 fp32 accumulator tiles (tmm0-3). Each step of
+// 32 k loads the rows' 16 x 32 bf16 (tmm4) and, per 16 outputs, the block's 16 pairs x 16 outputs x 2 (tmm5
+// and tmm6 in turn: rows of the k-major block, 256 bytes apart) for one TDPBF16PS.
+constexpr int64_t kAmxRows = 16;
+constexpr int64_t kAmxPairs = 16;  // pairs of k per tile step: 64 bytes of a row
+
+void load_amx_config() {
+  pagedllm_amx::TileConfig config;
+  for (int t = 0; t < 7; ++t) config.tile(t, kAmxRows, 64);
+  config.load();
+}
+
+// A thread's buffers: a partial row tile's rows padded to 16 (the rows past them are never stored), and
+// the tile's fp32 sums.
+struct AmxScratch {
+  std::vector<uint16_t> rows;
+  alignas(64) float acc[kAmxRows * kBlockN];
+
+  static AmxScratch& get(int64_t k) {
+    thread_local AmxScratch scratch;
+    if (static_cast<int64_t>(scratch.rows.size()) < kAmxRows * k) scratch.rows.assign(kAmxRows * k, 0);
+    return scratch;
+  }
+};
+
+// acc[r][0..64) = the sums over k of row r of x (rows <= 16) with a full block's weights `w`.
+inline void amx_block_sums(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16_t* w, int64_t k,
+                           AmxScratch& scratch) {
+  const uint16_t* a = x;
+  int64_t a_stride = x_stride;
+  if (rows < kAmxRows) {
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(scratch.rows.data() + r * k, x + r * x_stride, k * sizeof(uint16_t));
+    a = scratch.rows.data();
+    a_stride = k;
+  }
+  constexpr int64_t w_stride = kBlockN * 2 * sizeof(uint16_t);  // one pair of k of the block
+  const int64_t pairs = k / 2, steps = pairs / kAmxPairs;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    const uint16_t* ws = w + s * kAmxPairs * 2 * kBlockN;
+    _tile_loadd(4, a + s * 2 * kAmxPairs, a_stride * sizeof(uint16_t));
+    _tile_loadd(5, ws, w_stride);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, ws + 32, w_stride);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, ws + 64, w_stride);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(6, ws + 96, w_stride);
+    _tile_dpbf16ps(3, 4, 6);
+  }
+  float* acc = scratch.acc;
+  _tile_stored(0, acc, kBlockN * sizeof(float));
+  _tile_stored(1, acc + 16, kBlockN * sizeof(float));
+  _tile_stored(2, acc + 32, kBlockN * sizeof(float));
+  _tile_stored(3, acc + 48, kBlockN * sizeof(float));
+  // the pairs after the last whole step (K' not a multiple of 32): VDPBF16PS on the tiles' sums, in k order
+  for (int64_t i = steps * kAmxPairs; i < pairs; ++i) {
+    for (int64_t r = 0; r < rows; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, x + r * x_stride + 2 * i, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int j = 0; j < 4; ++j) {
+        float* out = acc + r * kBlockN + 16 * j;
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i * 2 * kBlockN + 32 * j);
+        _mm512_storeu_ps(out, _mm512_dpbf16_ps(_mm512_loadu_ps(out), xv, wv));
+      }
+    }
+  }
+}
+
+// run_rows by the tiles: a full block in 16-row tiles; a narrower last block by the AVX-512 kernel (for
+// every batch alike, so its columns too are computed one way).
+void amx_rows(int64_t rows, const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* w, int64_t width,
+              int64_t k, const c10::BFloat16* bias, c10::BFloat16* y, int64_t y_stride, AmxScratch& scratch) {
+  if (width != kBlockN) {
+    run_rows<c10::BFloat16>(rows, x, x_stride, w, width, k, bias, y, y_stride);
+    return;
+  }
+  __m512 b[4];
+  for (int j = 0; j < 4; ++j)
+    b[j] = bias == nullptr ? _mm512_setzero_ps() : bf16x16_to_fp32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + 16 * j)));
+  for (int64_t r0 = 0; r0 < rows; r0 += kAmxRows) {
+    const int64_t tile_rows = std::min(kAmxRows, rows - r0);
+    amx_block_sums(reinterpret_cast<const uint16_t*>(x + r0 * x_stride), x_stride, tile_rows,
+                   reinterpret_cast<const uint16_t*>(w), k, scratch);
+    for (int64_t r = 0; r < tile_rows; ++r)
+      for (int j = 0; j < 4; ++j)
+        store_bf16(y + (r0 + r) * y_stride + 16 * j, _mm512_add_ps(_mm512_load_ps(scratch.acc + r * kBlockN + 16 * j), b[j]),
+                   __mmask16(0xFFFF));
+  }
+}
+
+void amx_linear_impl(const c10::BFloat16* x, int64_t m, int64_t k, const c10::BFloat16* w, int64_t n,
+                     const c10::BFloat16* bias, c10::BFloat16* y) {
+  const int64_t num_blocks = (n + kBlockN - 1) / kBlockN;
+  at::parallel_for(0, num_blocks, block_grain<c10::BFloat16>(k), [&](int64_t begin, int64_t end) {
+    AmxScratch& scratch = AmxScratch::get(k);
+    load_amx_config();
+    for (int64_t row = 0; row < m; row += kRowsPerPass) {
+      const int64_t rows = std::min(kRowsPerPass, m - row);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t col = b * kBlockN, width = std::min(kBlockN, n - col);
+        amx_rows(rows, x + row * k, k, w + col * k, width, k, bias == nullptr ? nullptr : bias + col,
+                 y + row * n + col, n, scratch);
+      }
+    }
+  });
+}
+#endif  // PAGEDLLM_AMX
+
 #endif  // PAGEDLLM_BLOCKED_FP32
 
 // x as the kernel reads it: [rows, K'] contiguous (an odd K in bf16 padded with a zero column, as the weight).
@@ -346,9 +466,20 @@ at::Tensor kernel_input(const at::Tensor& x, const at::Tensor& packed, int64_t o
   return x2.contiguous();
 }
 
+bool amx_supports(c10::ScalarType dtype) {
+#if defined(PAGEDLLM_AMX)
+  return dtype == c10::kBFloat16 && pagedllm_amx::tiles_permitted();
+#else
+  (void)dtype;
+  return false;
+#endif
+}
+
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                          const std::optional<at::Tensor>& bias) {
+                          const std::optional<at::Tensor>& bias, bool amx) {
   at::Tensor x2 = kernel_input(x, packed, out_features, "blocked_linear");
+  TORCH_CHECK(!amx || amx_supports(x.scalar_type()), "blocked_linear: no AMX tiles for ", x.scalar_type(),
+              " on this CPU");
   const int64_t k_padded = x2.size(1);
   auto out_shape = x.sizes().vec();
   out_shape.back() = out_features;
@@ -364,6 +495,13 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
                                b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>());
   } else {
     using bf16 = c10::BFloat16;
+#if defined(PAGEDLLM_AMX)
+    if (amx) {
+      amx_linear_impl(x2.data_ptr<bf16>(), x2.size(0), k_padded, packed.data_ptr<bf16>(), out_features,
+                      b.defined() ? b.data_ptr<bf16>() : nullptr, y.data_ptr<bf16>());
+      return y.view(out_shape);
+    }
+#endif
     blocked_linear_impl<bf16>(x2.data_ptr<bf16>(), x2.size(0), k_padded, packed.data_ptr<bf16>(), out_features,
                               b.defined() ? b.data_ptr<bf16>() : nullptr, y.data_ptr<bf16>());
   }
@@ -371,7 +509,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
   return y.view(out_shape);
 }
 
-bool blocked_linear_supports(c10::ScalarType dtype) { return supports(dtype); }
+bool blocked_linear_supports(c10::ScalarType dtype, bool amx) { return supports(dtype) && (!amx || amx_supports(dtype)); }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // The argmax of each row of blocked_linear(x) in bf16 (a plain-greedy decode step's LM head), without
@@ -384,6 +522,26 @@ bool blocked_linear_supports(c10::ScalarType dtype) { return supports(dtype); }
 // index. A row with a NaN (rare) is recomputed alone and its first NaN returned, as torch.argmax does.
 constexpr int16_t kInfKey = 0x7F80;  // bf16 infinity's magnitude bits
 
+// A block's bf16 rows by the op's path: the tiles when `amx` (their configuration loaded on this thread).
+inline void bf16_rows(bool amx, int64_t rows, const c10::BFloat16* x, int64_t k, const c10::BFloat16* w,
+                      int64_t width, c10::BFloat16* y, int64_t y_stride) {
+#if defined(PAGEDLLM_AMX)
+  if (amx) {
+    amx_rows(rows, x, k, w, width, k, nullptr, y, y_stride, AmxScratch::get(k));
+    return;
+  }
+#endif
+  run_rows<c10::BFloat16>(rows, x, k, w, width, k, nullptr, y, y_stride);
+}
+
+inline void prepare_thread(bool amx) {
+#if defined(PAGEDLLM_AMX)
+  if (amx) load_amx_config();
+#else
+  (void)amx;
+#endif
+}
+
 struct RowLanes {  // one row's running state over a thread's blocks: 64 lanes, two vectors of 32
   __m512i max[2], min[2], block[2];
 };
@@ -395,9 +553,10 @@ struct ChunkArgmax {  // a thread's result for its blocks, per row
   std::vector<uint8_t> nan;
 };
 
-at::Tensor blocked_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+at::Tensor blocked_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, bool amx) {
   using bf16 = c10::BFloat16;
   TORCH_CHECK(x.scalar_type() == c10::kBFloat16, "blocked_linear_argmax: bf16 only, got ", x.scalar_type());
+  TORCH_CHECK(!amx || amx_supports(x.scalar_type()), "blocked_linear_argmax: no AMX tiles on this CPU");
   at::Tensor x2 = kernel_input(x, packed, out_features, "blocked_linear_argmax");
   const int64_t m = x2.size(0), k = x2.size(1), n = out_features;
   const int64_t num_blocks = (n + kBlockN - 1) / kBlockN;
@@ -408,6 +567,7 @@ at::Tensor blocked_linear_argmax(const at::Tensor& x, const at::Tensor& packed, 
   std::vector<ChunkArgmax> chunks;
   at::parallel_for(0, num_blocks, block_grain<bf16>(k), [&](int64_t begin, int64_t end) {
     ChunkArgmax chunk{begin, std::vector<int16_t>(m), std::vector<int64_t>(m), std::vector<uint8_t>(m)};
+    prepare_thread(amx);
     std::vector<bf16> buffer(kRowsPerPass * kBlockN);
     std::vector<RowLanes> lanes(kRowsPerPass);
     alignas(64) int16_t max_keys[kBlockN], min_keys[kBlockN], blocks[kBlockN];
@@ -422,7 +582,7 @@ at::Tensor blocked_linear_argmax(const at::Tensor& x, const at::Tensor& packed, 
       }
       for (int64_t b = begin; b < end; ++b) {
         const int64_t col = b * kBlockN, width = std::min(kBlockN, n - col);
-        run_rows<bf16>(rows, xp + row * k, k, wp + col * k, width, k, nullptr, buffer.data(), kBlockN);
+        bf16_rows(amx, rows, xp + row * k, k, wp + col * k, width, buffer.data(), kBlockN);
         const __mmask32 valid[2] = {width >= 32 ? ~__mmask32(0) : __mmask32((1ull << width) - 1),
                                     width >= 64 ? ~__mmask32(0)
                                                 : width > 32 ? __mmask32((1ull << (width - 32)) - 1) : __mmask32(0)};
@@ -475,9 +635,10 @@ at::Tensor blocked_linear_argmax(const at::Tensor& x, const at::Tensor& packed, 
     }
     if (nan) {  // the row's logits, computed alone (the same values: rows never mix), and their first NaN
       row_logits.resize(n);
+      prepare_thread(amx);
       for (int64_t b = 0; b < num_blocks; ++b) {
         const int64_t col = b * kBlockN, width = std::min(kBlockN, n - col);
-        run_rows<bf16>(1, xp + r * k, k, wp + col * k, width, k, nullptr, row_logits.data() + col, n);
+        bf16_rows(amx, 1, xp + r * k, k, wp + col * k, width, row_logits.data() + col, n);
       }
       for (int64_t i = 0; i < n; ++i) {
         if ((row_logits[i].x & 0x7FFF) > kInfKey) {
@@ -491,7 +652,7 @@ at::Tensor blocked_linear_argmax(const at::Tensor& x, const at::Tensor& packed, 
   return out;
 }
 #else
-at::Tensor blocked_linear_argmax(const at::Tensor& x, const at::Tensor&, int64_t) {
+at::Tensor blocked_linear_argmax(const at::Tensor& x, const at::Tensor&, int64_t, bool) {
   TORCH_CHECK(false, "blocked_linear_argmax: this build has no AVX512-BF16 (", x.scalar_type(), ")");
   return at::Tensor();
 }
@@ -500,11 +661,11 @@ at::Tensor blocked_linear_argmax(const at::Tensor& x, const at::Tensor&, int64_t
 }  // namespace
 
 TORCH_LIBRARY(pagedllm_cpu_linear, m) {
-  m.def("blocked_linear_supports(ScalarType dtype) -> bool", &blocked_linear_supports);
+  m.def("blocked_linear_supports(ScalarType dtype, bool amx=False) -> bool", &blocked_linear_supports);
   m.def("blocked_linear_packed_numel(Tensor weight) -> int");
   m.def("blocked_linear_pack(Tensor weight, Tensor(a!)? out=None) -> Tensor");
-  m.def("blocked_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
-  m.def("blocked_linear_argmax(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("blocked_linear(Tensor x, Tensor packed, int out_features, Tensor? bias, bool amx=False) -> Tensor");
+  m.def("blocked_linear_argmax(Tensor x, Tensor packed, int out_features, bool amx=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu_linear, CPU, m) {
