@@ -179,8 +179,11 @@ def _fetch_source(version: str, root: Path, say: Callable[[str], None]) -> None:
     sdist = root / f"llama_cpp_python-{version}.tar.gz"
     if not sdist.is_file():
         say(f"downloading llama-cpp-python {version}'s source distribution into {root}")
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                               f"llama-cpp-python=={version}", "-d", str(root)], capture_output=True, text=True)
+        # the source distribution only: its build requirements (cmake, used by pip to read its metadata)
+        # come as wheels, as `--no-binary :all:` would not have them (it bootstraps cmake from source)
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                               "llama-cpp-python", f"llama-cpp-python=={version}", "-d", str(root)],
+                              capture_output=True, text=True)
         if done.returncode != 0 or not sdist.is_file():
             raise LlamaCppError(f"pip download of llama-cpp-python=={version} failed:\n{done.stderr[-2000:]}")
     staging = root / f".unpack-{version}-{os.getpid()}"
