@@ -27,6 +27,12 @@
 // sums are exact; the fp32 steps run per row in the same sequence whether the row is computed alone or in
 // a block of four); threads split the output tiles, never k. Rows are computed four at a time per tile so
 // a batch loads (and unpacks) each weight vector once for four rows.
+//
+// With AMX (amx_int8), batches go sixteen rows at a time through the matrix tiles: per unit of input
+// channels one TDPBSUD (signed activations x unsigned weights) per activation term gives the sixteen rows'
+// int32 sums for the tile's sixteen outputs, the very integers VPDPBUSD sums (integer sums are exact in
+// any order), and the same fp32 steps follow per row. So a row's result is bit for bit the same whichever
+// of the two computed it, and the split between them may follow the batch size.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,6 +40,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include "amx.h"
 
 #include <algorithm>
 #include <type_traits>
@@ -311,6 +319,123 @@ inline void tile_kernel(const TileWeights<S>& tw, const QuantizedRows& q, int64_
   for (int r = 0; r < R; ++r) store16(acc[r], out + r * out_stride);
 }
 
+#if defined(PAGEDLLM_AMX)
+constexpr int kAmxRows = 16;  // rows per AMX group: the tiles' 16 rows
+
+// Tiles, in two sets that alternate unit by unit (the products of one unit run while the fp32 steps of
+// the previous one do): 0, 1 and 5, 6 the int32 sums of the two activation terms [16 rows][16 outputs];
+// 2 and 3 the terms' int8 activations [16 rows][unit]; 4 and 7 the unit's unsigned weight bytes
+// [unit / 4][16 outputs x 4].
+void load_qlinear_amx_config(int64_t unit) {
+  pagedllm_amx::TileConfig config;
+  for (int t : {0, 1, 5, 6}) config.tile(t, kAmxRows, 64);
+  config.tile(2, kAmxRows, static_cast<int>(unit)).tile(3, kAmxRows, static_cast<int>(unit));
+  config.tile(4, static_cast<int>(unit / 4), 64).tile(7, static_cast<int>(unit / 4), 64);
+  config.load();
+}
+
+// The unit's weights as the bytes tile 4 / 7 reads: 8-bit weights as stored, 4- to 6-bit ones unpacked
+// (low nibbles of k-quad 2t, high nibbles of 2t + 1, plus their bit planes) into `buffer`.
+template <int BITS, typename S>
+inline const uint8_t* unit_weight_bytes(const TileWeights<S>& tw, int64_t k0, int64_t unit, uint8_t* buffer) {
+  if constexpr (BITS == 8) {
+    return tw.w + k0 * kTile;  // [unit / 4][16][4]
+  } else {
+    constexpr int kPlanes = bit_planes(BITS);
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const uint8_t* wp = tw.w + k0 * kTile / 2;
+    for (int64_t kk = 0; kk < unit; kk += 8) {
+      __m512i packed = _mm512_loadu_si512(wp + kk * kTile / 2);
+      __m512i wlo = _mm512_and_si512(packed, nibble);
+      __m512i whi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      if constexpr (kPlanes > 0) {
+        const uint64_t* planes = tw.high + (k0 + kk) / 8 * kPlanes * 2;
+        for (int p = 0; p < kPlanes; ++p) {
+          const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << p));
+          wlo = _mm512_mask_add_epi8(wlo, _cvtu64_mask64(planes[2 * p]), wlo, bit);
+          whi = _mm512_mask_add_epi8(whi, _cvtu64_mask64(planes[2 * p + 1]), whi, bit);
+        }
+      }
+      _mm512_store_si512(buffer + kk / 4 * 64, wlo);
+      _mm512_store_si512(buffer + (kk / 4 + 1) * 64, whi);
+    }
+    return buffer;
+  }
+}
+
+// One unit's integer sums of the 16 rows into sums[term][row][output], by the tile set `set` (0 or 1).
+template <int BITS, int TERMS, typename S>
+inline void unit_products(const TileWeights<S>& tw, const int8_t* xq, const int8_t* xq2, int64_t k, int64_t k0,
+                          int64_t unit, int set, uint8_t* buffer, int32_t (*sums)[kAmxRows * kTile]) {
+  const uint8_t* b = unit_weight_bytes<BITS>(tw, k0, unit, buffer);
+  if (set == 0) {
+    _tile_loadd(4, b, 64);
+    _tile_zero(0);
+    _tile_loadd(2, xq + k0, k);
+    _tile_dpbsud(0, 2, 4);
+    _tile_stored(0, sums[0], kTile * sizeof(int32_t));
+    if constexpr (TERMS == 2) {
+      _tile_zero(1);
+      _tile_loadd(3, xq2 + k0, k);
+      _tile_dpbsud(1, 3, 4);
+      _tile_stored(1, sums[1], kTile * sizeof(int32_t));
+    }
+  } else {
+    _tile_loadd(7, b, 64);
+    _tile_zero(5);
+    _tile_loadd(2, xq + k0, k);
+    _tile_dpbsud(5, 2, 7);
+    _tile_stored(5, sums[0], kTile * sizeof(int32_t));
+    if constexpr (TERMS == 2) {
+      _tile_zero(6);
+      _tile_loadd(3, xq2 + k0, k);
+      _tile_dpbsud(6, 3, 7);
+      _tile_stored(6, sums[1], kTile * sizeof(int32_t));
+    }
+  }
+}
+
+// tile_kernel for 16 rows through the tiles: the same integers per unit, the same fp32 steps per row.
+template <int BITS, int TERMS, typename S, typename T>
+void tile_kernel_amx(const TileWeights<S>& tw, const QuantizedRows& q, int64_t row0, int64_t k, int64_t group,
+                     T* out, int64_t out_stride) {
+  const int64_t blocks = k / kBlock, groups = k / group;
+  const int64_t unit = group < kBlock ? group : kBlock, units = k / unit, units_per_group = group / unit;
+  alignas(64) uint8_t buffers[2][kBlock / 4 * 64];
+  alignas(64) int32_t sums[2][2][kAmxRows * kTile];  // [set][term][row][output]
+  __m512 acc[kAmxRows], facc[kAmxRows];
+  const int8_t* xq = q.xq.data() + row0 * k;
+  const int8_t* xq2 = TERMS == 2 ? q.xq2.data() + row0 * k : nullptr;
+  for (int r = 0; r < kAmxRows; ++r) acc[r] = facc[r] = _mm512_setzero_ps();
+  unit_products<BITS, TERMS>(tw, xq, xq2, k, 0, unit, 0, buffers[0], sums[0]);
+  for (int64_t u = 0; u < units; ++u) {
+    if (u + 1 < units)  // the next unit's products, while this one's fp32 steps run
+      unit_products<BITS, TERMS>(tw, xq, xq2, k, (u + 1) * unit, unit, (u + 1) & 1, buffers[(u + 1) & 1],
+                                 sums[(u + 1) & 1]);
+    const int32_t(*unit_sums)[kAmxRows * kTile] = sums[u & 1];
+    const int64_t block = u * unit / kBlock;
+    for (int r = 0; r < kAmxRows; ++r) {
+      facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(unit_sums[0] + r * kTile)),
+                                _mm512_set1_ps(q.d[(row0 + r) * blocks + block]), facc[r]);
+      if constexpr (TERMS == 2)
+        facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(unit_sums[1] + r * kTile)),
+                                  _mm512_set1_ps(q.d2[(row0 + r) * blocks + block]), facc[r]);
+    }
+    if ((u + 1) % units_per_group == 0) {
+      const int64_t g = u / units_per_group;
+      __m512 s = group_scales(tw, g);
+      __m512 mn = tw.mins ? group_mins(tw, g) : _mm512_mul_ps(s, _mm512_set1_ps(tw.min_factor));
+      for (int r = 0; r < kAmxRows; ++r) {
+        acc[r] = _mm512_fmadd_ps(facc[r], s, acc[r]);
+        acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(q.xs[(row0 + r) * groups + g]), acc[r]);
+        facc[r] = _mm512_setzero_ps();
+      }
+    }
+  }
+  for (int r = 0; r < kAmxRows; ++r) store16(acc[r], out + r * out_stride);
+}
+#endif  // PAGEDLLM_AMX
+
 // Rows up to this many are quantized by each thread for itself, inside the parallel region (the same
 // bits on every thread): a decode step's linear would otherwise start with one thread quantizing while the
 // other waits and memory idles; with the first lines of its tiles asked for before it starts, the
@@ -329,9 +454,15 @@ void qlinear_impl(const T* x, int64_t x_stride, const uint8_t* w, const uint64_t
   thread_local QuantizedRows calling_thread_rows;
   if (!local) quantize_rows<T>(x, m, k, x_stride, group, TERMS, calling_thread_rows);
   const QuantizedRows* shared = &calling_thread_rows;  // (a thread_local named in the region is the thread's own)
+#if defined(PAGEDLLM_AMX)
+  const bool amx = m >= kAmxRows && pagedllm_amx::tiles_permitted();
+#endif
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     const QuantizedRows* rows = shared;
     thread_local QuantizedRows own;
+#if defined(PAGEDLLM_AMX)
+    if (amx) load_qlinear_amx_config(group < kBlock ? group : kBlock);
+#endif
     if (local) {
       const uint8_t* first = w + begin * tile_low_bytes;
       const int64_t warm = std::min((end - begin) * tile_low_bytes, kPrefetchBytes);
@@ -346,7 +477,12 @@ void qlinear_impl(const T* x, int64_t x_stride, const uint8_t* w, const uint64_t
         const TileWeights<S> tw{w + t * tile_low_bytes, high + t * tile_masks, scales + t * groups * kTile,
                                 mins ? mins + t * groups * kTile : nullptr, min_factor,
                                 super ? super + t * supers * 2 * kTile : nullptr, groups_per_super};
-        for (int64_t r0 = c0; r0 < c1; r0 += kRows) {
+        int64_t r0 = c0;
+#if defined(PAGEDLLM_AMX)
+        for (; amx && r0 + kAmxRows <= c1; r0 += kAmxRows)
+          tile_kernel_amx<BITS, TERMS, S, T>(tw, q, r0, k, group, y + r0 * n + t * kTile, n);
+#endif
+        for (; r0 < c1; r0 += kRows) {
           T* out = y + r0 * n + t * kTile;
           switch (std::min<int64_t>(kRows, c1 - r0)) {
             case 4: tile_kernel<BITS, TERMS, S, 4>(tw, q, r0, k, group, out, n); break;
