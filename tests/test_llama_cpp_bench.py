@@ -30,7 +30,7 @@ def _fake_build(root: Path, report: str, calls_log: Path) -> llama_cpp.LlamaCppB
         script = build.binary(name)
         script.write_text(f'#!/bin/sh\necho "$@" >> {calls_log}\ncat {report_file}\n')
         script.chmod(script.stat().st_mode | stat.S_IXUSR)
-    build.stamp.write_text(" ".join(llama_cpp.CMAKE_FLAGS))
+    build.stamp.write_text(" ".join(llama_cpp.cmake_flags()))
     return build
 
 

@@ -53,6 +53,19 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_TOOLS=ON",
 )
 
+# ggml's AMX kernels (compiled in wherever -march=native defines __AMX_INT8__) crash llama-bench on quantized
+# files on the AMX Xeons these benchmarks run on (exit -11 at load, 0.3.36); there it is built without them,
+# as its AVX-512 path.
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def cmake_flags() -> tuple[str, ...]:
+    """CMAKE_FLAGS, plus compiler flags that leave ggml's AMX kernels out on a CPU that has AMX."""
+    if "amx_tile" not in cpu_flags():
+        return CMAKE_FLAGS
+    return (*CMAKE_FLAGS, f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}")
+
+
 # GGUF types the converter writes directly; every other type is quantized from the BF16 file
 CONVERT_TYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 # llama-quantize's types (its `--help` list), the ones a benchmark asks for
@@ -128,7 +141,7 @@ class LlamaCppBuild:
     def is_built(self) -> bool:
         """The binaries are there and were built with today's flags (changed flags rebuild in place)."""
         return (all(os.access(self.binary(name), os.X_OK) for name in BINARIES) and self.stamp.is_file()
-                and self.stamp.read_text() == " ".join(CMAKE_FLAGS))
+                and self.stamp.read_text() == " ".join(cmake_flags()))
 
 
 def build_paths(version: str = LLAMA_CPP_PYTHON_VERSION, root: Path | None = None) -> LlamaCppBuild:
@@ -153,7 +166,7 @@ def _locked(root: Path) -> Iterator[None]:
 
 
 def cmake_configure_command(build: LlamaCppBuild) -> list[str]:
-    return ["cmake", "-S", str(build.source_dir), "-B", str(build.build_dir), *CMAKE_FLAGS]
+    return ["cmake", "-S", str(build.source_dir), "-B", str(build.build_dir), *cmake_flags()]
 
 
 def cmake_build_command(build: LlamaCppBuild, jobs: int) -> list[str]:
@@ -216,7 +229,7 @@ def ensure_built(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2, say: Ca
         say(f"building llama.cpp ({', '.join(BINARIES)}) for this CPU with {jobs} jobs; log: {log}")
         _run_logged(cmake_configure_command(build), log, "cmake configure of llama.cpp")
         _run_logged(cmake_build_command(build, jobs), log, "cmake build of llama.cpp")
-        build.stamp.write_text(" ".join(CMAKE_FLAGS))
+        build.stamp.write_text(" ".join(cmake_flags()))
     if not build.is_built():
         raise LlamaCppError(f"the llama.cpp build finished without {', '.join(BINARIES)} in {build.build_dir / 'bin'}")
     return build
