@@ -41,7 +41,9 @@ struct alignas(64) TileConfig {
     colsb[t] = static_cast<uint16_t>(bytes_per_row);
     return *this;
   }
-  void load() const { _tile_loadconfig(this); }
+  // Not _tile_loadconfig: GCC 12 declares its operand as the first 8 bytes only, so the stores that fill
+  // the rest of the configuration may be dropped as dead and LDTILECFG faults on what is left.
+  void load() const { asm volatile("ldtilecfg %0" : : "m"(*this)); }
 };
 
 }  // namespace pagedllm_amx

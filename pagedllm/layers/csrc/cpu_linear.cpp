@@ -335,13 +335,20 @@ void blocked_linear_impl(const T* x, int64_t m, int64_t k, const T* w, int64_t n
 #if defined(PAGEDLLM_AMX)
 // A full block (64 outputs) of up to 16 rows is four 16 x 16 fp32 accumulator tiles (tmm0-3). Each step of
 // 32 k loads the rows' 16 x 32 bf16 (tmm4) and, per 16 outputs, the block's 16 pairs x 16 outputs x 2 (tmm5
-// and tmm6 in turn: rows of the k-major block, 256 bytes apart) for one TDPBF16PS.
+// and tmm6 in turn: rows of the k-major block, 256 bytes apart) for one TDPBF16PS. A call of fewer than 16
+// rows configures its row tiles to exactly that many rows (a product costs in proportion to its rows, and
+// x is read in place); larger calls take 16, and their last partial tile is padded.
 constexpr int64_t kAmxRows = 16;
 constexpr int64_t kAmxPairs = 16;  // pairs of k per tile step: 64 bytes of a row
 
-void load_amx_config() {
+thread_local int64_t amx_tile_rows = 0;  // the rows of the row tiles this thread configured last
+
+// The tile configuration for a call of m rows, on this thread.
+void load_amx_config(int64_t m) {
+  amx_tile_rows = std::min(m, kAmxRows);
   pagedllm_amx::TileConfig config;
-  for (int t = 0; t < 7; ++t) config.tile(t, kAmxRows, 64);
+  for (int t = 0; t < 5; ++t) config.tile(t, static_cast<int>(amx_tile_rows), 64);
+  config.tile(5, kAmxRows, 64).tile(6, kAmxRows, 64);
   config.load();
 }
 
@@ -363,7 +370,7 @@ inline void amx_block_sums(const uint16_t* x, int64_t x_stride, int64_t rows, co
                            AmxScratch& scratch) {
   const uint16_t* a = x;
   int64_t a_stride = x_stride;
-  if (rows < kAmxRows) {
+  if (rows < amx_tile_rows) {
     for (int64_t r = 0; r < rows; ++r) std::memcpy(scratch.rows.data() + r * k, x + r * x_stride, k * sizeof(uint16_t));
     a = scratch.rows.data();
     a_stride = k;
@@ -433,7 +440,7 @@ void amx_linear_impl(const c10::BFloat16* x, int64_t m, int64_t k, const c10::BF
   const int64_t num_blocks = (n + kBlockN - 1) / kBlockN;
   at::parallel_for(0, num_blocks, block_grain<c10::BFloat16>(k), [&](int64_t begin, int64_t end) {
     AmxScratch& scratch = AmxScratch::get(k);
-    load_amx_config();
+    load_amx_config(m);
     for (int64_t row = 0; row < m; row += kRowsPerPass) {
       const int64_t rows = std::min(kRowsPerPass, m - row);
       for (int64_t b = begin; b < end; ++b) {
@@ -534,11 +541,12 @@ inline void bf16_rows(bool amx, int64_t rows, const c10::BFloat16* x, int64_t k,
   run_rows<c10::BFloat16>(rows, x, k, w, width, k, nullptr, y, y_stride);
 }
 
-inline void prepare_thread(bool amx) {
+inline void prepare_thread(bool amx, int64_t m) {
 #if defined(PAGEDLLM_AMX)
-  if (amx) load_amx_config();
+  if (amx) load_amx_config(m);
 #else
   (void)amx;
+  (void)m;
 #endif
 }
 
@@ -567,7 +575,7 @@ at::Tensor blocked_linear_argmax(const at::Tensor& x, const at::Tensor& packed, 
   std::vector<ChunkArgmax> chunks;
   at::parallel_for(0, num_blocks, block_grain<bf16>(k), [&](int64_t begin, int64_t end) {
     ChunkArgmax chunk{begin, std::vector<int16_t>(m), std::vector<int64_t>(m), std::vector<uint8_t>(m)};
-    prepare_thread(amx);
+    prepare_thread(amx, m);
     std::vector<bf16> buffer(kRowsPerPass * kBlockN);
     std::vector<RowLanes> lanes(kRowsPerPass);
     alignas(64) int16_t max_keys[kBlockN], min_keys[kBlockN], blocks[kBlockN];
@@ -635,7 +643,7 @@ at::Tensor blocked_linear_argmax(const at::Tensor& x, const at::Tensor& packed, 
     }
     if (nan) {  // the row's logits, computed alone (the same values: rows never mix), and their first NaN
       row_logits.resize(n);
-      prepare_thread(amx);
+      prepare_thread(amx, 1);
       for (int64_t b = 0; b < num_blocks; ++b) {
         const int64_t col = b * kBlockN, width = std::min(kBlockN, n - col);
         bf16_rows(amx, 1, xp + r * k, k, wp + col * k, width, row_logits.data() + col, n);
