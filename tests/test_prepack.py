@@ -135,6 +135,11 @@ def test_blocked_kernel_against_float64(dtype: torch.dtype, out_features: int, i
     theirs = (F.linear(x, weight, bias).double() - exact).abs().max()
     scale = exact.abs().max()
     assert ours <= max(2 * theirs, (1e-2 if dtype == torch.bfloat16 else 1e-5) * scale), (ours, theirs)
+    # each row alone is the batch's row (on AMX tiles: exact row tiles, padded ones, and k in chunks)
+    rows = torch.randn(37, in_features, dtype=dtype)
+    batch = BlockedLinear(out_features, amx)(rows, packed, bias)
+    for r in (0, 15, 16, 36):
+        assert torch.equal(BlockedLinear(out_features, amx)(rows[r:r + 1], packed, bias), batch[r:r + 1]), r
 
 
 def test_prepack_off(monkeypatch: pytest.MonkeyPatch) -> None:

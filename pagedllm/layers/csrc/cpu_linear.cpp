@@ -353,35 +353,42 @@ void load_amx_config(int64_t m) {
 }
 
 // A thread's buffers: a partial row tile's rows padded to 16 (the rows past them are never stored), and
-// the tile's fp32 sums.
+// the fp32 sums of a block's rows.
 struct AmxScratch {
   std::vector<uint16_t> rows;
-  alignas(64) float acc[kAmxRows * kBlockN];
+  std::vector<float> sums;
 
   static AmxScratch& get(int64_t k) {
     thread_local AmxScratch scratch;
     if (static_cast<int64_t>(scratch.rows.size()) < kAmxRows * k) scratch.rows.assign(kAmxRows * k, 0);
+    if (scratch.sums.empty()) scratch.sums.assign(kRowsPerPass * kBlockN, 0.f);
     return scratch;
   }
 };
 
-// acc[r][0..64) = the sums over k of row r of x (rows <= 16) with a full block's weights `w`.
-inline void amx_block_sums(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16_t* w, int64_t k,
-                           AmxScratch& scratch) {
-  const uint16_t* a = x;
-  int64_t a_stride = x_stride;
-  if (rows < amx_tile_rows) {
-    for (int64_t r = 0; r < rows; ++r) std::memcpy(scratch.rows.data() + r * k, x + r * x_stride, k * sizeof(uint16_t));
-    a = scratch.rows.data();
-    a_stride = k;
-  }
+// Steps of 32 k per chunk when a block has several row tiles: the block's 256 k x 64 outputs (32 KiB)
+// stay in L1 while every row tile of the pass goes through them, their sums saved and reloaded between
+// chunks as they are (fp32, exact), so each output is still one sum in k order.
+constexpr int64_t kAmxChunkSteps = 8;
+
+// The k steps [s0, s1) of one row tile: rows `a` (stride a_stride), the block's weights `w`, the sums in
+// c [16][64] (zero at s0 == 0).
+inline void amx_tile_steps(const uint16_t* a, int64_t a_stride, const uint16_t* w, int64_t s0, int64_t s1,
+                           float* c) {
   constexpr int64_t w_stride = kBlockN * 2 * sizeof(uint16_t);  // one pair of k of the block
-  const int64_t pairs = k / 2, steps = pairs / kAmxPairs;
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t s = 0; s < steps; ++s) {
+  constexpr int64_t c_stride = kBlockN * sizeof(float);
+  if (s0 == 0) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else {
+    _tile_loadd(0, c, c_stride);
+    _tile_loadd(1, c + 16, c_stride);
+    _tile_loadd(2, c + 32, c_stride);
+    _tile_loadd(3, c + 48, c_stride);
+  }
+  for (int64_t s = s0; s < s1; ++s) {
     const uint16_t* ws = w + s * kAmxPairs * 2 * kBlockN;
     _tile_loadd(4, a + s * 2 * kAmxPairs, a_stride * sizeof(uint16_t));
     _tile_loadd(5, ws, w_stride);
@@ -393,11 +400,32 @@ inline void amx_block_sums(const uint16_t* x, int64_t x_stride, int64_t rows, co
     _tile_loadd(6, ws + 96, w_stride);
     _tile_dpbf16ps(3, 4, 6);
   }
-  float* acc = scratch.acc;
-  _tile_stored(0, acc, kBlockN * sizeof(float));
-  _tile_stored(1, acc + 16, kBlockN * sizeof(float));
-  _tile_stored(2, acc + 32, kBlockN * sizeof(float));
-  _tile_stored(3, acc + 48, kBlockN * sizeof(float));
+  _tile_stored(0, c, c_stride);
+  _tile_stored(1, c + 16, c_stride);
+  _tile_stored(2, c + 32, c_stride);
+  _tile_stored(3, c + 48, c_stride);
+}
+
+// sums[r][0..64) = the sums over k of each of `rows` rows of x with a full block's weights `w`.
+inline void amx_block_sums(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16_t* w, int64_t k,
+                           AmxScratch& scratch) {
+  const int64_t pairs = k / 2, steps = pairs / kAmxPairs;
+  const int64_t full = rows < amx_tile_rows ? 0 : rows / amx_tile_rows * amx_tile_rows;  // rows read in place
+  if (full < rows) {  // the partial row tile, padded
+    for (int64_t r = full; r < rows; ++r)
+      std::memcpy(scratch.rows.data() + (r - full) * k, x + r * x_stride, k * sizeof(uint16_t));
+  }
+  float* acc = scratch.sums.data();
+  const int64_t chunk = rows > amx_tile_rows ? kAmxChunkSteps : std::max<int64_t>(steps, 1);
+  for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
+    const int64_t s1 = std::min(steps, s0 + chunk);
+    for (int64_t r0 = 0; r0 < rows; r0 += amx_tile_rows) {
+      const bool in_place = r0 < full;
+      amx_tile_steps(in_place ? x + r0 * x_stride : scratch.rows.data(), in_place ? x_stride : k, w, s0, s1,
+                     acc + r0 * kBlockN);
+    }
+  }
+  if (steps == 0) std::fill(acc, acc + rows * kBlockN, 0.f);
   // the pairs after the last whole step (K' not a multiple of 32): VDPBF16PS on the tiles' sums, in k order
   for (int64_t i = steps * kAmxPairs; i < pairs; ++i) {
     for (int64_t r = 0; r < rows; ++r) {
@@ -413,8 +441,8 @@ inline void amx_block_sums(const uint16_t* x, int64_t x_stride, int64_t rows, co
   }
 }
 
-// run_rows by the tiles: a full block in 16-row tiles; a narrower last block by the AVX-512 kernel (for
-// every batch alike, so its columns too are computed one way).
+// run_rows by the tiles (up to kRowsPerPass rows): a full block in 16-row tiles; a narrower last block by
+// the AVX-512 kernel (for every batch alike, so its columns too are computed one way).
 void amx_rows(int64_t rows, const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* w, int64_t width,
               int64_t k, const c10::BFloat16* bias, c10::BFloat16* y, int64_t y_stride, AmxScratch& scratch) {
   if (width != kBlockN) {
@@ -423,16 +451,15 @@ void amx_rows(int64_t rows, const c10::BFloat16* x, int64_t x_stride, const c10:
   }
   __m512 b[4];
   for (int j = 0; j < 4; ++j)
-    b[j] = bias == nullptr ? _mm512_setzero_ps() : bf16x16_to_fp32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + 16 * j)));
-  for (int64_t r0 = 0; r0 < rows; r0 += kAmxRows) {
-    const int64_t tile_rows = std::min(kAmxRows, rows - r0);
-    amx_block_sums(reinterpret_cast<const uint16_t*>(x + r0 * x_stride), x_stride, tile_rows,
-                   reinterpret_cast<const uint16_t*>(w), k, scratch);
-    for (int64_t r = 0; r < tile_rows; ++r)
-      for (int j = 0; j < 4; ++j)
-        store_bf16(y + (r0 + r) * y_stride + 16 * j, _mm512_add_ps(_mm512_load_ps(scratch.acc + r * kBlockN + 16 * j), b[j]),
-                   __mmask16(0xFFFF));
-  }
+    b[j] = bias == nullptr ? _mm512_setzero_ps()
+                           : bf16x16_to_fp32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + 16 * j)));
+  amx_block_sums(reinterpret_cast<const uint16_t*>(x), x_stride, rows, reinterpret_cast<const uint16_t*>(w), k,
+                 scratch);
+  const float* acc = scratch.sums.data();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int j = 0; j < 4; ++j)
+      store_bf16(y + r * y_stride + 16 * j, _mm512_add_ps(_mm512_loadu_ps(acc + r * kBlockN + 16 * j), b[j]),
+                 __mmask16(0xFFFF));
 }
 
 void amx_linear_impl(const c10::BFloat16* x, int64_t m, int64_t k, const c10::BFloat16* w, int64_t n,
