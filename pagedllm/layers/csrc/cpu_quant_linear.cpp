@@ -230,11 +230,30 @@ inline __m512 group_mins<int8_t>(const TileWeights<int8_t>& tw, int64_t g) {
                        load_scales(tw.super + g / tw.groups_per_super * 2 * kTile + kTile));
 }
 
+// A 4- to 6-bit tile's weight bytes for input channels k..k+8 (k a multiple of 8): k-quad 2t in `lo`
+// (the low nibbles), 2t + 1 in `hi` (the high ones), each plus its bit planes (5- and 6-bit weights).
+template <int BITS, typename S>
+inline __attribute__((always_inline)) void unpack_quads(const TileWeights<S>& tw, int64_t k, __m512i& lo,
+                                                        __m512i& hi) {
+  constexpr int kPlanes = bit_planes(BITS);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i packed = _mm512_loadu_si512(tw.w + k * kTile / 2);
+  lo = _mm512_and_si512(packed, nibble);
+  hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+  if constexpr (kPlanes > 0) {
+    const uint64_t* planes = tw.high + k / 8 * kPlanes * 2;
+    for (int p = 0; p < kPlanes; ++p) {
+      const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << p));
+      lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(planes[2 * p]), lo, bit);
+      hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(planes[2 * p + 1]), hi, bit);
+    }
+  }
+}
+
 template <int BITS, int TERMS, typename S, int R, typename T>
 inline void tile_kernel(const TileWeights<S>& tw, const QuantizedRows& q, int64_t row0, int64_t k, int64_t group,
                         T* out, int64_t out_stride) {
   const uint8_t* w = tw.w;
-  constexpr int kPlanes = bit_planes(BITS);
   const int64_t blocks = k / kBlock, groups = k / group;
   const int64_t unit = group < kBlock ? group : kBlock;  // input channels per int32 partial sum
   const int8_t* xq[R];
@@ -249,7 +268,6 @@ inline void tile_kernel(const TileWeights<S>& tw, const QuantizedRows& q, int64_
     d2[r] = TERMS == 2 ? q.d2.data() + (row0 + r) * blocks : nullptr;
     xs[r] = q.xs.data() + (row0 + r) * groups;
   }
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -277,17 +295,8 @@ inline void tile_kernel(const TileWeights<S>& tw, const QuantizedRows& q, int64_
         const uint8_t* wp = w + k0 * kTile / 2;
         if constexpr (R == 1) prefetch_ahead(wp, unit * kTile / 2);
         for (int64_t kk = 0; kk < unit; kk += 8) {
-          __m512i packed = _mm512_loadu_si512(wp + kk * kTile / 2);
-          __m512i wlo = _mm512_and_si512(packed, nibble);
-          __m512i whi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-          if constexpr (kPlanes > 0) {
-            const uint64_t* planes = tw.high + (k0 + kk) / 8 * kPlanes * 2;
-            for (int p = 0; p < kPlanes; ++p) {
-              const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << p));
-              wlo = _mm512_mask_add_epi8(wlo, _cvtu64_mask64(planes[2 * p]), wlo, bit);
-              whi = _mm512_mask_add_epi8(whi, _cvtu64_mask64(planes[2 * p + 1]), whi, bit);
-            }
-          }
+          __m512i wlo, whi;
+          unpack_quads<BITS>(tw, k0 + kk, wlo, whi);
           for (int r = 0; r < R; ++r) {
             int32_t xb0, xb1;
             std::memcpy(&xb0, xq[r] + k0 + kk, 4);
@@ -341,21 +350,9 @@ inline const uint8_t* unit_weight_bytes(const TileWeights<S>& tw, int64_t k0, in
   if constexpr (BITS == 8) {
     return tw.w + k0 * kTile;  // [unit / 4][16][4]
   } else {
-    constexpr int kPlanes = bit_planes(BITS);
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const uint8_t* wp = tw.w + k0 * kTile / 2;
     for (int64_t kk = 0; kk < unit; kk += 8) {
-      __m512i packed = _mm512_loadu_si512(wp + kk * kTile / 2);
-      __m512i wlo = _mm512_and_si512(packed, nibble);
-      __m512i whi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-      if constexpr (kPlanes > 0) {
-        const uint64_t* planes = tw.high + (k0 + kk) / 8 * kPlanes * 2;
-        for (int p = 0; p < kPlanes; ++p) {
-          const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << p));
-          wlo = _mm512_mask_add_epi8(wlo, _cvtu64_mask64(planes[2 * p]), wlo, bit);
-          whi = _mm512_mask_add_epi8(whi, _cvtu64_mask64(planes[2 * p + 1]), whi, bit);
-        }
-      }
+      __m512i wlo, whi;
+      unpack_quads<BITS>(tw, k0 + kk, wlo, whi);
       _mm512_store_si512(buffer + kk / 4 * 64, wlo);
       _mm512_store_si512(buffer + (kk / 4 + 1) * 64, whi);
     }
@@ -363,36 +360,31 @@ inline const uint8_t* unit_weight_bytes(const TileWeights<S>& tw, int64_t k0, in
   }
 }
 
-// One unit's integer sums of the 16 rows into sums[term][row][output], by the tile set `set` (0 or 1).
+// One unit's integer sums of the 16 rows into sums[term][row][output], by the tile set `set`: 0 (the
+// sums in tiles 0 and 1, the weight bytes in 4) or 1 (5, 6 and 7). The tile intrinsics take literal tile
+// numbers, hence the macro.
 template <int BITS, int TERMS, typename S>
 inline void unit_products(const TileWeights<S>& tw, const int8_t* xq, const int8_t* xq2, int64_t k, int64_t k0,
                           int64_t unit, int set, uint8_t* buffer, int32_t (*sums)[kAmxRows * kTile]) {
   const uint8_t* b = unit_weight_bytes<BITS>(tw, k0, unit, buffer);
-  if (set == 0) {
-    _tile_loadd(4, b, 64);
-    _tile_zero(0);
-    _tile_loadd(2, xq + k0, k);
-    _tile_dpbsud(0, 2, 4);
-    _tile_stored(0, sums[0], kTile * sizeof(int32_t));
-    if constexpr (TERMS == 2) {
-      _tile_zero(1);
-      _tile_loadd(3, xq2 + k0, k);
-      _tile_dpbsud(1, 3, 4);
-      _tile_stored(1, sums[1], kTile * sizeof(int32_t));
-    }
-  } else {
-    _tile_loadd(7, b, 64);
-    _tile_zero(5);
-    _tile_loadd(2, xq + k0, k);
-    _tile_dpbsud(5, 2, 7);
-    _tile_stored(5, sums[0], kTile * sizeof(int32_t));
-    if constexpr (TERMS == 2) {
-      _tile_zero(6);
-      _tile_loadd(3, xq2 + k0, k);
-      _tile_dpbsud(6, 3, 7);
-      _tile_stored(6, sums[1], kTile * sizeof(int32_t));
-    }
+#define PAGEDLLM_UNIT_PRODUCTS(C0, C1, W)                   \
+  _tile_loadd(W, b, 64);                                    \
+  _tile_zero(C0);                                           \
+  _tile_loadd(2, xq + k0, k);                               \
+  _tile_dpbsud(C0, 2, W);                                   \
+  _tile_stored(C0, sums[0], kTile * sizeof(int32_t));       \
+  if constexpr (TERMS == 2) {                               \
+    _tile_zero(C1);                                         \
+    _tile_loadd(3, xq2 + k0, k);                            \
+    _tile_dpbsud(C1, 3, W);                                 \
+    _tile_stored(C1, sums[1], kTile * sizeof(int32_t));     \
   }
+  if (set == 0) {
+    PAGEDLLM_UNIT_PRODUCTS(0, 1, 4)
+  } else {
+    PAGEDLLM_UNIT_PRODUCTS(5, 6, 7)
+  }
+#undef PAGEDLLM_UNIT_PRODUCTS
 }
 
 // tile_kernel for 16 rows through the tiles: the same integers per unit, the same fp32 steps per row.
