@@ -111,6 +111,19 @@ def test_bf16_decode_matches_naive_at_other_head_sizes(head_dim: int) -> None:
                                    **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("head_dim", [32, 96, 128])
+def test_bf16_prefill_matches_naive_at_other_head_sizes(head_dim: int) -> None:
+    """Prefill chunks of a bf16 cache (on AMX tiles where the CPU has them: Q K^T and P V by the tiles, rows
+    padded to 16) for every head size that path takes, fresh and after a cached prefix, with a last block
+    partly filled and 1 to 7 query rows per KV head."""
+    for group in (1, 7):
+        step = random_step([40, 300, 129], [40, 37, 64], 16, 2, group, head_dim, torch.bfloat16,
+                           seed=head_dim + group)
+        scale = head_dim ** -0.5
+        torch.testing.assert_close(cpu_flash.paged_attention(*step, scale).double(), naive_attention(*step, scale),
+                                   **TOL[torch.bfloat16])
+
+
 def poison_outside_window(step, sliding_window):
     """The step with every block wholly before its first query's window replaced by a block of NaNs:
     a kernel that reads such a block (a sliding layer's freed block) instead of skipping it gives NaN."""

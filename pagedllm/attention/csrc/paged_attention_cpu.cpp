@@ -36,6 +36,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "amx.h"
 #include "fast_exp.h"
 
 #include <algorithm>
@@ -600,6 +601,148 @@ inline void prefetch_item(const WorkItem& w, const cache_t* kv_cache, const int6
   }
 }
 
+#if defined(PAGEDLLM_AMX)
+// A prefill item (16 or more query rows per KV head) of a bf16 cache on AMX tiles: per 16-row tile and
+// 16-key block, the scores Q K^T by TDPBF16PS (the unscaled bf16 query, as decode's dot products take
+// it, then scaled), the online-softmax update in AVX-512, and P V by TDPBF16PS on the probabilities
+// rounded to bf16 (as decode rounds them), added to the rows' accumulators after their rescale. Keys a
+// row must not see (past its position, or outside the item's range) score -inf. Rows are padded to 16;
+// the padding's results are never stored. Tiles: 0 the scores [16][16]; 1 the query rows [16][32 of
+// head_dim]; 2 the keys as pairs [16 pairs of head_dim][16 keys x 2]; 3 the probabilities [16][16 keys];
+// 4 the values as pairs [8 pairs of keys][16 of head_dim x 2]; 5 a P V slice [16][16].
+constexpr int64_t kAmxAttnRows = 16;
+
+template <typename cache_t>
+void run_item_amx(const WorkItem& w, const c10::BFloat16* query, const cache_t* kv_cache, const int64_t* block_table,
+                  int64_t q_row0, int64_t seq_len, int64_t query_len, int64_t num_heads, int64_t num_kv_heads,
+                  CacheStrides cs, int64_t head_dim, float scale, c10::BFloat16* out, float* partial_acc,
+                  float* partial_max, float* partial_sum, std::vector<float>& scratch) {
+  constexpr int64_t BS = 16;
+  const int64_t group = num_heads / num_kv_heads, D = head_dim;
+  const int64_t rows = (w.q_end - w.q_begin) * group;
+  const int64_t padded = (rows + kAmxAttnRows - 1) / kAmxAttnRows * kAmxAttnRows;
+  // q (bf16 [padded][D]), acc [padded][D], row_max, row_sum, the block's K and V as pairs, scores, P V
+  scratch.resize(padded * D / 2 + padded * D + 2 * padded + 2 * BS * D / 2 + BS * BS + kAmxAttnRows * D + 64);
+  uint16_t* q = reinterpret_cast<uint16_t*>(scratch.data());
+  float* acc = scratch.data() + padded * D / 2;
+  float* row_max = acc + padded * D;
+  float* row_sum = row_max + padded;
+  uint32_t* k_pairs = reinterpret_cast<uint32_t*>(row_sum + padded);  // [D / 2][BS]
+  uint32_t* v_pairs = k_pairs + BS * D / 2;                            // [BS / 2][D]
+  float* scores = reinterpret_cast<float*>(v_pairs + BS * D / 2);      // [16][16]
+  float* pv = scores + BS * BS;                                        // [16][D]
+  alignas(64) uint16_t probs[kAmxAttnRows * BS];
+
+  for (int64_t m = 0; m < padded; ++m) {
+    uint16_t* qm = q + m * D;
+    if (m < rows) {
+      const int64_t t = w.q_begin + m / group, g = m % group;
+      std::memcpy(qm, query + ((q_row0 + t) * num_heads + w.kv_head * group + g) * D, D * sizeof(uint16_t));
+    } else {
+      std::memset(qm, 0, D * sizeof(uint16_t));
+    }
+  }
+  std::fill(acc, acc + padded * D, 0.f);
+  std::fill(row_max, row_max + padded, kNegInf);
+  std::fill(row_sum, row_sum + padded, 0.f);
+
+  pagedllm_amx::TileConfig config;
+  config.tile(0, kAmxAttnRows, BS * 4).tile(1, kAmxAttnRows, 64).tile(2, 16, BS * 4);
+  config.tile(3, kAmxAttnRows, BS * 2).tile(4, BS / 2, 64).tile(5, kAmxAttnRows, 64);
+  config.load();
+
+  const int64_t first_pos = seq_len - query_len + w.q_begin;
+  const int64_t k_stop = std::min(w.k_end, seq_len - query_len + w.q_end);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t kb = w.k_begin; kb < k_stop; kb = (kb / BS + 1) * BS) {
+    const int64_t logical = kb / BS, block_start = logical * BS;
+    const int64_t j0 = kb - block_start, j1 = std::min(BS, k_stop - block_start);
+    const int64_t physical = block_table[logical];
+    const cache_t* k_src = kv_cache + w.kv_head * cs.head + physical * cs.block;
+    const cache_t* v_src = k_src + cs.part;
+    if (block_start + kPrefetchBlocks * BS < k_stop) {
+      prefetch_tile(kv_cache + w.kv_head * cs.head + block_table[logical + kPrefetchBlocks] * cs.block, cs.part,
+                    BS * D);
+    }
+    // K [BS][D] -> pairs of head_dim [D / 2][BS]; V [BS][D] -> pairs of keys [BS / 2][D]
+    const uint32_t* k32 = reinterpret_cast<const uint32_t*>(k_src);
+    for (int64_t j = 0; j < BS; ++j)
+      for (int64_t p = 0; p < D / 2; ++p) k_pairs[p * BS + j] = k32[j * (D / 2) + p];
+    const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v_src);
+    for (int64_t p = 0; p < BS / 2; ++p)
+      for (int64_t d = 0; d < D; ++d)
+        v_pairs[p * D + d] = static_cast<uint32_t>(v16[2 * p * D + d]) | (static_cast<uint32_t>(v16[(2 * p + 1) * D + d]) << 16);
+
+    for (int64_t r0 = 0; r0 < padded; r0 += kAmxAttnRows) {
+      // a tile whose last row sees none of this block's keys (the rows before the diagonal) has nothing to add
+      const int64_t last = std::min(r0 + kAmxAttnRows, rows) - 1;
+      if (r0 < rows && first_pos + last / group < block_start + j0) continue;
+      _tile_zero(0);
+      for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        _tile_loadd(1, q + r0 * D + d0, D * sizeof(uint16_t));
+        _tile_loadd(2, k_pairs + d0 / 2 * BS, BS * sizeof(uint32_t));
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, scores, BS * sizeof(float));
+      for (int64_t r = 0; r < kAmxAttnRows; ++r) {
+        const int64_t m = r0 + r;
+        // keys j0 <= j < min(j1, pos - block_start + 1) are this row's (padding rows see the range)
+        const int64_t pos = m < rows ? first_pos + m / group : seq_len;
+        const int64_t end = std::min(j1, pos - block_start + 1);
+        const __mmask16 seen = _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(j0)), _MM_CMPINT_NLT) &
+                               _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(end)), _MM_CMPINT_LT);
+        __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(scores + r * BS), _mm512_set1_ps(scale));
+        sv = _mm512_mask_blend_ps(seen, _mm512_set1_ps(kNegInf), sv);
+        const float block_max = seen ? _mm512_reduce_max_ps(sv) : kNegInf;
+        const float new_max = std::max(row_max[m], block_max);
+        __m512 pr = _mm512_setzero_ps();
+        float alpha = 1.f;
+        if (new_max != kNegInf) {
+          pr = _mm512_maskz_mov_ps(seen, fast_exp16(_mm512_sub_ps(sv, _mm512_set1_ps(new_max))));
+          alpha = row_max[m] == kNegInf ? 0.f : pagedllm::fast_exp(row_max[m] - new_max);
+        }
+        // the probabilities rounded to bf16, and the denominator summed from the rounded values
+        const __m256bh pb = _mm512_cvtneps_pbh(pr);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(probs + r * BS), (__m256i)pb);
+        const __m512 prounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)pb), 16));
+        row_sum[m] = row_sum[m] * alpha + _mm512_reduce_add_ps(prounded);
+        row_max[m] = new_max;
+        scores[r * BS] = alpha;  // this row's rescale, kept for the P V step
+      }
+      _tile_loadd(3, probs, BS * sizeof(uint16_t));
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        _tile_zero(5);
+        _tile_loadd(4, v_pairs + d0, D * sizeof(uint32_t));
+        _tile_dpbf16ps(5, 3, 4);
+        _tile_stored(5, pv + d0, D * sizeof(float));
+      }
+      for (int64_t r = 0; r < kAmxAttnRows; ++r) {
+        float* am = acc + (r0 + r) * D;
+        const __m512 alpha = _mm512_set1_ps(scores[r * BS]);
+        for (int64_t d = 0; d < D; d += 16)
+          _mm512_storeu_ps(am + d, _mm512_fmadd_ps(_mm512_loadu_ps(am + d), alpha, _mm512_loadu_ps(pv + r * D + d)));
+      }
+    }
+  }
+
+  for (int64_t m = 0; m < rows; ++m) {
+    const int64_t t = w.q_begin + m / group;
+    const int64_t head = w.kv_head * group + m % group;
+    if (w.partial >= 0) {
+      const int64_t slot = w.partial + m;
+      std::memcpy(partial_acc + slot * D, acc + m * D, D * sizeof(float));
+      partial_max[slot] = row_max[m];
+      partial_sum[slot] = row_sum[m];
+    } else {
+      const float inv = 1.f / row_sum[m];
+      float* am = acc + m * D;
+      for (int64_t d = 0; d < D; ++d) am[d] *= inv;
+      from_float(am, out + ((q_row0 + t) * num_heads + head) * D, D);
+    }
+  }
+}
+#endif  // PAGEDLLM_AMX
+
 template <typename scalar_t, typename cache_t>
 void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache, const int64_t* block_table,
               int64_t q_row0, int64_t seq_len, int64_t query_len, int64_t num_heads, int64_t num_kv_heads,
@@ -608,6 +751,16 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
               float* partial_acc, float* partial_max, float* partial_sum, std::vector<float>& scratch) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t rows = (w.q_end - w.q_begin) * group;  // row m = (query position - q_begin) * group + g
+#if defined(PAGEDLLM_AMX)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
+    if (rows >= 16 && kv_scales == nullptr && window == 0 && soft_cap == 0.f && block_size == 16 &&
+        head_dim % 32 == 0 && pagedllm_amx::tiles_permitted()) {
+      run_item_amx(w, query, kv_cache, block_table, q_row0, seq_len, query_len, num_heads, num_kv_heads, cs,
+                   head_dim, scale, out, partial_acc, partial_max, partial_sum, scratch);
+      return;
+    }
+  }
+#endif
   const int64_t D = head_dim;
   // q_bf16 holds rows * D 16-bit values, i.e. rows * D / 2 floats' room (rounded up).
   scratch.resize(rows * D * 2 + rows * block_size + 2 * rows + 2 * block_size * D + rows * 17 + (rows * D + 1) / 2);
