@@ -1,11 +1,11 @@
-// AMX (Advanced Matrix Extensions) support shared by the linear kernels: whether this build and this
-// process may use the tiles, and the tile configuration they load.
+// AMX (Advanced Matrix Extensions) support shared by the linear and attention kernels: whether this
+// build and this process may use the tiles, and the tile configuration they load.
 //
-// A build has AMX when -march=native saw amx_tile, amx_bf16 and amx_int8 (PAGEDLLM_AMX); a process must still ask Linux for the
-// tile state (arch_prctl ARCH_REQ_XCOMP_PERM, once) before its first tile instruction, or it faults.
-// Tile registers and their configuration are per thread: a kernel loads its configuration at the start of
-// each parallel chunk it runs (LDTILECFG costs about 50 ns, too much per output block), since any other
-// AMX code on the thread (oneDNN's) may have loaded its own in between.
+// A build has AMX when -march=native saw amx_tile, amx_bf16 and amx_int8 (PAGEDLLM_AMX); a process must
+// still ask Linux for the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, once) before its first tile
+// instruction, or it faults. Tile registers and their configuration are per thread: a kernel loads its
+// configuration at the start of each parallel chunk it runs (LDTILECFG costs about 50 ns, too much per
+// output block), since any other AMX code on the thread (oneDNN's) may have loaded its own in between.
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512BF16__)

@@ -601,6 +601,31 @@ inline void prefetch_item(const WorkItem& w, const cache_t* kv_cache, const int6
   }
 }
 
+// An item's rows when its blocks are done: its split's partial result (accumulator, max, denominator) for
+// the log-sum-exp merge, or the normalised output.
+template <typename scalar_t>
+void finish_rows(const WorkItem& w, int64_t rows, int64_t group, int64_t D, int64_t q_row0, int64_t num_heads,
+                 float* acc, const float* row_max, const float* row_sum, scalar_t* out, float* partial_acc,
+                 float* partial_max, float* partial_sum) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const int64_t t = w.q_begin + m / group;
+    const int64_t head = w.kv_head * group + m % group;
+    if (w.partial >= 0) {
+      const int64_t slot = w.partial + m;
+      std::memcpy(partial_acc + slot * D, acc + m * D, D * sizeof(float));
+      partial_max[slot] = row_max[m];
+      partial_sum[slot] = row_sum[m];
+    } else {
+      // Every row sees at least its own key, so row_sum > 0 here.
+      const float inv = 1.f / row_sum[m];
+      float* am = acc + m * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) am[d] *= inv;
+      from_float(am, out + ((q_row0 + t) * num_heads + head) * D, D);
+    }
+  }
+}
+
 #if defined(PAGEDLLM_AMX)
 // A prefill item (16 or more query rows per KV head) of a bf16 cache on AMX tiles: per 16-row tile and
 // 16-key block, the scores Q K^T by TDPBF16PS (the unscaled bf16 query, as decode's dot products take
@@ -671,7 +696,8 @@ void run_item_amx(const WorkItem& w, const c10::BFloat16* query, const cache_t* 
     const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v_src);
     for (int64_t p = 0; p < BS / 2; ++p)
       for (int64_t d = 0; d < D; ++d)
-        v_pairs[p * D + d] = static_cast<uint32_t>(v16[2 * p * D + d]) | (static_cast<uint32_t>(v16[(2 * p + 1) * D + d]) << 16);
+        v_pairs[p * D + d] =
+            static_cast<uint32_t>(v16[2 * p * D + d]) | (static_cast<uint32_t>(v16[(2 * p + 1) * D + d]) << 16);
 
     for (int64_t r0 = 0; r0 < padded; r0 += kAmxAttnRows) {
       // a tile whose last row sees none of this block's keys (the rows before the diagonal) has nothing to add
@@ -725,21 +751,8 @@ void run_item_amx(const WorkItem& w, const c10::BFloat16* query, const cache_t* 
     }
   }
 
-  for (int64_t m = 0; m < rows; ++m) {
-    const int64_t t = w.q_begin + m / group;
-    const int64_t head = w.kv_head * group + m % group;
-    if (w.partial >= 0) {
-      const int64_t slot = w.partial + m;
-      std::memcpy(partial_acc + slot * D, acc + m * D, D * sizeof(float));
-      partial_max[slot] = row_max[m];
-      partial_sum[slot] = row_sum[m];
-    } else {
-      const float inv = 1.f / row_sum[m];
-      float* am = acc + m * D;
-      for (int64_t d = 0; d < D; ++d) am[d] *= inv;
-      from_float(am, out + ((q_row0 + t) * num_heads + head) * D, D);
-    }
-  }
+  finish_rows(w, rows, group, D, q_row0, num_heads, acc, row_max, row_sum, out, partial_acc, partial_max,
+              partial_sum);
 }
 #endif  // PAGEDLLM_AMX
 
@@ -886,23 +899,8 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
     }
   }
 
-  for (int64_t m = 0; m < rows; ++m) {
-    const int64_t t = w.q_begin + m / group;
-    const int64_t head = w.kv_head * group + m % group;
-    if (w.partial >= 0) {
-      const int64_t slot = w.partial + m;
-      std::memcpy(partial_acc + slot * D, acc + m * D, D * sizeof(float));
-      partial_max[slot] = row_max[m];
-      partial_sum[slot] = row_sum[m];
-    } else {
-      // Every row sees at least its own key, so row_sum > 0 here.
-      const float inv = 1.f / row_sum[m];
-      float* am = acc + m * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) am[d] *= inv;
-      from_float(am, out + ((q_row0 + t) * num_heads + head) * D, D);
-    }
-  }
+  finish_rows(w, rows, group, D, q_row0, num_heads, acc, row_max, row_sum, out, partial_acc, partial_max,
+              partial_sum);
 }
 
 template <typename scalar_t, typename cache_t>

@@ -543,7 +543,9 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
   return y.view(out_shape);
 }
 
-bool blocked_linear_supports(c10::ScalarType dtype, bool amx) { return supports(dtype) && (!amx || amx_supports(dtype)); }
+bool blocked_linear_supports(c10::ScalarType dtype, bool amx) {
+  return supports(dtype) && (!amx || amx_supports(dtype));
+}
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // The argmax of each row of blocked_linear(x) in bf16 (a plain-greedy decode step's LM head), without
