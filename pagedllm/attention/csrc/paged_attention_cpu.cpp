@@ -637,11 +637,11 @@ void finish_rows(const WorkItem& w, int64_t rows, int64_t group, int64_t D, int6
 // 4 the values as pairs [8 pairs of keys][16 of head_dim x 2]; 5 a P V slice [16][16].
 constexpr int64_t kAmxAttnRows = 16;
 
-template <typename cache_t>
-void run_item_amx(const WorkItem& w, const c10::BFloat16* query, const cache_t* kv_cache, const int64_t* block_table,
-                  int64_t q_row0, int64_t seq_len, int64_t query_len, int64_t num_heads, int64_t num_kv_heads,
-                  CacheStrides cs, int64_t head_dim, float scale, c10::BFloat16* out, float* partial_acc,
-                  float* partial_max, float* partial_sum, std::vector<float>& scratch) {
+void run_item_amx(const WorkItem& w, const c10::BFloat16* query, const c10::BFloat16* kv_cache,
+                  const int64_t* block_table, int64_t q_row0, int64_t seq_len, int64_t query_len,
+                  int64_t num_heads, int64_t num_kv_heads, CacheStrides cs, int64_t head_dim, float scale,
+                  c10::BFloat16* out, float* partial_acc, float* partial_max, float* partial_sum,
+                  std::vector<float>& scratch) {
   constexpr int64_t BS = 16;
   const int64_t group = num_heads / num_kv_heads, D = head_dim;
   const int64_t rows = (w.q_end - w.q_begin) * group;
@@ -657,6 +657,7 @@ void run_item_amx(const WorkItem& w, const c10::BFloat16* query, const cache_t* 
   float* scores = reinterpret_cast<float*>(v_pairs + BS * D / 2);      // [16][16]
   float* pv = scores + BS * BS;                                        // [16][D]
   alignas(64) uint16_t probs[kAmxAttnRows * BS];
+  float alpha[kAmxAttnRows];  // each row's rescale of its accumulator for the block
 
   for (int64_t m = 0; m < padded; ++m) {
     uint16_t* qm = q + m * D;
@@ -683,8 +684,8 @@ void run_item_amx(const WorkItem& w, const c10::BFloat16* query, const cache_t* 
     const int64_t logical = kb / BS, block_start = logical * BS;
     const int64_t j0 = kb - block_start, j1 = std::min(BS, k_stop - block_start);
     const int64_t physical = block_table[logical];
-    const cache_t* k_src = kv_cache + w.kv_head * cs.head + physical * cs.block;
-    const cache_t* v_src = k_src + cs.part;
+    const c10::BFloat16* k_src = kv_cache + w.kv_head * cs.head + physical * cs.block;
+    const c10::BFloat16* v_src = k_src + cs.part;
     if (block_start + kPrefetchBlocks * BS < k_stop) {
       prefetch_tile(kv_cache + w.kv_head * cs.head + block_table[logical + kPrefetchBlocks] * cs.block, cs.part,
                     BS * D);
@@ -715,25 +716,25 @@ void run_item_amx(const WorkItem& w, const c10::BFloat16* query, const cache_t* 
         // keys j0 <= j < min(j1, pos - block_start + 1) are this row's (padding rows see the range)
         const int64_t pos = m < rows ? first_pos + m / group : seq_len;
         const int64_t end = std::min(j1, pos - block_start + 1);
-        const __mmask16 seen = _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(j0)), _MM_CMPINT_NLT) &
-                               _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(end)), _MM_CMPINT_LT);
+        const __mmask16 seen =
+            _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(j0)), _MM_CMPINT_NLT) &
+            _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(end)), _MM_CMPINT_LT);
         __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(scores + r * BS), _mm512_set1_ps(scale));
         sv = _mm512_mask_blend_ps(seen, _mm512_set1_ps(kNegInf), sv);
         const float block_max = seen ? _mm512_reduce_max_ps(sv) : kNegInf;
         const float new_max = std::max(row_max[m], block_max);
         __m512 pr = _mm512_setzero_ps();
-        float alpha = 1.f;
+        alpha[r] = 1.f;
         if (new_max != kNegInf) {
           pr = _mm512_maskz_mov_ps(seen, fast_exp16(_mm512_sub_ps(sv, _mm512_set1_ps(new_max))));
-          alpha = row_max[m] == kNegInf ? 0.f : pagedllm::fast_exp(row_max[m] - new_max);
+          alpha[r] = row_max[m] == kNegInf ? 0.f : pagedllm::fast_exp(row_max[m] - new_max);
         }
         // the probabilities rounded to bf16, and the denominator summed from the rounded values
         const __m256bh pb = _mm512_cvtneps_pbh(pr);
         _mm256_store_si256(reinterpret_cast<__m256i*>(probs + r * BS), (__m256i)pb);
         const __m512 prounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)pb), 16));
-        row_sum[m] = row_sum[m] * alpha + _mm512_reduce_add_ps(prounded);
+        row_sum[m] = row_sum[m] * alpha[r] + _mm512_reduce_add_ps(prounded);
         row_max[m] = new_max;
-        scores[r * BS] = alpha;  // this row's rescale, kept for the P V step
       }
       _tile_loadd(3, probs, BS * sizeof(uint16_t));
       for (int64_t d0 = 0; d0 < D; d0 += 16) {
@@ -744,9 +745,9 @@ void run_item_amx(const WorkItem& w, const c10::BFloat16* query, const cache_t* 
       }
       for (int64_t r = 0; r < kAmxAttnRows; ++r) {
         float* am = acc + (r0 + r) * D;
-        const __m512 alpha = _mm512_set1_ps(scores[r * BS]);
+        const __m512 rescale = _mm512_set1_ps(alpha[r]);
         for (int64_t d = 0; d < D; d += 16)
-          _mm512_storeu_ps(am + d, _mm512_fmadd_ps(_mm512_loadu_ps(am + d), alpha, _mm512_loadu_ps(pv + r * D + d)));
+          _mm512_storeu_ps(am + d, _mm512_fmadd_ps(_mm512_loadu_ps(am + d), rescale, _mm512_loadu_ps(pv + r * D + d)));
       }
     }
   }

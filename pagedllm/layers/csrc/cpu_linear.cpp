@@ -410,11 +410,9 @@ inline void amx_tile_steps(const uint16_t* a, int64_t a_stride, const uint16_t* 
 inline void amx_block_sums(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16_t* w, int64_t k,
                            AmxScratch& scratch) {
   const int64_t pairs = k / 2, steps = pairs / kAmxPairs;
-  const int64_t full = rows < amx_tile_rows ? 0 : rows / amx_tile_rows * amx_tile_rows;  // rows read in place
-  if (full < rows) {  // the partial row tile, padded
-    for (int64_t r = full; r < rows; ++r)
-      std::memcpy(scratch.rows.data() + (r - full) * k, x + r * x_stride, k * sizeof(uint16_t));
-  }
+  const int64_t full = rows / amx_tile_rows * amx_tile_rows;  // rows read in place; the rest padded
+  for (int64_t r = full; r < rows; ++r)
+    std::memcpy(scratch.rows.data() + (r - full) * k, x + r * x_stride, k * sizeof(uint16_t));
   float* acc = scratch.sums.data();
   const int64_t chunk = rows > amx_tile_rows ? kAmxChunkSteps : std::max<int64_t>(steps, 1);
   for (int64_t s0 = 0; s0 < steps; s0 += chunk) {

@@ -230,6 +230,24 @@ inline __m512 group_mins<int8_t>(const TileWeights<int8_t>& tw, int64_t g) {
                        load_scales(tw.super + g / tw.groups_per_super * 2 * kTile + kTile));
 }
 
+// The fp32 steps of an output, written once for the VNNI and the AMX paths (which must give the same
+// bits): per unit of input channels, each activation term's int32 sum times its block scale added to the
+// group's sum; per group, that sum times the weight scale, then the min times the row's sum of the
+// group's activations.
+inline __attribute__((always_inline)) __m512 add_unit(__m512 facc, __m512i isum, float d) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d), facc);
+}
+inline __attribute__((always_inline)) __m512 add_group(__m512 acc, __m512 facc, __m512 scale, __m512 min, float xs) {
+  return _mm512_fmadd_ps(min, _mm512_set1_ps(xs), _mm512_fmadd_ps(facc, scale, acc));
+}
+// The group's 16 scales, and its mins (formed from the scales for a symmetric weight).
+template <typename S>
+inline __attribute__((always_inline)) void group_scale_min(const TileWeights<S>& tw, int64_t g, __m512& scale,
+                                                           __m512& min) {
+  scale = group_scales(tw, g);
+  min = tw.mins ? group_mins(tw, g) : _mm512_mul_ps(scale, _mm512_set1_ps(tw.min_factor));
+}
+
 // A 4- to 6-bit tile's weight bytes for input channels k..k+8 (k a multiple of 8): k-quad 2t in `lo`
 // (the low nibbles), 2t + 1 in `hi` (the high ones), each plus its bit planes (5- and 6-bit weights).
 template <int BITS, typename S>
@@ -313,17 +331,13 @@ inline void tile_kernel(const TileWeights<S>& tw, const QuantizedRows& q, int64_
         }
       }
       for (int r = 0; r < R; ++r) {
-        facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r]), _mm512_set1_ps(d[r][k0 / kBlock]), facc[r]);
-        if constexpr (TERMS == 2)
-          facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc2[r]), _mm512_set1_ps(d2[r][k0 / kBlock]), facc[r]);
+        facc[r] = add_unit(facc[r], iacc[r], d[r][k0 / kBlock]);
+        if constexpr (TERMS == 2) facc[r] = add_unit(facc[r], iacc2[r], d2[r][k0 / kBlock]);
       }
     }
-    __m512 s = group_scales(tw, g);
-    __m512 mn = tw.mins ? group_mins(tw, g) : _mm512_mul_ps(s, _mm512_set1_ps(tw.min_factor));
-    for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(facc[r], s, acc[r]);
-      acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[r][g]), acc[r]);
-    }
+    __m512 s, mn;
+    group_scale_min(tw, g, s, mn);
+    for (int r = 0; r < R; ++r) acc[r] = add_group(acc[r], facc[r], s, mn, xs[r][g]);
   }
   for (int r = 0; r < R; ++r) store16(acc[r], out + r * out_stride);
 }
@@ -407,19 +421,16 @@ void tile_kernel_amx(const TileWeights<S>& tw, const QuantizedRows& q, int64_t r
     const int32_t(*unit_sums)[kAmxRows * kTile] = sums[u & 1];
     const int64_t block = u * unit / kBlock;
     for (int r = 0; r < kAmxRows; ++r) {
-      facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(unit_sums[0] + r * kTile)),
-                                _mm512_set1_ps(q.d[(row0 + r) * blocks + block]), facc[r]);
+      facc[r] = add_unit(facc[r], _mm512_load_si512(unit_sums[0] + r * kTile), q.d[(row0 + r) * blocks + block]);
       if constexpr (TERMS == 2)
-        facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(unit_sums[1] + r * kTile)),
-                                  _mm512_set1_ps(q.d2[(row0 + r) * blocks + block]), facc[r]);
+        facc[r] = add_unit(facc[r], _mm512_load_si512(unit_sums[1] + r * kTile), q.d2[(row0 + r) * blocks + block]);
     }
     if ((u + 1) % units_per_group == 0) {
       const int64_t g = u / units_per_group;
-      __m512 s = group_scales(tw, g);
-      __m512 mn = tw.mins ? group_mins(tw, g) : _mm512_mul_ps(s, _mm512_set1_ps(tw.min_factor));
+      __m512 s, mn;
+      group_scale_min(tw, g, s, mn);
       for (int r = 0; r < kAmxRows; ++r) {
-        acc[r] = _mm512_fmadd_ps(facc[r], s, acc[r]);
-        acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(q.xs[(row0 + r) * groups + g]), acc[r]);
+        acc[r] = add_group(acc[r], facc[r], s, mn, q.xs[(row0 + r) * groups + g]);
         facc[r] = _mm512_setzero_ps();
       }
     }
