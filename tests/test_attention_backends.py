@@ -104,7 +104,7 @@ def test_bench_attention_runs_and_writes_json(tiny_llama_dir: str, tmp_path) -> 
     assert args.func(args) == 0
     report = json.loads(out.read_text())
     assert report["backend"] == "CPU_FLASH"
-    assert report["decode_path"] in ("avx512_bf16", "avx512", "generic")
+    assert report["decode_path"] in ("amx_bf16", "avx512_bf16", "avx512", "generic")
     assert [(r["kind"], r["batch"]) for r in report["kernels"]] == [("decode", 1), ("decode", 2), ("prefill", 1)]
     assert all(r["backend_ms"] > 0 and r["kv_bytes"] > 0 for r in report["kernels"])
     assert [r["batch"] for r in report["e2e"]] == [1, 2] and all(r["backend_tok_s"] > 0 for r in report["e2e"])

@@ -100,9 +100,9 @@ def test_cpu_kernels_match_naive(dtype: torch.dtype, block_size: int, group: int
 
 @pytest.mark.parametrize("head_dim", [32, 96, 128])
 def test_bf16_decode_matches_naive_at_other_head_sizes(head_dim: int) -> None:
-    """Decode's bf16 path (dot products and P @ V in pairs of bf16, 8 query rows a pass) for every head size
-    it takes (a multiple of 32), with 7 and 12 query rows per KV head (a partial pass, and a full one plus
-    a partial one)."""
+    """Decode's bf16 path (dot products and P @ V in pairs of bf16, 8 query rows a pass; on AMX tiles, 8 or
+    16 lanes a key) for every head size it takes (a multiple of 32), with 7 and 12 query rows per KV head
+    (a partial pass, and a full one plus a partial one; 8 and 16 lanes)."""
     for group in (7, 12):
         step = random_step([1, 17, 513, 2100], [1, 1, 1, 1], 16, 2, group, head_dim, torch.bfloat16,
                            seed=head_dim + group)
@@ -185,12 +185,14 @@ def test_cpu_kernel_is_compiled_here() -> None:
 
 
 def test_decode_path_follows_the_cpu_flags() -> None:
-    # -march=native: a CPU with AVX512-BF16 (Zen 4, Xeons with AMX) gets the bf16 dot products, one with
-    # AVX-512 only the fp32 path, any other the compiler-vectorised loops.
+    # -march=native: a Xeon with AMX gets the tiles, a CPU with AVX512-BF16 (Zen 4) the bf16 dot products,
+    # one with AVX-512 only the fp32 path, any other the compiler-vectorised loops.
     from pagedllm.platform import _cpu_flags
 
     flags = _cpu_flags()
-    expected = "avx512_bf16" if "avx512_bf16" in flags else "avx512" if "avx512f" in flags else "generic"
+    amx = {"amx_tile", "amx_bf16", "amx_int8", "avx512_bf16"} <= flags
+    expected = ("amx_bf16" if amx else "avx512_bf16" if "avx512_bf16" in flags
+                else "avx512" if "avx512f" in flags else "generic")
     assert cpu_flash.decode_path() == expected
 
 

@@ -44,8 +44,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
 
 
 def decode_path() -> str:
-    """The decode path the compiled kernel has, fixed by the flags of the CPU that built it:
-    "avx512_bf16" (bf16 dot products with `_mm512_dpbf16_ps`, AVX-512 fp32 for fp32 caches), "avx512",
+    """The decode path the compiled kernel has, fixed by the flags of the CPU that built it: "amx_bf16"
+    (a bf16 cache of 16-token blocks on the AMX tiles, the rest as avx512_bf16), "avx512_bf16" (bf16 dot
+    products with `_mm512_dpbf16_ps`, AVX-512 fp32 for fp32 caches), "avx512",
     "generic" (compiler-vectorised loops, AVX2 where the CPU has it) or "torch" (no compiled kernel)."""
     return torch.ops.pagedllm_cpu.paged_attention_isa() if load_cpu_kernels() else "torch"
 

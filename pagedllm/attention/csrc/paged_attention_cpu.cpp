@@ -24,8 +24,9 @@
 // -O3 -march=native on the machine that runs them (AVX2 or AVX-512, whichever it has). With AVX-512,
 // decode-like items (fewer than 16 query rows per KV head) read fp32/bf16 blocks that all their rows
 // see whole in place (decode_chunk): a decode step is then one pass over the K/V bytes it needs, and
-// with AVX512-BF16 bf16 scores come from `_mm512_dpbf16_ps` on the stored pairs. Which path a build
-// has: the paged_attention_isa op. Threads come from at::parallel_for, i.e. torch's own OpenMP pool
+// with AVX512-BF16 bf16 scores come from `_mm512_dpbf16_ps` on the stored pairs. With AMX, items of a
+// bf16 cache in 16-token blocks run on the matrix tiles instead: prefill tiles (run_item_amx) and
+// decode-like items (run_decode_item_amx). Which path a build has: the paged_attention_isa op. Threads come from at::parallel_for, i.e. torch's own OpenMP pool
 // and torch.set_num_threads.
 
 #include <ATen/Parallel.h>
@@ -58,6 +59,7 @@ constexpr int64_t kQueryTile = 16;     // query positions per work item (times t
 constexpr int64_t kSplitTokens = 512;  // context tokens per split of a decode-like sequence
 constexpr int64_t kPrefetchBlocks = 4;      // blocks ahead asked into L2
 constexpr int64_t kNearPrefetchBlocks = 2;  // blocks ahead asked into L1 by decode's fast path
+constexpr int64_t kDecodePrefetchBlocks = 12;  // blocks ahead whose first lines the AMX decode path asks for
 constexpr int64_t kKeptPartialFloats = int64_t{4} << 20;  // 16 MiB of flash-decoding partials kept per thread
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -755,6 +757,270 @@ void run_item_amx(const WorkItem& w, const c10::BFloat16* query, const c10::BFlo
   finish_rows(w, rows, group, D, q_row0, num_heads, acc, row_max, row_sum, out, partial_acc, partial_max,
               partial_sum);
 }
+
+// 2^t on 16 lanes for the AMX decode path: 2^round(t) by VSCALEFPS, 2^f by a degree-5 polynomial (relative
+// error under 1e-7, far below the bf16 rounding the probabilities take next). t = -inf gives exactly 0
+// (t is clamped at -160, and 2^-160 underflows to 0), NaN stays NaN.
+PA_ALWAYS_INLINE __m512 exp2_16(__m512 t) {
+  // (max and min return their second operand where either is NaN: t's side stays NaN)
+  t = _mm512_min_ps(_mm512_set1_ps(128.f), _mm512_max_ps(_mm512_set1_ps(-160.f), t));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.326697994954884e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675469249486923e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550742521882057e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402212172746658e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469440460205e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// A decode-like item (fewer than 16 query rows per KV head: a decode step, a short verification) of a
+// bf16 cache on AMX tiles. The scores come transposed, S^T = K Q^T: the block's keys are the tile's rows
+// as the cache holds them, against the query rows' head_dim pairs arranged once per item, so a column
+// is a query row. The online softmax then runs down the keys with a lane per query row, kLanes of them:
+// 8 (up to 8 rows: two keys a vector) or 16; no horizontal reductions, the scale folded into the
+// exponent's argument. The probabilities, rounded to bf16, become rows of key pairs by a shuffle network,
+// and P V is one TDPBF16PS per 16 columns of head_dim on the block's values interleaved in key pairs.
+// The denominator sums the unrounded probabilities, as decode's AVX-512 path does. Lanes past `rows`
+// compute on zero queries and are never stored. Software-pipelined: the next block's scores are on the
+// tiles while this block's softmax runs, and this block's P V while the next one's softmax runs.
+// Tiles: 0 S^T [16 keys][kLanes]; 1 K [16 keys][32 of head_dim]; 2 the query pairs [16 pairs of head_dim]
+// [kLanes x 2]; 3 P [kLanes][16 keys]; 4 V pairs [8 pairs of keys][16 of head_dim x 2]; 5 a P V slice
+// [kLanes][16 of head_dim]. With 16 lanes the network leaves query row 4 L + i in tile row 4 i + L.
+template <int kLanes>
+inline int64_t p_row(int64_t r) { return kLanes == 8 ? r : 4 * (r % 4) + r / 4; }
+
+// The block's probabilities, kLanes == 8: e[k] holds keys 2k (lanes 0-7) and 2k + 1 (lanes 8-15) -> P
+// rows [8][8 key pairs] (u32: key 2p in the low half).
+PA_ALWAYS_INLINE void probability_rows8(const __m512* e, uint32_t* p_rows) {
+  // dword d < 8: (word d, word 8 + d), i.e. keys 2k and 2k + 1 of row d; d >= 8: the next vector's keys
+  alignas(64) static const uint16_t kPairs[32] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                                  16, 24, 17, 25, 18, 26, 19, 27, 20, 28, 21, 29, 22, 30, 23, 31};
+  // w[i] = pairs 2i (rows 0-7), 2i + 1 (rows 0-7); b = 4 x 4 blocks of rows x pairs; y = rows 2j, 2j + 1
+  alignas(64) static const int32_t kRows0[16] = {0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27};
+  alignas(64) static const int32_t kRows4[16] = {4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31};
+  alignas(64) static const int32_t kOut0[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  alignas(64) static const int32_t kOut2[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+  const __m512i pairs = _mm512_load_si512(kPairs);
+  __m512i w[4];
+  for (int i = 0; i < 4; ++i) w[i] = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(e[2 * i + 1], e[2 * i]));
+  const __m512i rows0 = _mm512_load_si512(kRows0), rows4 = _mm512_load_si512(kRows4);
+  const __m512i b0 = _mm512_permutex2var_epi32(w[0], rows0, w[1]), b1 = _mm512_permutex2var_epi32(w[0], rows4, w[1]);
+  const __m512i b2 = _mm512_permutex2var_epi32(w[2], rows0, w[3]), b3 = _mm512_permutex2var_epi32(w[2], rows4, w[3]);
+  const __m512i out0 = _mm512_load_si512(kOut0), out2 = _mm512_load_si512(kOut2);
+  _mm512_store_si512(p_rows + 0, _mm512_permutex2var_epi32(b0, out0, b2));
+  _mm512_store_si512(p_rows + 16, _mm512_permutex2var_epi32(b0, out2, b2));
+  _mm512_store_si512(p_rows + 32, _mm512_permutex2var_epi32(b1, out0, b3));
+  _mm512_store_si512(p_rows + 48, _mm512_permutex2var_epi32(b1, out2, b3));
+}
+
+// kLanes == 16: e[j] holds key j, lane r row r -> P rows [16, in p_row order][8 key pairs].
+PA_ALWAYS_INLINE void probability_rows16(const __m512* e, uint32_t* p_rows) {
+  // word 2r is key 2p's probability in lane r, word 2r + 1 key 2p + 1's (of cvtne2ps_pbh(e[2p + 1], e[2p]))
+  alignas(64) static const uint16_t kLanePairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i lane_pairs = _mm512_load_si512(kLanePairs);
+  __m512i pairs[8], t[8], u[8];
+  for (int p = 0; p < 8; ++p)
+    pairs[p] = _mm512_permutexvar_epi16(lane_pairs, (__m512i)_mm512_cvtne2ps_pbh(e[2 * p + 1], e[2 * p]));
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(pairs[2 * i], pairs[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(pairs[2 * i], pairs[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // pairs 0-3 (h = 0) and 4-7: u[4h + i] holds row 4L + i in its lane L
+    u[4 * h + 0] = _mm512_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 1] = _mm512_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 2] = _mm512_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+    u[4 * h + 3] = _mm512_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+  }
+  const __m512i rows_lo = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+  const __m512i rows_hi = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  for (int i = 0; i < 4; ++i) {
+    _mm512_store_si512(p_rows + (4 * i) * 8, _mm512_permutex2var_epi64(u[i], rows_lo, u[4 + i]));
+    _mm512_store_si512(p_rows + (4 * i + 2) * 8, _mm512_permutex2var_epi64(u[i], rows_hi, u[4 + i]));
+  }
+}
+
+template <int kLanes>
+void run_decode_item_amx(const WorkItem& w, const c10::BFloat16* query, const c10::BFloat16* kv_cache,
+                         const int64_t* block_table, int64_t q_row0, int64_t seq_len, int64_t query_len,
+                         int64_t num_heads, int64_t num_kv_heads, CacheStrides cs, int64_t head_dim, float scale,
+                         c10::BFloat16* out, float* partial_acc, float* partial_max, float* partial_sum,
+                         std::vector<float>& scratch) {
+  constexpr int64_t BS = 16, kVectors = BS * kLanes / 16;  // score vectors a block
+  const int64_t group = num_heads / num_kv_heads, D = head_dim;
+  const int64_t rows = (w.q_end - w.q_begin) * group;
+  // query pairs [D / 2][kLanes] u32, acc [kLanes][D] (p_row order) and the same in query order, V pairs
+  // [BS / 2][D] u32, S^T [2 blocks in flight][BS][kLanes], P V [kLanes][D], P rows [kLanes][BS / 2] u32,
+  // row max and sum [16] each; 64-byte aligned
+  const int64_t floats = D / 2 * kLanes + 2 * kLanes * D + BS / 2 * D + 2 * BS * kLanes + kLanes * D +
+                         kLanes * BS / 2 + 2 * 16;
+  scratch.resize(floats + 16);
+  float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  uint32_t* q_pairs = reinterpret_cast<uint32_t*>(base);
+  float* acc = base + D / 2 * kLanes;
+  float* ordered = acc + kLanes * D;
+  uint32_t* v_pairs = reinterpret_cast<uint32_t*>(ordered + kLanes * D);
+  float* scores = reinterpret_cast<float*>(v_pairs + BS / 2 * D);
+  float* pv = scores + 2 * BS * kLanes;
+  uint32_t* p_rows = reinterpret_cast<uint32_t*>(pv + kLanes * D);
+  float* row_max = reinterpret_cast<float*>(p_rows + kLanes * BS / 2);
+  float* row_sum = row_max + 16;
+
+  std::fill(q_pairs, q_pairs + D / 2 * kLanes, 0u);
+  for (int64_t m = 0; m < rows; ++m) {
+    const int64_t t = w.q_begin + m / group, g = m % group;
+    const uint32_t* src =
+        reinterpret_cast<const uint32_t*>(query + ((q_row0 + t) * num_heads + w.kv_head * group + g) * D);
+    for (int64_t p = 0; p < D / 2; ++p) q_pairs[p * kLanes + m] = src[p];
+  }
+  std::fill(acc, acc + kLanes * D, 0.f);
+
+  pagedllm_amx::TileConfig config;
+  config.tile(0, BS, kLanes * 4).tile(1, BS, 64).tile(2, 16, kLanes * 4);
+  config.tile(3, kLanes, BS * 2).tile(4, BS / 2, 64).tile(5, kLanes, 64);
+  config.load();
+
+  // word 2i of a pair's result is v_j[i] and word 2i + 1 is v_{j+1}[i]: columns 0..15 (low) and 16..31 (high)
+  alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  // scores times scale, in log2 units
+  const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f), neg_inf = _mm512_set1_ps(kNegInf);
+
+  const int64_t first_pos = seq_len - query_len + w.q_begin;
+  const int64_t k_stop = std::min(w.k_end, seq_len - query_len + w.q_end);
+  // each lane's query position (past `rows`: sees every key) and its key within a vector's keys
+  alignas(64) int32_t lane_pos[16], lane_key[16];
+  for (int64_t l = 0; l < 16; ++l) {
+    const int64_t r = l % kLanes;
+    lane_pos[l] = r < rows ? static_cast<int32_t>(first_pos + r / group) : std::numeric_limits<int32_t>::max();
+    lane_key[l] = static_cast<int32_t>(l / kLanes);
+  }
+  const __m512i positions = _mm512_load_si512(lane_pos), lane_keys = _mm512_load_si512(lane_key);
+  __m512 rmax = neg_inf, rsum = _mm512_setzero_ps();
+  const int64_t tile_elems = BS * D;
+  auto k_tile = [&](int64_t kb) PA_INLINE_LAMBDA {
+    return kv_cache + w.kv_head * cs.head + block_table[kb / BS] * cs.block;
+  };
+  // S^T of the block at kb into scores slot `slot`
+  auto block_scores = [&](int64_t kb, int slot) PA_INLINE_LAMBDA {
+    const c10::BFloat16* k_src = k_tile(kb);
+    _tile_zero(0);
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      _tile_loadd(1, k_src + d0, D * sizeof(c10::BFloat16));
+      _tile_loadd(2, q_pairs + d0 / 2 * kLanes, kLanes * sizeof(uint32_t));
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, scores + slot * BS * kLanes, kLanes * sizeof(float));
+  };
+  // acc = acc * alpha + the previous block's P V
+  alignas(64) float alphas[16];
+  auto add_values = [&]() PA_INLINE_LAMBDA {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* am = acc + p_row<kLanes>(r) * D;
+      const float* pm = pv + p_row<kLanes>(r) * D;
+      const __m512 rescale = _mm512_set1_ps(alphas[r]);
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_store_ps(am + d, _mm512_fmadd_ps(_mm512_load_ps(am + d), rescale, _mm512_load_ps(pm + d)));
+    }
+  };
+  // with two keys a vector, both halves get the max (or sum) of the two
+  auto fold = [](__m512 v, auto op) PA_INLINE_LAMBDA {
+    return kLanes == 8 ? op(v, _mm512_shuffle_f32x4(v, v, 0x4E)) : v;
+  };
+
+  block_scores(w.k_begin, 0);
+  int slot = 0;
+  bool pending = false;
+  for (int64_t kb = w.k_begin; kb < k_stop; kb = (kb / BS + 1) * BS, slot ^= 1) {
+    const int64_t logical = kb / BS, block_start = logical * BS;
+    const int64_t j0 = kb - block_start, j1 = std::min(BS, k_stop - block_start);
+    const c10::BFloat16* v_src = k_tile(kb) + cs.part;
+    // Into L2, the first line of K and V kDecodePrefetchBlocks ahead: the L2 streamer fetches the rest of
+    // each tile. Into L1, the block kNearPrefetchBlocks ahead, a quarter at a time between this block's
+    // steps: asked for all at once, its lines wait for the core's few line-fill buffers and stall the
+    // computation behind them.
+    if (block_start + kDecodePrefetchBlocks * BS < k_stop)
+      prefetch_tile(k_tile(block_start + kDecodePrefetchBlocks * BS), cs.part, 32);
+    const c10::BFloat16* near =
+        block_start + kNearPrefetchBlocks * BS < k_stop ? k_tile(block_start + kNearPrefetchBlocks * BS) : nullptr;
+    auto near_quarter = [&](int64_t quarter) PA_INLINE_LAMBDA {
+      if (near != nullptr) prefetch_tile<3>(near + quarter * tile_elems / 4, cs.part, tile_elems / 4);
+    };
+    near_quarter(0);
+    if (block_start + BS < k_stop) block_scores(block_start + BS, slot ^ 1);
+
+    __m512 s[kVectors];
+    for (int64_t j = 0; j < kVectors; ++j) s[j] = _mm512_load_ps(scores + slot * BS * kLanes + j * 16);
+    if (j0 != 0 || j1 != BS || first_pos < block_start + BS - 1) {  // keys some row must not see
+      for (int64_t j = 0; j < kVectors; ++j) {
+        const __m512i key = _mm512_add_epi32(lane_keys, _mm512_set1_epi32(static_cast<int>(j * (16 / kLanes))));
+        const __mmask16 seen =
+            _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(j0)), _MM_CMPINT_NLT) &
+            _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(j1)), _MM_CMPINT_LT) &
+            _mm512_cmp_epi32_mask(_mm512_add_epi32(key, _mm512_set1_epi32(static_cast<int>(block_start))), positions,
+                                  _MM_CMPINT_LE);
+        s[j] = _mm512_mask_blend_ps(seen, neg_inf, s[j]);
+      }
+    }
+    near_quarter(1);
+    __m512 m = s[0];
+    for (int64_t j = 1; j < kVectors; ++j) m = _mm512_max_ps(m, s[j]);
+    const __m512 new_max = _mm512_max_ps(rmax, fold(m, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }));
+    // a lane that has seen no key yet subtracts 0: its scores are -inf, their exponentials 0
+    const __m512 shift =
+        _mm512_mul_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(new_max, neg_inf, _CMP_NEQ_UQ), new_max), vscale);
+    const __m512 alpha = exp2_16(_mm512_fmsub_ps(rmax, vscale, shift));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < kVectors; ++j) {
+      s[j] = exp2_16(_mm512_fmsub_ps(s[j], vscale, shift));
+      sum = _mm512_add_ps(sum, s[j]);
+    }
+    rsum = _mm512_fmadd_ps(rsum, alpha, fold(sum, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
+    rmax = new_max;
+
+    near_quarter(2);
+    if (pending) add_values();  // the previous block's P V, before this block's overwrites it
+    _mm512_store_ps(alphas, alpha);
+    if constexpr (kLanes == 8) {
+      probability_rows8(s, p_rows);
+    } else {
+      probability_rows16(s, p_rows);
+    }
+    const uint16_t* vb = reinterpret_cast<const uint16_t*>(v_src);
+    for (int64_t p = 0; p < BS / 2; ++p) {
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512i vj = _mm512_loadu_si512(vb + 2 * p * D + d);
+        const __m512i vj1 = _mm512_loadu_si512(vb + (2 * p + 1) * D + d);
+        _mm512_store_si512(v_pairs + p * D + d, _mm512_permutex2var_epi16(vj, low, vj1));
+        _mm512_store_si512(v_pairs + p * D + d + 16, _mm512_permutex2var_epi16(vj, high, vj1));
+      }
+    }
+    near_quarter(3);
+    _tile_loadd(3, p_rows, BS / 2 * sizeof(uint32_t));
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      _tile_zero(5);
+      _tile_loadd(4, v_pairs + d0, D * sizeof(uint32_t));
+      _tile_dpbf16ps(5, 3, 4);
+      _tile_stored(5, pv + d0, D * sizeof(float));
+    }
+    pending = true;
+  }
+  if (pending) add_values();
+
+  // rows in query order for finish_rows (the max in natural-log units of the scaled scores, as the other
+  // paths keep it)
+  _mm512_store_ps(row_max, _mm512_mul_ps(rmax, _mm512_set1_ps(scale)));
+  _mm512_store_ps(row_sum, rsum);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(ordered + r * D, acc + p_row<kLanes>(r) * D, D * sizeof(float));
+  finish_rows(w, rows, group, D, q_row0, num_heads, ordered, row_max, row_sum, out, partial_acc, partial_max,
+              partial_sum);
+}
 #endif  // PAGEDLLM_AMX
 
 template <typename scalar_t, typename cache_t>
@@ -771,6 +1037,13 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
         head_dim % 32 == 0 && pagedllm_amx::tiles_permitted()) {
       run_item_amx(w, query, kv_cache, block_table, q_row0, seq_len, query_len, num_heads, num_kv_heads, cs,
                    head_dim, scale, out, partial_acc, partial_max, partial_sum, scratch);
+      return;
+    }
+    if (rows < 16 && kv_scales == nullptr && window == 0 && soft_cap == 0.f && block_size == 16 &&
+        head_dim % 32 == 0 && pagedllm_amx::tiles_permitted()) {
+      auto decode = rows <= 8 ? run_decode_item_amx<8> : run_decode_item_amx<16>;
+      decode(w, query, kv_cache, block_table, q_row0, seq_len, query_len, num_heads, num_kv_heads, cs, head_dim,
+             scale, out, partial_acc, partial_max, partial_sum, scratch);
       return;
     }
   }
@@ -1275,8 +1548,12 @@ void write_kv_quant(const at::Tensor& key, const at::Tensor& value, at::Tensor c
 }
 
 // Which decode path this build has, for benchmarks and logs: it is fixed at compile time by
-// -march=native, i.e. by the flags of the CPU that built it.
+// -march=native, i.e. by the flags of the CPU that built it (and for AMX, by Linux granting the tiles).
 std::string paged_attention_isa() {
+#if defined(PAGEDLLM_AMX)
+  // bf16 query and cache, block size 16, head_dim a multiple of 32: decode and prefill on the tiles
+  if (pagedllm_amx::tiles_permitted()) return "amx_bf16";
+#endif
 #if defined(__AVX512BF16__)
   return "avx512_bf16";  // bf16 query and cache: _mm512_dpbf16_ps; fp32: AVX-512 FMAs
 #elif defined(__AVX512F__)
