@@ -59,7 +59,7 @@ constexpr int64_t kQueryTile = 16;     // query positions per work item (times t
 constexpr int64_t kSplitTokens = 512;  // context tokens per split of a decode-like sequence
 constexpr int64_t kPrefetchBlocks = 4;      // blocks ahead asked into L2
 constexpr int64_t kNearPrefetchBlocks = 2;  // blocks ahead asked into L1 by decode's fast path
-constexpr int64_t kDecodePrefetchBlocks = 12;  // blocks ahead whose first lines the AMX decode path asks for
+constexpr int64_t kDecodePrefetchBlocks = 8;  // blocks ahead the AMX decode path asks into L2
 constexpr int64_t kKeptPartialFloats = int64_t{4} << 20;  // 16 MiB of flash-decoding partials kept per thread
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -776,24 +776,30 @@ PA_ALWAYS_INLINE __m512 exp2_16(__m512 t) {
 }
 
 // A decode-like item (fewer than 16 query rows per KV head: a decode step, a short verification) of a
-// bf16 cache on AMX tiles. The scores come transposed, S^T = K Q^T: the block's keys are the tile's rows
-// as the cache holds them, against the query rows' head_dim pairs arranged once per item, so a column
-// is a query row. The online softmax then runs down the keys with a lane per query row, kLanes of them:
-// 8 (up to 8 rows: two keys a vector) or 16; no horizontal reductions, the scale folded into the
-// exponent's argument. The probabilities, rounded to bf16, become rows of key pairs by a shuffle network,
-// and P V is one TDPBF16PS per 16 columns of head_dim on the block's values interleaved in key pairs.
-// The denominator sums the unrounded probabilities, as decode's AVX-512 path does. Lanes past `rows`
-// compute on zero queries and are never stored. Software-pipelined: the next block's scores are on the
-// tiles while this block's softmax runs, and this block's P V while the next one's softmax runs.
-// Tiles: 0 S^T [16 keys][kLanes]; 1 K [16 keys][32 of head_dim]; 2 the query pairs [16 pairs of head_dim]
-// [kLanes x 2]; 3 P [kLanes][16 keys]; 4 V pairs [8 pairs of keys][16 of head_dim x 2]; 5 a P V slice
-// [kLanes][16 of head_dim]. With 16 lanes the network leaves query row 4 L + i in tile row 4 i + L.
+// bf16 cache on AMX tiles, in chunks of two 16-key blocks. The scores come transposed, S^T = K Q^T: a
+// block's keys are the tile's rows as the cache holds them, against the query rows' head_dim pairs
+// arranged once per item, so a column is a query row. The online softmax then runs down the keys with a
+// lane per query row, kLanes of them: 8 (up to 8 rows: two keys a vector) or 16; no horizontal
+// reductions, the scale folded into the exponent's argument. The probabilities, rounded to bf16, become
+// rows of key pairs by a shuffle network, and P V is one TDPBF16PS per 16 columns of head_dim and chunk,
+// on the chunk's values interleaved in key pairs. The denominator sums the unrounded probabilities, as
+// decode's AVX-512 path does. Lanes past `rows` compute on zero queries and are never stored.
+// Tiles: 0 and 6 S^T of a chunk's two blocks [16 keys][kLanes]; 1 K [16 keys][32 of head_dim], or a V
+// slice as 4; 2 the query pairs [16 pairs of head_dim][kLanes x 2]; 3 P [kLanes][32 keys]; 4 V pairs [16
+// pairs of keys][16 of head_dim x 2]; 5 and 7 P V slices [kLanes][16 of head_dim]. With 16 lanes the
+// network leaves query row 4 L + i in tile row 4 i + L.
 template <int kLanes>
 inline int64_t p_row(int64_t r) { return kLanes == 8 ? r : 4 * (r % 4) + r / 4; }
 
-// The block's probabilities, kLanes == 8: e[k] holds keys 2k (lanes 0-7) and 2k + 1 (lanes 8-15) -> P
-// rows [8][8 key pairs] (u32: key 2p in the low half).
-PA_ALWAYS_INLINE void probability_rows8(const __m512* e, uint32_t* p_rows) {
+// Two rows of 8 dwords (the halves of v) at p and p + stride.
+PA_ALWAYS_INLINE void store_rows(uint32_t* p, int64_t stride, __m512i v) {
+  _mm256_store_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(v));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(p + stride), _mm512_extracti64x4_epi64(v, 1));
+}
+
+// A block's probabilities, kLanes == 8: e[k] holds keys 2k (lanes 0-7) and 2k + 1 (lanes 8-15) -> P
+// rows [8][8 key pairs] (u32: key 2p in the low half), `stride` dwords apart.
+PA_ALWAYS_INLINE void probability_rows8(const __m512* e, uint32_t* p_rows, int64_t stride) {
   // dword d < 8: (word d, word 8 + d), i.e. keys 2k and 2k + 1 of row d; d >= 8: the next vector's keys
   alignas(64) static const uint16_t kPairs[32] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
                                                   16, 24, 17, 25, 18, 26, 19, 27, 20, 28, 21, 29, 22, 30, 23, 31};
@@ -809,14 +815,15 @@ PA_ALWAYS_INLINE void probability_rows8(const __m512* e, uint32_t* p_rows) {
   const __m512i b0 = _mm512_permutex2var_epi32(w[0], rows0, w[1]), b1 = _mm512_permutex2var_epi32(w[0], rows4, w[1]);
   const __m512i b2 = _mm512_permutex2var_epi32(w[2], rows0, w[3]), b3 = _mm512_permutex2var_epi32(w[2], rows4, w[3]);
   const __m512i out0 = _mm512_load_si512(kOut0), out2 = _mm512_load_si512(kOut2);
-  _mm512_store_si512(p_rows + 0, _mm512_permutex2var_epi32(b0, out0, b2));
-  _mm512_store_si512(p_rows + 16, _mm512_permutex2var_epi32(b0, out2, b2));
-  _mm512_store_si512(p_rows + 32, _mm512_permutex2var_epi32(b1, out0, b3));
-  _mm512_store_si512(p_rows + 48, _mm512_permutex2var_epi32(b1, out2, b3));
+  store_rows(p_rows, stride, _mm512_permutex2var_epi32(b0, out0, b2));
+  store_rows(p_rows + 2 * stride, stride, _mm512_permutex2var_epi32(b0, out2, b2));
+  store_rows(p_rows + 4 * stride, stride, _mm512_permutex2var_epi32(b1, out0, b3));
+  store_rows(p_rows + 6 * stride, stride, _mm512_permutex2var_epi32(b1, out2, b3));
 }
 
-// kLanes == 16: e[j] holds key j, lane r row r -> P rows [16, in p_row order][8 key pairs].
-PA_ALWAYS_INLINE void probability_rows16(const __m512* e, uint32_t* p_rows) {
+// kLanes == 16: e[j] holds key j, lane r row r -> P rows [16, in p_row order][8 key pairs], `stride` dwords
+// apart.
+PA_ALWAYS_INLINE void probability_rows16(const __m512* e, uint32_t* p_rows, int64_t stride) {
   // word 2r is key 2p's probability in lane r, word 2r + 1 key 2p + 1's (of cvtne2ps_pbh(e[2p + 1], e[2p]))
   alignas(64) static const uint16_t kLanePairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -837,8 +844,8 @@ PA_ALWAYS_INLINE void probability_rows16(const __m512* e, uint32_t* p_rows) {
   const __m512i rows_lo = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
   const __m512i rows_hi = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
   for (int i = 0; i < 4; ++i) {
-    _mm512_store_si512(p_rows + (4 * i) * 8, _mm512_permutex2var_epi64(u[i], rows_lo, u[4 + i]));
-    _mm512_store_si512(p_rows + (4 * i + 2) * 8, _mm512_permutex2var_epi64(u[i], rows_hi, u[4 + i]));
+    store_rows(p_rows + (4 * i) * stride, stride, _mm512_permutex2var_epi64(u[i], rows_lo, u[4 + i]));
+    store_rows(p_rows + (4 * i + 2) * stride, stride, _mm512_permutex2var_epi64(u[i], rows_hi, u[4 + i]));
   }
 }
 
@@ -848,24 +855,25 @@ void run_decode_item_amx(const WorkItem& w, const c10::BFloat16* query, const c1
                          int64_t num_heads, int64_t num_kv_heads, CacheStrides cs, int64_t head_dim, float scale,
                          c10::BFloat16* out, float* partial_acc, float* partial_max, float* partial_sum,
                          std::vector<float>& scratch) {
-  constexpr int64_t BS = 16, kVectors = BS * kLanes / 16;  // score vectors a block
+  // Keys go in chunks of two blocks: one P V product of 32 keys (16 pairs) per chunk.
+  constexpr int64_t BS = 16, kChunk = 2 * BS, kVectors = BS * kLanes / 16;  // score vectors a block
   const int64_t group = num_heads / num_kv_heads, D = head_dim;
   const int64_t rows = (w.q_end - w.q_begin) * group;
   // query pairs [D / 2][kLanes] u32, acc [kLanes][D] (p_row order) and the same in query order, V pairs
-  // [BS / 2][D] u32, S^T [2 blocks in flight][BS][kLanes], P V [kLanes][D], P rows [kLanes][BS / 2] u32,
-  // row max and sum [16] each; 64-byte aligned
-  const int64_t floats = D / 2 * kLanes + 2 * kLanes * D + BS / 2 * D + 2 * BS * kLanes + kLanes * D +
-                         kLanes * BS / 2 + 2 * 16;
+  // [kChunk / 2][D] u32, S^T [2 chunks in flight][2 blocks][BS][kLanes], P V [kLanes][D], P rows
+  // [kLanes][kChunk / 2] u32, row max and sum [16] each; 64-byte aligned
+  const int64_t floats = D / 2 * kLanes + 2 * kLanes * D + kChunk / 2 * D + 2 * kChunk * kLanes + kLanes * D +
+                         kLanes * kChunk / 2 + 2 * 16;
   scratch.resize(floats + 16);
   float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
   uint32_t* q_pairs = reinterpret_cast<uint32_t*>(base);
   float* acc = base + D / 2 * kLanes;
   float* ordered = acc + kLanes * D;
   uint32_t* v_pairs = reinterpret_cast<uint32_t*>(ordered + kLanes * D);
-  float* scores = reinterpret_cast<float*>(v_pairs + BS / 2 * D);
-  float* pv = scores + 2 * BS * kLanes;
+  float* scores = reinterpret_cast<float*>(v_pairs + kChunk / 2 * D);
+  float* pv = scores + 2 * kChunk * kLanes;
   uint32_t* p_rows = reinterpret_cast<uint32_t*>(pv + kLanes * D);
-  float* row_max = reinterpret_cast<float*>(p_rows + kLanes * BS / 2);
+  float* row_max = reinterpret_cast<float*>(p_rows + kLanes * kChunk / 2);
   float* row_sum = row_max + 16;
 
   std::fill(q_pairs, q_pairs + D / 2 * kLanes, 0u);
@@ -878,8 +886,8 @@ void run_decode_item_amx(const WorkItem& w, const c10::BFloat16* query, const c1
   std::fill(acc, acc + kLanes * D, 0.f);
 
   pagedllm_amx::TileConfig config;
-  config.tile(0, BS, kLanes * 4).tile(1, BS, 64).tile(2, 16, kLanes * 4);
-  config.tile(3, kLanes, BS * 2).tile(4, BS / 2, 64).tile(5, kLanes, 64);
+  config.tile(0, BS, kLanes * 4).tile(6, BS, kLanes * 4).tile(1, BS, 64).tile(2, 16, kLanes * 4);
+  config.tile(3, kLanes, kChunk * 2).tile(4, kChunk / 2, 64).tile(5, kLanes, 64).tile(7, kLanes, 64);
   config.load();
 
   // word 2i of a pair's result is v_j[i] and word 2i + 1 is v_{j+1}[i]: columns 0..15 (low) and 16..31 (high)
@@ -906,18 +914,28 @@ void run_decode_item_amx(const WorkItem& w, const c10::BFloat16* query, const c1
   auto k_tile = [&](int64_t kb) PA_INLINE_LAMBDA {
     return kv_cache + w.kv_head * cs.head + block_table[kb / BS] * cs.block;
   };
-  // S^T of the block at kb into scores slot `slot`
-  auto block_scores = [&](int64_t kb, int slot) PA_INLINE_LAMBDA {
-    const c10::BFloat16* k_src = k_tile(kb);
+  // S^T of the chunk at c0 (its second block only where it has one) into scores slot `slot`
+  auto chunk_scores = [&](int64_t c0, int slot) PA_INLINE_LAMBDA {
+    float* dst = scores + slot * kChunk * kLanes;
+    const c10::BFloat16* a = k_tile(c0);
     _tile_zero(0);
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
-      _tile_loadd(1, k_src + d0, D * sizeof(c10::BFloat16));
+      _tile_loadd(1, a + d0, D * sizeof(c10::BFloat16));
       _tile_loadd(2, q_pairs + d0 / 2 * kLanes, kLanes * sizeof(uint32_t));
       _tile_dpbf16ps(0, 1, 2);
     }
-    _tile_stored(0, scores + slot * BS * kLanes, kLanes * sizeof(float));
+    _tile_stored(0, dst, kLanes * sizeof(float));
+    if (c0 + BS >= k_stop) return;
+    const c10::BFloat16* b = k_tile(c0 + BS);
+    _tile_zero(6);
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      _tile_loadd(1, b + d0, D * sizeof(c10::BFloat16));
+      _tile_loadd(2, q_pairs + d0 / 2 * kLanes, kLanes * sizeof(uint32_t));
+      _tile_dpbf16ps(6, 1, 2);
+    }
+    _tile_stored(6, dst + BS * kLanes, kLanes * sizeof(float));
   };
-  // acc = acc * alpha + the previous block's P V
+  // acc = acc * alpha + the previous chunk's P V
   alignas(64) float alphas[16];
   auto add_values = [&]() PA_INLINE_LAMBDA {
     for (int64_t r = 0; r < rows; ++r) {
@@ -933,80 +951,97 @@ void run_decode_item_amx(const WorkItem& w, const c10::BFloat16* query, const c1
     return kLanes == 8 ? op(v, _mm512_shuffle_f32x4(v, v, 0x4E)) : v;
   };
 
-  block_scores(w.k_begin, 0);
+  // Software-pipelined: the next chunk's scores are on the tiles while this chunk's softmax runs, and this
+  // chunk's P V while the next one's softmax runs. Chunks start on block boundaries (a split's first key
+  // is a multiple of kSplitTokens; this path has no window); only the last block may be partial.
+  chunk_scores(w.k_begin, 0);
   int slot = 0;
   bool pending = false;
-  for (int64_t kb = w.k_begin; kb < k_stop; kb = (kb / BS + 1) * BS, slot ^= 1) {
-    const int64_t logical = kb / BS, block_start = logical * BS;
-    const int64_t j0 = kb - block_start, j1 = std::min(BS, k_stop - block_start);
-    const c10::BFloat16* v_src = k_tile(kb) + cs.part;
-    // Into L2, the first line of K and V kDecodePrefetchBlocks ahead: the L2 streamer fetches the rest of
-    // each tile. Into L1, the block kNearPrefetchBlocks ahead, a quarter at a time between this block's
-    // steps: asked for all at once, its lines wait for the core's few line-fill buffers and stall the
-    // computation behind them.
-    if (block_start + kDecodePrefetchBlocks * BS < k_stop)
-      prefetch_tile(k_tile(block_start + kDecodePrefetchBlocks * BS), cs.part, 32);
-    const c10::BFloat16* near =
-        block_start + kNearPrefetchBlocks * BS < k_stop ? k_tile(block_start + kNearPrefetchBlocks * BS) : nullptr;
-    auto near_quarter = [&](int64_t quarter) PA_INLINE_LAMBDA {
-      if (near != nullptr) prefetch_tile<3>(near + quarter * tile_elems / 4, cs.part, tile_elems / 4);
+  for (int64_t c0 = w.k_begin; c0 < k_stop; c0 += kChunk, slot ^= 1) {
+    const int64_t blocks = c0 + BS < k_stop ? 2 : 1;
+    // The blocks kDecodePrefetchBlocks ahead into L2 and the next chunk's into L1, a quarter at a time
+    // between this chunk's steps: asked for all at once, their lines wait for the core's few line-fill
+    // buffers and stall the computation behind them.
+    auto ahead = [&](int64_t blocks_ahead) PA_INLINE_LAMBDA {
+      return c0 + blocks_ahead * BS < k_stop ? k_tile(c0 + blocks_ahead * BS) : nullptr;
     };
-    near_quarter(0);
-    if (block_start + BS < k_stop) block_scores(block_start + BS, slot ^ 1);
+    const c10::BFloat16* far[2] = {ahead(kDecodePrefetchBlocks), ahead(kDecodePrefetchBlocks + 1)};
+    const c10::BFloat16* near[2] = {ahead(2), ahead(3)};
+    auto prefetch_quarter = [&](int64_t quarter) PA_INLINE_LAMBDA {
+      for (int b = 0; b < 2; ++b) {
+        if (far[b] != nullptr) prefetch_tile<2>(far[b] + quarter * tile_elems / 4, cs.part, tile_elems / 4);
+        if (near[b] != nullptr) prefetch_tile<3>(near[b] + quarter * tile_elems / 4, cs.part, tile_elems / 4);
+      }
+    };
+    prefetch_quarter(0);
+    if (c0 + kChunk < k_stop) chunk_scores(c0 + kChunk, slot ^ 1);
 
-    __m512 s[kVectors];
-    for (int64_t j = 0; j < kVectors; ++j) s[j] = _mm512_load_ps(scores + slot * BS * kLanes + j * 16);
-    if (j0 != 0 || j1 != BS || first_pos < block_start + BS - 1) {  // keys some row must not see
-      for (int64_t j = 0; j < kVectors; ++j) {
-        const __m512i key = _mm512_add_epi32(lane_keys, _mm512_set1_epi32(static_cast<int>(j * (16 / kLanes))));
-        const __mmask16 seen =
-            _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(j0)), _MM_CMPINT_NLT) &
-            _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(j1)), _MM_CMPINT_LT) &
-            _mm512_cmp_epi32_mask(_mm512_add_epi32(key, _mm512_set1_epi32(static_cast<int>(block_start))), positions,
-                                  _MM_CMPINT_LE);
+    __m512 s[2 * kVectors];
+    const float* chunk = scores + slot * kChunk * kLanes;
+    for (int64_t j = 0; j < 2 * kVectors; ++j) s[j] = j < blocks * kVectors ? _mm512_load_ps(chunk + j * 16) : neg_inf;
+    if (c0 + blocks * BS > k_stop || first_pos < c0 + blocks * BS - 1) {  // keys some row must not see
+      for (int64_t j = 0; j < blocks * kVectors; ++j) {
+        const __m512i key = _mm512_add_epi32(lane_keys, _mm512_set1_epi32(static_cast<int>(c0 + j * (16 / kLanes))));
+        const __mmask16 seen = _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(k_stop)), _MM_CMPINT_LT) &
+                               _mm512_cmp_epi32_mask(key, positions, _MM_CMPINT_LE);
         s[j] = _mm512_mask_blend_ps(seen, neg_inf, s[j]);
       }
     }
-    near_quarter(1);
+    prefetch_quarter(1);
     __m512 m = s[0];
-    for (int64_t j = 1; j < kVectors; ++j) m = _mm512_max_ps(m, s[j]);
+    for (int64_t j = 1; j < 2 * kVectors; ++j) m = _mm512_max_ps(m, s[j]);
     const __m512 new_max = _mm512_max_ps(rmax, fold(m, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }));
     // a lane that has seen no key yet subtracts 0: its scores are -inf, their exponentials 0
     const __m512 shift =
         _mm512_mul_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(new_max, neg_inf, _CMP_NEQ_UQ), new_max), vscale);
     const __m512 alpha = exp2_16(_mm512_fmsub_ps(rmax, vscale, shift));
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < kVectors; ++j) {
+    for (int64_t j = 0; j < 2 * kVectors; ++j) {
       s[j] = exp2_16(_mm512_fmsub_ps(s[j], vscale, shift));
       sum = _mm512_add_ps(sum, s[j]);
     }
     rsum = _mm512_fmadd_ps(rsum, alpha, fold(sum, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
     rmax = new_max;
 
-    near_quarter(2);
-    if (pending) add_values();  // the previous block's P V, before this block's overwrites it
+    prefetch_quarter(2);
+    if (pending) add_values();  // the previous chunk's P V, before this chunk's overwrites it
     _mm512_store_ps(alphas, alpha);
-    if constexpr (kLanes == 8) {
-      probability_rows8(s, p_rows);
-    } else {
-      probability_rows16(s, p_rows);
-    }
-    const uint16_t* vb = reinterpret_cast<const uint16_t*>(v_src);
-    for (int64_t p = 0; p < BS / 2; ++p) {
-      for (int64_t d = 0; d < D; d += 32) {
-        const __m512i vj = _mm512_loadu_si512(vb + 2 * p * D + d);
-        const __m512i vj1 = _mm512_loadu_si512(vb + (2 * p + 1) * D + d);
-        _mm512_store_si512(v_pairs + p * D + d, _mm512_permutex2var_epi16(vj, low, vj1));
-        _mm512_store_si512(v_pairs + p * D + d + 16, _mm512_permutex2var_epi16(vj, high, vj1));
+    for (int64_t b = 0; b < 2; ++b) {  // an absent second block's probabilities are 0
+      if constexpr (kLanes == 8) {
+        probability_rows8(s + b * kVectors, p_rows + b * BS / 2, kChunk / 2);
+      } else {
+        probability_rows16(s + b * kVectors, p_rows + b * BS / 2, kChunk / 2);
       }
     }
-    near_quarter(3);
-    _tile_loadd(3, p_rows, BS / 2 * sizeof(uint32_t));
-    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    for (int64_t b = 0; b < 2; ++b) {
+      uint32_t* dst = v_pairs + b * BS / 2 * D;
+      if (b == blocks) {  // no second block: zero values (times probabilities 0)
+        std::fill(dst, dst + BS / 2 * D, 0u);
+        break;
+      }
+      const uint16_t* vb = reinterpret_cast<const uint16_t*>(k_tile(c0 + b * BS) + cs.part);
+      for (int64_t p = 0; p < BS / 2; ++p) {
+        for (int64_t d = 0; d < D; d += 32) {
+          const __m512i vj = _mm512_loadu_si512(vb + 2 * p * D + d);
+          const __m512i vj1 = _mm512_loadu_si512(vb + (2 * p + 1) * D + d);
+          _mm512_store_si512(dst + p * D + d, _mm512_permutex2var_epi16(vj, low, vj1));
+          _mm512_store_si512(dst + p * D + d + 16, _mm512_permutex2var_epi16(vj, high, vj1));
+        }
+      }
+    }
+    prefetch_quarter(3);
+    _tile_loadd(3, p_rows, kChunk / 2 * sizeof(uint32_t));
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {  // two slices of 16 columns on alternate tiles
       _tile_zero(5);
       _tile_loadd(4, v_pairs + d0, D * sizeof(uint32_t));
       _tile_dpbf16ps(5, 3, 4);
       _tile_stored(5, pv + d0, D * sizeof(float));
+      if (d0 + 16 < D) {
+        _tile_zero(7);
+        _tile_loadd(1, v_pairs + d0 + 16, D * sizeof(uint32_t));
+        _tile_dpbf16ps(7, 3, 1);
+        _tile_stored(7, pv + d0 + 16, D * sizeof(float));
+      }
     }
     pending = true;
   }
