@@ -25,7 +25,7 @@
 // decode-like items (fewer than 16 query rows per KV head) read fp32/bf16 blocks that all their rows
 // see whole in place (decode_chunk): a decode step is then one pass over the K/V bytes it needs, and
 // with AVX512-BF16 bf16 scores come from `_mm512_dpbf16_ps` on the stored pairs. With AMX, items of a
-// bf16 cache in 16-token blocks run on the matrix tiles instead: prefill tiles (run_item_amx) and
+// bf16 cache in 16-token blocks run on the matrix tiles instead: prefill tiles (run_prefill_item_amx) and
 // decode-like items (run_decode_item_amx). Which path a build has: the paged_attention_isa op. Threads come from at::parallel_for, i.e. torch's own OpenMP pool
 // and torch.set_num_threads.
 
@@ -629,134 +629,6 @@ void finish_rows(const WorkItem& w, int64_t rows, int64_t group, int64_t D, int6
 }
 
 #if defined(PAGEDLLM_AMX)
-// A prefill item (16 or more query rows per KV head) of a bf16 cache on AMX tiles: per 16-row tile and
-// 16-key block, the scores Q K^T by TDPBF16PS (the unscaled bf16 query, as decode's dot products take
-// it, then scaled), the online-softmax update in AVX-512, and P V by TDPBF16PS on the probabilities
-// rounded to bf16 (as decode rounds them), added to the rows' accumulators after their rescale. Keys a
-// row must not see (past its position, or outside the item's range) score -inf. Rows are padded to 16;
-// the padding's results are never stored. Tiles: 0 the scores [16][16]; 1 the query rows [16][32 of
-// head_dim]; 2 the keys as pairs [16 pairs of head_dim][16 keys x 2]; 3 the probabilities [16][16 keys];
-// 4 the values as pairs [8 pairs of keys][16 of head_dim x 2]; 5 a P V slice [16][16].
-constexpr int64_t kAmxAttnRows = 16;
-
-void run_item_amx(const WorkItem& w, const c10::BFloat16* query, const c10::BFloat16* kv_cache,
-                  const int64_t* block_table, int64_t q_row0, int64_t seq_len, int64_t query_len,
-                  int64_t num_heads, int64_t num_kv_heads, CacheStrides cs, int64_t head_dim, float scale,
-                  c10::BFloat16* out, float* partial_acc, float* partial_max, float* partial_sum,
-                  std::vector<float>& scratch) {
-  constexpr int64_t BS = 16;
-  const int64_t group = num_heads / num_kv_heads, D = head_dim;
-  const int64_t rows = (w.q_end - w.q_begin) * group;
-  const int64_t padded = (rows + kAmxAttnRows - 1) / kAmxAttnRows * kAmxAttnRows;
-  // q (bf16 [padded][D]), acc [padded][D], row_max, row_sum, the block's K and V as pairs, scores, P V
-  scratch.resize(padded * D / 2 + padded * D + 2 * padded + 2 * BS * D / 2 + BS * BS + kAmxAttnRows * D + 64);
-  uint16_t* q = reinterpret_cast<uint16_t*>(scratch.data());
-  float* acc = scratch.data() + padded * D / 2;
-  float* row_max = acc + padded * D;
-  float* row_sum = row_max + padded;
-  uint32_t* k_pairs = reinterpret_cast<uint32_t*>(row_sum + padded);  // [D / 2][BS]
-  uint32_t* v_pairs = k_pairs + BS * D / 2;                            // [BS / 2][D]
-  float* scores = reinterpret_cast<float*>(v_pairs + BS * D / 2);      // [16][16]
-  float* pv = scores + BS * BS;                                        // [16][D]
-  alignas(64) uint16_t probs[kAmxAttnRows * BS];
-  float alpha[kAmxAttnRows];  // each row's rescale of its accumulator for the block
-
-  for (int64_t m = 0; m < padded; ++m) {
-    uint16_t* qm = q + m * D;
-    if (m < rows) {
-      const int64_t t = w.q_begin + m / group, g = m % group;
-      std::memcpy(qm, query + ((q_row0 + t) * num_heads + w.kv_head * group + g) * D, D * sizeof(uint16_t));
-    } else {
-      std::memset(qm, 0, D * sizeof(uint16_t));
-    }
-  }
-  std::fill(acc, acc + padded * D, 0.f);
-  std::fill(row_max, row_max + padded, kNegInf);
-  std::fill(row_sum, row_sum + padded, 0.f);
-
-  pagedllm_amx::TileConfig config;
-  config.tile(0, kAmxAttnRows, BS * 4).tile(1, kAmxAttnRows, 64).tile(2, 16, BS * 4);
-  config.tile(3, kAmxAttnRows, BS * 2).tile(4, BS / 2, 64).tile(5, kAmxAttnRows, 64);
-  config.load();
-
-  const int64_t first_pos = seq_len - query_len + w.q_begin;
-  const int64_t k_stop = std::min(w.k_end, seq_len - query_len + w.q_end);
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int64_t kb = w.k_begin; kb < k_stop; kb = (kb / BS + 1) * BS) {
-    const int64_t logical = kb / BS, block_start = logical * BS;
-    const int64_t j0 = kb - block_start, j1 = std::min(BS, k_stop - block_start);
-    const int64_t physical = block_table[logical];
-    const c10::BFloat16* k_src = kv_cache + w.kv_head * cs.head + physical * cs.block;
-    const c10::BFloat16* v_src = k_src + cs.part;
-    if (block_start + kPrefetchBlocks * BS < k_stop) {
-      prefetch_tile(kv_cache + w.kv_head * cs.head + block_table[logical + kPrefetchBlocks] * cs.block, cs.part,
-                    BS * D);
-    }
-    // K [BS][D] -> pairs of head_dim [D / 2][BS]; V [BS][D] -> pairs of keys [BS / 2][D]
-    const uint32_t* k32 = reinterpret_cast<const uint32_t*>(k_src);
-    for (int64_t j = 0; j < BS; ++j)
-      for (int64_t p = 0; p < D / 2; ++p) k_pairs[p * BS + j] = k32[j * (D / 2) + p];
-    const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v_src);
-    for (int64_t p = 0; p < BS / 2; ++p)
-      for (int64_t d = 0; d < D; ++d)
-        v_pairs[p * D + d] =
-            static_cast<uint32_t>(v16[2 * p * D + d]) | (static_cast<uint32_t>(v16[(2 * p + 1) * D + d]) << 16);
-
-    for (int64_t r0 = 0; r0 < padded; r0 += kAmxAttnRows) {
-      // a tile whose last row sees none of this block's keys (the rows before the diagonal) has nothing to add
-      const int64_t last = std::min(r0 + kAmxAttnRows, rows) - 1;
-      if (r0 < rows && first_pos + last / group < block_start + j0) continue;
-      _tile_zero(0);
-      for (int64_t d0 = 0; d0 < D; d0 += 32) {
-        _tile_loadd(1, q + r0 * D + d0, D * sizeof(uint16_t));
-        _tile_loadd(2, k_pairs + d0 / 2 * BS, BS * sizeof(uint32_t));
-        _tile_dpbf16ps(0, 1, 2);
-      }
-      _tile_stored(0, scores, BS * sizeof(float));
-      for (int64_t r = 0; r < kAmxAttnRows; ++r) {
-        const int64_t m = r0 + r;
-        // keys j0 <= j < min(j1, pos - block_start + 1) are this row's (padding rows see the range)
-        const int64_t pos = m < rows ? first_pos + m / group : seq_len;
-        const int64_t end = std::min(j1, pos - block_start + 1);
-        const __mmask16 seen =
-            _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(j0)), _MM_CMPINT_NLT) &
-            _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(end)), _MM_CMPINT_LT);
-        __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(scores + r * BS), _mm512_set1_ps(scale));
-        sv = _mm512_mask_blend_ps(seen, _mm512_set1_ps(kNegInf), sv);
-        const float block_max = seen ? _mm512_reduce_max_ps(sv) : kNegInf;
-        const float new_max = std::max(row_max[m], block_max);
-        __m512 pr = _mm512_setzero_ps();
-        alpha[r] = 1.f;
-        if (new_max != kNegInf) {
-          pr = _mm512_maskz_mov_ps(seen, fast_exp16(_mm512_sub_ps(sv, _mm512_set1_ps(new_max))));
-          alpha[r] = row_max[m] == kNegInf ? 0.f : pagedllm::fast_exp(row_max[m] - new_max);
-        }
-        // the probabilities rounded to bf16, and the denominator summed from the rounded values
-        const __m256bh pb = _mm512_cvtneps_pbh(pr);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(probs + r * BS), (__m256i)pb);
-        const __m512 prounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)pb), 16));
-        row_sum[m] = row_sum[m] * alpha[r] + _mm512_reduce_add_ps(prounded);
-        row_max[m] = new_max;
-      }
-      _tile_loadd(3, probs, BS * sizeof(uint16_t));
-      for (int64_t d0 = 0; d0 < D; d0 += 16) {
-        _tile_zero(5);
-        _tile_loadd(4, v_pairs + d0, D * sizeof(uint32_t));
-        _tile_dpbf16ps(5, 3, 4);
-        _tile_stored(5, pv + d0, D * sizeof(float));
-      }
-      for (int64_t r = 0; r < kAmxAttnRows; ++r) {
-        float* am = acc + (r0 + r) * D;
-        const __m512 rescale = _mm512_set1_ps(alpha[r]);
-        for (int64_t d = 0; d < D; d += 16)
-          _mm512_storeu_ps(am + d, _mm512_fmadd_ps(_mm512_loadu_ps(am + d), rescale, _mm512_loadu_ps(pv + r * D + d)));
-      }
-    }
-  }
-
-  finish_rows(w, rows, group, D, q_row0, num_heads, acc, row_max, row_sum, out, partial_acc, partial_max,
-              partial_sum);
-}
 
 // 2^t on 16 lanes for the AMX decode path: 2^round(t) by VSCALEFPS, 2^f by a degree-5 polynomial (relative
 // error under 1e-7, far below the bf16 rounding the probabilities take next). t = -inf gives exactly 0
@@ -849,6 +721,126 @@ PA_ALWAYS_INLINE void probability_rows16(const __m512* e, uint32_t* p_rows, int6
   }
 }
 
+
+// Query rows m0..m0 + n of an item as head_dim pairs with a lane a row, q_pairs [D / 2][lanes] u32 (zero
+// past n): the B operand of S^T = K Q^T.
+inline void query_pairs(const WorkItem& w, const c10::BFloat16* query, int64_t q_row0, int64_t num_heads,
+                        int64_t group, int64_t D, int64_t m0, int64_t n, int64_t lanes, uint32_t* q_pairs) {
+  std::fill(q_pairs, q_pairs + D / 2 * lanes, 0u);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t m = m0 + i, t = w.q_begin + m / group, g = m % group;
+    const uint32_t* src =
+        reinterpret_cast<const uint32_t*>(query + ((q_row0 + t) * num_heads + w.kv_head * group + g) * D);
+    for (int64_t p = 0; p < D / 2; ++p) q_pairs[p * lanes + i] = src[p];
+  }
+}
+
+// Each lane's query position for rows m0.. of an item (past `rows`: sees every key), and its key within a
+// vector's keys (kLanes 8: two keys a vector).
+template <int kLanes>
+inline void lane_positions(int64_t first_pos, int64_t group, int64_t m0, int64_t rows, __m512i& positions,
+                           __m512i& lane_keys) {
+  alignas(64) int32_t lane_pos[16], lane_key[16];
+  for (int64_t l = 0; l < 16; ++l) {
+    const int64_t m = m0 + l % kLanes;
+    lane_pos[l] = m < rows ? static_cast<int32_t>(first_pos + m / group) : std::numeric_limits<int32_t>::max();
+    lane_key[l] = static_cast<int32_t>(l / kLanes);
+  }
+  positions = _mm512_load_si512(lane_pos);
+  lane_keys = _mm512_load_si512(lane_key);
+}
+
+// S^T of the block at k on tile 0 (or 6, for a chunk's second block), stored as [16 keys][lanes] fp32 at
+// dst: K as the cache holds it (tile 1) against the query pairs (tile 2). (The tile intrinsics take
+// literal tile numbers, hence the macro.)
+PA_ALWAYS_INLINE void block_scores_t(const c10::BFloat16* k, const uint32_t* q_pairs, int64_t D, int64_t lanes,
+                                     float* dst, bool second = false) {
+#define PAGEDLLM_BLOCK_SCORES(C)                                           \
+  _tile_zero(C);                                                           \
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {                                 \
+    _tile_loadd(1, k + d0, D * sizeof(c10::BFloat16));                    \
+    _tile_loadd(2, q_pairs + d0 / 2 * lanes, lanes * sizeof(uint32_t));   \
+    _tile_dpbf16ps(C, 1, 2);                                               \
+  }                                                                        \
+  _tile_stored(C, dst, lanes * sizeof(float));
+  if (second) {
+    PAGEDLLM_BLOCK_SCORES(6)
+  } else {
+    PAGEDLLM_BLOCK_SCORES(0)
+  }
+#undef PAGEDLLM_BLOCK_SCORES
+}
+
+// Keys a lane must not see score -inf: those at or past k_stop, or past the lane's position. s[j] holds
+// the keys k0 + j * (16 / kLanes) + lane_keys.
+template <int kLanes>
+PA_ALWAYS_INLINE void mask_keys(__m512* s, int64_t count, int64_t k0, int64_t k_stop, __m512i positions,
+                                __m512i lane_keys) {
+  for (int64_t j = 0; j < count; ++j) {
+    const __m512i key = _mm512_add_epi32(lane_keys, _mm512_set1_epi32(static_cast<int>(k0 + j * (16 / kLanes))));
+    const __mmask16 seen = _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(k_stop)), _MM_CMPINT_LT) &
+                           _mm512_cmp_epi32_mask(key, positions, _MM_CMPINT_LE);
+    s[j] = _mm512_mask_blend_ps(seen, _mm512_set1_ps(kNegInf), s[j]);
+  }
+}
+
+// The online-softmax step of kN score vectors (dot products, -inf where masked), down the keys: each
+// lane's running max and denominator updated and the probabilities exp(scale * (s - max)) written over
+// the scores (vscale: the scale in log2 units); returns each lane's rescale of its accumulator. A lane
+// that has seen no key yet subtracts 0: its scores are -inf, their exponentials 0. With two keys a
+// vector (kLanes 8), both halves get the max and the sum of the two.
+template <int kN, int kLanes>
+PA_ALWAYS_INLINE __m512 softmax_down_keys(__m512* s, __m512& rmax, __m512& rsum, __m512 vscale) {
+  auto fold = [](__m512 v, auto op) PA_INLINE_LAMBDA {
+    return kLanes == 8 ? op(v, _mm512_shuffle_f32x4(v, v, 0x4E)) : v;
+  };
+  __m512 m = s[0];
+  for (int j = 1; j < kN; ++j) m = _mm512_max_ps(m, s[j]);
+  const __m512 new_max = _mm512_max_ps(rmax, fold(m, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }));
+  const __m512 shift = _mm512_mul_ps(
+      _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(new_max, _mm512_set1_ps(kNegInf), _CMP_NEQ_UQ), new_max), vscale);
+  const __m512 alpha = exp2_16(_mm512_fmsub_ps(rmax, vscale, shift));
+  __m512 sum = _mm512_setzero_ps();
+  for (int j = 0; j < kN; ++j) {
+    s[j] = exp2_16(_mm512_fmsub_ps(s[j], vscale, shift));
+    sum = _mm512_add_ps(sum, s[j]);
+  }
+  rsum = _mm512_fmadd_ps(rsum, alpha, fold(sum, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
+  rmax = new_max;
+  return alpha;
+}
+
+// A 16-key block's values interleaved in key pairs, dst [8][D] u32: word 2i of (p, d) is v_{2p}[d] and
+// word 2i + 1 v_{2p+1}[d] (the B operand of P V).
+PA_ALWAYS_INLINE void value_pairs(const c10::BFloat16* v, int64_t D, uint32_t* dst) {
+  // columns 0..15 (low) and 16..31 (high) of the two rows, word by word
+  alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v);
+  for (int64_t p = 0; p < 8; ++p) {
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512i vj = _mm512_loadu_si512(vb + 2 * p * D + d), vj1 = _mm512_loadu_si512(vb + (2 * p + 1) * D + d);
+      _mm512_store_si512(dst + p * D + d, _mm512_permutex2var_epi16(vj, low, vj1));
+      _mm512_store_si512(dst + p * D + d + 16, _mm512_permutex2var_epi16(vj, high, vj1));
+    }
+  }
+}
+
+// acc = acc * alpha + pv for query rows 0..rows of a tile (acc and pv in p_row order, alphas by lane).
+template <int kLanes>
+PA_ALWAYS_INLINE void add_values(float* acc, const float* pv, const float* alphas, int64_t rows, int64_t D) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* am = acc + p_row<kLanes>(r) * D;
+    const float* pm = pv + p_row<kLanes>(r) * D;
+    const __m512 rescale = _mm512_set1_ps(alphas[r]);
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_store_ps(am + d, _mm512_fmadd_ps(_mm512_load_ps(am + d), rescale, _mm512_load_ps(pm + d)));
+  }
+}
+
 template <int kLanes>
 void run_decode_item_amx(const WorkItem& w, const c10::BFloat16* query, const c10::BFloat16* kv_cache,
                          const int64_t* block_table, int64_t q_row0, int64_t seq_len, int64_t query_len,
@@ -876,13 +868,7 @@ void run_decode_item_amx(const WorkItem& w, const c10::BFloat16* query, const c1
   float* row_max = reinterpret_cast<float*>(p_rows + kLanes * kChunk / 2);
   float* row_sum = row_max + 16;
 
-  std::fill(q_pairs, q_pairs + D / 2 * kLanes, 0u);
-  for (int64_t m = 0; m < rows; ++m) {
-    const int64_t t = w.q_begin + m / group, g = m % group;
-    const uint32_t* src =
-        reinterpret_cast<const uint32_t*>(query + ((q_row0 + t) * num_heads + w.kv_head * group + g) * D);
-    for (int64_t p = 0; p < D / 2; ++p) q_pairs[p * kLanes + m] = src[p];
-  }
+  query_pairs(w, query, q_row0, num_heads, group, D, 0, rows, kLanes, q_pairs);
   std::fill(acc, acc + kLanes * D, 0.f);
 
   pagedllm_amx::TileConfig config;
@@ -890,25 +876,13 @@ void run_decode_item_amx(const WorkItem& w, const c10::BFloat16* query, const c1
   config.tile(3, kLanes, kChunk * 2).tile(4, kChunk / 2, 64).tile(5, kLanes, 64).tile(7, kLanes, 64);
   config.load();
 
-  // word 2i of a pair's result is v_j[i] and word 2i + 1 is v_{j+1}[i]: columns 0..15 (low) and 16..31 (high)
-  alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
   // scores times scale, in log2 units
   const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f), neg_inf = _mm512_set1_ps(kNegInf);
 
   const int64_t first_pos = seq_len - query_len + w.q_begin;
   const int64_t k_stop = std::min(w.k_end, seq_len - query_len + w.q_end);
-  // each lane's query position (past `rows`: sees every key) and its key within a vector's keys
-  alignas(64) int32_t lane_pos[16], lane_key[16];
-  for (int64_t l = 0; l < 16; ++l) {
-    const int64_t r = l % kLanes;
-    lane_pos[l] = r < rows ? static_cast<int32_t>(first_pos + r / group) : std::numeric_limits<int32_t>::max();
-    lane_key[l] = static_cast<int32_t>(l / kLanes);
-  }
-  const __m512i positions = _mm512_load_si512(lane_pos), lane_keys = _mm512_load_si512(lane_key);
+  __m512i positions, lane_keys;
+  lane_positions<kLanes>(first_pos, group, 0, rows, positions, lane_keys);
   __m512 rmax = neg_inf, rsum = _mm512_setzero_ps();
   const int64_t tile_elems = BS * D;
   auto k_tile = [&](int64_t kb) PA_INLINE_LAMBDA {
@@ -917,39 +891,10 @@ void run_decode_item_amx(const WorkItem& w, const c10::BFloat16* query, const c1
   // S^T of the chunk at c0 (its second block only where it has one) into scores slot `slot`
   auto chunk_scores = [&](int64_t c0, int slot) PA_INLINE_LAMBDA {
     float* dst = scores + slot * kChunk * kLanes;
-    const c10::BFloat16* a = k_tile(c0);
-    _tile_zero(0);
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {
-      _tile_loadd(1, a + d0, D * sizeof(c10::BFloat16));
-      _tile_loadd(2, q_pairs + d0 / 2 * kLanes, kLanes * sizeof(uint32_t));
-      _tile_dpbf16ps(0, 1, 2);
-    }
-    _tile_stored(0, dst, kLanes * sizeof(float));
-    if (c0 + BS >= k_stop) return;
-    const c10::BFloat16* b = k_tile(c0 + BS);
-    _tile_zero(6);
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {
-      _tile_loadd(1, b + d0, D * sizeof(c10::BFloat16));
-      _tile_loadd(2, q_pairs + d0 / 2 * kLanes, kLanes * sizeof(uint32_t));
-      _tile_dpbf16ps(6, 1, 2);
-    }
-    _tile_stored(6, dst + BS * kLanes, kLanes * sizeof(float));
+    block_scores_t(k_tile(c0), q_pairs, D, kLanes, dst);
+    if (c0 + BS < k_stop) block_scores_t(k_tile(c0 + BS), q_pairs, D, kLanes, dst + BS * kLanes, true);
   };
-  // acc = acc * alpha + the previous chunk's P V
-  alignas(64) float alphas[16];
-  auto add_values = [&]() PA_INLINE_LAMBDA {
-    for (int64_t r = 0; r < rows; ++r) {
-      float* am = acc + p_row<kLanes>(r) * D;
-      const float* pm = pv + p_row<kLanes>(r) * D;
-      const __m512 rescale = _mm512_set1_ps(alphas[r]);
-      for (int64_t d = 0; d < D; d += 16)
-        _mm512_store_ps(am + d, _mm512_fmadd_ps(_mm512_load_ps(am + d), rescale, _mm512_load_ps(pm + d)));
-    }
-  };
-  // with two keys a vector, both halves get the max (or sum) of the two
-  auto fold = [](__m512 v, auto op) PA_INLINE_LAMBDA {
-    return kLanes == 8 ? op(v, _mm512_shuffle_f32x4(v, v, 0x4E)) : v;
-  };
+  alignas(64) float alphas[16];  // the previous chunk's rescales, for its P V
 
   // Software-pipelined: the next chunk's scores are on the tiles while this chunk's softmax runs, and this
   // chunk's P V while the next one's softmax runs. Chunks start on block boundaries (a split's first key
@@ -979,32 +924,13 @@ void run_decode_item_amx(const WorkItem& w, const c10::BFloat16* query, const c1
     __m512 s[2 * kVectors];
     const float* chunk = scores + slot * kChunk * kLanes;
     for (int64_t j = 0; j < 2 * kVectors; ++j) s[j] = j < blocks * kVectors ? _mm512_load_ps(chunk + j * 16) : neg_inf;
-    if (c0 + blocks * BS > k_stop || first_pos < c0 + blocks * BS - 1) {  // keys some row must not see
-      for (int64_t j = 0; j < blocks * kVectors; ++j) {
-        const __m512i key = _mm512_add_epi32(lane_keys, _mm512_set1_epi32(static_cast<int>(c0 + j * (16 / kLanes))));
-        const __mmask16 seen = _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(k_stop)), _MM_CMPINT_LT) &
-                               _mm512_cmp_epi32_mask(key, positions, _MM_CMPINT_LE);
-        s[j] = _mm512_mask_blend_ps(seen, neg_inf, s[j]);
-      }
-    }
+    if (c0 + blocks * BS > k_stop || first_pos < c0 + blocks * BS - 1)  // keys some row must not see
+      mask_keys<kLanes>(s, blocks * kVectors, c0, k_stop, positions, lane_keys);
     prefetch_quarter(1);
-    __m512 m = s[0];
-    for (int64_t j = 1; j < 2 * kVectors; ++j) m = _mm512_max_ps(m, s[j]);
-    const __m512 new_max = _mm512_max_ps(rmax, fold(m, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }));
-    // a lane that has seen no key yet subtracts 0: its scores are -inf, their exponentials 0
-    const __m512 shift =
-        _mm512_mul_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(new_max, neg_inf, _CMP_NEQ_UQ), new_max), vscale);
-    const __m512 alpha = exp2_16(_mm512_fmsub_ps(rmax, vscale, shift));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < 2 * kVectors; ++j) {
-      s[j] = exp2_16(_mm512_fmsub_ps(s[j], vscale, shift));
-      sum = _mm512_add_ps(sum, s[j]);
-    }
-    rsum = _mm512_fmadd_ps(rsum, alpha, fold(sum, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
-    rmax = new_max;
+    const __m512 alpha = softmax_down_keys<2 * kVectors, kLanes>(s, rmax, rsum, vscale);
 
     prefetch_quarter(2);
-    if (pending) add_values();  // the previous chunk's P V, before this chunk's overwrites it
+    if (pending) add_values<kLanes>(acc, pv, alphas, rows, D);  // the previous chunk's, before this one's
     _mm512_store_ps(alphas, alpha);
     for (int64_t b = 0; b < 2; ++b) {  // an absent second block's probabilities are 0
       if constexpr (kLanes == 8) {
@@ -1013,21 +939,11 @@ void run_decode_item_amx(const WorkItem& w, const c10::BFloat16* query, const c1
         probability_rows16(s + b * kVectors, p_rows + b * BS / 2, kChunk / 2);
       }
     }
-    for (int64_t b = 0; b < 2; ++b) {
-      uint32_t* dst = v_pairs + b * BS / 2 * D;
-      if (b == blocks) {  // no second block: zero values (times probabilities 0)
-        std::fill(dst, dst + BS / 2 * D, 0u);
-        break;
-      }
-      const uint16_t* vb = reinterpret_cast<const uint16_t*>(k_tile(c0 + b * BS) + cs.part);
-      for (int64_t p = 0; p < BS / 2; ++p) {
-        for (int64_t d = 0; d < D; d += 32) {
-          const __m512i vj = _mm512_loadu_si512(vb + 2 * p * D + d);
-          const __m512i vj1 = _mm512_loadu_si512(vb + (2 * p + 1) * D + d);
-          _mm512_store_si512(dst + p * D + d, _mm512_permutex2var_epi16(vj, low, vj1));
-          _mm512_store_si512(dst + p * D + d + 16, _mm512_permutex2var_epi16(vj, high, vj1));
-        }
-      }
+    value_pairs(k_tile(c0) + cs.part, D, v_pairs);
+    if (blocks == 2) {
+      value_pairs(k_tile(c0 + BS) + cs.part, D, v_pairs + BS / 2 * D);
+    } else {  // no second block: zero values (times probabilities 0)
+      std::fill(v_pairs + BS / 2 * D, v_pairs + BS * D, 0u);
     }
     prefetch_quarter(3);
     _tile_loadd(3, p_rows, kChunk / 2 * sizeof(uint32_t));
@@ -1045,7 +961,7 @@ void run_decode_item_amx(const WorkItem& w, const c10::BFloat16* query, const c1
     }
     pending = true;
   }
-  if (pending) add_values();
+  if (pending) add_values<kLanes>(acc, pv, alphas, rows, D);
 
   // rows in query order for finish_rows (the max in natural-log units of the scaled scores, as the other
   // paths keep it)
@@ -1056,6 +972,104 @@ void run_decode_item_amx(const WorkItem& w, const c10::BFloat16* query, const c1
   finish_rows(w, rows, group, D, q_row0, num_heads, ordered, row_max, row_sum, out, partial_acc, partial_max,
               partial_sum);
 }
+
+// A prefill item (16 or more query rows per KV head) of a bf16 cache on AMX tiles, 16 rows at a time with
+// the decode path's steps: per 16-key block, the block's values interleaved in key pairs once, then for
+// every 16-row tile that sees one of its keys S^T = K Q^T (K as the cache holds it), the online softmax
+// down the keys with a lane per row (the causal diagonal masked lane by lane), the probabilities turned
+// into rows and P V, all on the tiles. Tiles as in run_decode_item_amx with 16 lanes and one block a
+// P V product: 0 S^T; 1 K; 2 the query pairs; 3 P [16][16 keys]; 4 V pairs [8][16 of head_dim x 2]; 5 a
+// P V slice.
+void run_prefill_item_amx(const WorkItem& w, const c10::BFloat16* query, const c10::BFloat16* kv_cache,
+                          const int64_t* block_table, int64_t q_row0, int64_t seq_len, int64_t query_len,
+                          int64_t num_heads, int64_t num_kv_heads, CacheStrides cs, int64_t head_dim, float scale,
+                          c10::BFloat16* out, float* partial_acc, float* partial_max, float* partial_sum,
+                          std::vector<float>& scratch) {
+  constexpr int64_t BS = 16, kLanes = 16;
+  const int64_t group = num_heads / num_kv_heads, D = head_dim;
+  const int64_t rows = (w.q_end - w.q_begin) * group, tiles = (rows + kLanes - 1) / kLanes;
+  // per row tile: query pairs [D / 2][16] u32, acc [16][D] (p_row order), row max and sum [16], lane
+  // positions [16]; then V pairs [BS / 2][D] u32, S^T [BS][16], P V [16][D], P rows [16][BS / 2] u32 and
+  // the rows in query order [rows][D]; 64-byte aligned
+  const int64_t per_tile = D / 2 * kLanes + kLanes * D + 3 * kLanes;
+  scratch.resize(tiles * per_tile + BS / 2 * D + BS * kLanes + kLanes * D + kLanes * BS / 2 + rows * D + 16);
+  float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  uint32_t* q_pairs = reinterpret_cast<uint32_t*>(base);          // [tiles][D / 2][16]
+  float* acc = base + tiles * D / 2 * kLanes;                      // [tiles][16][D]
+  float* row_max = acc + tiles * kLanes * D;                       // [tiles * 16]
+  float* row_sum = row_max + tiles * kLanes;                       // [tiles * 16]
+  int32_t* lane_pos = reinterpret_cast<int32_t*>(row_sum + tiles * kLanes);  // [tiles][16]
+  uint32_t* v_pairs = reinterpret_cast<uint32_t*>(lane_pos + tiles * kLanes);
+  float* scores = reinterpret_cast<float*>(v_pairs + BS / 2 * D);
+  float* pv = scores + BS * kLanes;
+  uint32_t* p_rows = reinterpret_cast<uint32_t*>(pv + kLanes * D);
+  float* ordered = reinterpret_cast<float*>(p_rows + kLanes * BS / 2);
+
+  const int64_t first_pos = seq_len - query_len + w.q_begin;
+  const int64_t k_stop = std::min(w.k_end, seq_len - query_len + w.q_end);
+  for (int64_t rt = 0; rt < tiles; ++rt) {
+    query_pairs(w, query, q_row0, num_heads, group, D, rt * kLanes, std::min(kLanes, rows - rt * kLanes), kLanes,
+                q_pairs + rt * D / 2 * kLanes);
+    __m512i positions, lane_keys;
+    lane_positions<kLanes>(first_pos, group, rt * kLanes, rows, positions, lane_keys);
+    _mm512_store_si512(lane_pos + rt * kLanes, positions);
+  }
+  std::fill(acc, acc + tiles * kLanes * D, 0.f);
+  std::fill(row_max, row_max + tiles * kLanes, kNegInf);
+  std::fill(row_sum, row_sum + tiles * kLanes, 0.f);
+
+  pagedllm_amx::TileConfig config;
+  config.tile(0, BS, kLanes * 4).tile(1, BS, 64).tile(2, 16, kLanes * 4);
+  config.tile(3, kLanes, BS * 2).tile(4, BS / 2, 64).tile(5, kLanes, 64);
+  config.load();
+  const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f);  // scores times scale, in log2 units
+  alignas(64) float alphas[kLanes];
+
+  for (int64_t kb = w.k_begin; kb < k_stop; kb = (kb / BS + 1) * BS) {
+    const int64_t logical = kb / BS, block_start = logical * BS;
+    const c10::BFloat16* k_src = kv_cache + w.kv_head * cs.head + block_table[logical] * cs.block;
+    if (block_start + kPrefetchBlocks * BS < k_stop) {
+      prefetch_tile(kv_cache + w.kv_head * cs.head + block_table[logical + kPrefetchBlocks] * cs.block, cs.part,
+                    BS * D);
+    }
+    value_pairs(k_src + cs.part, D, v_pairs);
+    for (int64_t rt = 0; rt < tiles; ++rt) {
+      const int64_t m0 = rt * kLanes, n = std::min(kLanes, rows - m0);
+      // rows are in position order: a tile whose last row is before the block sees none of its keys
+      if (first_pos + (m0 + n - 1) / group < block_start) continue;
+      block_scores_t(k_src, q_pairs + rt * D / 2 * kLanes, D, kLanes, scores);
+      __m512 s[BS];
+      for (int64_t j = 0; j < BS; ++j) s[j] = _mm512_load_ps(scores + j * kLanes);
+      if (kb != block_start || block_start + BS > k_stop || first_pos + m0 / group < block_start + BS - 1) {
+        mask_keys<kLanes>(s, BS, block_start, k_stop, _mm512_load_si512(lane_pos + rt * kLanes),
+                          _mm512_setzero_si512());
+        for (int64_t j = 0; j < kb - block_start; ++j) s[j] = _mm512_set1_ps(kNegInf);  // before the item's range
+      }
+      __m512 rmax = _mm512_load_ps(row_max + m0), rsum = _mm512_load_ps(row_sum + m0);
+      _mm512_store_ps(alphas, softmax_down_keys<BS, kLanes>(s, rmax, rsum, vscale));
+      _mm512_store_ps(row_max + m0, rmax);
+      _mm512_store_ps(row_sum + m0, rsum);
+      probability_rows16(s, p_rows, BS / 2);
+      _tile_loadd(3, p_rows, BS / 2 * sizeof(uint32_t));
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        _tile_zero(5);
+        _tile_loadd(4, v_pairs + d0, D * sizeof(uint32_t));
+        _tile_dpbf16ps(5, 3, 4);
+        _tile_stored(5, pv + d0, D * sizeof(float));
+      }
+      add_values<kLanes>(acc + rt * kLanes * D, pv, alphas, n, D);
+    }
+  }
+
+  // rows in query order for finish_rows (the max in natural-log units of the scaled scores)
+  for (int64_t m = 0; m < rows; ++m) {
+    std::memcpy(ordered + m * D, acc + (m / kLanes * kLanes + p_row<kLanes>(m % kLanes)) * D, D * sizeof(float));
+    row_max[m] *= scale;
+  }
+  finish_rows(w, rows, group, D, q_row0, num_heads, ordered, row_max, row_sum, out, partial_acc, partial_max,
+              partial_sum);
+}
+
 #endif  // PAGEDLLM_AMX
 
 template <typename scalar_t, typename cache_t>
@@ -1070,8 +1084,8 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
     if (rows >= 16 && kv_scales == nullptr && window == 0 && soft_cap == 0.f && block_size == 16 &&
         head_dim % 32 == 0 && pagedllm_amx::tiles_permitted()) {
-      run_item_amx(w, query, kv_cache, block_table, q_row0, seq_len, query_len, num_heads, num_kv_heads, cs,
-                   head_dim, scale, out, partial_acc, partial_max, partial_sum, scratch);
+      run_prefill_item_amx(w, query, kv_cache, block_table, q_row0, seq_len, query_len, num_heads, num_kv_heads,
+                           cs, head_dim, scale, out, partial_acc, partial_max, partial_sum, scratch);
       return;
     }
     if (rows < 16 && kv_scales == nullptr && window == 0 && soft_cap == 0.f && block_size == 16 &&
