@@ -235,15 +235,17 @@ PA_ALWAYS_INLINE void chunk_values(const cache_t* v, int64_t D, const float* pro
 // probabilities exactly and adds them in fp32. The pair's two V rows are interleaved word by word
 // (_mm512_permutex2var_epi16) so that lane i holds column i of both, and the accumulators stay in the
 // columns' order. p_bf16 [R][16] holds the rounded probabilities; D a multiple of 32.
+// Two rows of 32 bf16 interleaved word by word (_mm512_permutex2var_epi16 of the rows a and b): word 2i of
+// the result is a[i] and word 2i + 1 is b[i], for columns 0..15 (kPairLow) and 16..31 (kPairHigh).
+alignas(64) static const uint16_t kPairLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) static const uint16_t kPairHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
 template <int R>
 PA_ALWAYS_INLINE void chunk_values_bf16(const c10::BFloat16* v, int64_t D, const uint16_t* p_bf16, const float* alpha,
                                         float* acc) {
-  // word 2i of the result is v_j[i] and word 2i + 1 is v_{j+1}[i]: columns 0..15 (low) and 16..31 (high)
-  alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  const __m512i low = _mm512_load_si512(kPairLow), high = _mm512_load_si512(kPairHigh);
   const uint16_t* vb = reinterpret_cast<const uint16_t*>(v);
   for (int64_t d = 0; d < D; d += 32) {
     __m512 lo[R], hi[R];
@@ -290,6 +292,14 @@ PA_ALWAYS_INLINE void in_row_groups(int64_t rows, F&& f) {
 }
 #define PA_INLINE_LAMBDA __attribute__((always_inline))
 
+// c[0] f^(N-1) + ... + c[N-1] on 16 lanes, by Horner's rule: 2^f for |f| <= 1/2 in the exponentials below.
+template <size_t N>
+PA_ALWAYS_INLINE __m512 horner16(__m512 f, const float (&c)[N]) {
+  __m512 p = _mm512_set1_ps(c[0]);
+  for (size_t i = 1; i < N; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+  return p;
+}
+
 // pagedllm::fast_exp on 16 lanes in registers (the same steps: 2^n by the exponent field, 2^f by the
 // degree-6 polynomial, 0 below 2^-126, and a NaN stays a NaN, so a poisoned key still shows).
 PA_ALWAYS_INLINE __m512 fast_exp16(__m512 x) {
@@ -298,13 +308,9 @@ PA_ALWAYS_INLINE __m512 fast_exp16(__m512 x) {
                                                                       _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f))));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  static constexpr float kPoly[] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                                     5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
+  const __m512 p = horner16(f, kPoly);
   const __m512 result =
       _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23)));
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(n, _mm512_set1_ps(-126.f), _CMP_NLT_UQ), result);
@@ -638,13 +644,9 @@ PA_ALWAYS_INLINE __m512 exp2_16(__m512 t) {
   t = _mm512_min_ps(_mm512_set1_ps(128.f), _mm512_max_ps(_mm512_set1_ps(-160.f), t));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.326697994954884e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675469249486923e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550742521882057e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402212172746658e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469440460205e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  static constexpr float kPoly[] = {1.326697994954884e-3f, 9.675469249486923e-3f, 5.550742521882057e-2f,
+                                     2.402212172746658e-1f, 6.931469440460205e-1f, 1.0f};
+  return _mm512_scalef_ps(horner16(f, kPoly), n);
 }
 
 // A decode-like item (fewer than 16 query rows per KV head: a decode step, a short verification) of a
@@ -813,12 +815,7 @@ PA_ALWAYS_INLINE __m512 softmax_down_keys(__m512* s, __m512& rmax, __m512& rsum,
 // A 16-key block's values interleaved in key pairs, dst [8][D] u32: word 2i of (p, d) is v_{2p}[d] and
 // word 2i + 1 v_{2p+1}[d] (the B operand of P V).
 PA_ALWAYS_INLINE void value_pairs(const c10::BFloat16* v, int64_t D, uint32_t* dst) {
-  // columns 0..15 (low) and 16..31 (high) of the two rows, word by word
-  alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  const __m512i low = _mm512_load_si512(kPairLow), high = _mm512_load_si512(kPairHigh);
   const uint16_t* vb = reinterpret_cast<const uint16_t*>(v);
   for (int64_t p = 0; p < 8; ++p) {
     for (int64_t d = 0; d < D; d += 32) {
