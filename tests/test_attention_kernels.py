@@ -113,9 +113,9 @@ def test_bf16_decode_matches_naive_at_other_head_sizes(head_dim: int) -> None:
 
 @pytest.mark.parametrize("head_dim", [32, 96, 128])
 def test_bf16_prefill_matches_naive_at_other_head_sizes(head_dim: int) -> None:
-    """Prefill chunks of a bf16 cache (on AMX tiles where the CPU has them: Q K^T and P V by the tiles, rows
-    padded to 16) for every head size that path takes, fresh and after a cached prefix, with a last block
-    partly filled and 1 to 7 query rows per KV head."""
+    """Prefill chunks of a bf16 cache (on AMX tiles where the CPU has them: transposed scores and P V by the
+    tiles, 16 query rows a tile, the last one partly filled) for every head size that path takes, fresh and
+    after a cached prefix, with a last block partly filled and 1 to 7 query rows per KV head."""
     for group in (1, 7):
         step = random_step([40, 300, 129], [40, 37, 64], 16, 2, group, head_dim, torch.bfloat16,
                            seed=head_dim + group)
