@@ -26,8 +26,8 @@
 // see whole in place (decode_chunk): a decode step is then one pass over the K/V bytes it needs, and
 // with AVX512-BF16 bf16 scores come from `_mm512_dpbf16_ps` on the stored pairs. With AMX, items of a
 // bf16 cache in 16-token blocks run on the matrix tiles instead: prefill tiles (run_prefill_item_amx) and
-// decode-like items (run_decode_item_amx). Which path a build has: the paged_attention_isa op. Threads come from at::parallel_for, i.e. torch's own OpenMP pool
-// and torch.set_num_threads.
+// decode-like items (run_decode_item_amx). Which path a build has: the paged_attention_isa op. Threads
+// come from at::parallel_for, i.e. torch's own OpenMP pool and torch.set_num_threads.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -229,12 +229,6 @@ PA_ALWAYS_INLINE void chunk_values(const cache_t* v, int64_t D, const float* pro
 }
 
 #if defined(__AVX512BF16__)
-// chunk_values for a bf16 cache where the CPU has AVX512-BF16: the probabilities rounded to bf16 (as torch's
-// CPU flash attention rounds them before its P @ V product on bf16 inputs), then for each pair of keys
-// j, j+1 one `_mm512_dpbf16_ps` per 16 columns and row, which multiplies both keys' values by their
-// probabilities exactly and adds them in fp32. The pair's two V rows are interleaved word by word
-// (_mm512_permutex2var_epi16) so that lane i holds column i of both, and the accumulators stay in the
-// columns' order. p_bf16 [R][16] holds the rounded probabilities; D a multiple of 32.
 // Two rows of 32 bf16 interleaved word by word (_mm512_permutex2var_epi16 of the rows a and b): word 2i of
 // the result is a[i] and word 2i + 1 is b[i], for columns 0..15 (kPairLow) and 16..31 (kPairHigh).
 alignas(64) static const uint16_t kPairLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
@@ -242,6 +236,12 @@ alignas(64) static const uint16_t kPairLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4,
 alignas(64) static const uint16_t kPairHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
                                                    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
 
+// chunk_values for a bf16 cache where the CPU has AVX512-BF16: the probabilities rounded to bf16 (as torch's
+// CPU flash attention rounds them before its P @ V product on bf16 inputs), then for each pair of keys
+// j, j+1 one `_mm512_dpbf16_ps` per 16 columns and row, which multiplies both keys' values by their
+// probabilities exactly and adds them in fp32. The pair's two V rows are interleaved word by word
+// (_mm512_permutex2var_epi16) so that lane i holds column i of both, and the accumulators stay in the
+// columns' order. p_bf16 [R][16] holds the rounded probabilities; D a multiple of 32.
 template <int R>
 PA_ALWAYS_INLINE void chunk_values_bf16(const c10::BFloat16* v, int64_t D, const uint16_t* p_bf16, const float* alpha,
                                         float* acc) {
@@ -649,19 +649,8 @@ PA_ALWAYS_INLINE __m512 exp2_16(__m512 t) {
   return _mm512_scalef_ps(horner16(f, kPoly), n);
 }
 
-// A decode-like item (fewer than 16 query rows per KV head: a decode step, a short verification) of a
-// bf16 cache on AMX tiles, in chunks of two 16-key blocks. The scores come transposed, S^T = K Q^T: a
-// block's keys are the tile's rows as the cache holds them, against the query rows' head_dim pairs
-// arranged once per item, so a column is a query row. The online softmax then runs down the keys with a
-// lane per query row, kLanes of them: 8 (up to 8 rows: two keys a vector) or 16; no horizontal
-// reductions, the scale folded into the exponent's argument. The probabilities, rounded to bf16, become
-// rows of key pairs by a shuffle network, and P V is one TDPBF16PS per 16 columns of head_dim and chunk,
-// on the chunk's values interleaved in key pairs. The denominator sums the unrounded probabilities, as
-// decode's AVX-512 path does. Lanes past `rows` compute on zero queries and are never stored.
-// Tiles: 0 and 6 S^T of a chunk's two blocks [16 keys][kLanes]; 1 K [16 keys][32 of head_dim], or a V
-// slice as 4; 2 the query pairs [16 pairs of head_dim][kLanes x 2]; 3 P [kLanes][32 keys]; 4 V pairs [16
-// pairs of keys][16 of head_dim x 2]; 5 and 7 P V slices [kLanes][16 of head_dim]. With 16 lanes the
-// network leaves query row 4 L + i in tile row 4 i + L.
+// The tile row of query row r in the P rows and the accumulators: with 16 lanes the shuffle network
+// (probability_rows16) leaves query row 4 L + i in tile row 4 i + L.
 template <int kLanes>
 inline int64_t p_row(int64_t r) { return kLanes == 8 ? r : 4 * (r % 4) + r / 4; }
 
@@ -684,7 +673,8 @@ PA_ALWAYS_INLINE void probability_rows8(const __m512* e, uint32_t* p_rows, int64
   alignas(64) static const int32_t kOut2[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
   const __m512i pairs = _mm512_load_si512(kPairs);
   __m512i w[4];
-  for (int i = 0; i < 4; ++i) w[i] = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(e[2 * i + 1], e[2 * i]));
+  for (int i = 0; i < 4; ++i)
+    w[i] = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(e[2 * i + 1], e[2 * i]));
   const __m512i rows0 = _mm512_load_si512(kRows0), rows4 = _mm512_load_si512(kRows4);
   const __m512i b0 = _mm512_permutex2var_epi32(w[0], rows0, w[1]), b1 = _mm512_permutex2var_epi32(w[0], rows4, w[1]);
   const __m512i b2 = _mm512_permutex2var_epi32(w[2], rows0, w[3]), b3 = _mm512_permutex2var_epi32(w[2], rows4, w[3]);
@@ -722,7 +712,6 @@ PA_ALWAYS_INLINE void probability_rows16(const __m512* e, uint32_t* p_rows, int6
     store_rows(p_rows + (4 * i + 2) * stride, stride, _mm512_permutex2var_epi64(u[i], rows_hi, u[4 + i]));
   }
 }
-
 
 // Query rows m0..m0 + n of an item as head_dim pairs with a lane a row, q_pairs [D / 2][lanes] u32 (zero
 // past n): the B operand of S^T = K Q^T.
@@ -826,6 +815,21 @@ PA_ALWAYS_INLINE void value_pairs(const c10::BFloat16* v, int64_t D, uint32_t* d
   }
 }
 
+// An item's rows on the tile paths when its blocks are done: acc [tiles][16][D] in p_row order within a
+// tile, row_max in the raw dot products' units (scaled here into the other paths' units), to finish_rows
+// in query order through `ordered` [rows][D].
+template <int kLanes>
+void finish_tile_rows(const WorkItem& w, int64_t rows, int64_t group, int64_t D, int64_t q_row0, int64_t num_heads,
+                      float scale, const float* acc, float* row_max, const float* row_sum, float* ordered,
+                      c10::BFloat16* out, float* partial_acc, float* partial_max, float* partial_sum) {
+  for (int64_t m = 0; m < rows; ++m) {
+    std::memcpy(ordered + m * D, acc + (m / kLanes * kLanes + p_row<kLanes>(m % kLanes)) * D, D * sizeof(float));
+    row_max[m] *= scale;
+  }
+  finish_rows(w, rows, group, D, q_row0, num_heads, ordered, row_max, row_sum, out, partial_acc, partial_max,
+              partial_sum);
+}
+
 // acc = acc * alpha + pv for query rows 0..rows of a tile (acc and pv in p_row order, alphas by lane).
 template <int kLanes>
 PA_ALWAYS_INLINE void add_values(float* acc, const float* pv, const float* alphas, int64_t rows, int64_t D) {
@@ -838,6 +842,18 @@ PA_ALWAYS_INLINE void add_values(float* acc, const float* pv, const float* alpha
   }
 }
 
+// A decode-like item (fewer than 16 query rows per KV head: a decode step, a short verification) of a
+// bf16 cache on AMX tiles, in chunks of two 16-key blocks. The scores come transposed, S^T = K Q^T: a
+// block's keys are the tile's rows as the cache holds them, against the query rows' head_dim pairs
+// arranged once per item, so a column is a query row. The online softmax then runs down the keys with a
+// lane per query row, kLanes of them: 8 (up to 8 rows: two keys a vector) or 16; no horizontal
+// reductions, the scale folded into the exponent's argument. The probabilities, rounded to bf16, become
+// rows of key pairs by a shuffle network, and P V is one TDPBF16PS per 16 columns of head_dim and chunk,
+// on the chunk's values interleaved in key pairs. The denominator sums the unrounded probabilities, as
+// decode's AVX-512 path does. Lanes past `rows` compute on zero queries and are never stored.
+// Tiles: 0 and 6 S^T of a chunk's two blocks [16 keys][kLanes]; 1 K [16 keys][32 of head_dim], or a V
+// slice as 4; 2 the query pairs [16 pairs of head_dim][kLanes x 2]; 3 P [kLanes][32 keys]; 4 V pairs [16
+// pairs of keys][16 of head_dim x 2]; 5 and 7 P V slices [kLanes][16 of head_dim].
 template <int kLanes>
 void run_decode_item_amx(const WorkItem& w, const c10::BFloat16* query, const c10::BFloat16* kv_cache,
                          const int64_t* block_table, int64_t q_row0, int64_t seq_len, int64_t query_len,
@@ -960,14 +976,10 @@ void run_decode_item_amx(const WorkItem& w, const c10::BFloat16* query, const c1
   }
   if (pending) add_values<kLanes>(acc, pv, alphas, rows, D);
 
-  // rows in query order for finish_rows (the max in natural-log units of the scaled scores, as the other
-  // paths keep it)
-  _mm512_store_ps(row_max, _mm512_mul_ps(rmax, _mm512_set1_ps(scale)));
+  _mm512_store_ps(row_max, rmax);
   _mm512_store_ps(row_sum, rsum);
-  for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(ordered + r * D, acc + p_row<kLanes>(r) * D, D * sizeof(float));
-  finish_rows(w, rows, group, D, q_row0, num_heads, ordered, row_max, row_sum, out, partial_acc, partial_max,
-              partial_sum);
+  finish_tile_rows<kLanes>(w, rows, group, D, q_row0, num_heads, scale, acc, row_max, row_sum, ordered, out,
+                           partial_acc, partial_max, partial_sum);
 }
 
 // A prefill item (16 or more query rows per KV head) of a bf16 cache on AMX tiles, 16 rows at a time with
@@ -1022,8 +1034,10 @@ void run_prefill_item_amx(const WorkItem& w, const c10::BFloat16* query, const c
   const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f);  // scores times scale, in log2 units
   alignas(64) float alphas[kLanes];
 
-  for (int64_t kb = w.k_begin; kb < k_stop; kb = (kb / BS + 1) * BS) {
-    const int64_t logical = kb / BS, block_start = logical * BS;
+  // Items start on block boundaries (at 0, or at a split's first key, a multiple of kSplitTokens: this
+  // path has no window); only the last block may be partial.
+  for (int64_t block_start = w.k_begin; block_start < k_stop; block_start += BS) {
+    const int64_t logical = block_start / BS;
     const c10::BFloat16* k_src = kv_cache + w.kv_head * cs.head + block_table[logical] * cs.block;
     if (block_start + kPrefetchBlocks * BS < k_stop) {
       prefetch_tile(kv_cache + w.kv_head * cs.head + block_table[logical + kPrefetchBlocks] * cs.block, cs.part,
@@ -1037,11 +1051,10 @@ void run_prefill_item_amx(const WorkItem& w, const c10::BFloat16* query, const c
       block_scores_t(k_src, q_pairs + rt * D / 2 * kLanes, D, kLanes, scores);
       __m512 s[BS];
       for (int64_t j = 0; j < BS; ++j) s[j] = _mm512_load_ps(scores + j * kLanes);
-      if (kb != block_start || block_start + BS > k_stop || first_pos + m0 / group < block_start + BS - 1) {
+      // keys some row must not see
+      if (block_start + BS > k_stop || first_pos + m0 / group < block_start + BS - 1)
         mask_keys<kLanes>(s, BS, block_start, k_stop, _mm512_load_si512(lane_pos + rt * kLanes),
                           _mm512_setzero_si512());
-        for (int64_t j = 0; j < kb - block_start; ++j) s[j] = _mm512_set1_ps(kNegInf);  // before the item's range
-      }
       __m512 rmax = _mm512_load_ps(row_max + m0), rsum = _mm512_load_ps(row_sum + m0);
       _mm512_store_ps(alphas, softmax_down_keys<BS, kLanes>(s, rmax, rsum, vscale));
       _mm512_store_ps(row_max + m0, rmax);
@@ -1058,13 +1071,8 @@ void run_prefill_item_amx(const WorkItem& w, const c10::BFloat16* query, const c
     }
   }
 
-  // rows in query order for finish_rows (the max in natural-log units of the scaled scores)
-  for (int64_t m = 0; m < rows; ++m) {
-    std::memcpy(ordered + m * D, acc + (m / kLanes * kLanes + p_row<kLanes>(m % kLanes)) * D, D * sizeof(float));
-    row_max[m] *= scale;
-  }
-  finish_rows(w, rows, group, D, q_row0, num_heads, ordered, row_max, row_sum, out, partial_acc, partial_max,
-              partial_sum);
+  finish_tile_rows<kLanes>(w, rows, group, D, q_row0, num_heads, scale, acc, row_max, row_sum, ordered, out,
+                           partial_acc, partial_max, partial_sum);
 }
 
 #endif  // PAGEDLLM_AMX
@@ -1079,17 +1087,11 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
   const int64_t rows = (w.q_end - w.q_begin) * group;  // row m = (query position - q_begin) * group + g
 #if defined(PAGEDLLM_AMX)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
-    if (rows >= 16 && kv_scales == nullptr && window == 0 && soft_cap == 0.f && block_size == 16 &&
-        head_dim % 32 == 0 && pagedllm_amx::tiles_permitted()) {
-      run_prefill_item_amx(w, query, kv_cache, block_table, q_row0, seq_len, query_len, num_heads, num_kv_heads,
-                           cs, head_dim, scale, out, partial_acc, partial_max, partial_sum, scratch);
-      return;
-    }
-    if (rows < 16 && kv_scales == nullptr && window == 0 && soft_cap == 0.f && block_size == 16 &&
-        head_dim % 32 == 0 && pagedllm_amx::tiles_permitted()) {
-      auto decode = rows <= 8 ? run_decode_item_amx<8> : run_decode_item_amx<16>;
-      decode(w, query, kv_cache, block_table, q_row0, seq_len, query_len, num_heads, num_kv_heads, cs, head_dim,
-             scale, out, partial_acc, partial_max, partial_sum, scratch);
+    if (kv_scales == nullptr && window == 0 && soft_cap == 0.f && block_size == 16 && head_dim % 32 == 0 &&
+        pagedllm_amx::tiles_permitted()) {
+      auto tile_path = rows >= 16 ? run_prefill_item_amx : rows > 8 ? run_decode_item_amx<16> : run_decode_item_amx<8>;
+      tile_path(w, query, kv_cache, block_table, q_row0, seq_len, query_len, num_heads, num_kv_heads, cs, head_dim,
+                scale, out, partial_acc, partial_max, partial_sum, scratch);
       return;
     }
   }
