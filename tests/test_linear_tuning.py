@@ -17,6 +17,7 @@ from pagedllm.layers import linear_tuning
 from pagedllm.layers.linear import prepack_enabled
 from pagedllm.layers.linear_tuning import (
     BUCKETS,
+    LM_HEAD_BUCKET_WEIGHTS,
     choose_linear_kernel,
     load_table,
     runnable_paths,
@@ -92,6 +93,16 @@ def test_one_path_for_every_bucket_and_f_linear_only_for_a_draft(tuning: Path) -
         _write_fastest(table_path(table_key()), "onednn", torch.float32, SHAPES)
         assert choose_linear_kernel(SHAPES, torch.float32).path == "onednn"
         assert "(onednn" not in choose_linear_kernel(SHAPES, torch.float32).describe()  # it is the fastest
+
+
+def test_an_lm_head_chosen_alone_leaves_the_prefill_bucket_out() -> None:
+    """A quantized model's LM head is the only full-precision linear: it multiplies one row per sequence
+    sampled, never a prefill chunk, so a path that only wins that bucket does not take it."""
+    bucket_ms = {"1": {"amx": 1.0, "onednn": 1.2}, "2-4": {"amx": 1.0, "onednn": 1.1},
+                 "5-16": {"amx": 1.0, "onednn": 1.1}, "17-64": {"amx": 1.3, "onednn": 1.0},
+                 "prefill": {"amx": 10.0, "onednn": 1.0}}
+    assert linear_tuning._pick(bucket_ms, ["amx", "onednn"]) == "onednn"
+    assert linear_tuning._pick(bucket_ms, ["amx", "onednn"], LM_HEAD_BUCKET_WEIGHTS) == "amx"
 
 
 def test_forced_paths_and_bounded_budget(tuning: Path, monkeypatch: pytest.MonkeyPatch) -> None:

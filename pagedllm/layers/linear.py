@@ -35,7 +35,7 @@ from pagedllm.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
     tensor_model_parallel_gather,
 )
-from pagedllm.layers.linear_tuning import choose_linear_kernel
+from pagedllm.layers.linear_tuning import BUCKET_WEIGHTS, LM_HEAD_BUCKET_WEIGHTS, choose_linear_kernel
 from pagedllm.layers.module import Module
 from pagedllm.layers.quantization import linear
 from pagedllm.layers.sampler import argmax_rows
@@ -374,7 +374,9 @@ def prepack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.
             candidates.append(module)
     if not candidates:
         return 0
-    choice = choose_linear_kernel([tuple(module.weight.shape) for module in candidates], dtype, batch_invariant)
+    lm_head_only = all(isinstance(module, ParallelLMHead) for module in candidates)
+    choice = choose_linear_kernel([tuple(module.weight.shape) for module in candidates], dtype, batch_invariant,
+                                  LM_HEAD_BUCKET_WEIGHTS if lm_head_only else BUCKET_WEIGHTS)
     model.linear_kernel_choice = choice  # what the benchmarks print
     logger.info("Linear kernel: %s", choice.describe())
     if choice.path == "plain":

@@ -15,6 +15,8 @@ the batch, but not the same way as another candidate (another summation order), 
 would make a row's result depend on how many rows its batch had, which the invariance tests forbid
 (tests/test_invariance.py). The path is the one with the smallest weighted sum over the buckets of its
 time relative to that bucket's fastest (BUCKET_WEIGHTS: batch-1 decode and batches up to 16 count most).
+An LM head chosen alone (a model whose projections are quantized) multiplies only the rows sampled in a
+step, one per sequence, never a prefill chunk: its choice leaves that bucket out (LM_HEAD_BUCKET_WEIGHTS).
 Plain F.linear is not batch-invariant (the BLAS takes another path for one or two rows), so it is a
 candidate only for a model whose numerics never reach the outputs (a speculative draft).
 
@@ -55,6 +57,7 @@ PATH_NAMES = {"amx": "pagedllm's blocked kernel on AMX tiles", "blocked": "paged
 # row-count bucket -> the row count it is timed at
 BUCKETS = {"1": 1, "2-4": 4, "5-16": 16, "17-64": 64, "prefill": 256}
 BUCKET_WEIGHTS = {"1": 4.0, "2-4": 1.0, "5-16": 2.0, "17-64": 1.0, "prefill": 1.0}
+LM_HEAD_BUCKET_WEIGHTS = {**BUCKET_WEIGHTS, "prefill": 0.0}
 TUNE_BUDGET_S = 8.0
 _REPEAT_S = 0.02  # time each cell for about this long, at least twice, and keep the fastest run
 
@@ -257,13 +260,14 @@ def _bucket_ms(table: dict[str, dict[str, dict[str, float]]], dtype: torch.dtype
     return out
 
 
-def _pick(bucket_ms: dict[str, dict[str, float]], candidates: list[str]) -> str | None:
+def _pick(bucket_ms: dict[str, dict[str, float]], candidates: list[str],
+          weights: dict[str, float] = BUCKET_WEIGHTS) -> str | None:
     """The candidate with the smallest weighted sum of its time relative to each bucket's fastest."""
     if not bucket_ms:
         return None
 
     def score(path: str) -> float:
-        return sum(BUCKET_WEIGHTS[bucket] * times[path] / min(times[p] for p in candidates)
+        return sum(weights[bucket] * times[path] / min(times[p] for p in candidates)
                    for bucket, times in bucket_ms.items())
 
     return min(candidates, key=score)  # ties go to the earlier path in PATHS order
@@ -273,10 +277,11 @@ def _static_default(paths: list[str]) -> str:
     return next(path for path in PATHS if path in paths)
 
 
-def choose_linear_kernel(shapes: Iterable[Shape], dtype: torch.dtype, batch_invariant: bool = True
-                         ) -> LinearKernelChoice:
+def choose_linear_kernel(shapes: Iterable[Shape], dtype: torch.dtype, batch_invariant: bool = True,
+                         weights: dict[str, float] = BUCKET_WEIGHTS) -> LinearKernelChoice:
     """The path for a model's linears of this dtype (their (out, in) shapes, one per layer), by the rules
-    in this module's docstring; measures the shapes the cached table lacks unless told not to."""
+    in this module's docstring, the buckets counted by `weights`; measures the shapes the cached table
+    lacks unless told not to."""
     forced = str(envs.value("PAGEDLLM_CPU_PREPACK_WEIGHTS")).strip().lower()
     if forced not in ("1", "auto", "amx", "blocked", "onednn", "0", "plain"):
         raise ValueError(f"PAGEDLLM_CPU_PREPACK_WEIGHTS must be 1 (measured), amx, blocked, onednn or 0, got "
@@ -318,7 +323,7 @@ def choose_linear_kernel(shapes: Iterable[Shape], dtype: torch.dtype, batch_inva
             logger.warning("Could not cache the linear kernel table in %s (%s); it is measured again next start",
                            path, error)
     bucket_ms = _bucket_ms(table, dtype, shape_counts, paths)
-    chosen = _pick(bucket_ms, candidates)
+    chosen = _pick(bucket_ms, candidates, weights)
     if chosen is None:
         return LinearKernelChoice(dtype, _static_default(candidates), "not measured: the time budget ran out")
     return LinearKernelChoice(dtype, chosen, source, bucket_ms)
