@@ -239,6 +239,13 @@ def test_zero_rows_and_bias():
     bias = torch.randn(32).to(torch.bfloat16)
     assert torch.equal(weight.method.apply(x, weight, bias), bias.expand(2, 32))
     assert weight.method.apply(torch.zeros(0, 64, dtype=torch.bfloat16), weight, None).shape == (0, 32)
+    # The bias is added to the fp32 result before its one rounding to the output dtype, for every row
+    # count (the 16-row tiles of an AMX CPU too): fp32 input quantizes to the same codes, and its output
+    # is the fp32 result itself.
+    for m in (1, 5, 16, 21):
+        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+        exact = weight.method.apply(x.float(), weight, None)
+        assert torch.equal(weight.method.apply(x, weight, bias), (exact + bias.float()).to(torch.bfloat16))
 
 
 def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

@@ -240,6 +240,14 @@ inline __attribute__((always_inline)) __m512 add_unit(__m512 facc, __m512i isum,
 inline __attribute__((always_inline)) __m512 add_group(__m512 acc, __m512 facc, __m512 scale, __m512 min, float xs) {
   return _mm512_fmadd_ps(min, _mm512_set1_ps(xs), _mm512_fmadd_ps(facc, scale, acc));
 }
+// The tile's R rows of 16 outputs, plus the tile's 16 biases (null: none) in fp32, rounded once to the
+// output dtype, as a linear with a bias rounds (a separate add after the store would round twice).
+template <int R, typename T>
+inline void store_rows(const __m512* acc, const T* bias, T* out, int64_t out_stride) {
+  const __m512 b = bias ? load16(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) store16(bias ? _mm512_add_ps(acc[r], b) : acc[r], out + r * out_stride);
+}
+
 // The group's 16 scales, and its mins (formed from the scales for a symmetric weight).
 template <typename S>
 inline __attribute__((always_inline)) void group_scale_min(const TileWeights<S>& tw, int64_t g, __m512& scale,
@@ -270,7 +278,7 @@ inline __attribute__((always_inline)) void unpack_quads(const TileWeights<S>& tw
 
 template <int BITS, int TERMS, typename S, int R, typename T>
 inline void tile_kernel(const TileWeights<S>& tw, const QuantizedRows& q, int64_t row0, int64_t k, int64_t group,
-                        T* out, int64_t out_stride) {
+                        const T* bias, T* out, int64_t out_stride) {
   const uint8_t* w = tw.w;
   const int64_t blocks = k / kBlock, groups = k / group;
   const int64_t unit = group < kBlock ? group : kBlock;  // input channels per int32 partial sum
@@ -339,7 +347,7 @@ inline void tile_kernel(const TileWeights<S>& tw, const QuantizedRows& q, int64_
     group_scale_min(tw, g, s, mn);
     for (int r = 0; r < R; ++r) acc[r] = add_group(acc[r], facc[r], s, mn, xs[r][g]);
   }
-  for (int r = 0; r < R; ++r) store16(acc[r], out + r * out_stride);
+  store_rows<R>(acc, bias, out, out_stride);
 }
 
 #if defined(PAGEDLLM_AMX)
@@ -404,7 +412,7 @@ inline void unit_products(const TileWeights<S>& tw, const int8_t* xq, const int8
 // tile_kernel for 16 rows through the tiles: the same integers per unit, the same fp32 steps per row.
 template <int BITS, int TERMS, typename S, typename T>
 void tile_kernel_amx(const TileWeights<S>& tw, const QuantizedRows& q, int64_t row0, int64_t k, int64_t group,
-                     T* out, int64_t out_stride) {
+                     const T* bias, T* out, int64_t out_stride) {
   const int64_t blocks = k / kBlock, groups = k / group;
   const int64_t unit = group < kBlock ? group : kBlock, units = k / unit, units_per_group = group / unit;
   alignas(64) uint8_t buffers[2][kBlock / 4 * 64];
@@ -435,7 +443,7 @@ void tile_kernel_amx(const TileWeights<S>& tw, const QuantizedRows& q, int64_t r
       }
     }
   }
-  for (int r = 0; r < kAmxRows; ++r) store16(acc[r], out + r * out_stride);
+  store_rows<kAmxRows>(acc, bias, out, out_stride);
 }
 #endif  // PAGEDLLM_AMX
 
@@ -448,7 +456,7 @@ constexpr int64_t kLocalRows = 4;
 template <int BITS, int TERMS, typename S, typename T>
 void qlinear_impl(const T* x, int64_t x_stride, const uint8_t* w, const uint64_t* high, const S* scales,
                   const S* mins, float min_factor, const uint16_t* super, int64_t supers, int64_t m, int64_t n,
-                  int64_t k, int64_t group, T* y) {
+                  int64_t k, int64_t group, const T* bias, T* y) {
   const int64_t tiles = n / kTile, groups = k / group;
   const int64_t groups_per_super = supers ? groups / supers : 1;
   const int64_t tile_low_bytes = k * kTile * low_bits(BITS) / 8;  // the bytes or the nibbles
@@ -480,18 +488,19 @@ void qlinear_impl(const T* x, int64_t x_stride, const uint8_t* w, const uint64_t
         const TileWeights<S> tw{w + t * tile_low_bytes, high + t * tile_masks, scales + t * groups * kTile,
                                 mins ? mins + t * groups * kTile : nullptr, min_factor,
                                 super ? super + t * supers * 2 * kTile : nullptr, groups_per_super};
+        const T* tile_bias = bias ? bias + t * kTile : nullptr;
         int64_t r0 = c0;
 #if defined(PAGEDLLM_AMX)
         for (; amx && r0 + kAmxRows <= c1; r0 += kAmxRows)
-          tile_kernel_amx<BITS, TERMS, S, T>(tw, q, r0, k, group, y + r0 * n + t * kTile, n);
+          tile_kernel_amx<BITS, TERMS, S, T>(tw, q, r0, k, group, tile_bias, y + r0 * n + t * kTile, n);
 #endif
         for (; r0 < c1; r0 += kRows) {
           T* out = y + r0 * n + t * kTile;
           switch (std::min<int64_t>(kRows, c1 - r0)) {
-            case 4: tile_kernel<BITS, TERMS, S, 4>(tw, q, r0, k, group, out, n); break;
-            case 3: tile_kernel<BITS, TERMS, S, 3>(tw, q, r0, k, group, out, n); break;
-            case 2: tile_kernel<BITS, TERMS, S, 2>(tw, q, r0, k, group, out, n); break;
-            default: tile_kernel<BITS, TERMS, S, 1>(tw, q, r0, k, group, out, n); break;
+            case 4: tile_kernel<BITS, TERMS, S, 4>(tw, q, r0, k, group, tile_bias, out, n); break;
+            case 3: tile_kernel<BITS, TERMS, S, 3>(tw, q, r0, k, group, tile_bias, out, n); break;
+            case 2: tile_kernel<BITS, TERMS, S, 2>(tw, q, r0, k, group, tile_bias, out, n); break;
+            default: tile_kernel<BITS, TERMS, S, 1>(tw, q, r0, k, group, tile_bias, out, n); break;
           }
         }
       }
@@ -502,7 +511,7 @@ void qlinear_impl(const T* x, int64_t x_stride, const uint8_t* w, const uint64_t
 template <int BITS, int TERMS, typename T>
 void dispatch_scales(const T* x, int64_t x_stride, const at::Tensor& packed, const at::Tensor& high,
                      const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& super, int64_t m, int64_t n,
-                     int64_t k, int64_t group, T* y) {
+                     int64_t k, int64_t group, const T* bias, T* y) {
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const uint64_t* planes = high.numel() ? reinterpret_cast<const uint64_t*>(high.data_ptr<uint8_t>()) : nullptr;
   const bool symmetric = mins.numel() == 0;
@@ -511,14 +520,14 @@ void dispatch_scales(const T* x, int64_t x_stride, const at::Tensor& packed, con
   if (scales.scalar_type() == at::kFloat) {
     qlinear_impl<BITS, TERMS, float, T>(x, x_stride, w, planes, scales.data_ptr<float>(),
                                         symmetric ? nullptr : mins.data_ptr<float>(), min_factor, nullptr, 0, m, n, k,
-                                        group, y);
+                                        group, bias, y);
   } else if (scales.scalar_type() == at::kHalf) {
     qlinear_impl<BITS, TERMS, uint16_t, T>(x, x_stride, w, planes, half(scales), symmetric ? nullptr : half(mins),
-                                           min_factor, nullptr, 0, m, n, k, group, y);
+                                           min_factor, nullptr, 0, m, n, k, group, bias, y);
   } else if constexpr (BITS != 8) {  // K-quants: 4 to 6 bits
     qlinear_impl<BITS, TERMS, int8_t, T>(x, x_stride, w, planes, scales.data_ptr<int8_t>(),
                                          symmetric ? nullptr : mins.data_ptr<int8_t>(), min_factor, half(super),
-                                         super.size(1), m, n, k, group, y);
+                                         super.size(1), m, n, k, group, bias, y);
   } else {
     TORCH_CHECK(false, "qlinear: int8 scales (K-quants) are for 4- to 6-bit weights");
   }
@@ -528,7 +537,7 @@ void dispatch_scales(const T* x, int64_t x_stride, const at::Tensor& packed, con
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& high, const at::Tensor& scales,
                    const at::Tensor& mins, const at::Tensor& super, int64_t bits, int64_t group_size,
-                   int64_t activation_terms) {
+                   int64_t activation_terms, const std::optional<at::Tensor>& bias) {
 #ifdef PAGEDLLM_QLINEAR
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "qlinear: x must be [M, K] with unit stride along K");
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "qlinear: bits must be 4, 5, 6 or 8");
@@ -554,17 +563,21 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   TORCH_CHECK(packed.numel() == n * k * low_bits(bits) / 8, "qlinear: packed weight has the wrong size");
   TORCH_CHECK(high.scalar_type() == at::kByte && high.is_contiguous() && high.numel() == n * k * planes / 8,
               "qlinear: high must hold one bit plane per bit above 4 (n * k * (bits - 4) / 8 bytes)");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
+                        bias->scalar_type() == x.scalar_type()),
+              "qlinear: bias must be a contiguous [N] tensor of x's dtype");
   auto y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   auto run = [&](auto* xp, auto* yp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
+    const T* bp = bias ? static_cast<const T*>(bias->data_ptr()) : nullptr;
     const int64_t stride = x.stride(0);
     auto with_terms = [&](auto bits_constant) {
       constexpr int B = decltype(bits_constant)::value;
       if (activation_terms == 2)
-        dispatch_scales<B, 2, T>(xp, stride, packed, high, scales, mins, super, m, n, k, group_size, yp);
+        dispatch_scales<B, 2, T>(xp, stride, packed, high, scales, mins, super, m, n, k, group_size, bp, yp);
       else
-        dispatch_scales<B, 1, T>(xp, stride, packed, high, scales, mins, super, m, n, k, group_size, yp);
+        dispatch_scales<B, 1, T>(xp, stride, packed, high, scales, mins, super, m, n, k, group_size, bp, yp);
     };
     switch (bits) {
       case 4: with_terms(std::integral_constant<int, 4>{}); break;
@@ -590,7 +603,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 TORCH_LIBRARY(pagedllm_cpu_qlinear, m) {
   m.def("qlinear_supports() -> bool", &qlinear_supports);
   m.def("qlinear(Tensor x, Tensor packed, Tensor high, Tensor scales, Tensor mins, Tensor super, int bits, "
-        "int group_size, int activation_terms) -> Tensor");
+        "int group_size, int activation_terms, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu_qlinear, CPU, m) {

@@ -262,10 +262,12 @@ class VnniWeight(QuantizedWeight):
         flat = x.dim() == 2 and x.stride(1) == 1
         x2 = x if flat else x.reshape(-1, self.in_features).contiguous()
         params = self._parameters
+        # the kernel adds a bias of x's dtype before its one rounding, as a full-precision linear does
+        fused = bias is None or (bias.dtype == x2.dtype and bias.is_contiguous())
         y = torch.ops.pagedllm_cpu_qlinear.qlinear(x2, params["qweight"], params["high"], params["scales"],
                                                    params["mins"], params["super_scales"], self.bits,
-                                                   self._group_size, self.activation_terms)
-        if bias is not None:
+                                                   self._group_size, self.activation_terms, bias if fused else None)
+        if not fused:
             y.add_(bias)
         return y if flat else y.view(*x.shape[:-1], self._out_features)
 
