@@ -70,6 +70,11 @@ def _build_flags() -> tuple[list[str], bool]:
     flags = ["-O3", "-fopenmp" if openmp else "-fopenmp-simd", "-std=c++17"]
     if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
         flags.append("-march=native")
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        # GCC vectorises for 256-bit registers even where the CPU has AVX-512 unless told otherwise: the
+        # elementwise ops' loops (silu and mul, the norms, RoPE) ran at half width (figures in
+        # docs/performance/intel-amx.md). The kernels written in intrinsics choose their own width.
+        flags.append("-mprefer-vector-width=512")
     return flags, openmp
 
 
