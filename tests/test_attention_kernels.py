@@ -346,6 +346,29 @@ def test_kernel_result_does_not_depend_on_the_thread_count(dtype: torch.dtype) -
         assert all(torch.equal(a, b) for a, b in zip(outputs[0], other))
 
 
+@pytest.mark.xfail(strict=False, reason="known: a row computed in a prefill item (16 query positions, scores "
+                   "from a transposed K tile, the block's sum by a scalar reduction, the rescale by std::exp) and "
+                   "in a decode-like item (scores per row, vector reductions, fast_exp; the tile paths also "
+                   "differ from each other) differs in the last bits, so chunked prefill and preemption can "
+                   "change a near-tie token: the tests that compare tokens pass only where no tie flips "
+                   "(not strict: which paths run depends on the CPU's flags)")
+@pytest.mark.parametrize("dtype,head_dim,group", [(torch.float32, 16, 2), (torch.bfloat16, 64, 2),
+                                                  (torch.bfloat16, 64, 7)])
+def test_a_row_does_not_depend_on_the_chunk_that_holds_it(dtype: torch.dtype, head_dim: int, group: int) -> None:
+    """One sequence's 73 query positions attended at once, and a position at a time and in chunks of 7
+    (as chunked prefill, decode and a preempted request's recomputation see them): bitwise the same rows.
+    Measured on the AMX Xeon: 1-ulp differences in most rows (fp32 3e-7 at most)."""
+    length = 73
+    query, kv_cache, tables, seq_lens, starts = random_step([length], [length], 16, 2, group, head_dim, dtype, seed=3)
+    scale = head_dim ** -0.5
+    whole = cpu_flash.paged_attention(query, kv_cache, tables, seq_lens, starts, scale)
+    for chunk in (1, 7):
+        parts = [cpu_flash.paged_attention(query[s:s + chunk], kv_cache, tables, torch.tensor([min(length, s + chunk)]),
+                                           torch.tensor([0, min(chunk, length - s)]), scale)
+                 for s in range(0, length, chunk)]
+        assert torch.equal(torch.cat(parts), whole), (chunk, int((torch.cat(parts) != whole).sum()))
+
+
 # Long contexts for few sequences: fewer (sequence, KV head) pairs than threads would leave a thread idle,
 # so each context is cut into 512-token partitions (flash-decoding) that the threads share and a
 # log-sum-exp reduction merges. Shapes: the 386M Qwen2's heads (14/2, d 64: 7 query rows per KV head)
