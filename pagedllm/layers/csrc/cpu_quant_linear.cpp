@@ -189,8 +189,10 @@ inline void store16(__m512 v, c10::Half* dst) {
 // One tile of 16 output features for R rows: out[r][0..16) in fp32.
 // Software prefetch of the weight stream kPrefetchBytes ahead, every line, for one row (a decode step):
 // its linears are many short streams (a 576 x 576 projection is 0.2 MB) that the hardware prefetcher
-// alone starts late; the lines past a thread's last tile are harmless extra reads. Blocks of rows are
-// compute-bound, and there the prefetches cost more than they hide (docs/performance/amd-zen4.md).
+// alone starts late; the lines past a thread's last tile are harmless extra reads. One line per step
+// of the loop, as it reads them: asked a unit at a time (4 or 8 lines at once), the prefetches waited
+// for the core's line-fill buffers and stalled the loop. Blocks of rows are compute-bound, and there the
+// prefetches cost more than they hide (docs/performance/amd-zen4.md).
 constexpr int64_t kPrefetchBytes = 4096;
 inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + o), _MM_HINT_T0);
@@ -304,8 +306,8 @@ inline void tile_kernel(const TileWeights<S>& tw, const QuantizedRows& q, int64_
       for (int r = 0; r < R; ++r) iacc[r] = iacc2[r] = _mm512_setzero_si512();
       if constexpr (BITS == 8) {
         const uint8_t* wp = w + k0 * kTile;
-        if constexpr (R == 1) prefetch_ahead(wp, unit * kTile);
         for (int64_t kk = 0; kk < unit; kk += 4) {
+          if constexpr (R == 1) prefetch_ahead(wp + kk * kTile, 4 * kTile);  // the line this step reads
           __m512i wv = _mm512_loadu_si512(wp + kk * kTile);
           for (int r = 0; r < R; ++r) {
             int32_t xb;
@@ -319,8 +321,8 @@ inline void tile_kernel(const TileWeights<S>& tw, const QuantizedRows& q, int64_
         }
       } else {
         const uint8_t* wp = w + k0 * kTile / 2;
-        if constexpr (R == 1) prefetch_ahead(wp, unit * kTile / 2);
         for (int64_t kk = 0; kk < unit; kk += 8) {
+          if constexpr (R == 1) prefetch_ahead(wp + kk * kTile / 2, 4 * kTile);  // the line this step reads
           __m512i wlo, whi;
           unpack_quads<BITS>(tw, k0 + kk, wlo, whi);
           for (int r = 0; r < R; ++r) {
