@@ -373,9 +373,9 @@ constexpr int64_t kAmxChunkSteps = 8;
 
 // The weights one step ahead (4 KiB: the block's 16 pairs of k x 64 outputs; past a block's last step,
 // the next block's first, which follows it in memory), asked for a quarter before each of the step's four
-// weight tiles: the hardware prefetcher alone left a decode step's stream short of the bandwidth (the
-// 386M model's projections at one row, 2 threads: 26.6-26.7 GB/s without, 28.5-29.1 with; 1 thread
-// 14.1-14.3 against 15.5), and all 64 lines asked at once would wait for the line-fill buffers.
+// weight tiles: the hardware prefetcher alone left a decode step's stream short of the bandwidth, and
+// all 64 lines asked at once would wait for the line-fill buffers (figures in
+// docs/performance/intel-amx.md).
 inline __attribute__((always_inline)) void prefetch_quarter(const uint16_t* step_weights, int quarter) {
   const char* p = reinterpret_cast<const char*>(step_weights + kAmxPairs * 2 * kBlockN) + quarter * 1024;
   for (int i = 0; i < 16; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T0);

@@ -186,7 +186,6 @@ inline void store16(__m512 v, c10::Half* dst) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-// One tile of 16 output features for R rows: out[r][0..16) in fp32.
 // Software prefetch of the weight stream kPrefetchBytes ahead, every line, for one row (a decode step):
 // its linears are many short streams (a 576 x 576 projection is 0.2 MB) that the hardware prefetcher
 // alone starts late; the lines past a thread's last tile are harmless extra reads. One line per step
@@ -194,8 +193,8 @@ inline void store16(__m512 v, c10::Half* dst) {
 // for the core's line-fill buffers and stalled the loop. Blocks of rows are compute-bound, and there the
 // prefetches cost more than they hide (docs/performance/amd-zen4.md).
 constexpr int64_t kPrefetchBytes = 4096;
-inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* p, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + o), _MM_HINT_T0);
+inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* line) {
+  _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetchBytes), _MM_HINT_T0);
 }
 
 // One weight tile's pointers: its packed bytes, bit planes (5- and 6-bit weights), scales and mins (null for
@@ -278,6 +277,7 @@ inline __attribute__((always_inline)) void unpack_quads(const TileWeights<S>& tw
   }
 }
 
+// One tile of 16 output features for R rows: out[r][0..16) = the rows' sums plus the bias, rounded to T.
 template <int BITS, int TERMS, typename S, int R, typename T>
 inline void tile_kernel(const TileWeights<S>& tw, const QuantizedRows& q, int64_t row0, int64_t k, int64_t group,
                         const T* bias, T* out, int64_t out_stride) {
@@ -307,7 +307,7 @@ inline void tile_kernel(const TileWeights<S>& tw, const QuantizedRows& q, int64_
       if constexpr (BITS == 8) {
         const uint8_t* wp = w + k0 * kTile;
         for (int64_t kk = 0; kk < unit; kk += 4) {
-          if constexpr (R == 1) prefetch_ahead(wp + kk * kTile, 4 * kTile);  // the line this step reads
+          if constexpr (R == 1) prefetch_ahead(wp + kk * kTile);  // the line this step reads
           __m512i wv = _mm512_loadu_si512(wp + kk * kTile);
           for (int r = 0; r < R; ++r) {
             int32_t xb;
@@ -322,7 +322,7 @@ inline void tile_kernel(const TileWeights<S>& tw, const QuantizedRows& q, int64_
       } else {
         const uint8_t* wp = w + k0 * kTile / 2;
         for (int64_t kk = 0; kk < unit; kk += 8) {
-          if constexpr (R == 1) prefetch_ahead(wp + kk * kTile / 2, 4 * kTile);  // the line this step reads
+          if constexpr (R == 1) prefetch_ahead(wp + kk * kTile / 2);  // the line this step reads
           __m512i wlo, whi;
           unpack_quads<BITS>(tw, k0 + kk, wlo, whi);
           for (int r = 0; r < R; ++r) {
