@@ -349,27 +349,51 @@ def test_kernel_result_does_not_depend_on_the_thread_count(dtype: torch.dtype) -
         assert all(torch.equal(a, b) for a, b in zip(outputs[0], other))
 
 
-@pytest.mark.xfail(strict=False, reason="known: a row computed in a prefill item (16 query positions, scores "
-                   "from a transposed K tile, the block's sum by a scalar reduction, the rescale by std::exp) and "
-                   "in a decode-like item (scores per row, vector reductions, fast_exp; the tile paths also "
-                   "differ from each other) differs in the last bits, so chunked prefill and preemption can "
-                   "change a near-tie token: the tests that compare tokens pass only where no tie flips "
-                   "(not strict: which paths run depends on the CPU's flags)")
-@pytest.mark.parametrize("dtype,head_dim,group", [(torch.float32, 16, 2), (torch.bfloat16, 64, 2),
-                                                  (torch.bfloat16, 64, 7)])
-def test_a_row_does_not_depend_on_the_chunk_that_holds_it(dtype: torch.dtype, head_dim: int, group: int) -> None:
-    """One sequence's 73 query positions attended at once, and a position at a time and in chunks of 7
-    (as chunked prefill, decode and a preempted request's recomputation see them): bitwise the same rows.
-    Measured on the AMX Xeon: 1-ulp differences in most rows (fp32 3e-7 at most)."""
-    length = 73
-    query, kv_cache, tables, seq_lens, starts = random_step([length], [length], 16, 2, group, head_dim, dtype, seed=3)
+# A row's keys in every item that may hold it: bf16 on the AMX tiles where the CPU has them; fp32, fp16 and
+# one-byte caches on the vector or the scalar path; contexts that cross the 512-token split boundary
+# (folded inside a prefill item, merged after a decode's split items); a window, a soft cap, 32- and
+# 8-token blocks.
+ROW_CASES = [
+    (torch.float32, 16, 2, 16, 73, {}),
+    (torch.bfloat16, 64, 2, 16, 73, {}),
+    (torch.bfloat16, 64, 7, 16, 73, {}),
+    (torch.bfloat16, 64, 2, 16, 1100, {}),
+    (torch.float32, 64, 4, 32, 700, {"sliding_window": 37}),
+    (torch.bfloat16, 32, 4, 16, 300, {"logits_soft_cap": 5.0}),
+    (torch.float16, 24, 2, 8, 90, {}),
+    (torch.bfloat16, 64, 7, 16, 600, {"cache": torch.int8}),
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,group,block_size,length,options", ROW_CASES)
+def test_a_row_does_not_depend_on_the_chunk_that_holds_it(dtype: torch.dtype, head_dim: int, group: int,
+                                                          block_size: int, length: int, options: dict) -> None:
+    """One sequence's query positions attended at once, a position at a time and in chunks of 7 and 33 (as
+    chunked prefill, decode and a preempted request's recomputation see them): bitwise the same rows, so
+    no near-tie token depends on how the scheduler cut the sequence."""
+    assert cpu_flash.load_cpu_kernels()
+    options = dict(options)
+    cache_dtype = options.pop("cache", None)
+    query, kv_cache, tables, seq_lens, starts = random_step([length], [length], block_size, 2, group, head_dim,
+                                                            dtype, seed=3)
+    scales = None
+    if cache_dtype is not None:  # random codes and per-row bf16 scales, as kv_cache/quant.py stores them
+        gen = torch.Generator().manual_seed(4)
+        kv_cache = torch.randint(-127, 128, kv_cache.shape, generator=gen, dtype=torch.int8)
+        scales = (torch.rand(kv_cache.shape[:4], generator=gen) / 64).to(torch.bfloat16)
     scale = head_dim ** -0.5
-    whole = cpu_flash.paged_attention(query, kv_cache, tables, seq_lens, starts, scale)
-    for chunk in (1, 7):
-        parts = [cpu_flash.paged_attention(query[s:s + chunk], kv_cache, tables, torch.tensor([min(length, s + chunk)]),
-                                           torch.tensor([0, min(chunk, length - s)]), scale)
-                 for s in range(0, length, chunk)]
-        assert torch.equal(torch.cat(parts), whole), (chunk, int((torch.cat(parts) != whole).sum()))
+    window, soft_cap = options.get("sliding_window", 0), options.get("logits_soft_cap", 0.0)
+
+    def attend(begin: int, end: int) -> torch.Tensor:
+        out = torch.empty_like(query[begin:end])
+        torch.ops.pagedllm_cpu.paged_attention(query[begin:end].contiguous(), kv_cache, tables, torch.tensor([end]),
+                                               torch.tensor([0, end - begin]), scale, out, scales, window, soft_cap)
+        return out
+
+    whole = attend(0, length)
+    for chunk in (1, 7, 33):
+        parts = torch.cat([attend(s, min(length, s + chunk)) for s in range(0, length, chunk)])
+        assert torch.equal(parts, whole), (chunk, int((parts != whole).sum()))
 
 
 # Long contexts for few sequences: fewer (sequence, KV head) pairs than threads would leave a thread idle,

@@ -20,13 +20,19 @@
 // with their log-sum-exp. The split length is fixed, not derived from the batch or the thread count,
 // so a sequence's output is the same whatever else is in the batch and however many threads run.
 //
-// Vectorisation: the inner loops run over head_dim with `#pragma omp simd` and are compiled with
-// -O3 -march=native on the machine that runs them (AVX2 or AVX-512, whichever it has). With AVX-512,
-// decode-like items (fewer than 16 query rows per KV head) read fp32/bf16 blocks that all their rows
-// see whole in place (decode_chunk): a decode step is then one pass over the K/V bytes it needs, and
-// with AVX512-BF16 bf16 scores come from `_mm512_dpbf16_ps` on the stored pairs. With AMX, items of a
-// bf16 cache in 16-token blocks run on the matrix tiles instead: prefill tiles (run_prefill_item_amx) and
-// decode-like items (run_decode_item_amx). Which path a build has: the paged_attention_isa op. Threads
+// A row's arithmetic does not depend on the item that holds it either (a decode step, a chunk of
+// chunked prefill, a preempted request's recomputation): every path takes a row's keys in the same
+// chunks (16 keys; 32 on the AMX tiles), a key the row must not see scores -inf (probability 0) and a
+// chunk it sees none of changes nothing, and an item that crosses a split boundary folds each row's
+// result there as the merge after split items does (fold_partial). Which path runs depends on the
+// call's dtypes and shapes only.
+//
+// Vectorisation: with AVX-512 a 16-key chunk is one vector step for all of an item's rows (chunk_rows),
+// reading fp32/bf16 tiles in place, with AVX512-BF16 bf16 scores from `_mm512_dpbf16_ps` on the stored
+// pairs; one-byte caches are widened to fp32 tiles first. Without AVX-512 each row takes
+// chunk_row_scalar (compiled with -O3 -march=native: AVX2 where the CPU has it). With AMX, items of a
+// bf16 cache in 16-token blocks run on the matrix tiles instead: decode-like items (run_decode_item_amx)
+// and prefill tiles (run_prefill_item_amx). Which path a build has: the paged_attention_isa op. Threads
 // come from at::parallel_for, i.e. torch's own OpenMP pool and torch.set_num_threads.
 
 #include <ATen/Parallel.h>
@@ -130,26 +136,9 @@ inline void from_float(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
-// [block_size, D] tile rows j0..j1 -> fp32 [D, block_size]; rows outside stay as they were (their
-// scores are never read).
-template <typename cache_t>
-inline void transpose_to_float(const cache_t* src, float* dst, int64_t j0, int64_t j1, int64_t block_size,
-                               int64_t D, const c10::BFloat16* row_scales) {
-  float row[1024];
-  for (int64_t j = j0; j < j1; ++j) {
-    to_float(src + j * D, row, D);
-    const float sc = row_scales != nullptr ? bf16_to_float(row_scales[j]) : 1.f;
-    if (row_scales != nullptr) {
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) row[d] *= sc;
-    }
-    for (int64_t d = 0; d < D; ++d) dst[d * block_size + j] = row[d];
-  }
-}
-
 #if defined(__AVX512F__)
-// The decode path's helpers pass vectors and small arrays of them: out of line (GCC's inliner leaves
-// sum16 and decode_chunk as calls), those go through the stack on every block.
+// The chunk step's helpers pass vectors and small arrays of them: out of line (GCC's inliner leaves
+// sum16 and chunk_rows as calls), those go through the stack on every block.
 #define PA_ALWAYS_INLINE inline __attribute__((always_inline))
 
 // Lane j of the result is the sum of p[j]'s 16 lanes: a transpose-and-add tree (8 + 4 + 2 + 1 vector adds)
@@ -166,18 +155,6 @@ PA_ALWAYS_INLINE __m512 sum16(const __m512* p) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
-// The 16 scores q.k_j of a whole 16-key block, k as stored ([16][D], D a multiple of 16), in one vector
-// pass. For decode's few rows per KV head this is most of the kernel's arithmetic.
-inline void scores16(const float* __restrict q, const float* __restrict k, int64_t D, float* __restrict s) {
-  __m512 p[16];
-  for (int j = 0; j < 16; ++j) p[j] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) {
-    const __m512 qd = _mm512_loadu_ps(q + d);
-    for (int j = 0; j < 16; ++j) p[j] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + j * D + d), p[j]);
-  }
-  _mm512_storeu_ps(s, sum16(p));
-}
-
 // 16 elements of a cache row as fp32, widened in registers.
 PA_ALWAYS_INLINE __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 PA_ALWAYS_INLINE __m512 load16(const c10::BFloat16* x) {
@@ -185,9 +162,9 @@ PA_ALWAYS_INLINE __m512 load16(const c10::BFloat16* x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-// Decode's fast path, for a 16-key chunk of a block that every query row of the item sees whole: K and V
-// are read straight from the cache (no fp32 copy of the tile), so a decode step is one pass over the
-// bytes it must read. Scores of one row: q (scaled, fp32) against the 16 keys; or, where the CPU has
+// The scores of one row against a 16-key chunk, K read straight from the cache (no fp32 copy of the tile)
+// where it is fp32 or bf16, so a decode step is one pass over the bytes it must read: q (scaled, fp32)
+// against the 16 keys; or, where the CPU has
 // AVX512-BF16 and both query and cache are bf16, the unscaled bf16 query q_bf16 (null otherwise,
 // D a multiple of 32) with `_mm512_dpbf16_ps` (bf16 pairs multiplied exactly, summed in fp32), then
 // scaled: the bf16 K row needs no widening at all.
@@ -318,13 +295,17 @@ PA_ALWAYS_INLINE __m512 fast_exp16(__m512 x) {
 
 // Scores and the online-softmax update of R rows (R <= 8) for one 16-key chunk, with no call and no row
 // waiting on another: each row's chain (dot products, max, exp, sum) is short next to the chunk's
-// bytes, so the rows' chains are laid side by side for the CPU to overlap. probs [R][16] receives the
-// unnormalised probabilities, alpha [R] each row's rescale of its accumulator.
+// bytes, so the rows' chains are laid side by side for the CPU to overlap. masks [R]: the keys each row
+// sees (at least one; a key it does not see scores -inf, so its probability is 0). probs [R][16]
+// receives the unnormalised probabilities, alpha [R] each row's rescale of its accumulator.
 template <typename cache_t, int R>
 PA_ALWAYS_INLINE void softmax_rows(const float* q, const uint16_t* q_bf16, const cache_t* k, int64_t D, float scale,
-                                   float* row_max, float* row_sum, float* probs, float* alpha) {
+                                   const uint32_t* masks, float* row_max, float* row_sum, float* probs, float* alpha) {
   __m512 s[R];
-  for (int r = 0; r < R; ++r) s[r] = chunk_scores(q + r * D, q_bf16 != nullptr ? q_bf16 + r * D : nullptr, k, D, scale);
+  for (int r = 0; r < R; ++r) {
+    s[r] = _mm512_mask_blend_ps(static_cast<__mmask16>(masks[r]), _mm512_set1_ps(kNegInf),
+                                chunk_scores(q + r * D, q_bf16 != nullptr ? q_bf16 + r * D : nullptr, k, D, scale));
+  }
   float new_max[R];
   for (int r = 0; r < R; ++r) {
     new_max[r] = std::max(row_max[r], _mm512_reduce_max_ps(s[r]));
@@ -333,39 +314,35 @@ PA_ALWAYS_INLINE void softmax_rows(const float* q, const uint16_t* q_bf16, const
   for (int r = 0; r < R; ++r) {
     const __m512 p = fast_exp16(_mm512_sub_ps(s[r], _mm512_set1_ps(new_max[r])));
     _mm512_storeu_ps(probs + r * 16, p);
-    row_sum[r] = row_sum[r] * alpha[r] + _mm512_reduce_add_ps(p);
+    row_sum[r] = std::fma(row_sum[r], alpha[r], _mm512_reduce_add_ps(p));
     row_max[r] = new_max[r];
   }
 }
 
-// One 16-key chunk for all `rows` rows: scores and the online-softmax update, then V for all.
-// probs [rows][16] and alpha [rows] are scratch.
+// One 16-key chunk for `rows` rows, each seeing at least one of its keys (masks [rows]): scores and the
+// online-softmax update, then V for all. v's keys that no row sees must be finite (their probabilities
+// are 0). probs [rows][16] and alpha [rows] are scratch.
 template <typename cache_t>
-PA_ALWAYS_INLINE void decode_chunk(const float* q, const uint16_t* q_bf16, const cache_t* k, const cache_t* v, int64_t rows,
-                         int64_t D, float scale, float soft_cap, float* row_max, float* row_sum, float* acc,
-                         float* probs, float* alpha) {
+PA_ALWAYS_INLINE void chunk_rows(const float* q, const uint16_t* q_bf16, const cache_t* k, const cache_t* v, int64_t rows,
+                                 const uint32_t* masks, int64_t D, float scale, float soft_cap, float* row_max,
+                                 float* row_sum, float* acc, float* probs, float* alpha) {
   if (soft_cap == 0.f) {
     in_row_groups<8>(rows, [&](auto r, int64_t m) PA_INLINE_LAMBDA {
       softmax_rows<cache_t, decltype(r)::value>(q + m * D, q_bf16 != nullptr ? q_bf16 + m * D : nullptr, k, D, scale,
-                                                row_max + m, row_sum + m, probs + m * 16, alpha + m);
+                                                masks + m, row_max + m, row_sum + m, probs + m * 16, alpha + m);
     });
   }
-  for (int64_t m = 0; m < rows && soft_cap > 0.f; ++m) {  // row by row, capped as in update_row_impl
+  for (int64_t m = 0; m < rows && soft_cap > 0.f; ++m) {  // row by row, capped as in chunk_row_scalar
     __m512 s = chunk_scores(q + m * D, q_bf16 != nullptr ? q_bf16 + m * D : nullptr, k, D, scale);
     float* pm = probs + m * 16;
     _mm512_storeu_ps(pm, s);
     for (int j = 0; j < 16; ++j) pm[j] = std::tanh(pm[j] / soft_cap) * soft_cap;  // s / cap, tanh, * cap
-    s = _mm512_loadu_ps(pm);
+    s = _mm512_mask_blend_ps(static_cast<__mmask16>(masks[m]), _mm512_set1_ps(kNegInf), _mm512_loadu_ps(pm));
     const float new_max = std::max(row_max[m], _mm512_reduce_max_ps(s));
-    alpha[m] = std::exp(row_max[m] - new_max);  // exp(-inf) = 0 on the row's first block
-    _mm512_storeu_ps(pm, _mm512_sub_ps(s, _mm512_set1_ps(new_max)));
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int j = 0; j < 16; ++j) {
-      pm[j] = pagedllm::fast_exp(pm[j]);
-      sum += pm[j];
-    }
-    row_sum[m] = row_sum[m] * alpha[m] + sum;
+    alpha[m] = std::exp(row_max[m] - new_max);  // exp(-inf) = 0 on the row's first chunk
+    const __m512 p = fast_exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max)));
+    _mm512_storeu_ps(pm, p);
+    row_sum[m] = std::fma(row_sum[m], alpha[m], _mm512_reduce_add_ps(p));
     row_max[m] = new_max;
   }
 #if defined(__AVX512BF16__)
@@ -391,172 +368,41 @@ PA_ALWAYS_INLINE void decode_chunk(const float* q, const uint16_t* q_bf16, const
 }
 #endif
 
-// One query row against keys j0..j_end of one block: scores, then the online-softmax update of the
-// row's max, denominator and accumulator. k is [BS][D] or, when `transposed`, [D][BS]; v is [BS][D];
-// all fp32. A few rows (decode) take dot products from k as stored; many rows (prefill tiles) amortise
-// a transpose that turns each score row into FMAs across the block, with no horizontal reductions.
-// BS and HD are compile-time for the common shapes (0: given at run time), so that the score vector
-// and the accumulator stay in registers across the loops.
-template <int BS, int HD>
-inline void update_row_impl(const float* __restrict q, const float* __restrict kT, const float* __restrict v,
-                            int64_t j0, int64_t j_end, float* __restrict s, float& row_max, float& row_sum,
-                            float* __restrict acc, int64_t block_size_rt, int64_t head_dim_rt, bool transposed,
-                            float soft_cap) {
-  const int64_t bs = BS ? BS : block_size_rt;
-  const int64_t D = HD ? HD : head_dim_rt;
-  if (!transposed) {
-#if defined(__AVX512F__)
-    if (bs == 16 && j0 == 0 && j_end == 16 && D % 16 == 0) {
-      scores16(q, kT, D, s);
-    } else
-#endif
-    for (int64_t j = j0; j < j_end; ++j) {
-      const float* kj = kT + j * D;
-      float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += q[d] * kj[d];
-      s[j] = dot;
+// The same step without AVX-512, or for chunks that are not 16 keys of 16-float multiples: one row (q
+// scaled) against keys lo..hi of a chunk (fp32 rows, D apart), the only ones it sees. Each sum has a
+// fixed order (no vectorised reduction whose grouping could follow the data's alignment), so a row
+// gets the same bits whatever item holds it. s is scratch for the chunk's scores.
+inline void chunk_row_scalar(const float* __restrict q, const float* __restrict k, const float* __restrict v,
+                             int64_t lo, int64_t hi, int64_t D, float soft_cap, float* __restrict s, float& row_max,
+                             float& row_sum, float* __restrict acc) {
+  for (int64_t j = lo; j < hi; ++j) {
+    const float* kj = k + j * D;
+    float lanes[8] = {};
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+      for (int i = 0; i < 8; ++i) lanes[i] = std::fma(q[d + i], kj[d + i], lanes[i]);
     }
-  } else if constexpr (BS != 0) {
-    float local[BS] = {};
-    for (int64_t d = 0; d < D; ++d) {
-      const float qd = q[d];
-#pragma omp simd
-      for (int j = 0; j < BS; ++j) local[j] += qd * kT[d * BS + j];
-    }
-    for (int j = 0; j < BS; ++j) s[j] = local[j];
-  } else {
-    std::fill(s, s + bs, 0.f);
-    for (int64_t d = 0; d < D; ++d) {
-      const float qd = q[d];
-#pragma omp simd
-      for (int64_t j = 0; j < bs; ++j) s[j] += qd * kT[d * bs + j];
-    }
+    for (; d < D; ++d) lanes[d % 8] = std::fma(q[d], kj[d], lanes[d % 8]);
+    s[j] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    if (soft_cap > 0.f) s[j] = std::tanh(s[j] / soft_cap) * soft_cap;  // Gemma 2's order: s / cap, tanh, * cap
   }
-  if (soft_cap > 0.f) {  // Gemma 2's logit soft-capping, in the reference models' order: s / cap, tanh, * cap
-    for (int64_t j = j0; j < j_end; ++j) s[j] = std::tanh(s[j] / soft_cap) * soft_cap;
-  }
-  float block_max = kNegInf;
-  for (int64_t j = j0; j < j_end; ++j) block_max = std::max(block_max, s[j]);
-  const float new_max = std::max(row_max, block_max);
-  const float alpha = std::exp(row_max - new_max);  // exp(-inf) = 0 on the row's first block
+  float new_max = row_max;
+  for (int64_t j = lo; j < hi; ++j) new_max = std::max(new_max, s[j]);
+  const float alpha = pagedllm::fast_exp(row_max - new_max);  // 0 on the row's first chunk (row_max = -inf)
   float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = j0; j < j_end; ++j) {
+  for (int64_t j = lo; j < hi; ++j) {
     s[j] = pagedllm::fast_exp(s[j] - new_max);
     sum += s[j];
   }
-  row_sum = row_sum * alpha + sum;
+  row_sum = std::fma(row_sum, alpha, sum);
   row_max = new_max;
-  if constexpr (HD != 0) {
-    float out[HD];
 #pragma omp simd
-    for (int d = 0; d < HD; ++d) out[d] = acc[d] * alpha;
-    for (int64_t j = j0; j < j_end; ++j) {
-      const float p = s[j];
-      const float* vj = v + j * HD;
+  for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+  for (int64_t j = lo; j < hi; ++j) {
+    const float p = s[j];
+    const float* vj = v + j * D;
 #pragma omp simd
-      for (int d = 0; d < HD; ++d) out[d] += p * vj[d];
-    }
-    for (int d = 0; d < HD; ++d) acc[d] = out[d];
-  } else {
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
-    for (int64_t j = j0; j < j_end; ++j) {
-      const float p = s[j];
-      const float* vj = v + j * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) acc[d] += p * vj[d];
-    }
-  }
-}
-
-// Four query rows against a whole block (every key visible to every row) with K transposed: each
-// loaded K or V vector feeds four FMAs, and the 4 x BS scores and 4 x HD accumulators stay in registers.
-template <int BS, int HD>
-inline void update_rows4(const float* __restrict q, const float* __restrict kT, const float* __restrict v,
-                         float* __restrict row_max, float* __restrict row_sum, float* __restrict acc) {
-  constexpr int R = 4;
-  float s[R][BS] = {};
-  for (int d = 0; d < HD; ++d) {
-    const float* kd = kT + d * BS;
-    for (int r = 0; r < R; ++r) {
-      const float qd = q[r * HD + d];
-#pragma omp simd
-      for (int j = 0; j < BS; ++j) s[r][j] += qd * kd[j];
-    }
-  }
-  float alpha[R];
-  for (int r = 0; r < R; ++r) {
-    float block_max = kNegInf;
-    for (int j = 0; j < BS; ++j) block_max = std::max(block_max, s[r][j]);
-    const float new_max = std::max(row_max[r], block_max);
-    alpha[r] = std::exp(row_max[r] - new_max);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int j = 0; j < BS; ++j) {
-      s[r][j] = pagedllm::fast_exp(s[r][j] - new_max);
-      sum += s[r][j];
-    }
-    row_sum[r] = row_sum[r] * alpha[r] + sum;
-    row_max[r] = new_max;
-  }
-  float out[R][HD];
-  for (int r = 0; r < R; ++r) {
-#pragma omp simd
-    for (int d = 0; d < HD; ++d) out[r][d] = acc[r * HD + d] * alpha[r];
-  }
-  for (int j = 0; j < BS; ++j) {
-    const float* vj = v + j * HD;
-    for (int r = 0; r < R; ++r) {
-      const float p = s[r][j];
-#pragma omp simd
-      for (int d = 0; d < HD; ++d) out[r][d] += p * vj[d];
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-#pragma omp simd
-    for (int d = 0; d < HD; ++d) acc[r * HD + d] = out[r][d];
-  }
-}
-
-// Rows m0..m0+3 over a whole block, if a compiled-in shape fits; false means "do them one by one".
-inline bool update_rows4_if_compiled(const float* q, const float* kT, const float* v, float* row_max,
-                                     float* row_sum, float* acc, int64_t block_size, int64_t D) {
-  if (block_size == 16 && D == 32) return update_rows4<16, 32>(q, kT, v, row_max, row_sum, acc), true;
-  if (block_size == 16 && D == 64) return update_rows4<16, 64>(q, kT, v, row_max, row_sum, acc), true;
-  if (block_size == 16 && D == 128) return update_rows4<16, 128>(q, kT, v, row_max, row_sum, acc), true;
-  if (block_size == 32 && D == 64) return update_rows4<32, 64>(q, kT, v, row_max, row_sum, acc), true;
-  if (block_size == 32 && D == 128) return update_rows4<32, 128>(q, kT, v, row_max, row_sum, acc), true;
-  return false;
-}
-
-template <int BS>
-inline void update_row_bs(const float* q, const float* kT, const float* v, int64_t j0, int64_t j_end, float* s,
-                          float& row_max, float& row_sum, float* acc, int64_t block_size, int64_t D, bool transposed,
-                          float soft_cap) {
-  switch (D) {
-    case 32: return update_row_impl<BS, 32>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed,
-                                                         soft_cap);
-    case 64: return update_row_impl<BS, 64>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed,
-                                                         soft_cap);
-    case 128: return update_row_impl<BS, 128>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed,
-                                                         soft_cap);
-    default: return update_row_impl<BS, 0>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed,
-                                                         soft_cap);
-  }
-}
-
-inline void update_row(const float* q, const float* kT, const float* v, int64_t j0, int64_t j_end, float* s,
-                       float& row_max, float& row_sum, float* acc, int64_t block_size, int64_t D, bool transposed,
-                          float soft_cap) {
-  switch (block_size) {
-    case 16: return update_row_bs<16>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed,
-                                                         soft_cap);
-    case 32: return update_row_bs<32>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed,
-                                                         soft_cap);
-    default: return update_row_bs<0>(q, kT, v, j0, j_end, s, row_max, row_sum, acc, block_size, D, transposed,
-                                                         soft_cap);
+    for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(p, vj[d], acc[d]);
   }
 }
 
@@ -632,6 +478,31 @@ void finish_rows(const WorkItem& w, int64_t rows, int64_t group, int64_t D, int6
       from_float(am, out + ((q_row0 + t) * num_heads + head) * D, D);
     }
   }
+}
+
+// Context tokens per split of a decode-like sequence: kSplitTokens in whole blocks.
+inline int64_t split_tokens(int64_t block_size) { return std::max(block_size, kSplitTokens / block_size * block_size); }
+
+// Folds one split's partial result of a row (max m, denominator l, unnormalised accumulator a) into the
+// row's running merge (max M, denominator T, accumulator O; T = 0 before the first). The merge after a
+// decode's split items and an item that crosses split boundaries take these steps, split after split in
+// order, so that a row's output does not depend on which of the two computed it (one out-of-line body:
+// the same contractions into FMAs for both). A split of which the row sees no key (l = 0) is skipped.
+__attribute__((noinline)) void fold_partial(float m, float l, const float* a, float& M, float& T, float* O,
+                                            int64_t D) {
+  if (l == 0.f) return;
+  if (T == 0.f) {
+    M = m;
+    T = l;
+    std::memcpy(O, a, D * sizeof(float));
+    return;
+  }
+  const float new_max = std::max(M, m);
+  const float wa = std::exp(M - new_max), wb = std::exp(m - new_max);
+  T = std::fma(T, wa, l * wb);
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) O[d] = std::fma(O[d], wa, a[d] * wb);
+  M = new_max;
 }
 
 #if defined(PAGEDLLM_AMX)
@@ -790,25 +661,39 @@ PA_ALWAYS_INLINE __m512 softmax_down_keys(__m512* s, __m512& rmax, __m512& rsum,
   const __m512 new_max = _mm512_max_ps(rmax, fold(m, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }));
   const __m512 shift = _mm512_mul_ps(
       _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(new_max, _mm512_set1_ps(kNegInf), _CMP_NEQ_UQ), new_max), vscale);
-  const __m512 alpha = exp2_16(_mm512_fmsub_ps(rmax, vscale, shift));
-  __m512 sum = _mm512_setzero_ps();
+  // 1 exactly where the max stays (a chunk a lane sees none of is then no change at all, as if skipped)
+  const __m512 alpha = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(rmax, new_max, _CMP_EQ_OQ),
+                                            exp2_16(_mm512_mul_ps(_mm512_sub_ps(rmax, new_max), vscale)),
+                                            _mm512_set1_ps(1.f));
+  // Each lane's sum in one order for both lane counts: its even keys, its odd keys, then the two (with 8
+  // lanes, vector j holds keys 2j and 2j + 1, and the fold adds the halves).
+  __m512 sum = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
   for (int j = 0; j < kN; ++j) {
     s[j] = exp2_16(_mm512_fmsub_ps(s[j], vscale, shift));
-    sum = _mm512_add_ps(sum, s[j]);
+    if (kLanes == 16 && j % 2 == 1) {
+      odd = _mm512_add_ps(odd, s[j]);
+    } else {
+      sum = _mm512_add_ps(sum, s[j]);
+    }
   }
+  if constexpr (kLanes == 16) sum = _mm512_add_ps(sum, odd);
   rsum = _mm512_fmadd_ps(rsum, alpha, fold(sum, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
   rmax = new_max;
   return alpha;
 }
 
 // A 16-key block's values interleaved in key pairs, dst [8][D] u32: word 2i of (p, d) is v_{2p}[d] and
-// word 2i + 1 v_{2p+1}[d] (the B operand of P V).
-PA_ALWAYS_INLINE void value_pairs(const c10::BFloat16* v, int64_t D, uint32_t* dst) {
+// word 2i + 1 v_{2p+1}[d] (the B operand of P V). Keys from `keys` on read as zeros: past the context they
+// may hold anything, and their probabilities are 0.
+PA_ALWAYS_INLINE void value_pairs(const c10::BFloat16* v, int64_t D, uint32_t* dst, int64_t keys = 16) {
   const __m512i low = _mm512_load_si512(kPairLow), high = _mm512_load_si512(kPairHigh);
   const uint16_t* vb = reinterpret_cast<const uint16_t*>(v);
   for (int64_t p = 0; p < 8; ++p) {
+    const __mmask32 first = 2 * p < keys ? ~__mmask32{0} : 0, second = 2 * p + 1 < keys ? ~__mmask32{0} : 0;
     for (int64_t d = 0; d < D; d += 32) {
-      const __m512i vj = _mm512_loadu_si512(vb + 2 * p * D + d), vj1 = _mm512_loadu_si512(vb + (2 * p + 1) * D + d);
+      const uint16_t* row = vb + 2 * p * D + d;
+      const __m512i vj = keys >= 16 ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi16(first, row);
+      const __m512i vj1 = keys >= 16 ? _mm512_loadu_si512(row + D) : _mm512_maskz_loadu_epi16(second, row + D);
       _mm512_store_si512(dst + p * D + d, _mm512_permutex2var_epi16(vj, low, vj1));
       _mm512_store_si512(dst + p * D + d + 16, _mm512_permutex2var_epi16(vj, high, vj1));
     }
@@ -952,9 +837,9 @@ void run_decode_item_amx(const WorkItem& w, const c10::BFloat16* query, const c1
         probability_rows16(s + b * kVectors, p_rows + b * BS / 2, kChunk / 2);
       }
     }
-    value_pairs(k_tile(c0) + cs.part, D, v_pairs);
+    value_pairs(k_tile(c0) + cs.part, D, v_pairs, k_stop - c0);
     if (blocks == 2) {
-      value_pairs(k_tile(c0 + BS) + cs.part, D, v_pairs + BS / 2 * D);
+      value_pairs(k_tile(c0 + BS) + cs.part, D, v_pairs + BS / 2 * D, k_stop - c0 - BS);
     } else {  // no second block: zero values (times probabilities 0)
       std::fill(v_pairs + BS / 2 * D, v_pairs + BS * D, 0u);
     }
@@ -983,25 +868,32 @@ void run_decode_item_amx(const WorkItem& w, const c10::BFloat16* query, const c1
 }
 
 // A prefill item (16 or more query rows per KV head) of a bf16 cache on AMX tiles, 16 rows at a time with
-// the decode path's steps: per 16-key block, the block's values interleaved in key pairs once, then for
-// every 16-row tile that sees one of its keys S^T = K Q^T (K as the cache holds it), the online softmax
-// down the keys with a lane per row (the causal diagonal masked lane by lane), the probabilities turned
-// into rows and P V, all on the tiles. Tiles as in run_decode_item_amx with 16 lanes and one block a
-// P V product: 0 S^T; 1 K; 2 the query pairs; 3 P [16][16 keys]; 4 V pairs [8][16 of head_dim x 2]; 5 a
-// P V slice.
+// the decode path's steps and chunks (so that a row's bits do not depend on which path computed it): per
+// chunk of two 16-key blocks, the chunk's values interleaved in key pairs once, then for every 16-row
+// tile that sees one of its keys S^T = K Q^T (K as the cache holds it), the online softmax down the keys
+// with a lane per row (the causal diagonal masked lane by lane), the probabilities turned into rows and
+// P V, all on the tiles. At each split boundary every row's result is folded (fold_partial), as the
+// decode path's splits are merged. Tiles as in run_decode_item_amx with 16 lanes: 0 and 6 S^T; 1 K; 2
+// the query pairs; 3 P [16][32 keys]; 4 V pairs [16][16 of head_dim x 2]; 5 a P V slice.
 void run_prefill_item_amx(const WorkItem& w, const c10::BFloat16* query, const c10::BFloat16* kv_cache,
                           const int64_t* block_table, int64_t q_row0, int64_t seq_len, int64_t query_len,
                           int64_t num_heads, int64_t num_kv_heads, CacheStrides cs, int64_t head_dim, float scale,
                           c10::BFloat16* out, float* partial_acc, float* partial_max, float* partial_sum,
                           std::vector<float>& scratch) {
-  constexpr int64_t BS = 16, kLanes = 16;
+  constexpr int64_t BS = 16, kLanes = 16, kChunk = 2 * BS;
   const int64_t group = num_heads / num_kv_heads, D = head_dim;
   const int64_t rows = (w.q_end - w.q_begin) * group, tiles = (rows + kLanes - 1) / kLanes;
+  const int64_t first_pos = seq_len - query_len + w.q_begin;
+  const int64_t k_stop = std::min(w.k_end, seq_len - query_len + w.q_end);
+  const int64_t split = split_tokens(BS);
+  const bool folds = w.k_begin < k_stop && (k_stop - 1) / split > w.k_begin / split;
   // per row tile: query pairs [D / 2][16] u32, acc [16][D] (p_row order), row max and sum [16], lane
-  // positions [16]; then V pairs [BS / 2][D] u32, S^T [BS][16], P V [16][D], P rows [16][BS / 2] u32 and
-  // the rows in query order [rows][D]; 64-byte aligned
+  // positions [16]; then V pairs [kChunk / 2][D] u32, S^T [kChunk][16], P V [16][D], P rows [16][kChunk
+  // / 2] u32, the rows in query order [rows][D], and when the item folds the merged accumulator [rows][D],
+  // max and sum [rows]; 64-byte aligned
   const int64_t per_tile = D / 2 * kLanes + kLanes * D + 3 * kLanes;
-  scratch.resize(tiles * per_tile + BS / 2 * D + BS * kLanes + kLanes * D + kLanes * BS / 2 + rows * D + 16);
+  scratch.resize(tiles * per_tile + kChunk / 2 * D + kChunk * kLanes + kLanes * D + kLanes * kChunk / 2 + rows * D +
+                 (folds ? rows * D + 2 * rows : 0) + 16);
   float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
   uint32_t* q_pairs = reinterpret_cast<uint32_t*>(base);          // [tiles][D / 2][16]
   float* acc = base + tiles * D / 2 * kLanes;                      // [tiles][16][D]
@@ -1009,13 +901,14 @@ void run_prefill_item_amx(const WorkItem& w, const c10::BFloat16* query, const c
   float* row_sum = row_max + tiles * kLanes;                       // [tiles * 16]
   int32_t* lane_pos = reinterpret_cast<int32_t*>(row_sum + tiles * kLanes);  // [tiles][16]
   uint32_t* v_pairs = reinterpret_cast<uint32_t*>(lane_pos + tiles * kLanes);
-  float* scores = reinterpret_cast<float*>(v_pairs + BS / 2 * D);
-  float* pv = scores + BS * kLanes;
+  float* scores = reinterpret_cast<float*>(v_pairs + kChunk / 2 * D);
+  float* pv = scores + kChunk * kLanes;
   uint32_t* p_rows = reinterpret_cast<uint32_t*>(pv + kLanes * D);
-  float* ordered = reinterpret_cast<float*>(p_rows + kLanes * BS / 2);
+  float* ordered = reinterpret_cast<float*>(p_rows + kLanes * kChunk / 2);
+  float* merged = ordered + rows * D;
+  float* merged_max = merged + rows * D;
+  float* merged_sum = merged_max + rows;
 
-  const int64_t first_pos = seq_len - query_len + w.q_begin;
-  const int64_t k_stop = std::min(w.k_end, seq_len - query_len + w.q_end);
   for (int64_t rt = 0; rt < tiles; ++rt) {
     query_pairs(w, query, q_row0, num_heads, group, D, rt * kLanes, std::min(kLanes, rows - rt * kLanes), kLanes,
                 q_pairs + rt * D / 2 * kLanes);
@@ -1023,44 +916,66 @@ void run_prefill_item_amx(const WorkItem& w, const c10::BFloat16* query, const c
     lane_positions<kLanes>(first_pos, group, rt * kLanes, rows, positions, lane_keys);
     _mm512_store_si512(lane_pos + rt * kLanes, positions);
   }
-  std::fill(acc, acc + tiles * kLanes * D, 0.f);
-  std::fill(row_max, row_max + tiles * kLanes, kNegInf);
-  std::fill(row_sum, row_sum + tiles * kLanes, 0.f);
+  auto reset_rows = [&] {
+    std::fill(acc, acc + tiles * kLanes * D, 0.f);
+    std::fill(row_max, row_max + tiles * kLanes, kNegInf);
+    std::fill(row_sum, row_sum + tiles * kLanes, 0.f);
+  };
+  reset_rows();
+  if (folds) std::fill(merged_sum, merged_sum + rows, 0.f);
+  auto fold_rows = [&] {
+    for (int64_t m = 0; m < rows; ++m) {
+      fold_partial(row_max[m] * scale, row_sum[m], acc + (m / kLanes * kLanes + p_row<kLanes>(m % kLanes)) * D,
+                   merged_max[m], merged_sum[m], merged + m * D, D);
+    }
+    reset_rows();
+  };
 
   pagedllm_amx::TileConfig config;
-  config.tile(0, BS, kLanes * 4).tile(1, BS, 64).tile(2, 16, kLanes * 4);
-  config.tile(3, kLanes, BS * 2).tile(4, BS / 2, 64).tile(5, kLanes, 64);
+  config.tile(0, BS, kLanes * 4).tile(6, BS, kLanes * 4).tile(1, BS, 64).tile(2, 16, kLanes * 4);
+  config.tile(3, kLanes, kChunk * 2).tile(4, kChunk / 2, 64).tile(5, kLanes, 64);
   config.load();
   const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f);  // scores times scale, in log2 units
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   alignas(64) float alphas[kLanes];
+  auto k_tile = [&](int64_t kb) PA_INLINE_LAMBDA {
+    return kv_cache + w.kv_head * cs.head + block_table[kb / BS] * cs.block;
+  };
 
-  // Items start on block boundaries (at 0, or at a split's first key, a multiple of kSplitTokens: this
-  // path has no window); only the last block may be partial.
-  for (int64_t block_start = w.k_begin; block_start < k_stop; block_start += BS) {
-    const int64_t logical = block_start / BS;
-    const c10::BFloat16* k_src = kv_cache + w.kv_head * cs.head + block_table[logical] * cs.block;
-    if (block_start + kPrefetchBlocks * BS < k_stop) {
-      prefetch_tile(kv_cache + w.kv_head * cs.head + block_table[logical + kPrefetchBlocks] * cs.block, cs.part,
-                    BS * D);
+  // Items start at 0 (this path has no window); chunks of two blocks from there, as the decode path's from
+  // a split's first key; only the last block may be partial.
+  for (int64_t c0 = w.k_begin; c0 < k_stop; c0 += kChunk) {
+    if (folds && c0 > w.k_begin && c0 % split == 0) fold_rows();
+    const int64_t blocks = c0 + BS < k_stop ? 2 : 1;
+    if (c0 + kPrefetchBlocks * BS < k_stop) prefetch_tile(k_tile(c0 + kPrefetchBlocks * BS), cs.part, BS * D);
+    if (c0 + (kPrefetchBlocks + 1) * BS < k_stop) {
+      prefetch_tile(k_tile(c0 + (kPrefetchBlocks + 1) * BS), cs.part, BS * D);
     }
-    value_pairs(k_src + cs.part, D, v_pairs);
+    value_pairs(k_tile(c0) + cs.part, D, v_pairs, k_stop - c0);
+    if (blocks == 2) {
+      value_pairs(k_tile(c0 + BS) + cs.part, D, v_pairs + BS / 2 * D, k_stop - c0 - BS);
+    } else {  // no second block: zero values (times probabilities 0)
+      std::fill(v_pairs + BS / 2 * D, v_pairs + BS * D, 0u);
+    }
     for (int64_t rt = 0; rt < tiles; ++rt) {
       const int64_t m0 = rt * kLanes, n = std::min(kLanes, rows - m0);
-      // rows are in position order: a tile whose last row is before the block sees none of its keys
-      if (first_pos + (m0 + n - 1) / group < block_start) continue;
-      block_scores_t(k_src, q_pairs + rt * D / 2 * kLanes, D, kLanes, scores);
-      __m512 s[BS];
-      for (int64_t j = 0; j < BS; ++j) s[j] = _mm512_load_ps(scores + j * kLanes);
+      // rows are in position order: a tile whose last row is before the chunk sees none of its keys
+      if (first_pos + (m0 + n - 1) / group < c0) continue;
+      block_scores_t(k_tile(c0), q_pairs + rt * D / 2 * kLanes, D, kLanes, scores);
+      if (blocks == 2) block_scores_t(k_tile(c0 + BS), q_pairs + rt * D / 2 * kLanes, D, kLanes, scores + BS * kLanes, true);
+      __m512 s[kChunk];
+      for (int64_t j = 0; j < kChunk; ++j) s[j] = j < blocks * BS ? _mm512_load_ps(scores + j * kLanes) : neg_inf;
       // keys some row must not see
-      if (block_start + BS > k_stop || first_pos + m0 / group < block_start + BS - 1)
-        mask_keys<kLanes>(s, BS, block_start, k_stop, _mm512_load_si512(lane_pos + rt * kLanes),
+      if (c0 + blocks * BS > k_stop || first_pos + m0 / group < c0 + blocks * BS - 1)
+        mask_keys<kLanes>(s, blocks * BS, c0, k_stop, _mm512_load_si512(lane_pos + rt * kLanes),
                           _mm512_setzero_si512());
       __m512 rmax = _mm512_load_ps(row_max + m0), rsum = _mm512_load_ps(row_sum + m0);
-      _mm512_store_ps(alphas, softmax_down_keys<BS, kLanes>(s, rmax, rsum, vscale));
+      _mm512_store_ps(alphas, softmax_down_keys<kChunk, kLanes>(s, rmax, rsum, vscale));
       _mm512_store_ps(row_max + m0, rmax);
       _mm512_store_ps(row_sum + m0, rsum);
-      probability_rows16(s, p_rows, BS / 2);
-      _tile_loadd(3, p_rows, BS / 2 * sizeof(uint32_t));
+      probability_rows16(s, p_rows, kChunk / 2);
+      probability_rows16(s + BS, p_rows + BS / 2, kChunk / 2);
+      _tile_loadd(3, p_rows, kChunk / 2 * sizeof(uint32_t));
       for (int64_t d0 = 0; d0 < D; d0 += 16) {
         _tile_zero(5);
         _tile_loadd(4, v_pairs + d0, D * sizeof(uint32_t));
@@ -1071,8 +986,14 @@ void run_prefill_item_amx(const WorkItem& w, const c10::BFloat16* query, const c
     }
   }
 
-  finish_tile_rows<kLanes>(w, rows, group, D, q_row0, num_heads, scale, acc, row_max, row_sum, ordered, out,
-                           partial_acc, partial_max, partial_sum);
+  if (folds) {
+    fold_rows();
+    finish_rows(w, rows, group, D, q_row0, num_heads, merged, merged_max, merged_sum, out, partial_acc, partial_max,
+                partial_sum);
+  } else {
+    finish_tile_rows<kLanes>(w, rows, group, D, q_row0, num_heads, scale, acc, row_max, row_sum, ordered, out,
+                             partial_acc, partial_max, partial_sum);
+  }
 }
 
 #endif  // PAGEDLLM_AMX
@@ -1089,7 +1010,13 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
     if (kv_scales == nullptr && window == 0 && soft_cap == 0.f && block_size == 16 && head_dim % 32 == 0 &&
         pagedllm_amx::tiles_permitted()) {
-      auto tile_path = rows >= 16 ? run_prefill_item_amx : rows > 8 ? run_decode_item_amx<16> : run_decode_item_amx<8>;
+      // (an item of a few rows whose context crosses a split boundary, the last tile of a prefill chunk, takes
+      // the prefill path, which folds the rows' results at the boundary)
+      const int64_t k_stop = std::min(w.k_end, seq_len - query_len + w.q_end);
+      const bool crosses_split = (k_stop - 1) / split_tokens(block_size) > w.k_begin / split_tokens(block_size);
+      auto tile_path = rows >= 16 || crosses_split ? run_prefill_item_amx
+                       : rows > 8                  ? run_decode_item_amx<16>
+                                                   : run_decode_item_amx<8>;
       tile_path(w, query, kv_cache, block_table, q_row0, seq_len, query_len, num_heads, num_kv_heads, cs, head_dim,
                 scale, out, partial_acc, partial_max, partial_sum, scratch);
       return;
@@ -1097,31 +1024,57 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
   }
 #endif
   const int64_t D = head_dim;
-  // q_bf16 holds rows * D 16-bit values, i.e. rows * D / 2 floats' room (rounded up).
-  scratch.resize(rows * D * 2 + rows * block_size + 2 * rows + 2 * block_size * D + rows * 17 + (rows * D + 1) / 2);
-  float* q = scratch.data();
-  float* acc = q + rows * D;
-  float* scores = acc + rows * D;
-  float* row_max = scores + rows * block_size;
-  float* row_sum = row_max + rows;
-  float* k_tile = row_sum + rows;
-  float* v_tile = k_tile + block_size * D;
-  float* probs = v_tile + block_size * D;  // [rows][16], decode_chunk's scratch
-  float* alpha = probs + rows * 16;
-  uint16_t* q_bf16 = reinterpret_cast<uint16_t*>(alpha + rows);
-  const bool transpose = rows >= 16;
-  // Decode's fast path (decode_chunk) reads plain fp32/bf16 tiles in place; other caches and prefill
-  // tiles take the generic path below, which widens each tile to fp32 first.
-  bool read_in_place = false;
+  const int64_t split = split_tokens(block_size);
+  // Keys go in chunks of 16 (a block holds whole chunks where block_size is a multiple of 16; otherwise a
+  // chunk is a block). With AVX-512 a 16-key chunk is one vector step (chunk_rows) that reads plain
+  // fp32/bf16 tiles in place; other caches are widened to fp32 tiles first, and without AVX-512 (or for
+  // other chunks) each row takes chunk_row_scalar. The choice depends on the call's shapes and dtypes
+  // only, never on the item, so a row's arithmetic is the same in every item that holds it.
+  const int64_t chunk = block_size % 16 == 0 ? 16 : block_size;
+  bool vector_chunks = false, read_in_place = false, dot_bf16 = false;
 #if defined(__AVX512F__)
-  read_in_place = (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16>) &&
-                  kv_scales == nullptr && !transpose && block_size % 16 == 0 && D % 16 == 0;
+  vector_chunks = chunk == 16 && D % 16 == 0;
+  read_in_place = vector_chunks && (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16>) &&
+                  kv_scales == nullptr;
 #endif
-  bool dot_bf16 = false;
 #if defined(__AVX512BF16__)
   dot_bf16 = read_in_place && std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16> &&
              D % 32 == 0;
 #endif
+
+  // Query position p sees keys 0..p (with a sliding window, p - window + 1..p) within the item's context
+  // range; the tile's last query bounds the keys any row can see, its first query's window start the
+  // first key. Blocks before that are never touched: a sliding layer's freed blocks may sit in the block
+  // table.
+  const int64_t first_pos = seq_len - query_len + w.q_begin;
+  const int64_t k_stop = std::min(w.k_end, seq_len - query_len + w.q_end);
+  const int64_t k_first = window > 0 ? std::max(w.k_begin, first_pos - window + 1) : w.k_begin;
+  // An item that crosses a split boundary (a prefill tile over a long context) folds each row's result at
+  // every boundary, as the merge after a decode's split items does (fold_partial).
+  const bool folds = k_first < k_stop && (k_stop - 1) / split > k_first / split;
+
+  // q [rows][D] (scaled), acc [rows][D], row max and sum [rows], K and V tiles [block_size][D] (widened),
+  // a padded V chunk [16][D] (in place), scores [chunk], probs [rows][16], alpha [rows], masks [rows],
+  // q_bf16 [rows][D] 16-bit (half as many floats' room, rounded up), and when the item folds the merged
+  // accumulator [rows][D], max and sum [rows].
+  const int64_t merged_floats = folds ? rows * D + 2 * rows : 0;
+  scratch.resize(2 * rows * D + 2 * rows + 2 * block_size * D + 16 * D + chunk + rows * 16 + 2 * rows +
+                 (rows * D + 1) / 2 + merged_floats);
+  float* q = scratch.data();
+  float* acc = q + rows * D;
+  float* row_max = acc + rows * D;
+  float* row_sum = row_max + rows;
+  float* k_tile = row_sum + rows;
+  float* v_tile = k_tile + block_size * D;
+  cache_t* v_pad = reinterpret_cast<cache_t*>(v_tile + block_size * D);
+  float* scores = v_tile + block_size * D + 16 * D;
+  float* probs = scores + chunk;
+  float* alpha = probs + rows * 16;
+  uint32_t* masks = reinterpret_cast<uint32_t*>(alpha + rows);
+  uint16_t* q_bf16 = reinterpret_cast<uint16_t*>(masks + rows);
+  float* merged = reinterpret_cast<float*>(masks + rows) + (rows * D + 1) / 2;
+  float* merged_max = merged + rows * D;
+  float* merged_sum = merged_max + rows;
 
   for (int64_t t = w.q_begin; t < w.q_end; ++t) {
     for (int64_t g = 0; g < group; ++g) {
@@ -1133,28 +1086,41 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
       for (int64_t d = 0; d < D; ++d) q[m * D + d] *= scale;
     }
   }
-  std::fill(acc, acc + rows * D, 0.f);
-  std::fill(row_max, row_max + rows, kNegInf);
-  std::fill(row_sum, row_sum + rows, 0.f);
+  auto reset_rows = [&] {
+    std::fill(acc, acc + rows * D, 0.f);
+    std::fill(row_max, row_max + rows, kNegInf);
+    std::fill(row_sum, row_sum + rows, 0.f);
+  };
+  reset_rows();
+  if (folds) std::fill(merged_sum, merged_sum + rows, 0.f);
+  auto fold_rows = [&] {
+    for (int64_t m = 0; m < rows; ++m)
+      fold_partial(row_max[m], row_sum[m], acc + m * D, merged_max[m], merged_sum[m], merged + m * D, D);
+    reset_rows();
+  };
+  // The keys [lo, hi) of the chunk at key0 that row m sees (lo >= hi: none).
+  auto visible = [&](int64_t m, int64_t key0, int64_t& lo, int64_t& hi) {
+    const int64_t pos = first_pos + m / group;
+    const int64_t row_lo = window > 0 ? std::max(w.k_begin, pos - window + 1) : w.k_begin;
+    const int64_t row_hi = std::min(pos + 1, w.k_end);
+    lo = std::clamp<int64_t>(row_lo - key0, 0, chunk);
+    hi = std::clamp<int64_t>(row_hi - key0, 0, chunk);
+  };
 
-  // Query position p sees keys 0..p (with a sliding window, p - window + 1..p); the tile's last query
-  // bounds the keys any row can see, its first query's window start the first key. Blocks before that
-  // are never touched: a sliding layer's freed blocks may sit in the block table.
-  const int64_t first_pos = seq_len - query_len + w.q_begin;
-  const int64_t k_stop = std::min(w.k_end, seq_len - query_len + w.q_end);
-  const int64_t k_first = window > 0 ? std::max(w.k_begin, first_pos - window + 1) : w.k_begin;
+  // The last row's first key: a chunk from there on to the first row's position every row sees whole.
   const int64_t last_pos = seq_len - query_len + w.q_end - 1;
+  const int64_t last_row_lo = window > 0 ? std::max(w.k_begin, last_pos - window + 1) : w.k_begin;
+  bool whole_masks = false;  // masks hold every key of a chunk for every row
   const int64_t tile_elems = block_size * D;  // a tile's elements (its scales follow closely)
   for (int64_t kb = k_first; kb < k_stop; kb = (kb / block_size + 1) * block_size) {
     const int64_t logical = kb / block_size;
     const int64_t block_start = logical * block_size;
+    if (folds && kb > k_first && block_start % split == 0) fold_rows();
     const int64_t j0 = kb - block_start;
     const int64_t j1 = std::min(block_size, k_stop - block_start);
     const int64_t physical = block_table[logical];
     const cache_t* k_src = kv_cache + w.kv_head * cs.head + physical * cs.block;
     const cache_t* v_src = k_src + cs.part;
-    const c10::BFloat16* k_scales = kv_scales ? kv_scales + w.kv_head * ss.head + physical * ss.block : nullptr;
-    const c10::BFloat16* v_scales = kv_scales ? k_scales + ss.part : nullptr;
     // Blocks sit anywhere in the pool, so hardware prefetchers stop at every block boundary: ask for the
     // block kPrefetchBlocks ahead in the table while this one is computed (the first ones were asked
     // for before the item started; see prefetch_item).
@@ -1162,67 +1128,86 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
       prefetch_tile(kv_cache + w.kv_head * cs.head + block_table[logical + kPrefetchBlocks] * cs.block, cs.part,
                     tile_elems);
     }
+    if (read_in_place) {
+      // Closer in, into L1: this block's V while its scores are computed, and the block
+      // kNearPrefetchBlocks ahead (on its way to L2). Decode's compute per block is short next to a
+      // miss, so a tile still in L2 when its loads come stalls them (see docs/performance/amd-zen4.md).
+      prefetch_lines<3>(v_src, tile_elems * static_cast<int64_t>(sizeof(cache_t)));
+      if (block_start + kNearPrefetchBlocks * block_size < k_stop) {
+        prefetch_tile<3>(kv_cache + w.kv_head * cs.head + block_table[logical + kNearPrefetchBlocks] * cs.block,
+                         cs.part, tile_elems);
+      }
+    } else {
+      // Keys outside j0..j1 are no row's: zero, so that the products with their zero probabilities are 0.
+      const c10::BFloat16* k_scales = kv_scales ? kv_scales + w.kv_head * ss.head + physical * ss.block : nullptr;
+      const c10::BFloat16* v_scales = kv_scales ? k_scales + ss.part : nullptr;
+      rows_to_float(k_src, k_tile, j0, j1, D, k_scales);
+      rows_to_float(v_src, v_tile, j0, j1, D, v_scales);
+      for (float* tile : {k_tile, v_tile}) {
+        std::fill(tile, tile + j0 * D, 0.f);
+        std::fill(tile + j1 * D, tile + block_size * D, 0.f);
+      }
+    }
+    for (int64_t c = j0 / chunk * chunk; c < j1; c += chunk) {
+      const int64_t key0 = block_start + c;
+      // The rows that see a key of the chunk: positions (and window starts) grow with m, so they are
+      // consecutive, m_lo..m_hi. Most chunks every row sees whole.
+      int64_t m_lo = rows, m_hi = 0;
+      const bool whole = key0 + chunk <= std::min(first_pos + 1, w.k_end) && key0 >= last_row_lo;
+      if (whole && !whole_masks && vector_chunks) {  // (masks: the vector path's, 16 keys)
+        std::fill(masks, masks + rows, uint32_t{0xFFFF});
+        whole_masks = true;
+      }
+      if (whole) m_lo = 0, m_hi = rows;
+      for (int64_t m = 0; m < rows && !whole; ++m) {
+        int64_t lo, hi;
+        visible(m, key0, lo, hi);
+        if (lo >= hi) continue;
+        m_lo = std::min(m_lo, m);
+        m_hi = m + 1;
+        if (vector_chunks) masks[m] = (uint32_t{1} << hi) - (uint32_t{1} << lo);
+        whole_masks = false;
+      }
+      if (m_lo >= m_hi) continue;
 #if defined(__AVX512F__)
-    if constexpr (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16>) {
-      // Every row sees the whole block: its first row sees the block's last key, and its last row's
-      // window reaches the block's first key.
-      if (read_in_place && j0 == 0 && j1 == block_size && first_pos >= block_start + block_size - 1 &&
-          (window == 0 || block_start > last_pos - window)) {
-        // Closer in, into L1: this block's V while its scores are computed, and the block
-        // kNearPrefetchBlocks ahead (on its way to L2). Decode's compute per block is short next to a
-        // miss, so a tile still in L2 when its loads come stalls them (2 threads, 8k context x 16: about
-        // a fifth of the kernel's time; see docs/performance/amd-zen4.md).
-        prefetch_lines<3>(v_src, tile_elems * static_cast<int64_t>(sizeof(cache_t)));
-        if (block_start + kNearPrefetchBlocks * block_size < k_stop) {
-          prefetch_tile<3>(kv_cache + w.kv_head * cs.head + block_table[logical + kNearPrefetchBlocks] * cs.block,
-                           cs.part, tile_elems);
+      if (vector_chunks) {
+        if constexpr (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16>) {
+          if (read_in_place) {
+            const cache_t* v_chunk = v_src + c * D;
+            if (c < j0 || c + 16 > j1) {  // keys outside j0..j1 are no row's: zero values
+              std::fill(v_pad, v_pad + 16 * D, cache_t(0.f));
+              const int64_t a = std::max(c, j0), b = std::min(c + 16, j1);
+              std::memcpy(v_pad + (a - c) * D, v_src + a * D, (b - a) * D * sizeof(cache_t));
+              v_chunk = v_pad;
+            }
+            chunk_rows(q + m_lo * D, dot_bf16 ? q_bf16 + m_lo * D : nullptr, k_src + c * D, v_chunk, m_hi - m_lo,
+                       masks + m_lo, D, scale, soft_cap, row_max + m_lo, row_sum + m_lo, acc + m_lo * D, probs,
+                       alpha);
+            continue;
+          }
         }
-        for (int64_t c = 0; c < block_size; c += 16) {
-          decode_chunk(q, dot_bf16 ? q_bf16 : nullptr, k_src + c * D, v_src + c * D, rows, D, scale, soft_cap,
-                       row_max, row_sum, acc, probs, alpha);
-        }
+        chunk_rows<float>(q + m_lo * D, nullptr, k_tile + c * D, v_tile + c * D, m_hi - m_lo, masks + m_lo, D, scale,
+                          soft_cap, row_max + m_lo, row_sum + m_lo, acc + m_lo * D, probs, alpha);
         continue;
       }
-    }
 #endif
-    // K transposed to [head_dim][block_size]: scores of one row are then FMAs across the block's keys
-    // (one vector per d), with no horizontal reductions. V stays [block_size][head_dim].
-    const float* v;
-    if constexpr (std::is_same_v<cache_t, float>) {
-      v = v_src;
-    } else {
-      rows_to_float(v_src, v_tile, j0, j1, D, v_scales);
-      v = v_tile;
-    }
-    if (transpose) {
-      transpose_to_float(k_src, k_tile, j0, j1, block_size, D, k_scales);
-    } else {
-      rows_to_float(k_src, k_tile, j0, j1, D, k_scales);
-    }
-    int64_t m = 0;
-    if (transpose && j0 == 0 && j1 == block_size && soft_cap == 0.f) {
-      // Rows whose query sees the whole block (all but the diagonal), four at a time.
-      // Positions grow with m, so row m seeing the block's last key means rows m..m+3 all do; and
-      // row m+3's window reaching the block's first key means rows m..m+3 all reach it.
-      for (; m + 4 <= rows && first_pos + m / group >= block_start + block_size - 1 &&
-             (window == 0 || block_start > first_pos + (m + 3) / group - window);
-           m += 4) {
-        if (!update_rows4_if_compiled(q + m * D, k_tile, v, row_max + m, row_sum + m, acc + m * D, block_size, D))
-          break;
+      for (int64_t m = m_lo; m < m_hi; ++m) {
+        int64_t lo, hi;
+        visible(m, key0, lo, hi);
+        chunk_row_scalar(q + m * D, k_tile + c * D, v_tile + c * D, lo, hi, D, soft_cap, scores, row_max[m],
+                         row_sum[m], acc + m * D);
       }
-    }
-    for (; m < rows; ++m) {
-      const int64_t pos = first_pos + m / group;
-      const int64_t visible_end = std::min(j1, pos - block_start + 1);  // keys j < visible_end are visible
-      const int64_t visible_begin = window > 0 ? std::max(j0, pos - window + 1 - block_start) : j0;
-      if (visible_end <= visible_begin) continue;
-      update_row(q + m * D, k_tile, v, visible_begin, visible_end, scores + m * block_size, row_max[m],
-                 row_sum[m], acc + m * D, block_size, D, transpose, soft_cap);
     }
   }
 
-  finish_rows(w, rows, group, D, q_row0, num_heads, acc, row_max, row_sum, out, partial_acc, partial_max,
-              partial_sum);
+  if (folds) {
+    fold_rows();
+    finish_rows(w, rows, group, D, q_row0, num_heads, merged, merged_max, merged_sum, out, partial_acc, partial_max,
+                partial_sum);
+  } else {
+    finish_rows(w, rows, group, D, q_row0, num_heads, acc, row_max, row_sum, out, partial_acc, partial_max,
+                partial_sum);
+  }
 }
 
 template <typename scalar_t, typename cache_t>
@@ -1249,6 +1234,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, c
   const int64_t* tables = block_tables.data_ptr<int64_t>();
 
   // Decode-like sequences (one query tile) get one item per split; longer chunks one item per tile.
+  const int64_t split = split_tokens(block_size);
   std::vector<WorkItem> items;
   struct Merge { int64_t seq, kv_head, first_row, num_splits, query_len; };
   std::vector<Merge> merges;
@@ -1259,20 +1245,19 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, c
     TORCH_CHECK(query_len >= 0 && seq_len >= query_len && (seq_len + block_size - 1) / block_size <= max_blocks,
                 "paged_attention: sequence ", s, " has query_len ", query_len, " and seq_len ", seq_len);
     if (query_len == 0) continue;
-    // The first key a query at `pos` sees. Splits stay on fixed kSplitTokens boundaries (batch
-    // invariance); those wholly before the first query's window are not made at all.
+    // The first key a query at `pos` sees. Splits stay on fixed boundaries (batch invariance); those
+    // wholly before the first query's window are not made at all.
     auto first_key = [&](int64_t pos) {
       return window > 0 ? std::max<int64_t>(0, pos - window + 1) : int64_t{0};
     };
-    const int64_t first_split = first_key(seq_len - query_len) / kSplitTokens;
-    const int64_t num_splits =
-        query_len <= kQueryTile ? (seq_len + kSplitTokens - 1) / kSplitTokens - first_split : 1;
+    const int64_t first_split = first_key(seq_len - query_len) / split;
+    const int64_t num_splits = query_len <= kQueryTile ? (seq_len + split - 1) / split - first_split : 1;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       if (num_splits > 1) {
         merges.push_back({s, h, num_partial_rows, num_splits, query_len});
         for (int64_t p = first_split; p < first_split + num_splits; ++p) {
-          items.push_back({s, h, 0, query_len, std::max(p * kSplitTokens, first_key(seq_len - query_len)),
-                           std::min(seq_len, (p + 1) * kSplitTokens), num_partial_rows});
+          items.push_back({s, h, 0, query_len, std::max(p * split, first_key(seq_len - query_len)),
+                           std::min(seq_len, (p + 1) * split), num_partial_rows});
           num_partial_rows += query_len * group;
         }
       } else {
@@ -1325,27 +1310,18 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, c
     }
   });
 
-  // Exact merge: out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M), M the largest split max.
+  // Exact merge of each row's splits, folded in order (fold_partial), then normalised.
   at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(head_dim);
     for (int64_t i = begin; i < end; ++i) {
       const Merge& mg = merges[i];
       const int64_t rows = mg.query_len * group;
       for (int64_t m = 0; m < rows; ++m) {
-        float global_max = kNegInf;
-        for (int64_t p = 0; p < mg.num_splits; ++p)
-          global_max = std::max(global_max, partial_max[mg.first_row + p * rows + m]);
-        std::fill(merged.begin(), merged.end(), 0.f);
-        float total = 0.f;
+        float merged_max = kNegInf, total = 0.f;
         for (int64_t p = 0; p < mg.num_splits; ++p) {
           const int64_t slot = mg.first_row + p * rows + m;
-          if (partial_sum[slot] == 0.f) continue;  // a split wholly after this row's position
-          const float w = std::exp(partial_max[slot] - global_max);
-          total += partial_sum[slot] * w;
-          const float* a = partial_acc.data() + slot * head_dim;
-          float* o = merged.data();
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) o[d] += w * a[d];
+          fold_partial(partial_max[slot], partial_sum[slot], partial_acc.data() + slot * head_dim, merged_max, total,
+                       merged.data(), head_dim);
         }
         const float inv = 1.f / total;
         for (int64_t d = 0; d < head_dim; ++d) merged[d] *= inv;
