@@ -68,7 +68,9 @@ def test_real_model_answers_in_bf16_and_names_itself(model_file):
     assert config.get_diff_sampling_param() == {"temperature": 0.0, "max_tokens": 512}
     assert DEFAULT_MODEL.generation_config == {"do_sample": False, "max_new_tokens": 512}
     llm = LLM(model=model_file, dtype="bfloat16", max_model_len=512)
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+    # The README's question. (Not "What is the capital of France?": its first token is a near-tie, "The"
+    # 0.08 nats above "L" in fp32, which bf16's rounding of the logits may turn either way.)
+    out = llm.chat([{"role": "user", "content": "Name the capital of France."}],
                    SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason == "stop"  # the chat template's <|im_end|> ends the reply
