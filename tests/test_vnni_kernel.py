@@ -3,7 +3,8 @@ reads is repacked without loss (oracles: llama.cpp's `gguf.quants.dequantize` fo
 compressed-tensors library's decompressor for W4A16), and its output stays within the bound stated in
 layers/quantization/vnni.py, the same for every type since the weights are exact:
 
-- against the same quantized activations x^ (each row in blocks of 32, x^ = d * xq + d2 * xq2: xq =
+- against the same quantized activations x^ (each row in blocks of vnni.activation_block's size, 32 to
+  128, x^ = d * xq + d2 * xq2: xq =
   round(x / d), d the block's absmax / 127, and xq2 the same of the remainder x - d * xq) times the exact
   weight in fp64: the fp32 steps (K / 8 + 4 roundings of 2**-24 in a row at most) relative to the terms
   the kernel sums, |x^| @ B^T with B = q |scale| + |min| per weight (the min term is summed apart from
@@ -29,6 +30,7 @@ from pagedllm.layers.quantization.int4 import Int4WeightOnlyMethod
 from pagedllm.layers.quantization.int8 import Int8WeightOnlyMethod
 from pagedllm.layers.quantization.vnni import (
     VnniWeight,
+    activation_block,
     int8_to_vnni,
     kernel_enabled,
     kernel_supports,
@@ -54,7 +56,7 @@ def _gguf_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
 
 
 def _int8_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, scale) of fp32 blocks [..., 32] as the kernel rounds them: scale = absmax / 127, codes =
+    """(codes, scale) of fp32 blocks [..., B] as the kernel rounds them: scale = absmax / 127, codes =
     round-half-even(v * (127 / absmax)) in fp32."""
     absmax = blocks.abs().amax(-1, keepdim=True)
     # tensor / tensor: torch's scalar / tensor multiplies by a reciprocal, off by an ulp, and bf16 inputs
@@ -63,24 +65,25 @@ def _int8_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(blocks * inv), absmax / torch.full_like(absmax, 127)
 
 
-def _quantized_activations(x: torch.Tensor, terms: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x^ in fp64, the last term's scale of each element), as the kernel quantizes each row: x^ = d * xq
-    (+ d2 * xq2, xq2 the codes of the remainder x - d * xq, rounded once to fp32)."""
+def _quantized_activations(x: torch.Tensor, terms: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x^ in fp64, the last term's scale of each element), as the kernel quantizes each row in blocks of
+    b: x^ = d * xq (+ d2 * xq2, xq2 the codes of the remainder x - d * xq, rounded once to fp32)."""
     m, k = x.shape
-    blocks = x.float().view(m, k // 32, 32)
+    blocks = x.float().view(m, k // b, b)
     codes, scale = _int8_codes(blocks)
     if terms == 1:
-        return (codes.double() * scale.double()).view(m, k), scale.double().expand(m, k // 32, 32).reshape(m, k)
+        return (codes.double() * scale.double()).view(m, k), scale.double().expand(m, k // b, b).reshape(m, k)
     remainder = (blocks.double() - codes.double() * scale.double()).float()
     codes2, scale2 = _int8_codes(remainder)
     xhat = codes.double() * scale.double() + codes2.double() * scale2.double()
-    return xhat.view(m, k), scale2.double().expand(m, k // 32, 32).reshape(m, k)
+    return xhat.view(m, k), scale2.double().expand(m, k // b, b).reshape(m, k)
 
 
 def _check_bounds(weight: VnniWeight, exact: torch.Tensor, x: torch.Tensor) -> None:
     got = weight.method.apply(x, weight, None).double()
     roundoff = OUTPUT_ROUNDOFF[x.dtype]
-    xhat, d = _quantized_activations(x, weight.activation_terms)
+    b = activation_block(x.shape[1], weight.group_size)
+    xhat, d = _quantized_activations(x, weight.activation_terms, b)
     w = exact.double()
     same_act = xhat @ w.T
     q, scale, offset = (t.double() for t in weight.logical())
@@ -90,7 +93,7 @@ def _check_bounds(weight: VnniWeight, exact: torch.Tensor, x: torch.Tensor) -> N
     tight = fp32_steps * (xhat.abs() @ terms.T) + roundoff * same_act.abs() + 1e-30
     assert ((got - same_act).abs() <= tight).all(), ((got - same_act).abs() / tight).max()
     ref = x.double() @ w.T
-    act_error = (d / 2).view(x.shape[0], -1, 32)
+    act_error = (d / 2).view(x.shape[0], -1, b)
     loose = tight + (act_error.view(x.shape[0], -1) @ w.abs().T) + roundoff * (ref - same_act).abs()
     assert ((got - ref).abs() <= loose).all(), ((got - ref).abs() / loose).max()
 
@@ -261,36 +264,37 @@ def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return torch.where((err != 0) & even, nudged, s).float()
 
 
-def _rows_as_the_kernel_quantizes(x: torch.Tensor, terms: int, group: int):
-    """Per row: the int8 codes and block scales of each term (_int8_codes), and the group sums the kernel
-    folds the mins with: per 16 channels d * sum(xq) (+ d2 * sum(xq2), the two products rounded apart and
-    added), then the 16-wide pieces added in order from 0."""
+def _rows_as_the_kernel_quantizes(x: torch.Tensor, terms: int, group: int, b: int):
+    """Per row: the int8 codes and block scales (blocks of b) of each term (_int8_codes), and the group sums
+    the kernel folds the mins with: per 16 channels d * sum(xq) (+ d2 * sum(xq2), the two products rounded
+    apart and added), then the 16-wide pieces added in order from 0."""
     m, k = x.shape
-    blocks = x.float().view(m, k // 32, 32)
+    blocks = x.float().view(m, k // b, b)
     codes, scale = _int8_codes(blocks)
     parts = [(codes, scale)]
     if terms == 2:
         parts.append(_int8_codes((blocks.double() - codes.double() * scale.double()).float()))
     sum16 = None
     for c, s in parts:
-        piece = (c.view(m, k // 32, 2, 16).sum(-1) * s).view(m, k // 16)
+        piece = (c.view(m, k // b, b // 16, 16).sum(-1) * s).view(m, k // 16)
         sum16 = piece if sum16 is None else sum16 + piece
     xs = torch.zeros(m, k // group)
     for p in range(group // 16):
         xs = xs + sum16.view(m, k // group, group // 16)[:, :, p]
-    return [(c.view(m, k), s.view(m, k // 32)) for c, s in parts], xs
+    return [(c.view(m, k), s.view(m, k // b)) for c, s in parts], xs
 
 
 def _kernel_arithmetic(x: torch.Tensor, weight: VnniWeight) -> torch.Tensor:
-    """The kernel's result bit for bit, step by step: per output, per group, per unit of 32 input channels
-    (16 for 16-wide groups) the exact integer sum of each term times its block scale fma'd into the group's
+    """The kernel's result bit for bit, step by step: per output, per group, per unit of min(group, block)
+    input channels (the activation block: activation_block) the exact integer sum of each term times its block scale fma'd into the group's
     fp32 sum; per group acc = fma(group sum, scale, acc), then acc = fma(min, the row's group sum, acc); the
     result rounded to the output dtype. Batch invariance follows: nothing here looks at another row."""
     q, scale, offset = weight.logical()
     n, k = q.shape
     group = weight.group_size
-    unit = min(group, 32)
-    terms, xs = _rows_as_the_kernel_quantizes(x, weight.activation_terms, group)
+    b = activation_block(k, group)
+    unit = min(group, b)
+    terms, xs = _rows_as_the_kernel_quantizes(x, weight.activation_terms, group, b)
     qd = q.double()
     acc = torch.zeros(x.shape[0], n)
     for g in range(k // group):
@@ -298,7 +302,7 @@ def _kernel_arithmetic(x: torch.Tensor, weight: VnniWeight) -> torch.Tensor:
         for k0 in range(g * group, (g + 1) * group, unit):
             for codes, d in terms:
                 isum = (codes[:, k0:k0 + unit].double() @ qd[:, k0:k0 + unit].T).float()  # exact integers
-                facc = _fma32(isum, d[:, k0 // 32:k0 // 32 + 1], facc)
+                facc = _fma32(isum, d[:, k0 // b:k0 // b + 1], facc)
         acc = _fma32(facc, scale[:, g], acc)
         acc = _fma32(offset[:, g].expand_as(acc), xs[:, g:g + 1], acc)
     return acc.to(x.dtype)

@@ -1,11 +1,11 @@
 // y = x W^T for weight-only quantized linears (4-, 5-, 6- and 8-bit unsigned integers with a scale and a
 // min per group of input channels: w = q * scale + min), on CPUs with AVX512-VNNI.
 //
-// The activations are quantized too, each row on its own, in blocks of 32 (x ~ d * xq, xq int8, d the
-// block's absmax / 127, as llama.cpp's Q8_0, plus a second int8 term for the remainder: see
-// QuantizedRows), so the inner loop is an integer dot product: VPDPBUSD multiplies the unsigned weight
-// bytes by the signed activation bytes and sums four products into each int32 lane. Per unit of 32 (or 16)
-// input channels the int32 sums are scaled by d into fp32; per group,
+// The activations are quantized too, each row on its own, in blocks of up to 128 (activation_block; x ~ d
+// * xq, xq int8, d the block's absmax / 127, as llama.cpp's Q8_0, plus a second int8 term for the
+// remainder: see QuantizedRows), so the inner loop is an integer dot product: VPDPBUSD multiplies the
+// unsigned weight bytes by the signed activation bytes and sums four products into each int32 lane. Per
+// unit of min(block, group) input channels the int32 sums are scaled by d into fp32; per group,
 // by the weight's scale, and the min term is min * sum(d * xq) over the group (the row's group sums are
 // computed once per call). 8-bit weights are stored unsigned (q + 128 for signed int8: min = -128 * scale).
 //
@@ -67,7 +67,8 @@ bool qlinear_supports() {
 #ifdef PAGEDLLM_QLINEAR
 
 constexpr int kTile = 16;       // output features per tile (one zmm of fp32 / int32 lanes)
-constexpr int kBlock = 32;      // activation quantization block
+constexpr int kBlock = 32;      // K is a multiple of it: the smallest activation quantization block
+constexpr int kMaxBlock = 128;  // the largest
 constexpr int kRows = 4;        // rows computed together per tile
 constexpr int kRowChunk = 64;   // rows whose quantized activations stay in L2 while a thread's tiles pass
 
@@ -75,7 +76,19 @@ constexpr int kRowChunk = 64;   // rows whose quantized activations stay in L2 w
 constexpr int64_t low_bits(int64_t bits) { return bits == 8 ? 8 : 4; }
 constexpr int64_t bit_planes(int64_t bits) { return bits == 8 ? 0 : bits - 4; }
 
-// Per call: the quantized activations of every row, in one or two int8 terms per block of 32 (a setting
+// The activation quantization block of a weight with K inputs in groups of `group`: the largest of 128,
+// 64 and 32 that divides K and that the group divides or is a multiple of. An int32 partial sum spans a
+// unit, min(block, group) input channels, and each unit's sum is scaled into fp32 once: with blocks of
+// 32, a group of 128 took four rescales (and, on the tiles, four stores of the int32 sums), which bound
+// the integer path near half the bf16 tiles' speed. It depends on the weight's shape alone, so every row
+// count quantizes a row alike.
+inline int64_t activation_block(int64_t k, int64_t group) {
+  for (int64_t b = kMaxBlock; b > kBlock; b /= 2)
+    if (k % b == 0 && (group % b == 0 || b % group == 0)) return b;
+  return kBlock;
+}
+
+// Per call: the quantized activations of every row, in one or two int8 terms per activation block (a setting
 // of the process, the same for every row), x ~ d * xq + d2 * xq2 (xq2 quantizes what d * xq leaves over,
 // at most d / 2: about 15 bits against the block's absmax, where one int8 term, 8 bits, cost a real 135M
 // model 1.5% of its teacher-forced top-1 tokens; the second term doubles the integer products), the
@@ -105,70 +118,85 @@ inline __m512 load_scales(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// 32 values -> int8 codes at scale absmax / 127 (round to nearest even; |v * inv| <= 127, no saturation).
-struct BlockCodes {
-  __m512i lo, hi;
-  float scale;
-};
-inline BlockCodes quantize_block(__m512 lo, __m512 hi) {
-  float absmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-  float inv = absmax > 0.0f ? 127.0f / absmax : 0.0f;
-  __m512 vinv = _mm512_set1_ps(inv);
-  return {_mm512_cvtps_epi32(_mm512_mul_ps(lo, vinv)), _mm512_cvtps_epi32(_mm512_mul_ps(hi, vinv)),
-          absmax / 127.0f};
+// A block's n vectors of 16 values -> int8 codes at scale absmax / 127 (round to nearest even;
+// |v * inv| <= 127, no saturation), written to out; returns the scale, and each vector's code sum in sums.
+inline float quantize_block(const __m512* v, int n, int8_t* out, int32_t* sums) {
+  __m512 m = _mm512_abs_ps(v[0]);
+  for (int i = 1; i < n; ++i) m = _mm512_max_ps(m, _mm512_abs_ps(v[i]));
+  const float absmax = _mm512_reduce_max_ps(m);
+  const __m512 vinv = _mm512_set1_ps(absmax > 0.0f ? 127.0f / absmax : 0.0f);
+  for (int i = 0; i < n; ++i) {
+    const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], vinv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * i), _mm512_cvtsepi32_epi8(codes));
+    sums[i] = _mm512_reduce_add_epi32(codes);
+  }
+  return absmax / 127.0f;
 }
 
+// Rows r0..r1 of x quantized into q (sized for all m rows). (No FMA contraction: the group sums add the two
+// terms' products, each rounded, as the min term's reference in tests/test_vnni_kernel.py does; a fused
+// multiply-add would round once.)
 template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, int64_t stride, int64_t group, int terms, QuantizedRows& q) {
-  const int64_t blocks = k / kBlock, groups = k / group, half = kBlock / 2;
-  q.xq.resize(m * k);
-  q.d.resize(m * blocks);
-  if (terms == 2) {
-    q.xq2.resize(m * k);
-    q.d2.resize(m * blocks);
-  }
-  q.xs.resize(m * groups);
-  // One thread: a row takes about a microsecond per thousand channels, less than what a second parallel
-  // region per call (its barrier) costs on a busy machine.
-  {
-    std::vector<float> sum16(k / 16);  // d * sum(xq) + d2 * sum(xq2) per 16 input channels
-    for (int64_t r = 0; r < m; ++r) {
-      const T* row = x + r * stride;
-      int8_t* out = q.xq.data() + r * k;
-      int8_t* out2 = terms == 2 ? q.xq2.data() + r * k : nullptr;
-      float* d = q.d.data() + r * blocks;
-      float* d2 = terms == 2 ? q.d2.data() + r * blocks : nullptr;
-      for (int64_t b = 0; b < blocks; ++b) {
-        __m512 lo = load16(row + b * kBlock), hi = load16(row + b * kBlock + 16);
-        BlockCodes first = quantize_block(lo, hi);
-        __m512 vscale = _mm512_set1_ps(first.scale);
+__attribute__((optimize("fp-contract=off"))) void quantize_row_range(const T* x, int64_t r0, int64_t r1, int64_t k,
+                                                                     int64_t stride, int64_t group, int64_t block,
+                                                                     int terms, QuantizedRows& q) {
+  const int64_t blocks = k / block, groups = k / group, pieces = block / 16;
+  std::vector<float> sum16(k / 16);  // d * sum(xq) + d2 * sum(xq2) per 16 input channels
+  __m512 v[kMaxBlock / 16];
+  int32_t sums[kMaxBlock / 16];
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* row = x + r * stride;
+    int8_t* out = q.xq.data() + r * k;
+    int8_t* out2 = terms == 2 ? q.xq2.data() + r * k : nullptr;
+    float* d = q.d.data() + r * blocks;
+    float* d2 = terms == 2 ? q.d2.data() + r * blocks : nullptr;
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int64_t i = 0; i < pieces; ++i) v[i] = load16(row + b * block + 16 * i);
+      const float scale = quantize_block(v, static_cast<int>(pieces), out + b * block, sums);
+      d[b] = scale;
+      for (int64_t i = 0; i < pieces; ++i) sum16[b * pieces + i] = scale * static_cast<float>(sums[i]);
+      if (terms == 2) {
         // the remainder, rounded once (a fused multiply-subtract)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * kBlock), _mm512_cvtsepi32_epi8(first.lo));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * kBlock + half), _mm512_cvtsepi32_epi8(first.hi));
-        d[b] = first.scale;
-        sum16[2 * b] = first.scale * static_cast<float>(_mm512_reduce_add_epi32(first.lo));
-        sum16[2 * b + 1] = first.scale * static_cast<float>(_mm512_reduce_add_epi32(first.hi));
-        if (terms == 2) {
-          // the remainder, rounded once (a fused multiply-subtract)
-          BlockCodes second = quantize_block(_mm512_fnmadd_ps(_mm512_cvtepi32_ps(first.lo), vscale, lo),
-                                             _mm512_fnmadd_ps(_mm512_cvtepi32_ps(first.hi), vscale, hi));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(out2 + b * kBlock), _mm512_cvtsepi32_epi8(second.lo));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(out2 + b * kBlock + half), _mm512_cvtsepi32_epi8(second.hi));
-          d2[b] = second.scale;
-          sum16[2 * b] += second.scale * static_cast<float>(_mm512_reduce_add_epi32(second.lo));
-          sum16[2 * b + 1] += second.scale * static_cast<float>(_mm512_reduce_add_epi32(second.hi));
+        const __m512 vscale = _mm512_set1_ps(scale);
+        for (int64_t i = 0; i < pieces; ++i) {
+          const __m512i codes = _mm512_cvtepi8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(out + b * block + 16 * i)));
+          v[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(codes), vscale, v[i]);
         }
-      }
-      // sum(x^) per weight group, its 16-wide pieces added in order
-      float* xs = q.xs.data() + r * groups;
-      const int64_t pieces = group / 16;
-      for (int64_t g = 0; g < groups; ++g) {
-        float s = 0.0f;
-        for (int64_t p = g * pieces; p < (g + 1) * pieces; ++p) s += sum16[p];
-        xs[g] = s;
+        const float scale2 = quantize_block(v, static_cast<int>(pieces), out2 + b * block, sums);
+        d2[b] = scale2;
+        for (int64_t i = 0; i < pieces; ++i) sum16[b * pieces + i] += scale2 * static_cast<float>(sums[i]);
       }
     }
+    // sum(x^) per weight group, its 16-wide pieces added in order
+    float* xs = q.xs.data() + r * groups;
+    const int64_t group_pieces = group / 16;
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.0f;
+      for (int64_t p = g * group_pieces; p < (g + 1) * group_pieces; ++p) sum += sum16[p];
+      xs[g] = sum;
+    }
   }
+}
+
+// Every row of x quantized alone (so a row's codes do not depend on the others): by the calling thread for
+// a few rows (a row takes about a microsecond per thousand channels, less than a parallel region's barrier
+// on a busy machine), split over the threads from kParallelQuantRows rows on (a prefill chunk's).
+constexpr int64_t kParallelQuantRows = 32;
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t k, int64_t stride, int64_t group, int64_t block, int terms,
+                   QuantizedRows& q) {
+  q.xq.resize(m * k);
+  q.d.resize(m * (k / block));
+  if (terms == 2) {
+    q.xq2.resize(m * k);
+    q.d2.resize(m * (k / block));
+  }
+  q.xs.resize(m * (k / group));
+  if (m < kParallelQuantRows) return quantize_row_range(x, 0, m, k, stride, group, block, terms, q);
+  at::parallel_for(0, m, kParallelQuantRows / 2, [&](int64_t begin, int64_t end) {
+    quantize_row_range(x, begin, end, k, stride, group, block, terms, q);
+  });
 }
 
 // 16 fp32 results to the output dtype, rounded to nearest even (as c10's conversions round), in vector
@@ -188,10 +216,8 @@ inline void store16(__m512 v, c10::Half* dst) {
 
 // Software prefetch of the weight stream kPrefetchBytes ahead, every line, for one row (a decode step):
 // its linears are many short streams (a 576 x 576 projection is 0.2 MB) that the hardware prefetcher
-// alone starts late; the lines past a thread's last tile are harmless extra reads. One line per step
-// of the loop, as it reads them: asked a unit at a time (4 or 8 lines at once), the prefetches waited
-// for the core's line-fill buffers and stalled the loop. Blocks of rows are compute-bound, and there the
-// prefetches cost more than they hide (docs/performance/amd-zen4.md).
+// alone starts late; the lines past a thread's last tile are harmless extra reads. Blocks of rows are
+// compute-bound, and there the prefetches cost more than they hide (docs/performance/amd-zen4.md).
 constexpr int64_t kPrefetchBytes = 4096;
 inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* line) {
   _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetchBytes), _MM_HINT_T0);
@@ -280,10 +306,10 @@ inline __attribute__((always_inline)) void unpack_quads(const TileWeights<S>& tw
 // One tile of 16 output features for R rows: out[r][0..16) = the rows' sums plus the bias, rounded to T.
 template <int BITS, int TERMS, typename S, int R, typename T>
 inline void tile_kernel(const TileWeights<S>& tw, const QuantizedRows& q, int64_t row0, int64_t k, int64_t group,
-                        const T* bias, T* out, int64_t out_stride) {
+                        int64_t block, const T* bias, T* out, int64_t out_stride) {
   const uint8_t* w = tw.w;
-  const int64_t blocks = k / kBlock, groups = k / group;
-  const int64_t unit = group < kBlock ? group : kBlock;  // input channels per int32 partial sum
+  const int64_t blocks = k / block, groups = k / group;
+  const int64_t unit = std::min(group, block);  // input channels per int32 partial sum
   const int8_t* xq[R];
   const int8_t* xq2[R];
   const float* d[R];
@@ -302,20 +328,29 @@ inline void tile_kernel(const TileWeights<S>& tw, const QuantizedRows& q, int64_
     __m512 facc[R];
     for (int r = 0; r < R; ++r) facc[r] = _mm512_setzero_ps();
     for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += unit) {
-      __m512i iacc[R], iacc2[R];
-      for (int r = 0; r < R; ++r) iacc[r] = iacc2[r] = _mm512_setzero_si512();
+      // two accumulators per term (the low and high nibbles' k-quads, or alternate quads of bytes), added
+      // at the unit's end: half the dependency chain of a long unit, and the same integers
+      __m512i iacc[R], iacc2[R], jacc[R], jacc2[R];
+      for (int r = 0; r < R; ++r) iacc[r] = iacc2[r] = jacc[r] = jacc2[r] = _mm512_setzero_si512();
       if constexpr (BITS == 8) {
         const uint8_t* wp = w + k0 * kTile;
-        for (int64_t kk = 0; kk < unit; kk += 4) {
-          if constexpr (R == 1) prefetch_ahead(wp + kk * kTile);  // the line this step reads
-          __m512i wv = _mm512_loadu_si512(wp + kk * kTile);
+        for (int64_t kk = 0; kk < unit; kk += 8) {
+          if constexpr (R == 1) {  // the two lines this step reads
+            prefetch_ahead(wp + kk * kTile);
+            prefetch_ahead(wp + (kk + 4) * kTile);
+          }
+          const __m512i wa = _mm512_loadu_si512(wp + kk * kTile), wb = _mm512_loadu_si512(wp + (kk + 4) * kTile);
           for (int r = 0; r < R; ++r) {
-            int32_t xb;
-            std::memcpy(&xb, xq[r] + k0 + kk, 4);
-            iacc[r] = _mm512_dpbusd_epi32(iacc[r], wv, _mm512_set1_epi32(xb));
+            int32_t xa, xb;
+            std::memcpy(&xa, xq[r] + k0 + kk, 4);
+            std::memcpy(&xb, xq[r] + k0 + kk + 4, 4);
+            iacc[r] = _mm512_dpbusd_epi32(iacc[r], wa, _mm512_set1_epi32(xa));
+            jacc[r] = _mm512_dpbusd_epi32(jacc[r], wb, _mm512_set1_epi32(xb));
             if constexpr (TERMS == 2) {
-              std::memcpy(&xb, xq2[r] + k0 + kk, 4);
-              iacc2[r] = _mm512_dpbusd_epi32(iacc2[r], wv, _mm512_set1_epi32(xb));
+              std::memcpy(&xa, xq2[r] + k0 + kk, 4);
+              std::memcpy(&xb, xq2[r] + k0 + kk + 4, 4);
+              iacc2[r] = _mm512_dpbusd_epi32(iacc2[r], wa, _mm512_set1_epi32(xa));
+              jacc2[r] = _mm512_dpbusd_epi32(jacc2[r], wb, _mm512_set1_epi32(xb));
             }
           }
         }
@@ -330,19 +365,20 @@ inline void tile_kernel(const TileWeights<S>& tw, const QuantizedRows& q, int64_
             std::memcpy(&xb0, xq[r] + k0 + kk, 4);
             std::memcpy(&xb1, xq[r] + k0 + kk + 4, 4);
             iacc[r] = _mm512_dpbusd_epi32(iacc[r], wlo, _mm512_set1_epi32(xb0));
-            iacc[r] = _mm512_dpbusd_epi32(iacc[r], whi, _mm512_set1_epi32(xb1));
+            jacc[r] = _mm512_dpbusd_epi32(jacc[r], whi, _mm512_set1_epi32(xb1));
             if constexpr (TERMS == 2) {
               std::memcpy(&xb0, xq2[r] + k0 + kk, 4);
               std::memcpy(&xb1, xq2[r] + k0 + kk + 4, 4);
               iacc2[r] = _mm512_dpbusd_epi32(iacc2[r], wlo, _mm512_set1_epi32(xb0));
-              iacc2[r] = _mm512_dpbusd_epi32(iacc2[r], whi, _mm512_set1_epi32(xb1));
+              jacc2[r] = _mm512_dpbusd_epi32(jacc2[r], whi, _mm512_set1_epi32(xb1));
             }
           }
         }
       }
       for (int r = 0; r < R; ++r) {
-        facc[r] = add_unit(facc[r], iacc[r], d[r][k0 / kBlock]);
-        if constexpr (TERMS == 2) facc[r] = add_unit(facc[r], iacc2[r], d2[r][k0 / kBlock]);
+        facc[r] = add_unit(facc[r], _mm512_add_epi32(iacc[r], jacc[r]), d[r][k0 / block]);
+        if constexpr (TERMS == 2)
+          facc[r] = add_unit(facc[r], _mm512_add_epi32(iacc2[r], jacc2[r]), d2[r][k0 / block]);
       }
     }
     __m512 s, mn;
@@ -355,28 +391,35 @@ inline void tile_kernel(const TileWeights<S>& tw, const QuantizedRows& q, int64_
 #if defined(PAGEDLLM_AMX)
 constexpr int kAmxRows = 16;  // rows per AMX group: the tiles' 16 rows
 
-// Tiles, in two sets that alternate unit by unit (the products of one unit run while the fp32 steps of
-// the previous one do): 0, 1 and 5, 6 the int32 sums of the two activation terms [16 rows][16 outputs];
-// 2 and 3 the terms' int8 activations [16 rows][unit]; 4 and 7 the unit's unsigned weight bytes
-// [unit / 4][16 outputs x 4].
+constexpr int64_t kAmxStep = 64;  // input channels per TDPBSUD: a tile row holds 64 int8
+
+// The channels of one product: a unit, or 64 of a longer one (whose products add up in the same tiles).
+inline int64_t amx_step(int64_t unit) { return std::min(unit, kAmxStep); }
+
+// Tiles: 0 and 1 the int32 sums of the two activation terms [16 rows][16 outputs]; 2 and 3 the terms' int8
+// activations [16 rows][step]; 4 a step's unsigned weight bytes [step / 4][16 outputs x 4]. (The next
+// unit's products are issued before this unit's fp32 steps, on the same tiles: a second set of tiles
+// alternating with the first measured no faster.)
 void load_qlinear_amx_config(int64_t unit) {
+  const int step = static_cast<int>(amx_step(unit));
   pagedllm_amx::TileConfig config;
-  for (int t : {0, 1, 5, 6}) config.tile(t, kAmxRows, 64);
-  config.tile(2, kAmxRows, static_cast<int>(unit)).tile(3, kAmxRows, static_cast<int>(unit));
-  config.tile(4, static_cast<int>(unit / 4), 64).tile(7, static_cast<int>(unit / 4), 64);
+  config.tile(0, kAmxRows, 64).tile(1, kAmxRows, 64);
+  config.tile(2, kAmxRows, step).tile(3, kAmxRows, step);
+  config.tile(4, step / 4, 64);
   config.load();
 }
 
-// The unit's weights as the bytes tile 4 / 7 reads: 8-bit weights as stored, 4- to 6-bit ones unpacked
-// (low nibbles of k-quad 2t, high nibbles of 2t + 1, plus their bit planes) into `buffer`.
+// The tile's weights as the bytes tiles 4 / 7 read, [k / 4][16 outputs][4]: 8-bit weights as stored, 4- to
+// 6-bit ones unpacked (low nibbles of k-quad 2t, high nibbles of 2t + 1, plus their bit planes) once into
+// `buffer` (k * 16 bytes) for every 16-row group of a row chunk.
 template <int BITS, typename S>
-inline const uint8_t* unit_weight_bytes(const TileWeights<S>& tw, int64_t k0, int64_t unit, uint8_t* buffer) {
+inline const uint8_t* tile_weight_bytes(const TileWeights<S>& tw, int64_t k, uint8_t* buffer) {
   if constexpr (BITS == 8) {
-    return tw.w + k0 * kTile;  // [unit / 4][16][4]
+    return tw.w;
   } else {
-    for (int64_t kk = 0; kk < unit; kk += 8) {
+    for (int64_t kk = 0; kk < k; kk += 8) {
       __m512i wlo, whi;
-      unpack_quads<BITS>(tw, k0 + kk, wlo, whi);
+      unpack_quads<BITS>(tw, kk, wlo, whi);
       _mm512_store_si512(buffer + kk / 4 * 64, wlo);
       _mm512_store_si512(buffer + (kk / 4 + 1) * 64, whi);
     }
@@ -384,52 +427,44 @@ inline const uint8_t* unit_weight_bytes(const TileWeights<S>& tw, int64_t k0, in
   }
 }
 
-// One unit's integer sums of the 16 rows into sums[term][row][output], by the tile set `set`: 0 (the
-// sums in tiles 0 and 1, the weight bytes in 4) or 1 (5, 6 and 7). The tile intrinsics take literal tile
-// numbers, hence the macro.
-template <int BITS, int TERMS, typename S>
-inline void unit_products(const TileWeights<S>& tw, const int8_t* xq, const int8_t* xq2, int64_t k, int64_t k0,
-                          int64_t unit, int set, uint8_t* buffer, int32_t (*sums)[kAmxRows * kTile]) {
-  const uint8_t* b = unit_weight_bytes<BITS>(tw, k0, unit, buffer);
-#define PAGEDLLM_UNIT_PRODUCTS(C0, C1, W)                   \
-  _tile_loadd(W, b, 64);                                    \
-  _tile_zero(C0);                                           \
-  _tile_loadd(2, xq + k0, k);                               \
-  _tile_dpbsud(C0, 2, W);                                   \
-  _tile_stored(C0, sums[0], kTile * sizeof(int32_t));       \
-  if constexpr (TERMS == 2) {                               \
-    _tile_zero(C1);                                         \
-    _tile_loadd(3, xq2 + k0, k);                            \
-    _tile_dpbsud(C1, 3, W);                                 \
-    _tile_stored(C1, sums[1], kTile * sizeof(int32_t));     \
+// One unit's integer sums of the 16 rows into sums[term][row][output].
+template <int TERMS>
+inline void unit_products(const uint8_t* wbytes, const int8_t* xq, const int8_t* xq2, int64_t k, int64_t k0,
+                          int64_t unit, int32_t (*sums)[kAmxRows * kTile]) {
+  const uint8_t* b = wbytes + k0 * kTile;
+  const int64_t step = amx_step(unit);
+  _tile_zero(0);
+  if constexpr (TERMS == 2) _tile_zero(1);
+  for (int64_t s = 0; s < unit; s += step) {
+    _tile_loadd(4, b + s / 4 * 64, 64);
+    _tile_loadd(2, xq + k0 + s, k);
+    _tile_dpbsud(0, 2, 4);
+    if constexpr (TERMS == 2) {
+      _tile_loadd(3, xq2 + k0 + s, k);
+      _tile_dpbsud(1, 3, 4);
+    }
   }
-  if (set == 0) {
-    PAGEDLLM_UNIT_PRODUCTS(0, 1, 4)
-  } else {
-    PAGEDLLM_UNIT_PRODUCTS(5, 6, 7)
-  }
-#undef PAGEDLLM_UNIT_PRODUCTS
+  _tile_stored(0, sums[0], kTile * sizeof(int32_t));
+  if constexpr (TERMS == 2) _tile_stored(1, sums[1], kTile * sizeof(int32_t));
 }
 
 // tile_kernel for 16 rows through the tiles: the same integers per unit, the same fp32 steps per row.
 template <int BITS, int TERMS, typename S, typename T>
-void tile_kernel_amx(const TileWeights<S>& tw, const QuantizedRows& q, int64_t row0, int64_t k, int64_t group,
-                     const T* bias, T* out, int64_t out_stride) {
-  const int64_t blocks = k / kBlock, groups = k / group;
-  const int64_t unit = group < kBlock ? group : kBlock, units = k / unit, units_per_group = group / unit;
-  alignas(64) uint8_t buffers[2][kBlock / 4 * 64];
-  alignas(64) int32_t sums[2][2][kAmxRows * kTile];  // [set][term][row][output]
+void tile_kernel_amx(const TileWeights<S>& tw, const uint8_t* wbytes, const QuantizedRows& q, int64_t row0, int64_t k,
+                     int64_t group, int64_t ablock, const T* bias, T* out, int64_t out_stride) {
+  const int64_t blocks = k / ablock, groups = k / group;
+  const int64_t unit = std::min(group, ablock), units = k / unit, units_per_group = group / unit;
+  alignas(64) int32_t sums[2][2][kAmxRows * kTile];  // [unit parity][term][row][output]
   __m512 acc[kAmxRows], facc[kAmxRows];
   const int8_t* xq = q.xq.data() + row0 * k;
   const int8_t* xq2 = TERMS == 2 ? q.xq2.data() + row0 * k : nullptr;
   for (int r = 0; r < kAmxRows; ++r) acc[r] = facc[r] = _mm512_setzero_ps();
-  unit_products<BITS, TERMS>(tw, xq, xq2, k, 0, unit, 0, buffers[0], sums[0]);
+  unit_products<TERMS>(wbytes, xq, xq2, k, 0, unit, sums[0]);
   for (int64_t u = 0; u < units; ++u) {
     if (u + 1 < units)  // the next unit's products, while this one's fp32 steps run
-      unit_products<BITS, TERMS>(tw, xq, xq2, k, (u + 1) * unit, unit, (u + 1) & 1, buffers[(u + 1) & 1],
-                                 sums[(u + 1) & 1]);
+      unit_products<TERMS>(wbytes, xq, xq2, k, (u + 1) * unit, unit, sums[(u + 1) & 1]);
     const int32_t(*unit_sums)[kAmxRows * kTile] = sums[u & 1];
-    const int64_t block = u * unit / kBlock;
+    const int64_t block = u * unit / ablock;
     for (int r = 0; r < kAmxRows; ++r) {
       facc[r] = add_unit(facc[r], _mm512_load_si512(unit_sums[0] + r * kTile), q.d[(row0 + r) * blocks + block]);
       if constexpr (TERMS == 2)
@@ -464,8 +499,9 @@ void qlinear_impl(const T* x, int64_t x_stride, const uint8_t* w, const uint64_t
   const int64_t tile_low_bytes = k * kTile * low_bits(BITS) / 8;  // the bytes or the nibbles
   const int64_t tile_masks = k / 8 * bit_planes(BITS) * 2;        // 64-bit bit-plane masks
   const bool local = m <= kLocalRows;
+  const int64_t ablock = activation_block(k, group);
   thread_local QuantizedRows calling_thread_rows;
-  if (!local) quantize_rows<T>(x, m, k, x_stride, group, TERMS, calling_thread_rows);
+  if (!local) quantize_rows<T>(x, m, k, x_stride, group, ablock, TERMS, calling_thread_rows);
   const QuantizedRows* shared = &calling_thread_rows;  // (a thread_local named in the region is the thread's own)
 #if defined(PAGEDLLM_AMX)
   const bool amx = m >= kAmxRows && pagedllm_amx::tiles_permitted();
@@ -474,13 +510,22 @@ void qlinear_impl(const T* x, int64_t x_stride, const uint8_t* w, const uint64_t
     const QuantizedRows* rows = shared;
     thread_local QuantizedRows own;
 #if defined(PAGEDLLM_AMX)
-    if (amx) load_qlinear_amx_config(group < kBlock ? group : kBlock);
+    thread_local std::vector<uint8_t> unpacked_buffer;  // a tile's unpacked weight bytes, 64-byte aligned
+    uint8_t* unpacked = nullptr;
+    if (amx) {
+      load_qlinear_amx_config(std::min(group, ablock));
+      if (BITS != 8) {
+        unpacked_buffer.resize(k * kTile + 64);
+        unpacked = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(unpacked_buffer.data()) + 63) &
+                                              ~uintptr_t{63});
+      }
+    }
 #endif
     if (local) {
       const uint8_t* first = w + begin * tile_low_bytes;
       const int64_t warm = std::min((end - begin) * tile_low_bytes, kPrefetchBytes);
       for (int64_t o = 0; o < warm; o += 64) _mm_prefetch(reinterpret_cast<const char*>(first + o), _MM_HINT_T0);
-      quantize_rows<T>(x, m, k, x_stride, group, TERMS, own);
+      quantize_rows<T>(x, m, k, x_stride, group, ablock, TERMS, own);
       rows = &own;
     }
     const QuantizedRows& q = *rows;
@@ -493,16 +538,20 @@ void qlinear_impl(const T* x, int64_t x_stride, const uint8_t* w, const uint64_t
         const T* tile_bias = bias ? bias + t * kTile : nullptr;
         int64_t r0 = c0;
 #if defined(PAGEDLLM_AMX)
-        for (; amx && r0 + kAmxRows <= c1; r0 += kAmxRows)
-          tile_kernel_amx<BITS, TERMS, S, T>(tw, q, r0, k, group, tile_bias, y + r0 * n + t * kTile, n);
+        if (amx && r0 + kAmxRows <= c1) {
+          const uint8_t* wbytes = tile_weight_bytes<BITS>(tw, k, unpacked);
+          for (; r0 + kAmxRows <= c1; r0 += kAmxRows)
+            tile_kernel_amx<BITS, TERMS, S, T>(tw, wbytes, q, r0, k, group, ablock, tile_bias, y + r0 * n + t * kTile,
+                                               n);
+        }
 #endif
         for (; r0 < c1; r0 += kRows) {
           T* out = y + r0 * n + t * kTile;
           switch (std::min<int64_t>(kRows, c1 - r0)) {
-            case 4: tile_kernel<BITS, TERMS, S, 4>(tw, q, r0, k, group, tile_bias, out, n); break;
-            case 3: tile_kernel<BITS, TERMS, S, 3>(tw, q, r0, k, group, tile_bias, out, n); break;
-            case 2: tile_kernel<BITS, TERMS, S, 2>(tw, q, r0, k, group, tile_bias, out, n); break;
-            default: tile_kernel<BITS, TERMS, S, 1>(tw, q, r0, k, group, tile_bias, out, n); break;
+            case 4: tile_kernel<BITS, TERMS, S, 4>(tw, q, r0, k, group, ablock, tile_bias, out, n); break;
+            case 3: tile_kernel<BITS, TERMS, S, 3>(tw, q, r0, k, group, ablock, tile_bias, out, n); break;
+            case 2: tile_kernel<BITS, TERMS, S, 2>(tw, q, r0, k, group, ablock, tile_bias, out, n); break;
+            default: tile_kernel<BITS, TERMS, S, 1>(tw, q, r0, k, group, ablock, tile_bias, out, n); break;
           }
         }
       }

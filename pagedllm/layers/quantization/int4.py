@@ -5,7 +5,7 @@ group quantization all take this form).
 Two kernels, chosen per model after loading (layers/quantization/vnni.py, select_quantized_kernels: by
 the measured kernel table, or PAGEDLLM_QUANT_KERNEL):
 - pagedllm's VNNI kernel (layers/csrc/cpu_quant_linear.cpp), on CPUs with AVX512-VNNI, for bf16 and fp16
-  models: activations quantized to int8 per row in blocks of 32, integer dot products, the scales and
+  models: activations quantized to int8 per row in blocks of up to 128, integer dot products, the scales and
   offsets kept exact (its bound is in vnni.py). Where it runs, `create` builds that weight (VnniWeight).
 - torch's own CPU int4 GEMM (`_weight_int4pack_mm_for_cpu`, on the layout
   `_convert_weight_to_int4pack_for_cpu` makes), elsewhere (AVX2-only CPUs) or when the table picks it.

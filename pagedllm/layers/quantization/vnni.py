@@ -10,7 +10,8 @@ the bytes its file does. The kernel's weight is built from the logical triple (q
 it back (`logical()`): tensor-parallel narrowing and dequantizing work on that triple, never on the
 packed bytes.
 
-The kernel quantizes each activation row in blocks of 32 into two int8 terms, x^ = d * xq + d2 * xq2
+The kernel quantizes each activation row in blocks (activation_block: 128 input channels where the
+weight's K and groups allow, else 64 or 32) into two int8 terms, x^ = d * xq + d2 * xq2
 (d = the block's absmax / 127, xq = round(x / d); xq2 the same for the remainder x - d * xq, so d2 <= d /
 254: about 15 bits against the block's absmax; one int8 term alone, as llama.cpp's Q8_0, cost the real
 SmolLM2-135M 1.5% of its teacher-forced top-1 tokens against fp32, but does half the integer products:
@@ -38,7 +39,8 @@ from pagedllm.layers.module import Module
 from pagedllm.layers.quantization.base import QuantizationMethod, QuantizedWeight, dequantize_groups
 
 TILE = 16  # output features per tile: the kernel's unit, so N must be a multiple of it
-BLOCK = 32  # activation quantization block: K must be a multiple of it
+BLOCK = 32  # the smallest activation quantization block: K must be a multiple of it
+MAX_BLOCK = 128
 KERNEL_CHOICES = ("auto", "pagedllm", "torch")
 
 
@@ -76,6 +78,17 @@ def activation_terms() -> int:
 
 
 BITS = (4, 5, 6, 8)
+
+
+def activation_block(in_features: int, group_size: int) -> int:
+    """The kernel's activation quantization block for a weight of these input features and groups (its C++
+    twin in cpu_quant_linear.cpp): the largest of 128, 64 and 32 that divides K and that the group divides
+    or is a multiple of. Each integer partial sum spans min(block, group) channels and is scaled into fp32
+    once, so longer blocks mean fewer rescales (with blocks of 32, a group of 128 took four)."""
+    block = MAX_BLOCK
+    while block > BLOCK and not (in_features % block == 0 and (group_size % block == 0 or block % group_size == 0)):
+        block //= 2
+    return block
 
 
 def kernel_supports(out_features: int, in_features: int, group_size: int, bits: int) -> bool:
