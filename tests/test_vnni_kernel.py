@@ -286,9 +286,10 @@ def _rows_as_the_kernel_quantizes(x: torch.Tensor, terms: int, group: int, b: in
 
 def _kernel_arithmetic(x: torch.Tensor, weight: VnniWeight) -> torch.Tensor:
     """The kernel's result bit for bit, step by step: per output, per group, per unit of min(group, block)
-    input channels (the activation block: activation_block) the exact integer sum of each term times its block scale fma'd into the group's
-    fp32 sum; per group acc = fma(group sum, scale, acc), then acc = fma(min, the row's group sum, acc); the
-    result rounded to the output dtype. Batch invariance follows: nothing here looks at another row."""
+    input channels (block: activation_block's) the exact integer sum of each term times its block scale
+    fma'd into the group's fp32 sum; per group acc = fma(group sum, scale, acc), then acc = fma(min, the
+    row's group sum, acc); the result rounded to the output dtype. Batch invariance follows: nothing here
+    looks at another row."""
     q, scale, offset = weight.logical()
     n, k = q.shape
     group = weight.group_size
