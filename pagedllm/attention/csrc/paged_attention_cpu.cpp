@@ -498,7 +498,8 @@ __attribute__((noinline)) void fold_partial(float m, float l, const float* a, fl
     return;
   }
   const float new_max = std::max(M, m);
-  const float wa = std::exp(M - new_max), wb = std::exp(m - new_max);
+  // (one of the two weights is exp(0) = 1: only the other needs an exp)
+  const float wa = M == new_max ? 1.f : std::exp(M - new_max), wb = m == new_max ? 1.f : std::exp(m - new_max);
   T = std::fma(T, wa, l * wb);
 #pragma omp simd
   for (int64_t d = 0; d < D; ++d) O[d] = std::fma(O[d], wa, a[d] * wb);
