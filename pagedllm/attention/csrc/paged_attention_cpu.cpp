@@ -323,8 +323,8 @@ PA_ALWAYS_INLINE void softmax_rows(const float* q, const uint16_t* q_bf16, const
 // online-softmax update, then V for all. v's keys that no row sees must be finite (their probabilities
 // are 0). probs [rows][16] and alpha [rows] are scratch.
 template <typename cache_t>
-PA_ALWAYS_INLINE void chunk_rows(const float* q, const uint16_t* q_bf16, const cache_t* k, const cache_t* v, int64_t rows,
-                                 const uint32_t* masks, int64_t D, float scale, float soft_cap, float* row_max,
+PA_ALWAYS_INLINE void chunk_rows(const float* q, const uint16_t* q_bf16, const cache_t* k, const cache_t* v,
+                                 int64_t rows, const uint32_t* masks, int64_t D, float scale, float soft_cap, float* row_max,
                                  float* row_sum, float* acc, float* probs, float* alpha) {
   if (soft_cap == 0.f) {
     in_row_groups<8>(rows, [&](auto r, int64_t m) PA_INLINE_LAMBDA {
@@ -482,6 +482,12 @@ void finish_rows(const WorkItem& w, int64_t rows, int64_t group, int64_t D, int6
 
 // Context tokens per split of a decode-like sequence: kSplitTokens in whole blocks.
 inline int64_t split_tokens(int64_t block_size) { return std::max(block_size, kSplitTokens / block_size * block_size); }
+
+// Whether the keys first..stop (stop > first) of an item cross a split boundary: its rows' results are
+// then folded at each one (fold_partial), as the merge after a decode's split items folds them.
+inline bool crosses_split(int64_t first, int64_t stop, int64_t split) {
+  return first < stop && (stop - 1) / split > first / split;
+}
 
 // Folds one split's partial result of a row (max m, denominator l, unnormalised accumulator a) into the
 // row's running merge (max M, denominator T, accumulator O; T = 0 before the first). The merge after a
@@ -887,7 +893,7 @@ void run_prefill_item_amx(const WorkItem& w, const c10::BFloat16* query, const c
   const int64_t first_pos = seq_len - query_len + w.q_begin;
   const int64_t k_stop = std::min(w.k_end, seq_len - query_len + w.q_end);
   const int64_t split = split_tokens(BS);
-  const bool folds = w.k_begin < k_stop && (k_stop - 1) / split > w.k_begin / split;
+  const bool folds = crosses_split(w.k_begin, k_stop, split);
   // per row tile: query pairs [D / 2][16] u32, acc [16][D] (p_row order), row max and sum [16], lane
   // positions [16]; then V pairs [kChunk / 2][D] u32, S^T [kChunk][16], P V [16][D], P rows [16][kChunk
   // / 2] u32, the rows in query order [rows][D], and when the item folds the merged accumulator [rows][D],
@@ -963,7 +969,9 @@ void run_prefill_item_amx(const WorkItem& w, const c10::BFloat16* query, const c
       // rows are in position order: a tile whose last row is before the chunk sees none of its keys
       if (first_pos + (m0 + n - 1) / group < c0) continue;
       block_scores_t(k_tile(c0), q_pairs + rt * D / 2 * kLanes, D, kLanes, scores);
-      if (blocks == 2) block_scores_t(k_tile(c0 + BS), q_pairs + rt * D / 2 * kLanes, D, kLanes, scores + BS * kLanes, true);
+      if (blocks == 2) {
+        block_scores_t(k_tile(c0 + BS), q_pairs + rt * D / 2 * kLanes, D, kLanes, scores + BS * kLanes, true);
+      }
       __m512 s[kChunk];
       for (int64_t j = 0; j < kChunk; ++j) s[j] = j < blocks * BS ? _mm512_load_ps(scores + j * kLanes) : neg_inf;
       // keys some row must not see
@@ -1014,8 +1022,7 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
       // (an item of a few rows whose context crosses a split boundary, the last tile of a prefill chunk, takes
       // the prefill path, which folds the rows' results at the boundary)
       const int64_t k_stop = std::min(w.k_end, seq_len - query_len + w.q_end);
-      const bool crosses_split = (k_stop - 1) / split_tokens(block_size) > w.k_begin / split_tokens(block_size);
-      auto tile_path = rows >= 16 || crosses_split ? run_prefill_item_amx
+      auto tile_path = rows >= 16 || crosses_split(w.k_begin, k_stop, split_tokens(block_size)) ? run_prefill_item_amx
                        : rows > 8                  ? run_decode_item_amx<16>
                                                    : run_decode_item_amx<8>;
       tile_path(w, query, kv_cache, block_table, q_row0, seq_len, query_len, num_heads, num_kv_heads, cs, head_dim,
@@ -1048,11 +1055,11 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
   // first key. Blocks before that are never touched: a sliding layer's freed blocks may sit in the block
   // table.
   const int64_t first_pos = seq_len - query_len + w.q_begin;
-  const int64_t k_stop = std::min(w.k_end, seq_len - query_len + w.q_end);
-  const int64_t k_first = window > 0 ? std::max(w.k_begin, first_pos - window + 1) : w.k_begin;
-  // An item that crosses a split boundary (a prefill tile over a long context) folds each row's result at
-  // every boundary, as the merge after a decode's split items does (fold_partial).
-  const bool folds = k_first < k_stop && (k_stop - 1) / split > k_first / split;
+  const int64_t last_pos = seq_len - query_len + w.q_end - 1;
+  const int64_t k_stop = std::min(w.k_end, last_pos + 1);
+  auto first_key = [&](int64_t pos) { return window > 0 ? std::max(w.k_begin, pos - window + 1) : w.k_begin; };
+  const int64_t k_first = first_key(first_pos);
+  const bool folds = crosses_split(k_first, k_stop, split);  // (a prefill tile over a long context)
 
   // q [rows][D] (scaled), acc [rows][D], row max and sum [rows], K and V tiles [block_size][D] (widened),
   // a padded V chunk [16][D] (in place), scores [chunk], probs [rows][16], alpha [rows], masks [rows],
@@ -1102,15 +1109,12 @@ void run_item(const WorkItem& w, const scalar_t* query, const cache_t* kv_cache,
   // The keys [lo, hi) of the chunk at key0 that row m sees (lo >= hi: none).
   auto visible = [&](int64_t m, int64_t key0, int64_t& lo, int64_t& hi) {
     const int64_t pos = first_pos + m / group;
-    const int64_t row_lo = window > 0 ? std::max(w.k_begin, pos - window + 1) : w.k_begin;
-    const int64_t row_hi = std::min(pos + 1, w.k_end);
-    lo = std::clamp<int64_t>(row_lo - key0, 0, chunk);
-    hi = std::clamp<int64_t>(row_hi - key0, 0, chunk);
+    lo = std::clamp<int64_t>(first_key(pos) - key0, 0, chunk);
+    hi = std::clamp<int64_t>(std::min(pos + 1, w.k_end) - key0, 0, chunk);
   };
 
   // The last row's first key: a chunk from there on to the first row's position every row sees whole.
-  const int64_t last_pos = seq_len - query_len + w.q_end - 1;
-  const int64_t last_row_lo = window > 0 ? std::max(w.k_begin, last_pos - window + 1) : w.k_begin;
+  const int64_t last_row_lo = first_key(last_pos);
   bool whole_masks = false;  // masks hold every key of a chunk for every row
   const int64_t tile_elems = block_size * D;  // a tile's elements (its scales follow closely)
   for (int64_t kb = k_first; kb < k_stop; kb = (kb / block_size + 1) * block_size) {

@@ -409,7 +409,7 @@ void load_qlinear_amx_config(int64_t unit) {
   config.load();
 }
 
-// The tile's weights as the bytes tiles 4 / 7 read, [k / 4][16 outputs][4]: 8-bit weights as stored, 4- to
+// The tile's weights as the bytes tile 4 reads, [k / 4][16 outputs][4]: 8-bit weights as stored, 4- to
 // 6-bit ones unpacked (low nibbles of k-quad 2t, high nibbles of 2t + 1, plus their bit planes) once into
 // `buffer` (k * 16 bytes) for every 16-row group of a row chunk.
 template <int BITS, typename S>
@@ -449,7 +449,7 @@ inline void unit_products(const uint8_t* wbytes, const int8_t* xq, const int8_t*
 }
 
 // tile_kernel for 16 rows through the tiles: the same integers per unit, the same fp32 steps per row.
-template <int BITS, int TERMS, typename S, typename T>
+template <int TERMS, typename S, typename T>
 void tile_kernel_amx(const TileWeights<S>& tw, const uint8_t* wbytes, const QuantizedRows& q, int64_t row0, int64_t k,
                      int64_t group, int64_t ablock, const T* bias, T* out, int64_t out_stride) {
   const int64_t blocks = k / ablock, groups = k / group;
@@ -541,8 +541,7 @@ void qlinear_impl(const T* x, int64_t x_stride, const uint8_t* w, const uint64_t
         if (amx && r0 + kAmxRows <= c1) {
           const uint8_t* wbytes = tile_weight_bytes<BITS>(tw, k, unpacked);
           for (; r0 + kAmxRows <= c1; r0 += kAmxRows)
-            tile_kernel_amx<BITS, TERMS, S, T>(tw, wbytes, q, r0, k, group, ablock, tile_bias, y + r0 * n + t * kTile,
-                                               n);
+            tile_kernel_amx<TERMS, S, T>(tw, wbytes, q, r0, k, group, ablock, tile_bias, y + r0 * n + t * kTile, n);
         }
 #endif
         for (; r0 < c1; r0 += kRows) {
