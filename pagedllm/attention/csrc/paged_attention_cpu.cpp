@@ -324,8 +324,8 @@ PA_ALWAYS_INLINE void softmax_rows(const float* q, const uint16_t* q_bf16, const
 // are 0). probs [rows][16] and alpha [rows] are scratch.
 template <typename cache_t>
 PA_ALWAYS_INLINE void chunk_rows(const float* q, const uint16_t* q_bf16, const cache_t* k, const cache_t* v,
-                                 int64_t rows, const uint32_t* masks, int64_t D, float scale, float soft_cap, float* row_max,
-                                 float* row_sum, float* acc, float* probs, float* alpha) {
+                                 int64_t rows, const uint32_t* masks, int64_t D, float scale, float soft_cap,
+                                 float* row_max, float* row_sum, float* acc, float* probs, float* alpha) {
   if (soft_cap == 0.f) {
     in_row_groups<8>(rows, [&](auto r, int64_t m) PA_INLINE_LAMBDA {
       softmax_rows<cache_t, decltype(r)::value>(q + m * D, q_bf16 != nullptr ? q_bf16 + m * D : nullptr, k, D, scale,
