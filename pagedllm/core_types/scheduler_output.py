@@ -146,9 +146,8 @@ class ScheduledRequestsData:
     spec_token_ids: list[list[int]] | None = field(default_factory=list)
     num_prompt_logprobs_computed: list[int] | None = field(default_factory=list)
 
-    def compact(self, previous_request_ids: list[str] | None) -> None:
-        if self.request_ids == previous_request_ids:
-            self.request_ids = None
+    def compact(self) -> None:
+        """Columns that say nothing become None."""
         if self.sample is not None and all(self.sample):
             self.sample = None
         if self.spec_token_ids is not None and not any(self.spec_token_ids):

@@ -291,7 +291,8 @@ class EngineCore:
     def _finish_step(self, scheduler_output: SchedulerOutput,
                      model_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         updated, _ = self.scheduler.update(scheduler_output, model_output)
-        self.scheduler.update_draft_token_ids(model_output.spec_token_ids)
+        if model_output.spec_token_ids:
+            self.scheduler.update_draft_token_ids(model_output.spec_token_ids)
         now = time.time()
         outputs = [self._make_output(request, now) for request in updated]
         self._flush_finished_if_idle()

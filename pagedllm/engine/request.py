@@ -113,9 +113,12 @@ class Request:
     def num_tokens_with_spec(self) -> int:
         return len(self._all_token_ids) + len(self.spec_token_ids) + self.num_output_placeholders
 
-    def append_output_token(self, token_id: int) -> None:
+    def append_output_token(self, token_id: int) -> int:
+        """Append a sampled token; returns the request's token count."""
         self.output_token_ids.append(token_id)
-        self._all_token_ids.append(token_id)
+        all_token_ids = self._all_token_ids
+        all_token_ids.append(token_id)
+        return len(all_token_ids)
 
     @property
     def is_finished(self) -> bool:

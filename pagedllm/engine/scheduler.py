@@ -421,13 +421,12 @@ class Scheduler:
                     request.metrics.first_token_time = now
                 stop_candidates, length_cap = request.stop_candidates, request.length_cap
                 for i, token in enumerate(tokens):
-                    request.append_output_token(token)
+                    num_tokens = request.append_output_token(token)
                     if logprobs is not None and request.logprobs is not None:
                         request.logprobs.append(logprobs[i])
                     if sampled_logprobs is not None:
                         request.cumulative_logprob += sampled_logprobs[i]
-                    if ((token in stop_candidates or request.num_tokens >= length_cap)
-                            and self._check_stop(request, token)):
+                    if (token in stop_candidates or num_tokens >= length_cap) and self._check_stop(request, token):
                         finished.append(request)
                         break
                 # Tokens past a stop were verified but are not part of the output; their KV stays

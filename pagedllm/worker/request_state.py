@@ -78,32 +78,42 @@ class CachedRequestState:
 
 
 class SchedulerOutputEncoder:
-    """Engine side: remembers which requests the workers hold, and the last plan's request ids (a plan with
-    the same ones, in the same order, sends None for them)."""
+    """Engine side: remembers which requests the workers hold, and the last plan's requests (a plan with
+    the same ones, in the same order, sends None for their ids)."""
 
     def __init__(self) -> None:
         self.known_ids: set[str] = set()
-        self.request_ids: list[str] | None = None
+        # The last plan's Requests, and whether any of them asked for prompt logprobs (fixed per request).
+        self.requests: list = []
+        self.any_prompt_logprobs = False
 
     def encode(self, scheduler_output: SchedulerOutput) -> WorkerSchedulerOutput:
         known_ids = self.known_ids
-        known_ids.difference_update(scheduler_output.finished_req_ids)
+        finished = scheduler_output.finished_req_ids
+        if finished:
+            known_ids.difference_update(finished)
         requests = scheduler_output.requests
-        request_ids = [request.request_id for request in requests]
-        new_requests = [NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params,
-                                       request.lora_request)
-                        for request in requests if request.request_id not in known_ids]
-        if new_requests:
-            known_ids.update(new.request_id for new in new_requests)
+        new_requests: list[NewRequestData] = []
+        if requests == self.requests:
+            # The same requests as the last plan (compared by identity, in C; every decode step of a
+            # steady batch): all known to the workers, and their ids travel as None.
+            request_ids = None
+        else:
+            request_ids = [request.request_id for request in requests]
+            new_requests = [NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params,
+                                           request.lora_request)
+                            for request in requests if request.request_id not in known_ids]
+            if new_requests:
+                known_ids.update(new.request_id for new in new_requests)
+            self.requests = list(requests)
+            self.any_prompt_logprobs = any(request.prompt_logprobs is not None for request in requests)
         # the plan's own columns travel as they are
         scheduled = ScheduledRequestsData(
             request_ids, scheduler_output.num_new_tokens, scheduler_output.start_pos, scheduler_output.sample,
             scheduler_output.spec_token_ids,
-            [request.num_prompt_logprobs_computed for request in requests]
-            if any(request.prompt_logprobs is not None for request in requests) else None)
-        scheduled.compact(self.request_ids)
-        self.request_ids = request_ids
+            [request.num_prompt_logprobs_computed for request in requests] if self.any_prompt_logprobs else None)
+        scheduled.compact()
         return WorkerSchedulerOutput(new_requests, scheduled,
-                                     scheduler_output.finished_req_ids, scheduler_output.preempted_ids,
+                                     finished, scheduler_output.preempted_ids,
                                      scheduler_output.grammar_bitmask, scheduler_output.kv_connector_metadata,
                                      scheduler_output.block_table_changes)
