@@ -243,7 +243,7 @@ class KVCacheManager:
             # prefix cache. The same as the general path below, without its hits and per-group plans.
             blocks = group.req_to_blocks.get(request_id)
             end = num_computed + num_new_tokens
-            num_new_blocks = (end + num_lookahead_tokens + bs - 1) // bs - (len(blocks) if blocks is not None else 0)
+            num_new_blocks = cdiv(end + num_lookahead_tokens, bs) - (len(blocks) if blocks is not None else 0)
             if num_new_blocks > 0:
                 if num_new_blocks > self.pool.num_free_blocks:
                     return False
