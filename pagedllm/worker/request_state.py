@@ -84,7 +84,7 @@ class SchedulerOutputEncoder:
     def __init__(self) -> None:
         self.known_ids: set[str] = set()
         # The last plan's Requests, and whether any of them asked for prompt logprobs (fixed per request).
-        self.requests: list = []
+        self.requests: list[object] = []
         self.any_prompt_logprobs = False
 
     def encode(self, scheduler_output: SchedulerOutput) -> WorkerSchedulerOutput:

@@ -218,9 +218,8 @@ inline void store16(__m512 v, c10::Half* dst) {
 // step): its linears are many short streams (a 576 x 576 projection is 0.2 MB) that the hardware
 // prefetcher alone starts late; the lines past a thread's last tile are harmless extra reads. Blocks of
 // rows are compute-bound, and there the prefetches cost more than they hide (docs/performance/amd-zen4.md).
-// About a memory latency of one core's stream ahead (~130 ns at ~13 GB/s): 8-bit weights, two lines a
-// loop step, read 7% faster at 2 KiB than at 4 (AMX Xeon; 4-bit ones, one line a step with the
-// unpacking, the same at either).
+// About a memory latency of one core's stream ahead: 2 KiB for 8-bit weights (two lines a loop step), 4 KiB
+// for the others (one line a step, with the unpacking), as measured (docs/performance/intel-amx.md).
 constexpr int64_t prefetch_bytes(int bits) { return bits == 8 ? 2048 : 4096; }
 template <int BITS>
 inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* line) {
