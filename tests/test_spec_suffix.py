@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import pytest
-from test_spec_decode import VOCAB, build_cycle_model, make_llm, mixed_batch, spec_values, token_ids
+from test_spec_decode import VOCAB, build_cycle_model, flat_step_cost, make_llm, mixed_batch, spec_values, token_ids
 from tiny_models import build_model, metric_values, random_prompts
 
 from pagedllm import LLM, SamplingParams
@@ -205,13 +205,8 @@ def test_k_falls_to_zero_on_rejections_and_comes_back(cycle_model: str, plain_cy
     if method == "ngram":
         config.update(prompt_lookup_min=1, prompt_lookup_max=3)
     llm = make_llm(cycle_model, speculative_config=config)
-    decoder = llm.llm_engine.spec_decoder
-    assert decoder.adaptive, "adaptive k is the default for model-free proposers"
-    # Every pass costs the same here, whatever its size (the cost model's slope is then its floor): the
-    # measured times of a loaded machine could otherwise price a fourth proposal out, and this test is
-    # about the acceptance side.
-    record_step = decoder.record_step
-    decoder.record_step = lambda elapsed_s, output: record_step(0.01, output)
+    assert llm.llm_engine.spec_decoder.adaptive, "adaptive k is the default for model-free proposers"
+    flat_step_cost(llm)
     trace = trace_num_speculative_tokens(llm, "0")
     engine = llm.llm_engine
     engine.add_request("0", prompt, params)
