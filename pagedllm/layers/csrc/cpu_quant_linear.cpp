@@ -216,10 +216,13 @@ inline void store16(__m512 v, c10::Half* dst) {
 
 // Software prefetch of the weight stream prefetch_bytes(BITS) ahead, every line, for one row (a decode
 // step): its linears are many short streams (a 576 x 576 projection is 0.2 MB) that the hardware
-// prefetcher alone starts late; the lines past a thread's last tile are harmless extra reads. Blocks of
-// rows are compute-bound, and there the prefetches cost more than they hide (docs/performance/amd-zen4.md).
-// About a memory latency of one core's stream ahead: 2 KiB for 8-bit weights (two lines a loop step), 4 KiB
-// for the others (one line a step, with the unpacking), as measured (docs/performance/intel-amx.md).
+// prefetcher alone starts late; the lines past a thread's last tile are harmless extra reads. Each loop
+// step asks for the lines it reads, as it reads them: asked a unit at a time (4 or 8 lines at once), the
+// prefetches waited for the core's line-fill buffers and stalled the loop. Blocks of rows are
+// compute-bound, and there the prefetches cost more than they hide (docs/performance/amd-zen4.md). The
+// distance is about a memory latency of one core's stream: 2 KiB for 8-bit weights (two lines a loop
+// step), 4 KiB for the others (one line a step, with the unpacking), as measured
+// (docs/performance/intel-amx.md).
 constexpr int64_t prefetch_bytes(int bits) { return bits == 8 ? 2048 : 4096; }
 template <int BITS>
 inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* line) {
@@ -413,8 +416,8 @@ void load_qlinear_amx_config(int64_t unit) {
 }
 
 // The tile's weights as the bytes tile 4 reads, [k / 4][16 outputs][4]: 8-bit weights as stored, 4- to
-// 6-bit ones unpacked (low nibbles of k-quad 2t, high nibbles of 2t + 1, plus their bit planes) once into
-// `buffer` (k * 16 bytes) for every 16-row group of a row chunk.
+// 6-bit ones unpacked (low nibbles of k-quad 2t, high nibbles of 2t + 1, plus their bit planes) into
+// `buffer` (k * 16 bytes), once per row chunk and read by each of its 16-row groups.
 template <int BITS, typename S>
 inline const uint8_t* tile_weight_bytes(const TileWeights<S>& tw, int64_t k, uint8_t* buffer) {
   if constexpr (BITS == 8) {
