@@ -515,16 +515,19 @@ __attribute__((noinline)) void fold_partial(float m, float l, const float* a, fl
 #if defined(PAGEDLLM_AMX)
 
 // 2^t on 16 lanes for the AMX decode path: 2^round(t) by VSCALEFPS, 2^f by a degree-5 polynomial (relative
-// error under 1e-7, far below the bf16 rounding the probabilities take next). t = -inf gives exactly 0
-// (t is clamped at -160, and 2^-160 underflows to 0), NaN stays NaN.
+// error under 1e-7, far below the bf16 rounding the probabilities take next). Below 2^-126 the result is 0
+// (t = -inf too, a masked key), NaN stays NaN. The scaling never makes a subnormal: on Intel cores a
+// subnormal or underflowing result takes a microcode assist of some hundred cycles, which every masked
+// lane of a decode step's last chunk paid. (The probabilities' bf16 rounding flushes subnormals anyway.)
 PA_ALWAYS_INLINE __m512 exp2_16(__m512 t) {
   // (max and min return their second operand where either is NaN: t's side stays NaN)
-  t = _mm512_min_ps(_mm512_set1_ps(128.f), _mm512_max_ps(_mm512_set1_ps(-160.f), t));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
+  const __m512 c = _mm512_min_ps(_mm512_set1_ps(128.f), _mm512_max_ps(_mm512_set1_ps(-126.f), t));
+  const __m512 n = _mm512_roundscale_ps(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(c, n);
   static constexpr float kPoly[] = {1.326697994954884e-3f, 9.675469249486923e-3f, 5.550742521882057e-2f,
                                      2.402212172746658e-1f, 6.931469440460205e-1f, 1.0f};
-  return _mm512_scalef_ps(horner16(f, kPoly), n);
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_NLT_UQ),
+                             _mm512_scalef_ps(horner16(f, kPoly), n));
 }
 
 // The tile row of query row r in the P rows and the accumulators: with 16 lanes the shuffle network
