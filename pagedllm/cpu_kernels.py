@@ -2,9 +2,9 @@
 (attention/csrc/paged_attention_cpu.cpp, namespace torch.ops.pagedllm_cpu), the decoder's small fused
 ops (layers/csrc/cpu_layers.cpp, torch.ops.pagedllm_cpu_layers: argmax, residual add + RMSNorm, RoPE), the
 blocked linear kernel (layers/csrc/cpu_linear.cpp, torch.ops.pagedllm_cpu_linear), the quantized linear
-kernel (layers/csrc/cpu_quant_linear.cpp, torch.ops.pagedllm_cpu_qlinear), the seeded sampler's Gumbel
-race and top candidates (layers/csrc/sampler_ops.cpp, torch.ops.pagedllm_cpu_sampler) and a step's input
-tensors (worker/csrc/step_inputs.cpp, torch.ops.pagedllm_cpu_step).
+kernel (layers/csrc/cpu_quant_linear.cpp, torch.ops.pagedllm_cpu_qlinear), the sampler's seeded Gumbel
+race, unseeded draw and top candidates (layers/csrc/sampler_ops.cpp, torch.ops.pagedllm_cpu_sampler) and a
+step's input tensors (worker/csrc/step_inputs.cpp, torch.ops.pagedllm_cpu_step).
 
 They are built with `-march=native` for the machine that runs them (AVX2 or AVX-512, whichever the CPU
 has), so they are compiled here rather than shipped: `torch.utils.cpp_extension.load` builds one

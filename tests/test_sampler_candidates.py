@@ -10,11 +10,14 @@ import pytest
 import torch
 
 from pagedllm import SamplingParams
+from pagedllm.cpu_kernels import load_cpu_kernels
 from pagedllm.layers.sampler import (
     TOP_CANDIDATES,
     Sampler,
     SamplingRow,
+    _torch_categorical,
     apply_top_k_top_p_min_p,
+    categorical,
     exponential_noise,
     processed_probs,
     seeded_gumbel,
@@ -113,27 +116,46 @@ def test_unseeded_rows_sample_the_filtered_distribution(params: dict, scale: flo
     assert chi_square_p_value(counts, probs) > P_VALUE_FLOOR
 
 
-def test_categorical_draws_never_land_on_a_zero_probability_entry() -> None:
-    """Sampler._categorical inverts each row's CDF with one uniform: rows whose mass sits at either end,
-    rows that do not sum to 1 (rounding), and the largest uniform all land on an entry of positive
-    probability, with the right frequencies."""
-    sampler = Sampler(torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("draw", [categorical, _torch_categorical], ids=["op", "torch"])
+def test_categorical_draws_never_land_on_a_zero_probability_entry(draw) -> None:
+    """categorical inverts each row's CDF with one uniform (the C++ op on CPU, the torch reference
+    elsewhere): rows whose mass sits at either end, rows of equal logits, and the smallest and largest
+    uniforms all land on an entry of positive probability (logit above -inf), with the right frequencies."""
     probs = torch.zeros(4, 1000)
     probs[0, -1] = 1.0                               # all mass on the last entry
     probs[1, 0] = 1.0                                # on the first
-    probs[2, 10:20] = 0.1 * (1 + 1e-6)               # a row summing to a little more than 1
+    probs[2, 10:20] = 0.1                            # ten equal entries
     probs[3, ::7] = torch.rand(143, generator=torch.Generator().manual_seed(1))
     probs[3] /= probs[3].sum()
-    draws = torch.stack([sampler._categorical(probs) for _ in range(2000)])   # [2000, 4]
+    logits = probs.log()                             # log 0 = -inf
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([draw(logits, torch.rand(4, dtype=torch.float64, generator=g)) for _ in range(2000)])
     assert (draws[:, 0] == 999).all() and (draws[:, 1] == 0).all()
     assert ((draws[:, 2] >= 10) & (draws[:, 2] < 20)).all()
     assert (probs[3][draws[:, 3]] > 0).all()
     counts = torch.bincount(draws[:, 3], minlength=1000).double()
     assert chi_square_p_value(counts, probs[3].double()) > P_VALUE_FLOOR
-    # the largest uniform a generator can give: the row's last positive entry, not past it
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-    top = torch.nextafter(cdf[:, -1:], torch.zeros_like(cdf[:, -1:]))
-    assert torch.searchsorted(cdf, top, right=True).squeeze(1).tolist() == [999, 0, 19, 994]
+    # the smallest and the largest uniform a generator can give: the first and the last positive entry
+    assert draw(logits, torch.zeros(4, dtype=torch.float64)).tolist() == [999, 0, 10, 0]
+    assert draw(logits, torch.full((4,), 1.0 - 2.0 ** -53, dtype=torch.float64)).tolist() == [999, 0, 19, 994]
+
+
+def test_categorical_op_draws_what_the_torch_reference_draws() -> None:
+    """The same token for the same uniform (they differ only where the uniform falls within rounding of a
+    boundary between two tokens' cumulative sums); a NaN row takes its first NaN and a row with +inf its
+    first +inf, as argmax does, and a row with nothing kept takes column 0."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(64, 3000, generator=g) * 3
+    logits[::3, ::5] = float("-inf")
+    u = torch.rand(64, dtype=torch.float64, generator=g)
+    assert torch.equal(categorical(logits, u), _torch_categorical(logits, u))
+    if not load_cpu_kernels():
+        pytest.skip("the C++ op's answers for NaN and infinite rows (the torch reference has none)")
+    special = torch.zeros(3, 600)
+    special[0, [7, 300]] = float("nan")
+    special[1, [5, 599]] = float("inf")
+    special[2] = float("-inf")
+    assert categorical(special, torch.full((3,), 0.5, dtype=torch.float64)).tolist() == [7, 5, 0]
 
 
 @pytest.mark.parametrize("shuffle_seed", [0, 1])

@@ -415,6 +415,12 @@ def exponential_noise(shape: tuple[int, ...], rows: list[SamplingRow], device: t
     return noise
 
 
+def _rows_of(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] for an ascending index of x's rows; x itself when that is every row (no copy of the
+    whole logits)."""
+    return x if len(index) == x.shape[0] else x[index]
+
+
 def sample_kept(logits: torch.Tensor, rows: list[SamplingRow],
                 draw: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor],
                 params: FilterParams | None = None) -> torch.Tensor:
@@ -434,14 +440,14 @@ def sample_kept(logits: torch.Tensor, rows: list[SamplingRow],
     full = ~filtered
     if bool(filtered.any()):
         rows_f = filtered.nonzero().flatten()
-        values, ids, exact = top_k_top_p_candidates(scaled[rows_f], top_k[rows_f], top_p[rows_f])
+        values, ids, exact = top_k_top_p_candidates(_rows_of(scaled, rows_f), top_k[rows_f], top_p[rows_f])
         full[rows_f[~exact]] = True
         if bool(exact.any()):
             values, ids, rows_c = values[exact], ids[exact], rows_f[exact]
             token_ids[rows_c] = ids.gather(1, draw(values, ids, rows_c).unsqueeze(1)).squeeze(1)
     if bool(full.any()):
         rows_v = full.nonzero().flatten()
-        kept = apply_top_k_top_p_min_p(scaled[rows_v], top_k[rows_v], top_p[rows_v],
+        kept = apply_top_k_top_p_min_p(_rows_of(scaled, rows_v), top_k[rows_v], top_p[rows_v],
                                        torch.zeros_like(min_p[rows_v]))  # min-p already applied
         token_ids[rows_v] = draw(kept, None, rows_v)
     return token_ids
@@ -456,6 +462,38 @@ def seeded_sample(logits: torch.Tensor, rows: list[SamplingRow], params: FilterP
         return seeded_race(kept.contiguous(), ids, position_keys([rows[i] for i in indices.tolist()], kept.device))
 
     return sample_kept(logits, rows, race, params)
+
+
+def _torch_categorical(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The reference of categorical: the softmax's cumulative sums in float64 (monotone, so a
+    zero-probability entry adds no step and is never drawn) and the first index past u times the row's
+    total (kept below it, so every draw lands on an entry). The exponential race, argmax(p / q) with
+    q ~ Exp(1), draws the same distribution but needs a random number and a log per entry."""
+    cdf = logits.softmax(dim=-1).cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def categorical(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[N] one draw per row of logits [N, V] from its softmax, by inverting the CDF at u [N] (float64 in
+    [0, 1)). On CPU in float32 through a C++ op that needs no probability or cumulative tensor, nor
+    torch's float64 cumsum, one scalar add per entry (layers/csrc/sampler_ops.cpp); the same distribution."""
+    if logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous() \
+            and logits.shape[1] > 0:
+        return _cpu_categorical(logits, u)
+    return _torch_categorical(logits, u)
+
+
+def _choose_cpu_categorical(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first CPU call decides, once, between the C++ op and torch (as _choose_cpu_argmax_rows)."""
+    global _cpu_categorical
+    _cpu_categorical = torch.ops.pagedllm_cpu_sampler.categorical if uses_cpu_kernels(logits) \
+        else _torch_categorical
+    return _cpu_categorical(logits, u)
+
+
+_cpu_categorical: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _choose_cpu_categorical
 
 
 class Sampler:
@@ -496,18 +534,10 @@ class Sampler:
     def _sample_unseeded(self, logits: torch.Tensor, rows: list[SamplingRow],
                          params: FilterParams | None = None) -> torch.Tensor:
         """Rows without a seed share the engine's generator, so their draws come from one call per kind of
-        row (sample_kept), each by inverting its distribution's CDF (_categorical)."""
-        return sample_kept(logits, rows, lambda kept, ids, indices: self._categorical(kept.softmax(dim=-1)), params)
+        row (sample_kept), each by inverting its distribution's CDF at one uniform per row (categorical)."""
 
-    def _categorical(self, probs: torch.Tensor) -> torch.Tensor:
-        """One draw per row from `probs`, each row a distribution (its sum may differ from 1 by rounding):
-        the first index whose cumulative sum passes a uniform in [0, row sum), one uniform per row. The
-        exponential race, argmax(p / q) with q ~ Exp(1), draws the same distribution but needs a random
-        number and a log per vocabulary entry, several times the work. The sums are taken in float64
-        (monotone, so a zero-probability entry adds no step and is never drawn), and the uniform stays
-        below the row's total, so every draw lands on an entry."""
-        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-        total = cdf[:, -1:]
-        u = torch.rand(total.shape, dtype=torch.float64, device=probs.device, generator=self.generator) * total
-        u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
-        return torch.searchsorted(cdf, u, right=True).squeeze(1)
+        def draw(kept: torch.Tensor, ids: torch.Tensor | None, indices: torch.Tensor) -> torch.Tensor:
+            u = torch.rand(kept.shape[0], dtype=torch.float64, device=kept.device, generator=self.generator)
+            return categorical(kept, u)
+
+        return sample_kept(logits, rows, draw, params)

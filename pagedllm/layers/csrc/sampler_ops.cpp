@@ -1,5 +1,5 @@
 // The sampler's full-vocabulary passes (pagedllm/layers/sampler.py): the seeded Gumbel race without its
-// noise tensor, and the top-C candidates that top-k/top-p filter.
+// noise tensor, an unseeded row's draw from its softmax, and the top-C candidates that top-k/top-p filter.
 //
 // seeded_race:
 // A seeded row draws argmax_j (x_j + g_j) over its kept logits x (the removed ones -inf), where
@@ -28,6 +28,7 @@
 #include <torch/library.h>
 
 #include "fast_exp.h"
+#include "row_max.h"
 
 #include <algorithm>
 #include <atomic>
@@ -280,12 +281,92 @@ std::tuple<at::Tensor, at::Tensor, bool> top_candidates(const at::Tensor& x, int
   return {values, columns, nan.load()};
 }
 
+// categorical: one draw per row from softmax(values) by inverting its CDF at the row's uniform u in [0, 1)
+// (sampler._torch_categorical's method without its tensors: a softmax, a float64 cumsum of the whole
+// row, which torch runs one scalar add at a time, and a search). Per row: the max, then
+// p_j = exp(x_j - max) (fast_exp: no subnormal arithmetic, whose assists cost hundreds of cycles on Intel
+// cores) with float64 sums of 256-token blocks, then the first token whose cumulative sum passes
+// u * total: the block by its sums, the token within it in float64. A token of probability 0 (its logit
+// -inf, or 2^-126 below the max) is never drawn. A row with a NaN takes its first NaN and a row with +inf
+// its first +inf (as argmax); a row with nothing kept (all -inf) takes column 0.
+
+namespace {
+
+constexpr int64_t kDrawBlock = 256;
+
+inline int64_t draw_row(const float* x, int64_t n, double u, float* p, std::vector<double>& block_sums) {
+  bool maybe_nan = false;  // (also set by an infinity: the scan then finds no NaN)
+  const float m = pagedllm::chunk_max(x, n, maybe_nan);  // NaNs skipped
+  for (int64_t j = 0; maybe_nan && j < n; ++j) {
+    if (x[j] != x[j]) return j;
+  }
+  if (m == std::numeric_limits<float>::infinity()) return std::find(x, x + n, m) - x;
+  if (m == -std::numeric_limits<float>::infinity()) return 0;
+  const int64_t blocks = (n + kDrawBlock - 1) / kDrawBlock;
+  block_sums.resize(blocks);
+  double total = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t begin = b * kDrawBlock, end = std::min(n, begin + kDrawBlock);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = begin; j < end; ++j) {
+      p[j] = pagedllm::fast_exp(x[j] - m);
+      sum += p[j];
+    }
+    block_sums[b] = sum;
+    total += sum;
+  }
+  const double target = u * total;
+  double cumulative = 0.0;
+  int64_t b = 0;
+  for (; b + 1 < blocks && cumulative + block_sums[b] <= target; ++b) cumulative += block_sums[b];
+  const int64_t begin = b * kDrawBlock, end = std::min(n, begin + kDrawBlock);
+  int64_t last = -1;  // the block's last token of nonzero probability, where rounding leaves target past it
+  for (int64_t j = begin; j < end; ++j) {
+    if (p[j] == 0.f) continue;
+    cumulative += p[j];
+    last = j;
+    if (cumulative > target) return j;
+  }
+  if (last >= 0) return last;
+  for (int64_t j = begin - 1; j >= 0; --j) {  // (a block of zeros reached by rounding: the one before)
+    if (p[j] != 0.f) return j;
+  }
+  return 0;
+}
+
+}  // namespace
+
+// values [N, V] float32 (logits after temperature and filters, removed tokens -inf), uniforms [N] float64
+// in [0, 1) -> [N] int64 token columns.
+at::Tensor categorical(const at::Tensor& values, const at::Tensor& uniforms) {
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kFloat && values.is_contiguous(),
+              "categorical: values must be a contiguous 2-D float32 tensor");
+  TORCH_CHECK(uniforms.dim() == 1 && uniforms.size(0) == values.size(0) && uniforms.scalar_type() == at::kDouble,
+              "categorical: one float64 uniform per row");
+  const int64_t rows = values.size(0), cols = values.size(1);
+  TORCH_CHECK(cols >= 1, "categorical: rows must not be empty");
+  const auto u = uniforms.contiguous();
+  const float* x = values.data_ptr<float>();
+  const double* uniform = u.data_ptr<double>();
+  auto out = at::empty({rows}, values.options().dtype(at::kLong));
+  int64_t* drawn = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(cols);
+    std::vector<double> block_sums;
+    for (int64_t r = begin; r < end; ++r) drawn[r] = draw_row(x + r * cols, cols, uniform[r], p.data(), block_sums);
+  });
+  return out;
+}
+
 TORCH_LIBRARY(pagedllm_cpu_sampler, m) {
+  m.def("categorical(Tensor values, Tensor uniforms) -> Tensor");
   m.def("seeded_race(Tensor values, Tensor? token_ids, Tensor keys) -> Tensor");
   m.def("top_candidates(Tensor x, int c) -> (Tensor, Tensor, bool)");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu_sampler, CPU, m) {
+  m.impl("categorical", &categorical);
   m.impl("seeded_race", &seeded_race);
   m.impl("top_candidates", &top_candidates);
 }
