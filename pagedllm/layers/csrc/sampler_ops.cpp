@@ -74,8 +74,8 @@ inline void scan_block(const float* x, const int64_t* ids, int64_t n, uint64_t k
   uint8_t flag[kBlock];
   for (int64_t start = 0; start < n; start += kBlock) {
     const int64_t len = std::min(kBlock, n - start);
-    bool any = false;
-#pragma omp simd reduction(| : any)
+    int any = 0;  // (a count: with a bool reduction GCC leaves the loop scalar)
+#pragma omp simd reduction(+ : any)
     for (int64_t i = 0; i < len; ++i) {
       const int64_t j = start + i;
       const float d = x[j] - bound_f;  // -inf for a removed token
@@ -87,7 +87,7 @@ inline void scan_block(const float* x, const int64_t* ids, int64_t n, uint64_t k
       const float gap = static_cast<float>(static_cast<int64_t>((1ull << 53) - (z >> 11) - 1)) * 0x1p-53f;
       const bool keep = (d >= -37.5f) & (gap <= pagedllm::fast_exp(d) * kMargin);
       flag[i] = keep;
-      any |= keep;
+      any += keep;
     }
     if (!any) continue;
     for (int64_t i = 0; i < len; ++i) {
@@ -102,24 +102,19 @@ inline void scan_block(const float* x, const int64_t* ids, int64_t n, uint64_t k
 
 // Steps 1 and 2 for one row of n values; token id of column j: ids[j], or j.
 inline void plan_row(const float* x, const int64_t* ids, int64_t n, uint64_t key, RowPlan& plan) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  int64_t top = -1;
-  float best = kNegInf;
-  for (int64_t j = 0; j < n; ++j) {
-    const float v = x[j];
-    if (v != v) {  // NaN: torch.argmax takes the first
+  bool maybe_nan = false;  // (also set by an infinity: the scan then finds no NaN)
+  const float best = pagedllm::chunk_max(x, n, maybe_nan);  // NaNs skipped
+  for (int64_t j = 0; maybe_nan && j < n; ++j) {
+    if (x[j] != x[j]) {  // NaN: torch.argmax takes the first
       plan.answer = j;
       return;
     }
-    if (v > best) {
-      best = v;
-      top = j;
-    }
   }
-  if (top < 0) {  // every value -inf: the race's values are all -inf, argmax is column 0
+  if (best == -std::numeric_limits<float>::infinity()) {  // the race's values are all -inf: column 0
     plan.answer = 0;
     return;
   }
+  const int64_t top = std::find(x, x + n, best) - x;
   if (std::isinf(best)) {  // +inf + g is +inf: the first +inf wins
     plan.answer = top;
     return;
