@@ -117,6 +117,30 @@ def test_top_candidates_are_torch_topk_values(c: int) -> None:
         assert len(set(got_ids[row].tolist())) == c
 
 
+@pytest.mark.parametrize("c", [20, 256])
+def test_top_candidates_of_long_rows_are_torch_topk_values(c: int) -> None:
+    """Rows of 8 c or more go through a threshold estimated on a strided sample (and back to the histogram
+    where too few values reach it, as in the last row here, whose largest values are exactly the sampled
+    columns): the same values as torch.topk, each value's columns the same set."""
+    gen = torch.Generator().manual_seed(c)
+    x = torch.randn(8, 8192, generator=gen) * torch.tensor([0.1, 1.0, 5.0, 40.0]).repeat(2).unsqueeze(1)
+    x[1] = x[1].round()
+    x[2, 4000:] = float("-inf")
+    x[3, :3000] = 0.0
+    x[3, 3000:6000] = -0.0
+    x[5, 9] = float("inf")
+    x[7] = -1000.0
+    x[7, ::4] = torch.randn(2048, generator=gen)
+    got_values, got_ids = top_candidates(x, c)
+    values, ids = x.topk(c, dim=-1)
+    assert torch.equal(got_values, values)
+    assert torch.equal(x.gather(1, got_ids), got_values)
+    for row in range(x.shape[0]):
+        last = values[row, -1]
+        assert set(got_ids[row][values[row] > last].tolist()) == set(ids[row][values[row] > last].tolist())
+        assert len(set(got_ids[row].tolist())) == c
+
+
 def test_top_candidates_with_nan_are_torch_topk() -> None:
     x = torch.randn(3, 500)
     x[1, 17] = float("nan")
