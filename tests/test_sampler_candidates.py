@@ -1,17 +1,20 @@
 """The sampler's filters: min-p before top-k/top-p (vLLM V1's order) and one tie rule (a filter never
 separates tokens of equal logit). The top-k/top-p over a candidate set (issue 14) is exact: the same kept
-tokens as the rule written out, the full sort wherever the candidates may not hold the kept set, and
-unseeded rows (which race over the candidates only, with one shared draw) and seeded rows (a Gumbel race
-whose noise is a hash of seed, position and token id) sample the filtered distribution (chi-square)."""
+tokens as the rule written out, a larger candidate set and then the full sort wherever the candidates may
+not hold the kept set, and unseeded rows (which race over the candidates only, with one shared draw) and
+seeded rows (a Gumbel race whose noise is a hash of seed, position and token id) sample the filtered
+distribution (chi-square)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import pagedllm.layers.sampler as sampler
 from pagedllm import SamplingParams
 from pagedllm.cpu_kernels import load_cpu_kernels
 from pagedllm.layers.sampler import (
+    CANDIDATE_TIERS,
     TOP_CANDIDATES,
     Sampler,
     SamplingRow,
@@ -19,6 +22,7 @@ from pagedllm.layers.sampler import (
     apply_top_k_top_p_min_p,
     categorical,
     exponential_noise,
+    kept_candidates,
     processed_probs,
     seeded_gumbel,
     seeded_sample,
@@ -60,7 +64,7 @@ def peaked_logits(rows: int, scale: float, seed: int) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=g, dtype=torch.float64).float() * scale
 
 
-@pytest.mark.parametrize("scale", [0.5, 3.0, 8.0])  # flat rows send top-p to the full sort; peaked ones do not
+@pytest.mark.parametrize("scale", [0.5, 3.0, 8.0])  # flat rows send top-p past the first candidates
 def test_candidates_keep_what_the_full_sort_keeps(scale: float) -> None:
     n = 12
     logits = peaked_logits(n, scale, seed=int(scale * 10))
@@ -76,6 +80,27 @@ def test_candidates_keep_what_the_full_sort_keeps(scale: float) -> None:
     for i in (0, 3, 5):
         alone = apply_top_k_top_p_min_p(logits[i:i + 1], top_k[i:i + 1], top_p[i:i + 1], min_p[i:i + 1])
         assert torch.equal(torch.isfinite(alone[0]), kept[i])
+
+
+def test_each_candidate_tier_and_the_full_sort_keep_what_the_rule_keeps(monkeypatch) -> None:
+    """Rows of 8,192 logits: peaked ones kept within the first 256 candidates, flatter ones within the
+    next tier's 4,096, the flattest by the full sort only; each row the rule's kept set, whichever path."""
+    gen = torch.Generator().manual_seed(11)
+    scales = torch.tensor([5.0, 2.5, 0.3, 5.0, 2.0, 0.5])
+    logits = torch.randn(6, 2 * CANDIDATE_TIERS[-1], generator=gen, dtype=torch.float64).float() * scales.unsqueeze(1)
+    top_k = torch.zeros(6, dtype=torch.long)
+    top_p = torch.tensor([0.9, 0.9, 0.9, 0.95, 0.95, 0.95])
+    min_p = torch.zeros(6)
+    groups, slow = kept_candidates(logits, top_k, top_p)
+    assert [(index.tolist(), values.shape[1]) for index, values, _ in groups] == [([0, 3], 256), ([1, 4], 4096)]
+    assert slow.tolist() == [2, 5]
+    sorted_rows = []
+    full_sort = sampler._sort_top_k_top_p
+    monkeypatch.setattr(sampler, "_sort_top_k_top_p",
+                        lambda x, k, p: sorted_rows.append(x.shape[0]) or full_sort(x, k, p))
+    got = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    assert sorted_rows == [2]
+    assert torch.equal(torch.isfinite(got), torch.isfinite(reference(logits, top_k, top_p, min_p)))
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -98,7 +123,7 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     [
         (dict(temperature=0.8, top_k=20, top_p=0.9), 3.0),   # candidates
         (dict(temperature=1.0, top_p=0.8, min_p=0.02), 4.0),  # candidates, no top-k
-        (dict(temperature=1.0, top_p=0.95), 0.7),            # flat: the full sort
+        (dict(temperature=1.0, top_p=0.95), 0.7),            # flat: the second candidate tier
         (dict(temperature=1.2), 2.0),                        # no filter: the full vocabulary
     ],
     ids=["top_k_top_p", "top_p_min_p", "top_p_fallback", "plain"],

@@ -123,11 +123,14 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return logits
 
 
-# Top-k / top-p look at this many best tokens first (one torch.topk, no full-vocabulary sort). A row whose
+# Top-k / top-p look at this many best tokens first (top_candidates, no full-vocabulary sort). A row whose
 # kept set may reach past them (top_k above this, top-p mass not reached within them, or a tie at the last
-# candidate's logit) is filtered by the full sort instead, so the result is always exact. 256 holds the
-# top-p 0.9-0.95 nucleus of a trained model in nearly every step.
+# candidate's logit) tries the next tier of CANDIDATE_TIERS, and past the last one is filtered by the full
+# sort, so the result is always exact. 256 holds the top-p 0.9-0.95 nucleus of a trained model at
+# temperature 0.7 in nearly every step; at temperature 1 a sixth to a third of SmolLM2's chat steps need
+# more, and 4,096 of them cost a sixteenth of a sort of its 49,152 logits.
 TOP_CANDIDATES = 256
+CANDIDATE_TIERS = (TOP_CANDIDATES, 16 * TOP_CANDIDATES)
 
 # The filters, in vLLM V1's order (temperature, min-p, then top-k and top-p), and the tie rule:
 #   min-p drops every token with p < min_p * p_max, i.e. with logit < max logit + log(min_p);
@@ -175,9 +178,9 @@ def _sort_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top-k then top-p over each row's TOP_CANDIDATES best tokens.
+def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                           num_candidates: int = TOP_CANDIDATES) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k then top-p over each row's num_candidates best tokens.
 
     Returns (candidate logits [N, C] in descending order with the removed ones -inf, their token ids [N, C],
     exact [N]). A row is exact when its kept set provably lies within the candidates: top_k <= C (the
@@ -187,7 +190,7 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
     (else a token tied with it may sit outside). Rows that are not exact must be filtered by the full sort.
     Every quantity is per row, so a row's result never depends on the rest of the batch."""
     vocab = logits.shape[-1]
-    c = min(TOP_CANDIDATES, vocab)
+    c = min(num_candidates, vocab)
     values, ids = top_candidates(logits, c)
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
     within = k <= c
@@ -200,6 +203,27 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
     threshold, mass = _kept_threshold(values, k.clamp(max=c), top_p, log_norm)
     exact = (within | ((k >= vocab) & (mass >= top_p))) & ((threshold.squeeze(1) > values[:, -1]) | (c == vocab))
     return values.masked_fill(values < threshold, float("-inf")), ids, exact
+
+
+def kept_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Top-k then top-p over candidate sets of growing size (CANDIDATE_TIERS): ([(rows, candidate logits,
+    their token ids)] per tier for the rows whose kept set it provably holds (top_k_top_p_candidates), the
+    rows that no tier holds, for the full sort), rows as ascending indices into logits."""
+    vocab = logits.shape[-1]
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    groups = []
+    for num_candidates in CANDIDATE_TIERS:
+        values, ids, exact = top_k_top_p_candidates(_rows_of(logits, rows), top_k[rows], top_p[rows], num_candidates)
+        if bool(exact.all()):
+            groups.append((rows, values, ids))
+            return groups, rows[:0]
+        if bool(exact.any()):
+            groups.append((rows[exact], values[exact], ids[exact]))
+        rows = rows[~exact]
+        if num_candidates >= vocab:
+            break
+    return groups, rows
 
 
 def top_candidates(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,10 +265,11 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     if bool(filtered.any()):
         rows = filtered.nonzero().flatten()
         sub_logits, sub_k, sub_p = logits[rows], top_k[rows], top_p[rows]
-        values, ids, exact = top_k_top_p_candidates(sub_logits, sub_k, sub_p)
-        sub = torch.full_like(sub_logits, float("-inf")).scatter_(1, ids, values)
-        if not bool(exact.all()):
-            slow = (~exact).nonzero().flatten()
+        groups, slow = kept_candidates(sub_logits, sub_k, sub_p)
+        sub = torch.full_like(sub_logits, float("-inf"))
+        for index, values, ids in groups:
+            sub[index] = sub[index].scatter_(1, ids, values)
+        if len(slow):
             sub[slow] = _sort_top_k_top_p(sub_logits[slow], sub_k[slow], sub_p[slow])
         logits = logits.clone()
         logits[rows] = sub
@@ -440,15 +465,19 @@ def sample_kept(logits: torch.Tensor, rows: list[SamplingRow],
     full = ~filtered
     if bool(filtered.any()):
         rows_f = filtered.nonzero().flatten()
-        values, ids, exact = top_k_top_p_candidates(_rows_of(scaled, rows_f), top_k[rows_f], top_p[rows_f])
-        full[rows_f[~exact]] = True
-        if bool(exact.any()):
-            values, ids, rows_c = values[exact], ids[exact], rows_f[exact]
+        groups, slow = kept_candidates(_rows_of(scaled, rows_f), top_k[rows_f], top_p[rows_f])
+        full[rows_f[slow]] = True
+        for index, values, ids in groups:
+            rows_c = rows_f[index]
             token_ids[rows_c] = ids.gather(1, draw(values, ids, rows_c).unsqueeze(1)).squeeze(1)
     if bool(full.any()):
         rows_v = full.nonzero().flatten()
-        kept = apply_top_k_top_p_min_p(_rows_of(scaled, rows_v), top_k[rows_v], top_p[rows_v],
-                                       torch.zeros_like(min_p[rows_v]))  # min-p already applied
+        kept = _rows_of(scaled, rows_v)
+        sort = filtered[rows_v]  # rows no candidate tier holds: the full sort (min-p already applied)
+        if bool(sort.any()):
+            kept = kept.clone()
+            rows_s = rows_v[sort]
+            kept[sort] = _sort_top_k_top_p(scaled[rows_s], top_k[rows_s], top_p[rows_s])
         token_ids[rows_v] = draw(kept, None, rows_v)
     return token_ids
 
