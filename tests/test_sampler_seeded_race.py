@@ -15,6 +15,7 @@ from pagedllm.layers.sampler import (
     _torch_seeded_race,
     _torch_top_candidates,
     position_keys,
+    row_logsumexp,
     seeded_race,
     seeded_sample,
     top_candidates,
@@ -139,6 +140,22 @@ def test_top_candidates_of_long_rows_are_torch_topk_values(c: int) -> None:
         last = values[row, -1]
         assert set(got_ids[row][values[row] > last].tolist()) == set(ids[row][values[row] > last].tolist())
         assert len(set(got_ids[row].tolist())) == c
+
+
+def test_row_logsumexp_is_torchs() -> None:
+    """The C++ op (two passes, float64 sums of fast_exp) within a few float32 ulps of torch's logsumexp,
+    and the same NaN, +inf and all -inf rows."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 5000, generator=gen) * torch.tensor([0.1, 3.0, 30.0]).repeat(4).unsqueeze(1)
+    x[4, ::3] = float("-inf")
+    got, want = row_logsumexp(x), x.logsumexp(dim=-1)
+    assert torch.allclose(got, want, rtol=4e-7, atol=0)
+    special = torch.zeros(3, 700)
+    special[0, 9] = float("nan")
+    special[1, 600] = float("inf")
+    special[2] = float("-inf")
+    assert torch.equal(row_logsumexp(special).isnan(), special.logsumexp(dim=-1).isnan())
+    assert row_logsumexp(special)[1:].tolist() == [float("inf"), float("-inf")]
 
 
 def test_top_candidates_with_nan_are_torch_topk() -> None:

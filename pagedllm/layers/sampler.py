@@ -199,10 +199,33 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
         kth = values.gather(1, (k.clamp(max=c) - 1).unsqueeze(1))
         log_norm = values.masked_fill(values < kth, float("-inf")).logsumexp(dim=-1)
     if not bool(within.all()):  # without top-k the normalizer is the whole row's
-        log_norm = torch.where(within, log_norm, logits.logsumexp(dim=-1))
+        log_norm = torch.where(within, log_norm, row_logsumexp(logits))
     threshold, mass = _kept_threshold(values, k.clamp(max=c), top_p, log_norm)
     exact = (within | ((k >= vocab) & (mass >= top_p))) & ((threshold.squeeze(1) > values[:, -1]) | (c == vocab))
     return values.masked_fill(values < threshold, float("-inf")), ids, exact
+
+
+def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """x.logsumexp(dim=-1) of a 2-D tensor; on CPU in float32 through a C++ op in two passes over each
+    row (layers/csrc/sampler_ops.cpp), within a few float32 ulps of torch's."""
+    if x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[1] > 0:
+        return _cpu_row_logsumexp(x)
+    return x.logsumexp(dim=-1)
+
+
+def _torch_row_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    return x.logsumexp(dim=-1)
+
+
+def _choose_cpu_row_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """The first CPU call decides, once, between the C++ op and torch (as _choose_cpu_argmax_rows)."""
+    global _cpu_row_logsumexp
+    _cpu_row_logsumexp = torch.ops.pagedllm_cpu_sampler.row_logsumexp if uses_cpu_kernels(x) \
+        else _torch_row_logsumexp
+    return _cpu_row_logsumexp(x)
+
+
+_cpu_row_logsumexp: Callable[[torch.Tensor], torch.Tensor] = _choose_cpu_row_logsumexp
 
 
 def kept_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor

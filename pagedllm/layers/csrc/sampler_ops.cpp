@@ -437,14 +437,53 @@ at::Tensor categorical(const at::Tensor& values, const at::Tensor& uniforms) {
   return out;
 }
 
+// row_logsumexp: each row's log(sum(exp(x))), top-p's normalizer over a whole row, in two passes (the
+// max, then fast_exp(x - max) summed in float64) where torch's logsumexp makes four (max, subtract, exp,
+// sum) and writes two row-sized tensors. A row with a NaN gives NaN, with +inf +inf, all -inf -inf.
+at::Tensor row_logsumexp(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "row_logsumexp: x must be a contiguous 2-D float32 tensor");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  auto out = at::empty({rows}, x.options());
+  const float* in = x.data_ptr<float>();
+  float* lse = out.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = in + r * cols;
+      bool maybe_nan = false;  // (also set by an infinity)
+      const float m = pagedllm::chunk_max(row, cols, maybe_nan);
+      if (maybe_nan && std::any_of(row, row + cols, [](float value) { return value != value; })) {
+        lse[r] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      if (std::isinf(m)) {  // +inf, or every value -inf
+        lse[r] = m;
+        continue;
+      }
+      double total = 0.0;
+      for (int64_t begin_block = 0; begin_block < cols; begin_block += kDrawBlock) {
+        const int64_t end_block = std::min(cols, begin_block + kDrawBlock);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = begin_block; j < end_block; ++j) sum += pagedllm::fast_exp(row[j] - m);
+        total += sum;
+      }
+      lse[r] = static_cast<float>(static_cast<double>(m) + std::log(total));
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY(pagedllm_cpu_sampler, m) {
   m.def("categorical(Tensor values, Tensor uniforms) -> Tensor");
+  m.def("row_logsumexp(Tensor x) -> Tensor");
   m.def("seeded_race(Tensor values, Tensor? token_ids, Tensor keys) -> Tensor");
   m.def("top_candidates(Tensor x, int c) -> (Tensor, Tensor, bool)");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu_sampler, CPU, m) {
   m.impl("categorical", &categorical);
+  m.impl("row_logsumexp", &row_logsumexp);
   m.impl("seeded_race", &seeded_race);
   m.impl("top_candidates", &top_candidates);
 }
