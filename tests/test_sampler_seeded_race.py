@@ -96,6 +96,19 @@ def test_seeded_sample_is_the_same_with_and_without_the_op(monkeypatch: pytest.M
     assert torch.equal(seeded_race(logits, None, keys_of(64, 1)), _torch_seeded_race(logits, None, keys_of(64, 1)))
 
 
+def assert_top_candidates_are_topk(x: torch.Tensor, c: int) -> None:
+    """top_candidates' values are torch.topk's, and each value's columns the same set (a tie at the last
+    value may keep other columns of it)."""
+    got_values, got_ids = top_candidates(x, c)
+    values, ids = x.topk(c, dim=-1)
+    assert torch.equal(got_values, values)
+    assert torch.equal(x.gather(1, got_ids), got_values)
+    for row in range(x.shape[0]):
+        last = values[row, -1]
+        assert set(got_ids[row][values[row] > last].tolist()) == set(ids[row][values[row] > last].tolist())
+        assert len(set(got_ids[row].tolist())) == c
+
+
 @pytest.mark.parametrize("c", [1, 7, 256, 1000])
 def test_top_candidates_are_torch_topk_values(c: int) -> None:
     """Peaked, flat, rounded (many ties), removed (-inf) and signed-zero rows: the values equal torch.topk's
@@ -107,15 +120,7 @@ def test_top_candidates_are_torch_topk_values(c: int) -> None:
     x[3, :300] = 0.0
     x[3, 300:600] = -0.0
     x[5, 9] = float("inf")
-    got_values, got_ids = top_candidates(x, c)
-    values, ids = x.topk(c, dim=-1)
-    assert torch.equal(got_values, values)
-    assert torch.equal(x.gather(1, got_ids), got_values)
-    for row in range(x.shape[0]):
-        last = values[row, -1]
-        inside = got_ids[row][values[row] > last]
-        assert set(inside.tolist()) == set(ids[row][values[row] > last].tolist())
-        assert len(set(got_ids[row].tolist())) == c
+    assert_top_candidates_are_topk(x, c)
 
 
 @pytest.mark.parametrize("c", [20, 256])
@@ -132,14 +137,7 @@ def test_top_candidates_of_long_rows_are_torch_topk_values(c: int) -> None:
     x[5, 9] = float("inf")
     x[7] = -1000.0
     x[7, ::4] = torch.randn(2048, generator=gen)
-    got_values, got_ids = top_candidates(x, c)
-    values, ids = x.topk(c, dim=-1)
-    assert torch.equal(got_values, values)
-    assert torch.equal(x.gather(1, got_ids), got_values)
-    for row in range(x.shape[0]):
-        last = values[row, -1]
-        assert set(got_ids[row][values[row] > last].tolist()) == set(ids[row][values[row] > last].tolist())
-        assert len(set(got_ids[row].tolist())) == c
+    assert_top_candidates_are_topk(x, c)
 
 
 def test_row_logsumexp_is_torchs() -> None:
