@@ -1,7 +1,7 @@
 // The maximum of a row of float, bf16 or fp16 values, NaNs skipped, in one vectorised pass: argmax_rows
-// (layers/csrc/cpu_layers.cpp) and the sampler's categorical draw (layers/csrc/sampler_ops.cpp). The
-// pass is written in intrinsics where the CPU has AVX-512 or AVX2: GCC leaves an `omp simd` loop that
-// takes a max and notes NaNs scalar in some functions (4 cycles an element), and widens bf16 one
+// (layers/csrc/cpu_layers.cpp) and the sampler's passes (layers/csrc/sampler_ops.cpp). The pass is
+// written in intrinsics where the CPU has AVX-512 or AVX2: GCC leaves an `omp simd` loop that takes a max
+// and notes NaNs scalar in some functions (a chain of dependent scalar maxes), and widens bf16 one
 // element at a time.
 #pragma once
 

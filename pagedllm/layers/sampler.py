@@ -127,8 +127,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 # kept set may reach past them (top_k above this, top-p mass not reached within them, or a tie at the last
 # candidate's logit) tries the next tier of CANDIDATE_TIERS, and past the last one is filtered by the full
 # sort, so the result is always exact. 256 holds the top-p 0.9-0.95 nucleus of a trained model at
-# temperature 0.7 in nearly every step; at temperature 1 a sixth to a third of SmolLM2's chat steps need
-# more, and 4,096 of them cost a sixteenth of a sort of its 49,152 logits.
+# temperature 0.7 in nearly every step, not at temperature 1, where 4,096 hold nearly all of the rest for
+# far less than a sort of the row (figures in docs/performance/intel-amx.md).
 TOP_CANDIDATES = 256
 CANDIDATE_TIERS = (TOP_CANDIDATES, 16 * TOP_CANDIDATES)
 
