@@ -251,9 +251,10 @@ def kept_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
 
 def top_candidates(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x.topk(c, dim=-1): each row's c largest values in descending order and their columns. On CPU in
-    float32 through a C++ op that counts a row's values in bins and sorts only the top bins' few hundred
-    (torch keeps a heap per row): the same values; tied values may list their columns in another order,
-    which the filters (they read values) and the race (it reads the kept set) never see."""
+    float32 through a C++ op that keeps the values at or above a threshold (estimated on a sample of a
+    long row, from a histogram of a short one) and sorts only those (torch keeps a heap per row): the same
+    values; tied values may list their columns in another order, which the filters (they read values) and
+    the race (it reads the kept set) never see."""
     if x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[0] > 0:
         return _cpu_top_candidates(x, c)
     return x.topk(c, dim=-1)
@@ -302,6 +303,12 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
 def select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """x[rows], without the copy when rows is every row in order (a [k+1, 49152] float32 copy per step)."""
     return x if rows == list(range(x.shape[0])) else x[rows]
+
+
+def _rows_of(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] for an ascending index of x's rows; x itself when that is every row (no copy of the
+    whole logits)."""
+    return x if len(index) == x.shape[0] else x[index]
 
 
 def holds_back_stops(row: SamplingRow) -> bool:
@@ -461,12 +468,6 @@ def exponential_noise(shape: tuple[int, ...], rows: list[SamplingRow], device: t
         vocab = torch.arange(shape[1], device=device).expand(len(seeded), shape[1])
         noise[seeded] = (-_seeded_uniform([rows[i] for i in seeded], vocab).log()).to(torch.float32)
     return noise
-
-
-def _rows_of(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x[index] for an ascending index of x's rows; x itself when that is every row (no copy of the
-    whole logits)."""
-    return x if len(index) == x.shape[0] else x[index]
 
 
 def sample_kept(logits: torch.Tensor, rows: list[SamplingRow],
