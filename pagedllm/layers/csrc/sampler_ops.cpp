@@ -270,7 +270,7 @@ struct TopScratch {
 
 // The c largest of a long row from a threshold estimated on a strided sample: the sample's order
 // statistic a little above where the row's c-th value should fall, then one pass keeps every value at or
-// above it (AVX-512: a compare and two compressing stores per 16 values), and only those (about 1.5 c)
+// above it (AVX-512: a compare and two compresses per 16 values), and only those (about 1.5 c)
 // are ordered. Returns false, having written nothing, where fewer than c values reached the threshold
 // (the caller then counts the whole row in the histogram). The kept set holds every value of the c
 // largest and all values tied with the c-th, so the result is top_row's.
@@ -288,8 +288,8 @@ inline bool top_row_sampled(const float* x, int64_t n, int64_t c, float* values,
   const float threshold = sample[rank - 1];
   auto& kept_values = scratch.kept_values;
   auto& kept_columns = scratch.kept_columns;
-  kept_values.resize(n);
-  kept_columns.resize(n);
+  kept_values.resize(n + 16);  // (a whole vector stored at the last kept position)
+  kept_columns.resize(n + 16);
   int64_t count = 0, j = 0;
 #if defined(__AVX512F__)
   const __m512 t = _mm512_set1_ps(threshold);
@@ -299,8 +299,11 @@ inline bool top_row_sampled(const float* x, int64_t n, int64_t c, float* values,
     const __m512 v = _mm512_loadu_ps(x + j);
     const __mmask16 keep = _mm512_cmp_ps_mask(v, t, _CMP_GE_OQ);
     if (keep == 0) continue;
-    _mm512_mask_compressstoreu_ps(kept_values.data() + count, keep, v);
-    _mm512_mask_compressstoreu_epi32(kept_columns.data() + count, keep, column);
+    // Compressed in a register and stored whole (on Zen 4 a compressing store to memory is microcoded),
+    // merged into the source (Zen 4's zero-masked compress waits on its destination's old value); the
+    // lanes past the kept ones are overwritten or never read.
+    _mm512_storeu_ps(kept_values.data() + count, _mm512_mask_compress_ps(v, keep, v));
+    _mm512_storeu_si512(kept_columns.data() + count, _mm512_mask_compress_epi32(column, keep, column));
     count += _mm_popcnt_u32(keep);
   }
 #endif
