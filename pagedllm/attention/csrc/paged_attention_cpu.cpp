@@ -514,6 +514,20 @@ __attribute__((noinline)) void fold_partial(float m, float l, const float* a, fl
 
 #if defined(PAGEDLLM_AMX)
 
+// The tile configuration this thread last loaded for an item, within the current parallel chunk of items
+// (none at a chunk's start: between op calls other AMX code, oneDNN's, may load its own). The items of a
+// path share one configuration, so a chunk loads it once, not once per item: LDTILECFG was about a fifth
+// of a short decode item's time.
+constexpr int kNoItemConfig = 0;
+thread_local int t_item_config = kNoItemConfig;
+
+inline void load_item_config(const pagedllm_amx::TileConfig& config, int kind) {
+  if (t_item_config != kind) {
+    config.load();
+    t_item_config = kind;
+  }
+}
+
 // 2^t on 16 lanes for the AMX decode path: 2^round(t) by VSCALEFPS, 2^f by a degree-5 polynomial (relative
 // error under 1e-7, far below the bf16 rounding the probabilities take next). Below 2^-126 the result is 0
 // (t = -inf too, a masked key), NaN stays NaN. The scaling never makes a subnormal: on Intel cores a
@@ -782,7 +796,7 @@ void run_decode_item_amx(const WorkItem& w, const c10::BFloat16* query, const c1
   pagedllm_amx::TileConfig config;
   config.tile(0, BS, kLanes * 4).tile(6, BS, kLanes * 4).tile(1, BS, 64).tile(2, 16, kLanes * 4);
   config.tile(3, kLanes, kChunk * 2).tile(4, kChunk / 2, 64).tile(5, kLanes, 64).tile(7, kLanes, 64);
-  config.load();
+  load_item_config(config, kLanes);  // (kinds 8 and 16)
 
   // scores times scale, in log2 units
   const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f), neg_inf = _mm512_set1_ps(kNegInf);
@@ -944,7 +958,7 @@ void run_prefill_item_amx(const WorkItem& w, const c10::BFloat16* query, const c
   pagedllm_amx::TileConfig config;
   config.tile(0, BS, kLanes * 4).tile(6, BS, kLanes * 4).tile(1, BS, 64).tile(2, 16, kLanes * 4);
   config.tile(3, kLanes, kChunk * 2).tile(4, kChunk / 2, 64).tile(5, kLanes, 64);
-  config.load();
+  load_item_config(config, 1);
   const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f);  // scores times scale, in log2 units
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   alignas(64) float alphas[kLanes];
@@ -1301,6 +1315,9 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, c
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
+#if defined(PAGEDLLM_AMX)
+    t_item_config = kNoItemConfig;
+#endif
     if (begin < end) {
       prefetch_item(items[begin], cache_ptr, tables + items[begin].seq * max_blocks, cs, block_size, head_dim);
     }
