@@ -12,8 +12,10 @@ from pagedllm import SamplingParams
 from pagedllm.cpu_kernels import load_cpu_kernels
 from pagedllm.layers.sampler import (
     SamplingRow,
+    _torch_logprob_stats,
     _torch_seeded_race,
     _torch_top_candidates,
+    logprob_stats,
     position_keys,
     row_logsumexp,
     seeded_race,
@@ -154,6 +156,31 @@ def test_row_logsumexp_is_torchs() -> None:
     special[2] = float("-inf")
     assert torch.equal(row_logsumexp(special).isnan(), special.logsumexp(dim=-1).isnan())
     assert row_logsumexp(special)[1:].tolist() == [float("inf"), float("-inf")]
+
+
+@pytest.mark.parametrize("k", [0, 1, 5, 40])
+def test_logprob_stats_are_log_softmaxs(k: int) -> None:
+    """The chosen token's log-probability, its rank and the k best, from the C++ op: within a float32 rounding of float64
+    log_softmax, the ranks and top tokens as torch's reference gives them (untied float logits), for the
+    argmax, a middling token and the last; rows with a NaN or an infinity take torch's way whole."""
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(9, 3000, generator=gen) * torch.tensor([0.5, 4.0, 20.0]).repeat(3).unsqueeze(1)
+    x[2, ::7] = float("-inf")
+    tokens = torch.cat([x[:3].argmax(dim=-1), torch.tensor([5, 1500, 2999]), x[6:].argmin(dim=-1)])
+    chosen, top_lp, top_ids, ranks = logprob_stats(x, tokens, k)
+    want_chosen, want_lp, want_ids, want_ranks = _torch_logprob_stats(x, tokens, k)
+    exact = x.double().log_softmax(dim=-1)
+    assert torch.allclose(chosen.double(), exact.gather(1, tokens.unsqueeze(1)).squeeze(1), rtol=1e-6, atol=2e-6)
+    assert torch.equal(ranks, want_ranks)
+    assert torch.equal(top_ids, want_ids)
+    assert torch.allclose(top_lp.double(), exact.gather(1, top_ids), rtol=1e-6, atol=2e-6)
+    special = x[:3].clone()
+    special[0, 3] = float("nan")
+    special[1, 9] = float("inf")
+    special[2] = float("-inf")
+    got, want = logprob_stats(special, tokens[:3], k), _torch_logprob_stats(special, tokens[:3], k)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b) or torch.equal(a.isnan(), b.isnan())
 
 
 def test_top_candidates_with_nan_are_torch_topk() -> None:

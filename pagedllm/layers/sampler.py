@@ -549,6 +549,47 @@ def _choose_cpu_categorical(logits: torch.Tensor, u: torch.Tensor) -> torch.Tens
 _cpu_categorical: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _choose_cpu_categorical
 
 
+def _torch_logprob_stats(logits: torch.Tensor, token_ids: torch.Tensor, k: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference of logprob_stats: one log_softmax, a gather, topk and a count."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1
+    return chosen, top_logprobs, top_ids, ranks
+
+
+def logprob_stats(logits: torch.Tensor, token_ids: torch.Tensor, k: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What is reported of each row's distribution log_softmax(logits) [N, V]: the log-probability of
+    token_ids [N], its rank (1 + the tokens of higher log-probability), and the k best log-probabilities
+    [N, k] with their token ids. On CPU in float32 through a C++ op that makes passes over each row and
+    writes no row-sized tensor (layers/csrc/sampler_ops.cpp); where a row holds a NaN or an infinite
+    logit, torch's way."""
+    if logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous() \
+            and logits.shape[1] > 0:
+        return _cpu_logprob_stats(logits, token_ids, k)
+    return _torch_logprob_stats(logits, token_ids, k)
+
+
+def _cpp_logprob_stats(logits: torch.Tensor, token_ids: torch.Tensor, k: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    chosen, top_logprobs, top_ids, ranks, special = torch.ops.pagedllm_cpu_sampler.logprobs(logits, token_ids, k)
+    return _torch_logprob_stats(logits, token_ids, k) if special else (chosen, top_logprobs, top_ids, ranks)
+
+
+def _choose_cpu_logprob_stats(logits: torch.Tensor, token_ids: torch.Tensor, k: int
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first CPU call decides, once, between the C++ op and torch (as _choose_cpu_argmax_rows)."""
+    global _cpu_logprob_stats
+    _cpu_logprob_stats = _cpp_logprob_stats if uses_cpu_kernels(logits) else _torch_logprob_stats
+    return _cpu_logprob_stats(logits, token_ids, k)
+
+
+_cpu_logprob_stats: Callable[[torch.Tensor, torch.Tensor, int],
+                             tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = _choose_cpu_logprob_stats
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator | None = None):
         self.generator = generator
@@ -575,13 +616,9 @@ class Sampler:
             # Nobody reads them (a request's cumulative logprob is reported only with its logprobs), and
             # the full-vocabulary pass would cost more than the greedy argmax itself.
             return SamplerOutput(token_ids, None, None, None, None)
-        # One fused log-softmax pass is cheaper here than a logsumexp followed by a subtraction.
-        raw_logprobs = raw_logits.log_softmax(dim=-1)
-        sampled_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-        topk_logprobs = topk_ids = None
-        if max_logprobs > 0:
-            topk_logprobs, topk_ids = raw_logprobs.topk(max_logprobs, dim=-1)
-        ranks = (raw_logprobs > sampled_logprobs.unsqueeze(1)).sum(dim=-1) + 1
+        sampled_logprobs, topk_logprobs, topk_ids, ranks = logprob_stats(raw_logits, token_ids, max_logprobs)
+        if max_logprobs == 0:
+            topk_logprobs = topk_ids = None
         return SamplerOutput(token_ids, sampled_logprobs, topk_logprobs, topk_ids, ranks)
 
     def _sample_unseeded(self, logits: torch.Tensor, rows: list[SamplingRow],

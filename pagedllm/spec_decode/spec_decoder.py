@@ -28,7 +28,7 @@ import torch
 from pagedllm.config import SchedulerConfig
 from pagedllm.core_types.model_runner_output import ModelRunnerOutput
 from pagedllm.core_types.scheduler_output import ScheduledRequest
-from pagedllm.layers.sampler import SamplingRow, argmax_rows, processed_probs, seeded_sample, select_rows
+from pagedllm.layers.sampler import SamplingRow, argmax_rows, logprob_stats, processed_probs, seeded_sample, select_rows
 from pagedllm.metrics.reader import Counter, Gauge, Metric
 from pagedllm.outputs import position_logprobs
 from pagedllm.spec_decode import SpeculativeConfig
@@ -411,13 +411,11 @@ class SpecDecoder:
         tokens = [t for _, result, _ in emitted for t in result.token_ids]
         rows_t = torch.tensor(rows, dtype=torch.long, device=logits.device)
         tokens_t = torch.tensor(tokens, dtype=torch.long, device=logits.device)
-        selected = logits[rows_t].log_softmax(dim=-1)
-        chosen = selected.gather(1, tokens_t.unsqueeze(1)).squeeze(1)
-        chosen_list = chosen.tolist()
-        ranks = ((selected > chosen.unsqueeze(1)).sum(dim=-1) + 1).tolist()
+        # (the plain sampler's function: a token's logprobs are the same bits whether it was verified or sampled)
+        chosen, top_lp_t, top_ids_t, ranks_t = logprob_stats(logits[rows_t], tokens_t, max_logprobs)
+        chosen_list, ranks = chosen.tolist(), ranks_t.tolist()
         top_lp = top_ids = None
         if max_logprobs > 0:
-            top_lp_t, top_ids_t = selected.topk(max_logprobs, dim=-1)
             top_lp, top_ids = top_lp_t.tolist(), top_ids_t.tolist()
         i = 0
         for (s, result, _), num_lp in zip(emitted, wants):

@@ -35,7 +35,7 @@ from pagedllm.core_types.scheduler_output import (
 )
 from pagedllm.distributed.parallel_state import broadcast_object, broadcast_tensor
 from pagedllm.kv_cache.quant import KV_CACHE_DTYPES, is_quantized, resolve_kv_cache_dtype  # noqa: F401
-from pagedllm.layers.sampler import Sampler, SamplingRow, argmax_rows
+from pagedllm.layers.sampler import Sampler, SamplingRow, argmax_rows, logprob_stats
 from pagedllm.models.loader import load_model
 from pagedllm.outputs import PositionLogprobs, position_logprobs
 from pagedllm.platform import zero_page_buffer
@@ -695,14 +695,11 @@ class ModelRunner:
                            list(params.all_stop_token_ids))
 
     def _prompt_logprobs(self, s: ScheduledRequest, logits: torch.Tensor) -> list[PositionLogprobs]:
-        logprobs = logits.log_softmax(dim=-1)
         request = s.request
         targets = torch.tensor(request.prompt_token_ids[s.start_pos + 1:s.start_pos + 1 + len(logits)],
-                               device=logprobs.device)
-        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
-        ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1
-        k = request.sampling_params.prompt_logprobs
-        top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+                               device=logits.device)
+        chosen, top_lp, top_ids, ranks = logprob_stats(logits.contiguous(), targets,
+                                                       request.sampling_params.prompt_logprobs or 0)
         return [position_logprobs(target, lp, rank, ids, lps) for target, lp, rank, ids, lps in
                 zip(targets.tolist(), chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist())]
 

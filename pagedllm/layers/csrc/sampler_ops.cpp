@@ -440,6 +440,32 @@ at::Tensor categorical(const at::Tensor& values, const at::Tensor& uniforms) {
   return out;
 }
 
+namespace {
+
+// sum(exp(x - m)) over a row (m its max), in float64 over float blocks of kDrawBlock
+inline double exp_sum(const float* x, int64_t n, float m) {
+  double total = 0.0;
+  for (int64_t begin = 0; begin < n; begin += kDrawBlock) {
+    const int64_t end = std::min(n, begin + kDrawBlock);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = begin; j < end; ++j) sum += pagedllm::fast_exp(x[j] - m);
+    total += sum;
+  }
+  return total;
+}
+
+// How many of the row's log-probabilities (x - m) - log_sum exceed `chosen`, in that float arithmetic.
+// (A function of its own: inlined into a parallel lambda, GCC may leave such a loop scalar.)
+__attribute__((noinline)) int64_t count_above(const float* x, int64_t n, float m, float log_sum, float chosen) {
+  int above = 0;
+#pragma omp simd reduction(+ : above)
+  for (int64_t j = 0; j < n; ++j) above += ((x[j] - m) - log_sum) > chosen;
+  return above;
+}
+
+}  // namespace
+
 // row_logsumexp: each row's log(sum(exp(x))), top-p's normalizer over a whole row, in two passes (the
 // max, then fast_exp(x - max) summed in float64) where torch's logsumexp makes four (max, subtract, exp,
 // sum) and writes two row-sized tensors. A row with a NaN gives NaN, with +inf +inf, all -inf -inf.
@@ -463,23 +489,71 @@ at::Tensor row_logsumexp(const at::Tensor& x) {
         lse[r] = m;
         continue;
       }
-      double total = 0.0;
-      for (int64_t begin_block = 0; begin_block < cols; begin_block += kDrawBlock) {
-        const int64_t end_block = std::min(cols, begin_block + kDrawBlock);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = begin_block; j < end_block; ++j) sum += pagedllm::fast_exp(row[j] - m);
-        total += sum;
-      }
-      lse[r] = static_cast<float>(static_cast<double>(m) + std::log(total));
+      lse[r] = static_cast<float>(static_cast<double>(m) + std::log(exp_sum(row, cols, m)));
     }
   });
   return out;
 }
 
+// logprobs: what the sampler reports of each row's raw distribution, the log-probabilities
+// (x - max) - log(sum(exp(x - max))) as log_softmax computes them: the chosen token's, its rank (1 + the
+// tokens whose log-probability is higher) and the k best tokens' (top_candidates' order). Torch's way
+// (log_softmax, gather, topk, a comparison summed as int64) writes three row-sized tensors; here the max,
+// the sum, the count and the k best are passes over the row alone. A row with a NaN or an infinite max
+// sets `special` and nothing of the call is used (the caller runs torch's way).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> logprobs(const at::Tensor& x,
+                                                                       const at::Tensor& token_ids, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "logprobs: x must be a contiguous 2-D float32 tensor");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  TORCH_CHECK(token_ids.dim() == 1 && token_ids.size(0) == rows && token_ids.scalar_type() == at::kLong,
+              "logprobs: one int64 token id per row");
+  TORCH_CHECK(k >= 0 && k <= cols, "logprobs: k must be in [0, columns]");
+  const auto ids = token_ids.contiguous();
+  auto chosen = at::empty({rows}, x.options());
+  auto top_values = at::empty({rows, k}, x.options());
+  auto top_columns = at::empty({rows, k}, x.options().dtype(at::kLong));
+  auto ranks = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* in = x.data_ptr<float>();
+  const int64_t* token = ids.data_ptr<int64_t>();
+  float* chosen_lp = chosen.data_ptr<float>();
+  float* top_lp = top_values.data_ptr<float>();
+  int64_t* top_col = top_columns.data_ptr<int64_t>();
+  int64_t* rank = ranks.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(token[r] >= 0 && token[r] < cols, "logprobs: token id out of range");
+  std::atomic<bool> special{false};
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> hist(2048);
+    std::vector<std::pair<uint32_t, int64_t>> picked;
+    TopScratch scratch;
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = in + r * cols;
+      bool maybe_nan = false;  // (also set by an infinity)
+      const float m = pagedllm::chunk_max(row, cols, maybe_nan);
+      if (std::isinf(m) || (maybe_nan && std::any_of(row, row + cols, [](float v) { return v != v; }))) {
+        special = true;
+        continue;
+      }
+      const float log_sum = static_cast<float>(std::log(exp_sum(row, cols, m)));
+      chosen_lp[r] = (row[token[r]] - m) - log_sum;
+      rank[r] = 1 + count_above(row, cols, m, log_sum, chosen_lp[r]);
+      if (k == 0) continue;
+      float* values = top_lp + r * k;
+      int64_t* columns = top_col + r * k;
+      if (!(cols >= 8 * k && cols <= std::numeric_limits<int32_t>::max() &&
+            top_row_sampled(row, cols, k, values, columns, scratch, picked))) {
+        top_row(row, cols, k, values, columns, hist, picked);
+      }
+      for (int64_t i = 0; i < k; ++i) values[i] = (values[i] - m) - log_sum;
+    }
+  });
+  return {chosen, top_values, top_columns, ranks, special.load()};
+}
+
 TORCH_LIBRARY(pagedllm_cpu_sampler, m) {
   m.def("categorical(Tensor values, Tensor uniforms) -> Tensor");
   m.def("row_logsumexp(Tensor x) -> Tensor");
+  m.def("logprobs(Tensor x, Tensor token_ids, int k) -> (Tensor, Tensor, Tensor, Tensor, bool)");
   m.def("seeded_race(Tensor values, Tensor? token_ids, Tensor keys) -> Tensor");
   m.def("top_candidates(Tensor x, int c) -> (Tensor, Tensor, bool)");
 }
@@ -487,6 +561,7 @@ TORCH_LIBRARY(pagedllm_cpu_sampler, m) {
 TORCH_LIBRARY_IMPL(pagedllm_cpu_sampler, CPU, m) {
   m.impl("categorical", &categorical);
   m.impl("row_logsumexp", &row_logsumexp);
+  m.impl("logprobs", &logprobs);
   m.impl("seeded_race", &seeded_race);
   m.impl("top_candidates", &top_candidates);
 }
