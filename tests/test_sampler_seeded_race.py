@@ -160,9 +160,10 @@ def test_row_logsumexp_is_torchs() -> None:
 
 @pytest.mark.parametrize("k", [0, 1, 5, 40])
 def test_logprob_stats_are_log_softmaxs(k: int) -> None:
-    """The chosen token's log-probability, its rank and the k best, from the C++ op: within a float32 rounding of float64
-    log_softmax, the ranks and top tokens as torch's reference gives them (untied float logits), for the
-    argmax, a middling token and the last; rows with a NaN or an infinity take torch's way whole."""
+    """The chosen token's log-probability, its rank and the k best, from the C++ op: within a float32
+    rounding of float64 log_softmax, the ranks and top tokens as torch's reference gives them (untied float
+    logits), for the argmax, a middling token and the last; rows with a NaN or an infinity take torch's way
+    whole."""
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(9, 3000, generator=gen) * torch.tensor([0.5, 4.0, 20.0]).repeat(3).unsqueeze(1)
     x[2, ::7] = float("-inf")
