@@ -84,7 +84,7 @@ def test_candidates_keep_what_the_full_sort_keeps(scale: float) -> None:
 
 def test_each_candidate_tier_and_the_full_sort_keep_what_the_rule_keeps(monkeypatch) -> None:
     """Rows of 8,192 logits: peaked ones kept within the first 256 candidates, flatter ones within the
-    next tier's 4,096, the flattest by the full sort only; each row the rule's kept set, whichever path."""
+    next tier's 4,096, the flattest over the whole row only; each row the rule's kept set, whichever path."""
     gen = torch.Generator().manual_seed(11)
     scales = torch.tensor([5.0, 2.5, 0.3, 5.0, 2.0, 0.5])
     logits = torch.randn(6, 2 * CANDIDATE_TIERS[-1], generator=gen, dtype=torch.float64).float() * scales.unsqueeze(1)
@@ -94,13 +94,33 @@ def test_each_candidate_tier_and_the_full_sort_keep_what_the_rule_keeps(monkeypa
     groups, slow = kept_candidates(logits, top_k, top_p)
     assert [(index.tolist(), values.shape[1]) for index, values, _ in groups] == [([0, 3], 256), ([1, 4], 4096)]
     assert slow.tolist() == [2, 5]
-    sorted_rows = []
-    full_sort = sampler._sort_top_k_top_p
-    monkeypatch.setattr(sampler, "_sort_top_k_top_p",
-                        lambda x, k, p: sorted_rows.append(x.shape[0]) or full_sort(x, k, p))
+    whole_rows = []
+    whole = sampler._whole_row_top_k_top_p
+    monkeypatch.setattr(sampler, "_whole_row_top_k_top_p",
+                        lambda x, k, p: whole_rows.append(x.shape[0]) or whole(x, k, p))
     got = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
-    assert sorted_rows == [2]
+    assert whole_rows == [2]
     assert torch.equal(torch.isfinite(got), torch.isfinite(reference(logits, top_k, top_p, min_p)))
+
+
+def test_whole_rows_keep_what_the_rule_keeps() -> None:
+    """Rows past every candidate tier: those with top-p alone by the C++ threshold (no sort), those with a
+    top-k too by the sort; flat, peaked, tied and partly -inf rows all keep the rule's set, and a row with a
+    NaN or an infinite logit sends the call to the sort."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(8, 6000, generator=gen, dtype=torch.float64).float() * \
+        torch.tensor([0.3, 1.0, 2.0, 4.0]).repeat(2).unsqueeze(1)
+    logits[1] = (logits[1] * 4).round() / 4
+    logits[2, ::3] = float("-inf")
+    top_k = torch.tensor([0, 0, 0, 0, 0, 3000, 0, 6000])
+    top_p = torch.tensor([0.5, 0.9, 0.95, 0.99, 0.999, 0.9, 0.7, 0.8])
+    got = sampler._whole_row_top_k_top_p(logits, top_k, top_p)
+    want = reference(logits, top_k, top_p, torch.zeros(8))
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    special = logits[:2].clone()
+    special[0, 7] = float("inf")
+    got = sampler._whole_row_top_k_top_p(special, top_k[:2], top_p[:2])
+    assert torch.equal(torch.isfinite(got), torch.isfinite(sampler._sort_top_k_top_p(special, top_k[:2], top_p[:2])))
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:

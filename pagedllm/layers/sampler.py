@@ -169,6 +169,30 @@ def _kept_threshold(values: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, 
     return values.gather(1, (num_kept - 1).unsqueeze(1)), cumulative[:, -1]
 
 
+def _whole_row_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p over whole rows (those no candidate tier holds): rows with top-p alone by a
+    threshold found without a sort on CPU (`top_p_threshold`: the mass of a row's values in bins, then a
+    sort of one bin), the rest by the full sort."""
+    vocab = logits.shape[-1]
+    alone = (top_k <= 0) | (top_k >= vocab)
+    if not (logits.is_cpu and logits.dtype == torch.float32 and logits.is_contiguous() and bool(alone.any())
+            and uses_cpu_kernels(logits)):
+        return _sort_top_k_top_p(logits, top_k, top_p)
+    rows = alone.nonzero().flatten()
+    sub = _rows_of(logits, rows)
+    threshold, special = torch.ops.pagedllm_cpu_sampler.top_p_threshold(sub, top_p[rows])
+    if special:
+        return _sort_top_k_top_p(logits, top_k, top_p)
+    kept = sub.masked_fill(sub < threshold.unsqueeze(1), float("-inf"))
+    if len(rows) == logits.shape[0]:
+        return kept
+    out = logits.clone()
+    out[rows] = kept
+    rest = (~alone).nonzero().flatten()
+    out[rest] = _sort_top_k_top_p(logits[rest], top_k[rest], top_p[rest])
+    return out
+
+
 def _sort_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Top-k then top-p by a full sort: the reference, used where the candidate set may not suffice."""
     vocab = logits.shape[-1]
@@ -179,15 +203,17 @@ def _sort_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 
 def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                           num_candidates: int = TOP_CANDIDATES) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           num_candidates: int = TOP_CANDIDATES
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k then top-p over each row's num_candidates best tokens.
 
     Returns (candidate logits [N, C] in descending order with the removed ones -inf, their token ids [N, C],
-    exact [N]). A row is exact when its kept set provably lies within the candidates: top_k <= C (the
-    top-k set is the candidates' prefix and top-p renormalizes over it), or no top-k and the candidates'
-    mass under the full softmax already reaches top_p (every later token has at least that much mass
-    before it, so top-p removes it); and in both cases the threshold lies above the last candidate's logit
-    (else a token tied with it may sit outside). Rows that are not exact must be filtered by the full sort.
+    exact [N], the candidates' mass [N] under the distribution top-p normalizes). A row is exact when its
+    kept set provably lies within the candidates: top_k <= C (the top-k set is the candidates' prefix and
+    top-p renormalizes over it), or no top-k and the candidates' mass under the full softmax already
+    reaches top_p (every later token has at least that much mass before it, so top-p removes it); and in
+    both cases the threshold lies above the last candidate's logit (else a token tied with it may sit
+    outside). Rows that are not exact must be filtered over the whole row.
     Every quantity is per row, so a row's result never depends on the rest of the batch."""
     vocab = logits.shape[-1]
     c = min(num_candidates, vocab)
@@ -202,7 +228,7 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
         log_norm = torch.where(within, log_norm, row_logsumexp(logits))
     threshold, mass = _kept_threshold(values, k.clamp(max=c), top_p, log_norm)
     exact = (within | ((k >= vocab) & (mass >= top_p))) & ((threshold.squeeze(1) > values[:, -1]) | (c == vocab))
-    return values.masked_fill(values < threshold, float("-inf")), ids, exact
+    return values.masked_fill(values < threshold, float("-inf")), ids, exact, mass
 
 
 def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
@@ -235,18 +261,29 @@ def kept_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     rows that no tier holds, for the full sort), rows as ascending indices into logits."""
     vocab = logits.shape[-1]
     rows = torch.arange(logits.shape[0], device=logits.device)
-    groups = []
-    for num_candidates in CANDIDATE_TIERS:
-        values, ids, exact = top_k_top_p_candidates(_rows_of(logits, rows), top_k[rows], top_p[rows], num_candidates)
+    groups, hopeless = [], []
+    for tier, num_candidates in enumerate(CANDIDATE_TIERS):
+        values, ids, exact, mass = top_k_top_p_candidates(_rows_of(logits, rows), top_k[rows], top_p[rows],
+                                                          num_candidates)
         if bool(exact.all()):
             groups.append((rows, values, ids))
-            return groups, rows[:0]
+            break
         if bool(exact.any()):
             groups.append((rows[exact], values[exact], ids[exact]))
-        rows = rows[~exact]
-        if num_candidates >= vocab:
+        if num_candidates >= vocab or tier + 1 == len(CANDIDATE_TIERS):
+            hopeless.append(rows[~exact])
             break
-    return groups, rows
+        # Sorted, no later candidate outweighs an earlier one, so n candidates hold at most n / c times the
+        # mass of c: a row without top-k whose next tier cannot reach top_p goes to the whole row now.
+        scale = min(CANDIDATE_TIERS[tier + 1], vocab) / num_candidates
+        k = top_k[rows]
+        out_of_reach = ~exact & ((k <= 0) | (k >= vocab)) & (mass * scale < top_p[rows])
+        hopeless.append(rows[out_of_reach])
+        rows = rows[~exact & ~out_of_reach]
+        if len(rows) == 0:
+            break
+    rest = torch.cat(hopeless) if hopeless else rows[:0]
+    return groups, rest.sort().values
 
 
 def top_candidates(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,7 +331,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
         for index, values, ids in groups:
             sub[index] = sub[index].scatter_(1, ids, values)
         if len(slow):
-            sub[slow] = _sort_top_k_top_p(sub_logits[slow], sub_k[slow], sub_p[slow])
+            sub[slow] = _whole_row_top_k_top_p(sub_logits[slow], sub_k[slow], sub_p[slow])
         logits = logits.clone()
         logits[rows] = sub
     return logits
@@ -497,11 +534,13 @@ def sample_kept(logits: torch.Tensor, rows: list[SamplingRow],
     if bool(full.any()):
         rows_v = full.nonzero().flatten()
         kept = _rows_of(scaled, rows_v)
-        sort = filtered[rows_v]  # rows no candidate tier holds: the full sort (min-p already applied)
-        if bool(sort.any()):
+        whole = filtered[rows_v]  # rows no candidate tier holds: filtered over the whole row (min-p already applied)
+        if bool(whole.all()):
+            kept = _whole_row_top_k_top_p(kept, top_k[rows_v], top_p[rows_v])
+        elif bool(whole.any()):
             kept = kept.clone()
-            rows_s = rows_v[sort]
-            kept[sort] = _sort_top_k_top_p(scaled[rows_s], top_k[rows_s], top_p[rows_s])
+            rows_w = rows_v[whole]
+            kept[whole] = _whole_row_top_k_top_p(scaled[rows_w], top_k[rows_w], top_p[rows_w])
         token_ids[rows_v] = draw(kept, None, rows_v)
     return token_ids
 

@@ -495,6 +495,69 @@ at::Tensor row_logsumexp(const at::Tensor& x) {
   return out;
 }
 
+// top_p_threshold: for rows filtered by top-p alone (no top-k), the smallest logit top-p keeps, without
+// sorting the row: a token is kept iff the mass of the tokens strictly above it is below top_p (so ties
+// with the last kept token stay, as sampler.py's rule says). One pass sums each row's probabilities
+// (fast_exp(x - max), float64) into 2,048 bins of the values' order keys; the bins are walked from the
+// top to the one where the mass above reaches top_p, and only that bin's values are sorted. A row with a
+// NaN or an infinite max sets `special` (the caller sorts).
+std::tuple<at::Tensor, bool> top_p_threshold(const at::Tensor& x, const at::Tensor& top_p) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "top_p_threshold: x must be a contiguous 2-D float32 tensor");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  TORCH_CHECK(top_p.dim() == 1 && top_p.size(0) == rows, "top_p_threshold: one top_p per row");
+  const auto p = top_p.to(at::kDouble).contiguous();
+  auto out = at::empty({rows}, x.options());
+  const float* in = x.data_ptr<float>();
+  const double* top = p.data_ptr<double>();
+  float* threshold = out.data_ptr<float>();
+  std::atomic<bool> special{false};
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    constexpr int kShift = 21, kBins = 2048;
+    std::vector<double> mass(kBins);
+    std::vector<float> bin_values;
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = in + r * cols;
+      bool maybe_nan = false;  // (also set by an infinity)
+      const float m = pagedllm::chunk_max(row, cols, maybe_nan);
+      if (std::isinf(m) || (maybe_nan && std::any_of(row, row + cols, [](float v) { return v != v; }))) {
+        special = true;
+        continue;
+      }
+      std::fill(mass.begin(), mass.end(), 0.0);
+      double total = 0.0;
+      for (int64_t j = 0; j < cols; ++j) {
+        const double pj = pagedllm::fast_exp(row[j] - m);
+        mass[order_key(row[j]) >> kShift] += pj;
+        total += pj;
+      }
+      const double target = top[r] * total;
+      double above = 0.0;  // the mass of the bins above the current one
+      int bin = kBins - 1;
+      for (; bin > 0 && above + mass[bin] < target; --bin) above += mass[bin];
+      // the bin where the mass above a token reaches top_p: its values, largest first, by distinct value
+      bin_values.clear();
+      for (int64_t j = 0; j < cols; ++j) {
+        if (static_cast<int>(order_key(row[j]) >> kShift) == bin) bin_values.push_back(row[j]);
+      }
+      std::sort(bin_values.begin(), bin_values.end(), std::greater<float>());
+      // (the first value always stays: the mass above it is below top_p; an empty bin, which rounding
+      // alone could reach, keeps the max alone)
+      float kept = bin_values.empty() ? m : bin_values.front();
+      for (size_t i = 0; i < bin_values.size();) {
+        if (above >= target) break;
+        kept = bin_values[i];
+        size_t same = i;
+        while (same < bin_values.size() && bin_values[same] == bin_values[i]) ++same;
+        above += static_cast<double>(same - i) * pagedllm::fast_exp(bin_values[i] - m);
+        i = same;
+      }
+      threshold[r] = kept;
+    }
+  });
+  return {out, special.load()};
+}
+
 // logprobs: what the sampler reports of each row's raw distribution, the log-probabilities
 // (x - max) - log(sum(exp(x - max))) as log_softmax computes them: the chosen token's, its rank (1 + the
 // tokens whose log-probability is higher) and the k best tokens' (top_candidates' order). Torch's way
@@ -554,6 +617,7 @@ TORCH_LIBRARY(pagedllm_cpu_sampler, m) {
   m.def("categorical(Tensor values, Tensor uniforms) -> Tensor");
   m.def("row_logsumexp(Tensor x) -> Tensor");
   m.def("logprobs(Tensor x, Tensor token_ids, int k) -> (Tensor, Tensor, Tensor, Tensor, bool)");
+  m.def("top_p_threshold(Tensor x, Tensor top_p) -> (Tensor, bool)");
   m.def("seeded_race(Tensor values, Tensor? token_ids, Tensor keys) -> Tensor");
   m.def("top_candidates(Tensor x, int c) -> (Tensor, Tensor, bool)");
 }
@@ -562,6 +626,7 @@ TORCH_LIBRARY_IMPL(pagedllm_cpu_sampler, CPU, m) {
   m.impl("categorical", &categorical);
   m.impl("row_logsumexp", &row_logsumexp);
   m.impl("logprobs", &logprobs);
+  m.impl("top_p_threshold", &top_p_threshold);
   m.impl("seeded_race", &seeded_race);
   m.impl("top_candidates", &top_candidates);
 }
