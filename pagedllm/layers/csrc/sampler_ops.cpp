@@ -327,6 +327,34 @@ inline bool top_row_sampled(const float* x, int64_t n, int64_t c, float* values,
   return true;
 }
 
+// The c largest values of rows without a NaN and their columns, one thread's scratch kept across its rows:
+// a sampled threshold for a long row, the histogram for a short one or where the threshold fell short.
+struct TopSelector {
+  std::vector<uint32_t> hist = std::vector<uint32_t>(2048);
+  std::vector<std::pair<uint32_t, int64_t>> picked;
+  TopScratch scratch;
+
+  void select(const float* row, int64_t n, int64_t c, float* values, int64_t* columns) {
+    if (n >= 8 * c && n <= std::numeric_limits<int32_t>::max() &&
+        top_row_sampled(row, n, c, values, columns, scratch, picked)) {
+      return;
+    }
+    top_row(row, n, c, values, columns, hist, picked);
+  }
+};
+
+// Whether a row whose max pass set maybe_nan (a NaN or an infinity: chunk_max) holds a NaN.
+inline bool has_nan(const float* row, int64_t n, bool maybe_nan) {
+  return maybe_nan && std::any_of(row, row + n, [](float value) { return value != value; });
+}
+
+// The row's max into m; false where it is infinite or the row holds a NaN (no softmax to speak of).
+inline bool finite_max(const float* row, int64_t n, float& m) {
+  bool maybe_nan = false;
+  m = pagedllm::chunk_max(row, n, maybe_nan);
+  return !std::isinf(m) && !has_nan(row, n, maybe_nan);
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, bool> top_candidates(const at::Tensor& x, int64_t c) {
@@ -341,22 +369,16 @@ std::tuple<at::Tensor, at::Tensor, bool> top_candidates(const at::Tensor& x, int
   int64_t* col = columns.data_ptr<int64_t>();
   std::atomic<bool> nan{false};
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> hist(2048);
-    std::vector<std::pair<uint32_t, int64_t>> picked;
-    TopScratch scratch;
+    TopSelector selector;
     for (int64_t r = begin; r < end; ++r) {
       const float* row = in + r * cols;
-      bool maybe_nan = false;  // (also set by an infinity)
+      bool maybe_nan = false;
       pagedllm::chunk_max(row, cols, maybe_nan);
-      if (maybe_nan && std::any_of(row, row + cols, [](float value) { return value != value; })) {
+      if (has_nan(row, cols, maybe_nan)) {
         nan = true;  // the caller runs torch.topk
         continue;
       }
-      if (cols >= 8 * c && cols <= std::numeric_limits<int32_t>::max() &&
-          top_row_sampled(row, cols, c, v + r * c, col + r * c, scratch, picked)) {
-        continue;
-      }
-      top_row(row, cols, c, v + r * c, col + r * c, hist, picked);
+      selector.select(row, cols, c, v + r * c, col + r * c);
     }
   });
   return {values, columns, nan.load()};
@@ -479,9 +501,9 @@ at::Tensor row_logsumexp(const at::Tensor& x) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = in + r * cols;
-      bool maybe_nan = false;  // (also set by an infinity)
+      bool maybe_nan = false;
       const float m = pagedllm::chunk_max(row, cols, maybe_nan);
-      if (maybe_nan && std::any_of(row, row + cols, [](float value) { return value != value; })) {
+      if (has_nan(row, cols, maybe_nan)) {
         lse[r] = std::numeric_limits<float>::quiet_NaN();
         continue;
       }
@@ -518,9 +540,8 @@ std::tuple<at::Tensor, bool> top_p_threshold(const at::Tensor& x, const at::Tens
     std::vector<float> bin_values;
     for (int64_t r = begin; r < end; ++r) {
       const float* row = in + r * cols;
-      bool maybe_nan = false;  // (also set by an infinity)
-      const float m = pagedllm::chunk_max(row, cols, maybe_nan);
-      if (std::isinf(m) || (maybe_nan && std::any_of(row, row + cols, [](float v) { return v != v; }))) {
+      float m;
+      if (!finite_max(row, cols, m)) {
         special = true;
         continue;
       }
@@ -586,14 +607,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> logprobs(const 
   for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(token[r] >= 0 && token[r] < cols, "logprobs: token id out of range");
   std::atomic<bool> special{false};
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> hist(2048);
-    std::vector<std::pair<uint32_t, int64_t>> picked;
-    TopScratch scratch;
+    TopSelector selector;
     for (int64_t r = begin; r < end; ++r) {
       const float* row = in + r * cols;
-      bool maybe_nan = false;  // (also set by an infinity)
-      const float m = pagedllm::chunk_max(row, cols, maybe_nan);
-      if (std::isinf(m) || (maybe_nan && std::any_of(row, row + cols, [](float v) { return v != v; }))) {
+      float m;
+      if (!finite_max(row, cols, m)) {
         special = true;
         continue;
       }
@@ -602,11 +620,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> logprobs(const 
       rank[r] = 1 + count_above(row, cols, m, log_sum, chosen_lp[r]);
       if (k == 0) continue;
       float* values = top_lp + r * k;
-      int64_t* columns = top_col + r * k;
-      if (!(cols >= 8 * k && cols <= std::numeric_limits<int32_t>::max() &&
-            top_row_sampled(row, cols, k, values, columns, scratch, picked))) {
-        top_row(row, cols, k, values, columns, hist, picked);
-      }
+      selector.select(row, cols, k, values, top_col + r * k);
       for (int64_t i = 0; i < k; ++i) values[i] = (values[i] - m) - log_sum;
     }
   });
