@@ -105,25 +105,26 @@ inline void scan_block(const float* x, const int64_t* ids, int64_t n, uint64_t k
   }
 }
 
+// A row's max into m (NaNs skipped), and the column the row takes without a softmax or a race where its
+// values leave no choice, as torch.argmax would: the first NaN, else the first +inf (+inf plus any noise
+// stays +inf), column 0 where every value is -inf; -1 for a row of finite max and no NaN.
+inline int64_t argmax_without_softmax(const float* x, int64_t n, float& m) {
+  bool maybe_nan = false;  // (also set by an infinity: the scan then finds no NaN)
+  m = pagedllm::chunk_max(x, n, maybe_nan);
+  for (int64_t j = 0; maybe_nan && j < n; ++j) {
+    if (x[j] != x[j]) return j;
+  }
+  if (m == std::numeric_limits<float>::infinity()) return std::find(x, x + n, m) - x;
+  if (m == -std::numeric_limits<float>::infinity()) return 0;
+  return -1;
+}
+
 // Steps 1 and 2 for one row of n values; token id of column j: ids[j], or j.
 inline void plan_row(const float* x, const int64_t* ids, int64_t n, uint64_t key, RowPlan& plan) {
-  bool maybe_nan = false;  // (also set by an infinity: the scan then finds no NaN)
-  const float best = pagedllm::chunk_max(x, n, maybe_nan);  // NaNs skipped
-  for (int64_t j = 0; maybe_nan && j < n; ++j) {
-    if (x[j] != x[j]) {  // NaN: torch.argmax takes the first
-      plan.answer = j;
-      return;
-    }
-  }
-  if (best == -std::numeric_limits<float>::infinity()) {  // the race's values are all -inf: column 0
-    plan.answer = 0;
-    return;
-  }
+  float best;
+  plan.answer = argmax_without_softmax(x, n, best);
+  if (plan.answer >= 0) return;
   const int64_t top = std::find(x, x + n, best) - x;
-  if (std::isinf(best)) {  // +inf + g is +inf: the first +inf wins
-    plan.answer = top;
-    return;
-  }
   const double u_top = seeded_uniform(key, ids ? ids[top] : top);
   // std::log, not at::log, may differ from the reference in the last bit: the margin covers that (the
   // race values are below 1e3, their ulp below 1e-12).
@@ -227,17 +228,27 @@ inline uint32_t order_key(float v) {  // ascending keys for ascending floats, -0
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
-// false if the row holds a NaN
-inline bool top_row(const float* x, int64_t n, int64_t c, float* values, int64_t* columns,
+// The c largest of the picked (order key, column) pairs, largest first and equal keys by column, written
+// out as values and columns of x.
+inline void write_largest(const float* x, std::vector<std::pair<uint32_t, int64_t>>& picked, int64_t c,
+                          float* values, int64_t* columns) {
+  auto larger = [](const std::pair<uint32_t, int64_t>& a, const std::pair<uint32_t, int64_t>& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  };
+  std::nth_element(picked.begin(), picked.begin() + (c - 1), picked.end(), larger);
+  std::sort(picked.begin(), picked.begin() + c, larger);
+  for (int64_t i = 0; i < c; ++i) {
+    values[i] = x[picked[i].second];
+    columns[i] = picked[i].second;
+  }
+}
+
+// The c largest of a row without a NaN by the histogram of its keys.
+inline void top_row(const float* x, int64_t n, int64_t c, float* values, int64_t* columns,
                     std::vector<uint32_t>& hist, std::vector<std::pair<uint32_t, int64_t>>& picked) {
   constexpr int kShift = 21;
   std::fill(hist.begin(), hist.end(), 0u);
-  bool nan = false;
-  for (int64_t j = 0; j < n; ++j) {
-    nan |= x[j] != x[j];
-    ++hist[order_key(x[j]) >> kShift];
-  }
-  if (nan) return false;
+  for (int64_t j = 0; j < n; ++j) ++hist[order_key(x[j]) >> kShift];
   int64_t bin = static_cast<int64_t>(hist.size()) - 1, count = 0;
   for (; bin > 0; --bin) {
     count += hist[bin];
@@ -249,16 +260,7 @@ inline bool top_row(const float* x, int64_t n, int64_t c, float* values, int64_t
     const uint32_t key = order_key(x[j]);
     if (key >= floor) picked.emplace_back(key, j);
   }
-  // the c largest keys, largest first; equal keys by column
-  auto larger = [](const std::pair<uint32_t, int64_t>& a, const std::pair<uint32_t, int64_t>& b) {
-    return a.first != b.first ? a.first > b.first : a.second < b.second;
-  };
-  std::partial_sort(picked.begin(), picked.begin() + c, picked.end(), larger);
-  for (int64_t i = 0; i < c; ++i) {
-    values[i] = x[picked[i].second];
-    columns[i] = picked[i].second;
-  }
-  return true;
+  write_largest(x, picked, c, values, columns);
 }
 
 // Scratch of one thread's rows for top_row_sampled.
@@ -315,15 +317,7 @@ inline bool top_row_sampled(const float* x, int64_t n, int64_t c, float* values,
   if (count < c) return false;
   picked.clear();
   for (int64_t i = 0; i < count; ++i) picked.emplace_back(order_key(kept_values[i]), kept_columns[i]);
-  auto larger = [](const std::pair<uint32_t, int64_t>& a, const std::pair<uint32_t, int64_t>& b) {
-    return a.first != b.first ? a.first > b.first : a.second < b.second;
-  };
-  std::nth_element(picked.begin(), picked.begin() + (c - 1), picked.end(), larger);
-  std::sort(picked.begin(), picked.begin() + c, larger);
-  for (int64_t i = 0; i < c; ++i) {
-    values[i] = x[picked[i].second];
-    columns[i] = picked[i].second;
-  }
+  write_largest(x, picked, c, values, columns);
   return true;
 }
 
@@ -398,13 +392,9 @@ namespace {
 constexpr int64_t kDrawBlock = 256;
 
 inline int64_t draw_row(const float* x, int64_t n, double u, float* p, std::vector<double>& block_sums) {
-  bool maybe_nan = false;  // (also set by an infinity: the scan then finds no NaN)
-  const float m = pagedllm::chunk_max(x, n, maybe_nan);  // NaNs skipped
-  for (int64_t j = 0; maybe_nan && j < n; ++j) {
-    if (x[j] != x[j]) return j;
-  }
-  if (m == std::numeric_limits<float>::infinity()) return std::find(x, x + n, m) - x;
-  if (m == -std::numeric_limits<float>::infinity()) return 0;
+  float m;
+  const int64_t answer = argmax_without_softmax(x, n, m);
+  if (answer >= 0) return answer;
   const int64_t blocks = (n + kDrawBlock - 1) / kDrawBlock;
   block_sums.resize(blocks);
   double total = 0.0;
