@@ -24,6 +24,21 @@ def uses_cpu_kernels(x: torch.Tensor) -> bool:
     return x.is_cpu and load_cpu_kernels()
 
 
+def chosen_on_first_call(namespace: dict[str, Any], name: str, cpp: Callable[[], Callable[..., Any]],
+                         reference: Callable[..., Any]) -> Callable[..., Any]:
+    """CustomOp's choice for a plain function: a stand-in for namespace[name] whose first call puts there,
+    from its first argument's device and whether the kernels loaded, the C++ op (cpp(): torch.ops knows it
+    only once the kernels load) or the torch reference, and calls it. Later calls reach the choice with no
+    question asked."""
+
+    def choose(*args: Any) -> Any:
+        chosen = cpp() if uses_cpu_kernels(args[0]) else reference
+        namespace[name] = chosen
+        return chosen(*args)
+
+    return choose
+
+
 class CustomOp(Module):
     def __init__(self) -> None:
         super().__init__()

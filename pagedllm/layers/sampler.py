@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagedllm.layers.custom_op import uses_cpu_kernels
+from pagedllm.layers.custom_op import chosen_on_first_call, uses_cpu_kernels
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -76,13 +76,8 @@ def _torch_argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def _choose_cpu_argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """The first CPU call decides, once, between the C++ op and torch (CustomOp's choice for a function)."""
-    global _cpu_argmax_rows
-    _cpu_argmax_rows = torch.ops.pagedllm_cpu_layers.argmax_rows if uses_cpu_kernels(x) else _torch_argmax_rows
-    return _cpu_argmax_rows(x)
-
-
+_choose_cpu_argmax_rows = chosen_on_first_call(globals(), "_cpu_argmax_rows",
+                                               lambda: torch.ops.pagedllm_cpu_layers.argmax_rows, _torch_argmax_rows)
 _cpu_argmax_rows: Callable[[torch.Tensor], torch.Tensor] = _choose_cpu_argmax_rows
 
 
@@ -243,15 +238,8 @@ def _torch_row_logsumexp(x: torch.Tensor) -> torch.Tensor:
     return x.logsumexp(dim=-1)
 
 
-def _choose_cpu_row_logsumexp(x: torch.Tensor) -> torch.Tensor:
-    """The first CPU call decides, once, between the C++ op and torch (as _choose_cpu_argmax_rows)."""
-    global _cpu_row_logsumexp
-    _cpu_row_logsumexp = torch.ops.pagedllm_cpu_sampler.row_logsumexp if uses_cpu_kernels(x) \
-        else _torch_row_logsumexp
-    return _cpu_row_logsumexp(x)
-
-
-_cpu_row_logsumexp: Callable[[torch.Tensor], torch.Tensor] = _choose_cpu_row_logsumexp
+_cpu_row_logsumexp: Callable[[torch.Tensor], torch.Tensor] = chosen_on_first_call(
+    globals(), "_cpu_row_logsumexp", lambda: torch.ops.pagedllm_cpu_sampler.row_logsumexp, _torch_row_logsumexp)
 
 
 def kept_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
@@ -306,14 +294,8 @@ def _cpp_top_candidates(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Te
     return x.topk(c, dim=-1) if has_nan else (values, ids)  # torch orders NaN as the largest
 
 
-def _choose_cpu_top_candidates(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first CPU call decides, once, between the C++ op and torch (as _choose_cpu_argmax_rows)."""
-    global _cpu_top_candidates
-    _cpu_top_candidates = _cpp_top_candidates if uses_cpu_kernels(x) else _torch_top_candidates
-    return _cpu_top_candidates(x, c)
-
-
-_cpu_top_candidates: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = _choose_cpu_top_candidates
+_cpu_top_candidates: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = chosen_on_first_call(
+    globals(), "_cpu_top_candidates", lambda: _cpp_top_candidates, _torch_top_candidates)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -480,16 +462,8 @@ def seeded_race(values: torch.Tensor, token_ids: torch.Tensor | None, keys: torc
     return _torch_seeded_race(values, token_ids, keys)
 
 
-def _choose_cpu_seeded_race(values: torch.Tensor, token_ids: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
-    """The first CPU call decides, once, between the C++ op and torch (as _choose_cpu_argmax_rows)."""
-    global _cpu_seeded_race
-    _cpu_seeded_race = torch.ops.pagedllm_cpu_sampler.seeded_race if uses_cpu_kernels(values) \
-        else _torch_seeded_race
-    return _cpu_seeded_race(values, token_ids, keys)
-
-
-_cpu_seeded_race: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor] = \
-    _choose_cpu_seeded_race
+_cpu_seeded_race: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor] = chosen_on_first_call(
+    globals(), "_cpu_seeded_race", lambda: torch.ops.pagedllm_cpu_sampler.seeded_race, _torch_seeded_race)
 
 
 def exponential_noise(shape: tuple[int, ...], rows: list[SamplingRow], device: torch.device,
@@ -577,15 +551,8 @@ def categorical(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return _torch_categorical(logits, u)
 
 
-def _choose_cpu_categorical(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The first CPU call decides, once, between the C++ op and torch (as _choose_cpu_argmax_rows)."""
-    global _cpu_categorical
-    _cpu_categorical = torch.ops.pagedllm_cpu_sampler.categorical if uses_cpu_kernels(logits) \
-        else _torch_categorical
-    return _cpu_categorical(logits, u)
-
-
-_cpu_categorical: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _choose_cpu_categorical
+_cpu_categorical: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = chosen_on_first_call(
+    globals(), "_cpu_categorical", lambda: torch.ops.pagedllm_cpu_sampler.categorical, _torch_categorical)
 
 
 def _torch_logprob_stats(logits: torch.Tensor, token_ids: torch.Tensor, k: int
@@ -617,16 +584,9 @@ def _cpp_logprob_stats(logits: torch.Tensor, token_ids: torch.Tensor, k: int
     return _torch_logprob_stats(logits, token_ids, k) if special else (chosen, top_logprobs, top_ids, ranks)
 
 
-def _choose_cpu_logprob_stats(logits: torch.Tensor, token_ids: torch.Tensor, k: int
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The first CPU call decides, once, between the C++ op and torch (as _choose_cpu_argmax_rows)."""
-    global _cpu_logprob_stats
-    _cpu_logprob_stats = _cpp_logprob_stats if uses_cpu_kernels(logits) else _torch_logprob_stats
-    return _cpu_logprob_stats(logits, token_ids, k)
-
-
 _cpu_logprob_stats: Callable[[torch.Tensor, torch.Tensor, int],
-                             tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = _choose_cpu_logprob_stats
+                             tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = chosen_on_first_call(
+    globals(), "_cpu_logprob_stats", lambda: _cpp_logprob_stats, _torch_logprob_stats)
 
 
 class Sampler:
