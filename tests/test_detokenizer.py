@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerFast
 
-from pagedllm.engine.detokenizer import IncrementalDetokenizer, backend_decoder
+from pagedllm.engine.detokenizer import ByteLevelBytes, IncrementalDetokenizer, backend_decoder
 from tests.tiny_models import SPECIAL_TOKENS, build_tokenizer, training_text
 
 TEXT = training_text()[:20000] + " naïve café ünïcödé 漢字 かな 😀🚀 ok"
@@ -56,7 +56,7 @@ def _incremental_text(tokenizer, prompt: list[int], output: list[int], skip: boo
 def _reference_text(tokenizer, prompt: list[int], output: list[int], skip: bool) -> str:
     """The same algorithm through transformers' decode (the detokenizer before its fast path)."""
     detokenizer = IncrementalDetokenizer(tokenizer, prompt, skip)
-    detokenizer._backend = detokenizer._stream = None
+    detokenizer._backend = detokenizer._stream = detokenizer._bytes = None
     for token_id in output:
         detokenizer.add_tokens([token_id])
     return detokenizer.text
@@ -172,3 +172,32 @@ def test_tokens_fed_together_give_the_text_of_tokens_fed_one_by_one(tokenizers: 
         assert sum(runs) > 100 and not all(runs)
     else:
         assert not runs  # a decoder that strips a leading space: always one by one
+
+
+def test_byte_level_table_decodes_as_the_tokenizer_does(tmp_path) -> None:
+    """A byte-level vocabulary's table gives the Rust decode's text: special tokens kept or skipped, UTF-8
+    sequences broken anywhere (each maximal invalid sequence one U+FFFD), an added token outside the byte
+    alphabet as its own text; an id past the vocabulary is left to the tokenizer (None)."""
+    tokenizer = build_tokenizer(tmp_path)
+    tokenizer.add_tokens(["<tool_call>", "naïve•"])  # plain added tokens, one with characters off the alphabet
+    backend = backend_decoder(tokenizer)
+    table = ByteLevelBytes.build(backend)
+    assert table is not None
+    vocab = backend.get_vocab_size(with_added_tokens=True)
+    byte_tokens = [token_id for token_id in range(vocab) if len(table.tables[False][token_id]) == 1]
+    assert len(byte_tokens) > 200  # the alphabet's lone bytes: every broken sequence can be written
+    rng = random.Random(3)
+    for _ in range(2000):
+        pool = byte_tokens if rng.random() < 0.5 else range(vocab)
+        ids = [rng.choice(pool) for _ in range(rng.randrange(1, 24))]
+        for skip in (False, True):
+            assert table.decode(ids, skip) == backend.decode(ids, skip_special_tokens=skip)
+    assert table.decode([vocab + 5], False) is None
+    assert IncrementalDetokenizer(tokenizer, [5], True)._decode([5, vocab + 5]) == backend.decode([5, vocab + 5])
+
+
+def test_a_table_that_disagrees_with_the_tokenizer_is_not_used(tokenizers: dict,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = backend_decoder(tokenizers["byte-level BPE"])
+    monkeypatch.setattr("pagedllm.engine.detokenizer._byte_level_chars", lambda: {})  # every token as UTF-8
+    assert ByteLevelBytes.build(backend) is None

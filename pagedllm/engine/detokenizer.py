@@ -14,11 +14,14 @@ character is a prefix of the text of any longer window, so the pieces of one-by-
 difference that one decode of the whole window gives: one Rust call for the lot instead of one per token
 (about ten times faster on a 32-token output). Where the window would end inside a UTF-8 sequence, or
 another decoder (SentencePiece's strips a leading space, WordPiece's joins "##" pieces) might not keep
-that property, the tokens go one by one.
+that property, the tokens go one by one. A byte-level decoder's text of any window is known without it: each
+token's bytes (ByteLevelBytes, built once per tokenizer) joined and decoded as UTF-8 with the same
+replacement of invalid sequences, about four times faster than the Rust call on a 37-token window.
 """
 
 from __future__ import annotations
 
+import random
 import weakref
 
 from tokenizers.decoders import ByteLevel, DecodeStream
@@ -47,17 +50,83 @@ def backend_decoder(tokenizer):
     return None if cleans_up else backend
 
 
+def _byte_level_chars() -> dict[str, int]:
+    """The byte-level alphabet (GPT-2's bytes_to_unicode), reversed: the printable character standing for each
+    byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {chr(b): b for b in printable}
+    chars.update({chr(256 + i): b for i, b in enumerate(others)})
+    return chars
+
+
+class ByteLevelBytes:
+    """Every token's bytes under a byte-level decoder, for both settings of skip_special_tokens, so a window's
+    text is one join and one UTF-8 decode instead of a call into `tokenizers`. The decoder maps each character
+    of a token to its byte, or, for a token with a character outside the alphabet (an added token such as
+    "<|im_end|>" written plainly), takes the token's own UTF-8; the pieces are joined and decoded lossily, each
+    maximal invalid sequence becoming one U+FFFD, as Python's "replace" handler does. A table that disagrees
+    with the tokenizer's own decode on a sample of tokens at build time is not used (None from build)."""
+
+    def __init__(self, with_special: list[bytes], without_special: list[bytes]):
+        self.tables = {False: with_special, True: without_special}
+
+    @classmethod
+    def build(cls, backend) -> ByteLevelBytes | None:
+        chars = _byte_level_chars()
+        special = {token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special}
+        with_special: list[bytes] = []
+        for token_id in range(backend.get_vocab_size(with_added_tokens=True)):
+            token = backend.id_to_token(token_id)
+            if token is None:
+                with_special.append(b"")
+                continue
+            try:
+                with_special.append(bytes([chars[c] for c in token]))
+            except KeyError:
+                with_special.append(token.encode())
+        without_special = [b"" if token_id in special else piece for token_id, piece in enumerate(with_special)]
+        table = cls(with_special, without_special)
+        return table if table._agrees_with(backend, special) else None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str | None:
+        """The tokenizer's text of `ids`; None for an id past the vocabulary (the model's padding rows)."""
+        table = self.tables[skip_special_tokens]
+        try:
+            return b"".join([table[token_id] for token_id in ids]).decode("utf-8", "replace")
+        except IndexError:
+            return None
+
+    def _agrees_with(self, backend, special: set[int]) -> bool:
+        """The same text as backend.decode on every special token and on windows of sampled tokens, each
+        setting of skip_special_tokens."""
+        vocab = len(self.tables[False])
+        rng = random.Random(0)
+        windows = [[token_id] for token_id in sorted(special)]
+        windows += [[rng.randrange(vocab) for _ in range(rng.randrange(1, 8))] for _ in range(256)]
+        return all(self.decode(ids, skip) == backend.decode(ids, skip_special_tokens=skip)
+                   for ids in windows for skip in (False, True))
+
+
 _BACKENDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def prepare_detokenizer(tokenizer) -> None:
+    """Work out once what every detokenizer of this tokenizer shares (a byte-level table: some 0.1 s for a
+    150k vocabulary)."""
+    _cached_backend_decoder(tokenizer)
+
+
 def _cached_backend_decoder(tokenizer):
-    """(backend_decoder, whether its decoder is byte-level), worked out once per tokenizer, not for every
-    sample's detokenizer (a step that ends a batch of requests makes many at once)."""
+    """(backend_decoder, whether its decoder is byte-level, its ByteLevelBytes or None), worked out once per
+    tokenizer, not for every sample's detokenizer (a step that ends a batch of requests makes many at once)."""
     try:
         return _BACKENDS[tokenizer]
     except (KeyError, TypeError):  # TypeError: an object without weak references (a test double)
         backend = backend_decoder(tokenizer)
-    found = backend, backend is not None and isinstance(backend.decoder, ByteLevel)
+    byte_level = backend is not None and isinstance(backend.decoder, ByteLevel)
+    found = backend, byte_level, ByteLevelBytes.build(backend) if byte_level else None
     try:
         _BACKENDS[tokenizer] = found
     except TypeError:
@@ -75,7 +144,7 @@ class IncrementalDetokenizer:
         # text around them with a space when spaces_between_special_tokens (its default), else directly.
         # A fast tokenizer's decode never spaces them, and vLLM leaves it at that: so do we.
         self.added_vocab: dict[str, int] = {}
-        self._backend, byte_level = _cached_backend_decoder(tokenizer)
+        self._backend, byte_level, self._bytes = _cached_backend_decoder(tokenizer)
         if not getattr(tokenizer, "is_fast", True):
             self.added_vocab = tokenizer.get_added_vocab()
             self.special_tokens = set(tokenizer.all_special_tokens)
@@ -129,6 +198,10 @@ class IncrementalDetokenizer:
         self.text_len = end
 
     def _decode(self, ids: list[int]) -> str:
+        if self._bytes is not None:
+            text = self._bytes.decode(ids, self.skip_special_tokens)
+            if text is not None:
+                return text
         if self._backend is not None:
             return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         if not self.added_vocab:

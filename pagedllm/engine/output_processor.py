@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.core_types.engine_core import EngineCoreOutput, engine_request_id
-from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.detokenizer import IncrementalDetokenizer, prepare_detokenizer
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -66,6 +66,8 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
+        if tokenizer is not None:
+            prepare_detokenizer(tokenizer)  # a byte-level vocabulary's table now, not in the first request
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float) -> None:
