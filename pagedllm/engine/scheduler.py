@@ -155,6 +155,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         plan = SchedulerOutput([], [], [])
         preempted = plan.preempted_ids
+        # The plan's columns, appended to directly (a method call per request costs more than the appends);
+        # sample and spec_token_ids say nothing (None) unless some request needs them, set at the end.
+        add_request, add_num_new, add_start = plan.requests.append, plan.num_new_tokens.append, plan.start_pos.append
+        samples: list[bool] = []
+        specs: list[list[int]] = []
 
         # decodes first, so a long prompt never stalls them
         order = [request for request in self.running if request.num_computed_tokens >= request.num_prompt_tokens]
@@ -201,7 +206,11 @@ class Scheduler:
                 if request.status is not running:
                     continue
             # (a cut inside the proposals dropped them above: a request still holding some reaches them all)
-            plan.add(request, num_new, start, start + num_new >= end, request.spec_token_ids)
+            add_request(request)
+            add_num_new(num_new)
+            add_start(start)
+            samples.append(start + num_new >= end)
+            specs.append(request.spec_token_ids)
             budget -= num_new
 
         # Admit waiting requests, unless this step had to preempt (memory is short).
@@ -257,11 +266,19 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             if num_new > 0:
                 # (a waiting request holds no proposals: nothing drafts for it before it runs)
-                plan.add(request, num_new, num_cached, num_cached + num_new >= request.num_tokens_with_spec, [])
+                add_request(request)
+                add_num_new(num_new)
+                add_start(num_cached)
+                samples.append(num_cached + num_new >= request.num_tokens_with_spec)
+                specs.append([])
                 budget -= num_new
                 if request.metrics.first_scheduled_time is None:  # every request is first run from here
                     request.metrics.first_scheduled_time = time.time()
 
+        if not all(samples):
+            plan.sample = samples
+        if any(specs):
+            plan.spec_token_ids = specs
         if self.config.async_scheduling:
             # The next plan may be made before this step's results: it must see this step's tokens as
             # computed, and the tokens it samples as known (placeholders until they arrive).
