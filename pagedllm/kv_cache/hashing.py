@@ -14,18 +14,23 @@ NONE_HASH: BlockHash = b"\x00" * 32
 
 def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
                       extra_keys: tuple = ()) -> BlockHash:
-    h = hashlib.sha256(parent_hash or NONE_HASH)
-    h.update(array("q", token_ids).tobytes())
-    if extra_keys:
-        h.update(repr(extra_keys).encode())
-    return h.digest()
+    """SHA-256 of the parent's hash, the tokens as int64 and the extra keys' repr."""
+    return _hash_block(parent_hash or NONE_HASH, token_ids, repr(extra_keys).encode() if extra_keys else b"")
+
+
+def _hash_block(parent_hash: BlockHash, token_ids: Sequence[int], extra: bytes) -> BlockHash:
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes() + extra).digest()
 
 
 def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
                         extra_keys: tuple = ()) -> None:
     """Append the hashes of every full block of `token_ids` not hashed yet (computed once per block)."""
+    start = len(block_hashes)
     num_full_blocks = len(token_ids) // block_size
-    for i in range(len(block_hashes), num_full_blocks):
-        parent = block_hashes[i - 1] if i else None
-        block_hashes.append(hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size],
-                                              extra_keys))
+    if start >= num_full_blocks:
+        return
+    extra = repr(extra_keys).encode() if extra_keys else b""
+    parent = block_hashes[start - 1] if start else NONE_HASH
+    for i in range(start, num_full_blocks):
+        parent = _hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra)
+        block_hashes.append(parent)
