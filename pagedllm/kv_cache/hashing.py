@@ -12,13 +12,9 @@ BlockHash = bytes
 NONE_HASH: BlockHash = b"\x00" * 32
 
 
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
-                      extra_keys: tuple = ()) -> BlockHash:
-    """SHA-256 of the parent's hash, the tokens as int64 and the extra keys' repr."""
-    return _hash_block(parent_hash or NONE_HASH, token_ids, repr(extra_keys).encode() if extra_keys else b"")
-
-
-def _hash_block(parent_hash: BlockHash, token_ids: Sequence[int], extra: bytes) -> BlockHash:
+def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int], extra: bytes) -> BlockHash:
+    """SHA-256 of the parent's hash (NONE_HASH for a first block), the tokens as int64 and the extra keys'
+    repr, encoded (b"" for none)."""
     return hashlib.sha256(parent_hash + array("q", token_ids).tobytes() + extra).digest()
 
 
@@ -32,5 +28,5 @@ def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int],
     extra = repr(extra_keys).encode() if extra_keys else b""
     parent = block_hashes[start - 1] if start else NONE_HASH
     for i in range(start, num_full_blocks):
-        parent = _hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra)
+        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], extra)
         block_hashes.append(parent)
