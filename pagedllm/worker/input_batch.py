@@ -39,7 +39,6 @@ from pagedllm.worker.step_inputs import append_tokens
 # A top_k may not fit an int64; every value at or past the vocabulary size means the same (off), so it
 # is capped here and clamped to the vocabulary when read (filter_params).
 _MAX_TOP_K = 2**62
-_NO_ROWS = np.zeros(0, dtype=np.int64)  # the rows of a plan of no requests (empty: nothing writes to it)
 
 
 class InputBatch:
@@ -64,7 +63,7 @@ class InputBatch:
         self.request_ids: list[str] = []
         self.states: list[CachedRequestState] = []
         self.rows: list[int] = []
-        self.rows_array = _NO_ROWS
+        self.rows_array = np.zeros(0, dtype=np.int64)
         self.rows_tensor = torch.from_numpy(self.rows_array)
         self.plan_greedy = True  # every row of the last plan takes the argmax of its raw logits
         # A decode step's sampled tokens, one per row of the plan (rows_tensor), not yet in token_ids
@@ -102,10 +101,9 @@ class InputBatch:
                 self.request_ids = columns.request_ids
             self.states = [self.requests[request_id] for request_id in self.request_ids]
             self.rows = self.block_tables.rows(self.request_ids)
-            # (a plan of no requests: the one that tells an idle worker which requests ended)
-            self.rows_array = np.array(self.rows, dtype=np.int64) if self.rows else _NO_ROWS
+            self.rows_array = np.array(self.rows, dtype=np.int64)
             self.rows_tensor = torch.from_numpy(self.rows_array)
-            self.plan_greedy = self.all_greedy(self.rows_array) if self.rows else True
+            self.plan_greedy = self.all_greedy(self.rows_array)
         if columns.num_prompt_logprobs_computed is not None:
             for state, num_prompt_lp in zip(self.states, columns.num_prompt_logprobs_computed):
                 state.num_prompt_logprobs_computed = num_prompt_lp
