@@ -64,6 +64,12 @@ class TokenBitmask:
     logit_rows: list[int]   # [R]
 
 
+def float_rows_on_cpu(x: torch.Tensor) -> bool:
+    """Whether x is what the sampler's C++ ops read (layers/csrc/sampler_ops.cpp): a contiguous 2-D float32
+    CPU tensor."""
+    return x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) of a 2-D tensor (the first of tied maxima). On CPU through a C++ op: torch's row
     argmax compares one element at a time, where the op scans a row at memory speed."""
@@ -170,8 +176,7 @@ def _whole_row_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
     sort of one bin), the rest by the full sort."""
     vocab = logits.shape[-1]
     alone = (top_k <= 0) | (top_k >= vocab)
-    if not (logits.is_cpu and logits.dtype == torch.float32 and logits.is_contiguous() and bool(alone.any())
-            and uses_cpu_kernels(logits)):
+    if not (float_rows_on_cpu(logits) and bool(alone.any()) and uses_cpu_kernels(logits)):
         return _sort_top_k_top_p(logits, top_k, top_p)
     rows = alone.nonzero().flatten()
     sub = _rows_of(logits, rows)
@@ -229,7 +234,7 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
 def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
     """x.logsumexp(dim=-1) of a 2-D tensor; on CPU in float32 through a C++ op in two passes over each
     row (layers/csrc/sampler_ops.cpp), within a few float32 ulps of torch's."""
-    if x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[1] > 0:
+    if float_rows_on_cpu(x) and x.shape[1] > 0:
         return _cpu_row_logsumexp(x)
     return x.logsumexp(dim=-1)
 
@@ -280,7 +285,7 @@ def top_candidates(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]
     long row, from a histogram of a short one) and sorts only those (torch keeps a heap per row): the same
     values; tied values may list their columns in another order, which the filters (they read values) and
     the race (it reads the kept set) never see."""
-    if x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[0] > 0:
+    if float_rows_on_cpu(x) and x.shape[0] > 0:
         return _cpu_top_candidates(x, c)
     return x.topk(c, dim=-1)
 
@@ -457,7 +462,7 @@ def seeded_race(values: torch.Tensor, token_ids: torch.Tensor | None, keys: torc
     token_ids[:, j] (None: token j) at the row's key (position_keys). values: the kept logits, removed
     ones -inf. On CPU in float32 through a C++ op that hashes each token once and takes logarithms only
     for the few tokens that can still win (layers/csrc/sampler_ops.cpp), the same column bit for bit."""
-    if values.is_cpu and values.dtype == torch.float32 and values.dim() == 2 and values.is_contiguous():
+    if float_rows_on_cpu(values):
         return _cpu_seeded_race(values, token_ids, keys)
     return _torch_seeded_race(values, token_ids, keys)
 
@@ -545,8 +550,7 @@ def categorical(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """[N] one draw per row of logits [N, V] from its softmax, by inverting the CDF at u [N] (float64 in
     [0, 1)). On CPU in float32 through a C++ op that needs no probability or cumulative tensor, nor
     torch's float64 cumsum, one scalar add per entry (layers/csrc/sampler_ops.cpp); the same distribution."""
-    if logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous() \
-            and logits.shape[1] > 0:
+    if float_rows_on_cpu(logits) and logits.shape[1] > 0:
         return _cpu_categorical(logits, u)
     return _torch_categorical(logits, u)
 
@@ -572,8 +576,7 @@ def logprob_stats(logits: torch.Tensor, token_ids: torch.Tensor, k: int
     [N, k] with their token ids. On CPU in float32 through a C++ op that makes passes over each row and
     writes no row-sized tensor (layers/csrc/sampler_ops.cpp); where a row holds a NaN or an infinite
     logit, torch's way."""
-    if logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous() \
-            and logits.shape[1] > 0:
+    if float_rows_on_cpu(logits) and logits.shape[1] > 0:
         return _cpu_logprob_stats(logits, token_ids, k)
     return _torch_logprob_stats(logits, token_ids, k)
 

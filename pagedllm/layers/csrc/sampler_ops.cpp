@@ -48,6 +48,12 @@
 
 namespace {
 
+// Every op's float input (sampler.float_rows_on_cpu on the Python side); `what` names the op and argument.
+inline void check_float_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.is_contiguous(), what,
+              " must be a contiguous 2-D float32 tensor");
+}
+
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
 
 // u_j of sampler.py's _seeded_uniform: splitmix64 of key + (token + 1) * golden, its top 53 bits + 1/2
@@ -152,8 +158,7 @@ inline void plan_row(const float* x, const int64_t* ids, int64_t n, uint64_t key
 // values [N, C] float32 (removed tokens -inf), token_ids [N, C] int64 or None (column j is token j),
 // keys [N] int64 (sampler.position_seed per row) -> [N] int64, the winning column of each row.
 at::Tensor seeded_race(const at::Tensor& values, const std::optional<at::Tensor>& token_ids, const at::Tensor& keys) {
-  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kFloat && values.is_contiguous(),
-              "seeded_race: values must be a contiguous 2-D float32 tensor");
+  check_float_rows(values, "seeded_race: values");
   TORCH_CHECK(keys.dim() == 1 && keys.size(0) == values.size(0) && keys.scalar_type() == at::kLong,
               "seeded_race: one int64 key per row");
   const int64_t rows = values.size(0), cols = values.size(1);
@@ -352,8 +357,7 @@ inline bool finite_max(const float* row, int64_t n, float& m) {
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, bool> top_candidates(const at::Tensor& x, int64_t c) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "top_candidates: x must be a contiguous 2-D float32 tensor");
+  check_float_rows(x, "top_candidates: x");
   const int64_t rows = x.size(0), cols = x.size(1);
   TORCH_CHECK(c >= 1 && c <= cols, "top_candidates: c must be in [1, columns]");
   auto values = at::empty({rows, c}, x.options());
@@ -433,8 +437,7 @@ inline int64_t draw_row(const float* x, int64_t n, double u, float* p, std::vect
 // values [N, V] float32 (logits after temperature and filters, removed tokens -inf), uniforms [N] float64
 // in [0, 1) -> [N] int64 token columns.
 at::Tensor categorical(const at::Tensor& values, const at::Tensor& uniforms) {
-  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kFloat && values.is_contiguous(),
-              "categorical: values must be a contiguous 2-D float32 tensor");
+  check_float_rows(values, "categorical: values");
   TORCH_CHECK(uniforms.dim() == 1 && uniforms.size(0) == values.size(0) && uniforms.scalar_type() == at::kDouble,
               "categorical: one float64 uniform per row");
   const int64_t rows = values.size(0), cols = values.size(1);
@@ -482,8 +485,7 @@ __attribute__((noinline)) int64_t count_above(const float* x, int64_t n, float m
 // max, then fast_exp(x - max) summed in float64) where torch's logsumexp makes four (max, subtract, exp,
 // sum) and writes two row-sized tensors. A row with a NaN gives NaN, with +inf +inf, all -inf -inf.
 at::Tensor row_logsumexp(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "row_logsumexp: x must be a contiguous 2-D float32 tensor");
+  check_float_rows(x, "row_logsumexp: x");
   const int64_t rows = x.size(0), cols = x.size(1);
   auto out = at::empty({rows}, x.options());
   const float* in = x.data_ptr<float>();
@@ -514,8 +516,7 @@ at::Tensor row_logsumexp(const at::Tensor& x) {
 // top to the one where the mass above reaches top_p, and only that bin's values are sorted. A row with a
 // NaN or an infinite max sets `special` (the caller sorts).
 std::tuple<at::Tensor, bool> top_p_threshold(const at::Tensor& x, const at::Tensor& top_p) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "top_p_threshold: x must be a contiguous 2-D float32 tensor");
+  check_float_rows(x, "top_p_threshold: x");
   const int64_t rows = x.size(0), cols = x.size(1);
   TORCH_CHECK(top_p.dim() == 1 && top_p.size(0) == rows, "top_p_threshold: one top_p per row");
   const auto p = top_p.to(at::kDouble).contiguous();
@@ -577,8 +578,7 @@ std::tuple<at::Tensor, bool> top_p_threshold(const at::Tensor& x, const at::Tens
 // sets `special` and nothing of the call is used (the caller runs torch's way).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> logprobs(const at::Tensor& x,
                                                                        const at::Tensor& token_ids, int64_t k) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "logprobs: x must be a contiguous 2-D float32 tensor");
+  check_float_rows(x, "logprobs: x");
   const int64_t rows = x.size(0), cols = x.size(1);
   TORCH_CHECK(token_ids.dim() == 1 && token_ids.size(0) == rows && token_ids.scalar_type() == at::kLong,
               "logprobs: one int64 token id per row");
