@@ -109,6 +109,10 @@ class ModelConfig:
     qk_norm: bool
     rope: RopeConfig
     hidden_act: str = "silu"
+    # Biases beyond q|k|v's: on o_proj (Llama's and Qwen3's attention_bias covers all four projections,
+    # Qwen2's implicit bias only q|k|v) and on the MLP's projections (Llama's mlp_bias)
+    o_bias: bool = False
+    mlp_bias: bool = False
     # MLA (DeepSeek-V2/V3): each layer caches one latent of kv_lora_rank plus a rope key of qk_rope_head_dim
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int = 0
@@ -183,6 +187,7 @@ class ModelConfig:
                            max_model_len, max_pos)
         model_type = hf.get("model_type", "")
         qkv_bias = bool(hf.get("attention_bias", False)) or model_type == "qwen2"
+        o_bias = bool(hf.get("attention_bias", False)) and model_type not in ("qwen2", "phi3")
         sampling_defaults = _sampling_generation_config(model, generation, generation_config)
         eos = generation.get("eos_token_id", hf.get("eos_token_id"))
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
@@ -207,6 +212,8 @@ class ModelConfig:
             rope=RopeConfig.from_hf(hf),
             # Gemma names it hidden_activation (and may carry a stale hidden_act beside it).
             hidden_act=hf.get("hidden_activation") or hf.get("hidden_act", "silu"),
+            o_bias=o_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
             kv_lora_rank=int(hf["kv_lora_rank"]) if hf.get("kv_lora_rank") else None,
             qk_rope_head_dim=int(hf.get("qk_rope_head_dim") or 0),
             eos_token_ids=eos_ids,

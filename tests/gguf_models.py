@@ -84,7 +84,8 @@ def write_gguf(model_dir: str, path: str, weight_type: str = "F32", seed: int = 
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    partial = rope.get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0
+    writer.add_rope_dimension_count(int(head_dim * partial))
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_vocab_size(config["vocab_size"])
@@ -96,6 +97,13 @@ def write_gguf(model_dir: str, path: str, weight_type: str = "F32", seed: int = 
     if model_type == "gemma2":
         writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if config.get("moe_intermediate_size"):
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if rope.get("rope_type") == "longrope":  # as llama.cpp's Phi-3 converter: the factors as tensors
+        writer.add_rope_scaling_orig_ctx_len(config.get("original_max_position_embeddings")
+                                             or rope["original_max_position_embeddings"])
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
     vocab = tokenizer["model"]["vocab"]
     specials = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}

@@ -33,20 +33,31 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
                                 num_attention_heads=4, num_key_value_heads=2, seed=3),
         # Windows shorter than the prompts; transformers reads neither Gemma 3's pattern nor Gemma 2's
         # soft caps from a GGUF file, so these keep its defaults (every 6th layer global; caps 50 and 30).
+        # The file has no query_pre_attn_scalar: below 27B it is the head size, as in published Gemmas.
         "gemma2": build_model(root / "gemma2", "gemma2", head_dim=16, tie_word_embeddings=True, seed=4,
-                              extra_config=dict(sliding_window=3)),
+                              extra_config=dict(sliding_window=3, query_pre_attn_scalar=16)),
         "gemma3": build_model(root / "gemma3", "gemma3", num_hidden_layers=6, head_dim=16, tie_word_embeddings=True,
-                              seed=5, extra_config=dict(sliding_window=3)),
-        "phi3": build_model(root / "phi3", "phi3", seed=6, extra_config=dict(sliding_window=3)),
+                              seed=5, extra_config=dict(sliding_window=3, query_pre_attn_scalar=16)),
+        # Phi-4-mini's partial rotary and the 128k models' LongRoPE, which llama.cpp's converter writes
+        # (the factors as tensors) and transformers' GGUF map drops: its reference takes this config (the
+        # short factors serve: max_model_len is the original length)
+        "phi3": build_model(root / "phi3", "phi3", seed=6, extra_config=dict(
+            sliding_window=3, partial_rotary_factor=0.5, original_max_position_embeddings=1024,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                             "short_factor": [1.0 + 0.1 * i for i in range(4)],
+                             "long_factor": [2.0 + 0.5 * i for i in range(4)]})),
     }
 
 
-def _hf_reference(path: str) -> tuple[torch.nn.Module, object]:
-    from transformers import AutoModelForCausalLM, GgufConfig
+def _hf_reference(path: str, original: str | None = None) -> tuple[torch.nn.Module, object]:
+    """transformers on the file's (dequantized) weights; with the config of `original`, the model the file
+    was written from, where transformers' metadata map drops settings llama.cpp's converter writes."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig
 
     directory, name = os.path.split(path)
+    config = {} if original is None else {"config": AutoConfig.from_pretrained(original)}
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32,
-                                                 quantization_config=GgufConfig(dequantize=True))
+                                                 quantization_config=GgufConfig(dequantize=True), **config)
     return model.eval(), load_gguf_tokenizer(path)
 
 
@@ -66,7 +77,7 @@ def _hf_greedy(model, ids: list[int]) -> tuple[list[int], torch.Tensor]:
 ])
 def test_greedy_tokens_and_logits_equal_transformers_on_the_same_file(models, tmp_path, arch, weight_type):
     path = write_gguf(models[arch], str(tmp_path / f"tiny-{weight_type}.gguf"), weight_type)
-    reference, tokenizer = _hf_reference(path)
+    reference, tokenizer = _hf_reference(path, models[arch])
     llm = LLM(model=path, dtype="float32")
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0),
                         use_tqdm=False)

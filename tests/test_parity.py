@@ -49,6 +49,9 @@ ARCH_CASES: dict[str, dict[str, Any]] = {
     "mistral": dict(arch="mistral", seed=15),
     "qwen2_bias_tied": dict(arch="qwen2", tie_word_embeddings=True, seed=16),
     "qwen3_qk_norm": dict(arch="qwen3", head_dim=32, seed=17),
+    # attention_bias puts a bias on o_proj too (not only q|k|v, as Qwen2's), mlp_bias on the MLP's three
+    "llama_attention_and_mlp_bias": dict(arch="llama", attention_bias=True, extra_config={"mlp_bias": True}, seed=20),
+    "qwen3_attention_bias": dict(arch="qwen3", head_dim=32, attention_bias=True, seed=21),
 }
 
 

@@ -56,7 +56,7 @@ class GemmaAttention(LlamaAttention):
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding, layer_idx: int,
                  qk_norm: bool, logits_soft_cap: float | None, tp_rank: int = 0, tp_size: int = 1):
-        super().__init__(config, backend, rotary, tp_rank, tp_size, layer_idx, o_bias=config.qkv_bias)
+        super().__init__(config, backend, rotary, tp_rank, tp_size, layer_idx)
         self.scale = float(config.hf_config.get("query_pre_attn_scalar") or self.head_dim) ** -0.5
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.dtype) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.dtype) if qk_norm else None

@@ -128,6 +128,14 @@ def read_hf_config(path: str) -> dict[str, Any]:
             value = _field(reader, f"{arch}.{key}")
             if value is not None:
                 hf[key] = float(value)
+    if model_type in ("gemma2", "gemma3_text"):
+        hf["query_pre_attn_scalar"] = _gemma_query_scalar(hf)
+    if model_type == "qwen3_moe":
+        expert_ffn = _field(reader, f"{arch}.expert_feed_forward_length")
+        if expert_ffn:  # transformers' metadata map leaves it out and falls back to its default (768)
+            hf["moe_intermediate_size"] = int(expert_ffn)
+    if model_type == "phi3":
+        _read_phi3(reader, arch, hf)
     hf["dtype"] = _checkpoint_dtype(reader)
     names = {t.name for t in reader.tensors}
     hf["tie_word_embeddings"] = "output.weight" not in names
@@ -152,6 +160,46 @@ def _read_gemma3_rope(reader, arch: str, hf: dict[str, Any]) -> None:
     local_base = _field(reader, f"{arch}.rope.freq_base_swa")
     if local_base:
         params.setdefault("sliding_attention", {"rope_type": "default"})["rope_theta"] = float(local_base)
+
+
+def _gemma_query_scalar(hf: dict[str, Any]) -> float:
+    """Gemma's attention scale 1 / sqrt(query_pre_attn_scalar), which the file does not store: llama.cpp
+    takes hidden_size / heads for the 27B models (Gemma 2: 46 layers, 144; Gemma 3: 62 layers, 168) and
+    the head size for the others, whose checkpoints give that value."""
+    hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    layers_27b = 46 if hf.get("model_type") == "gemma2" else 62
+    if int(hf["num_hidden_layers"]) == layers_27b:
+        return float(hidden // heads)
+    return float(hf.get("head_dim") or hidden // heads)
+
+
+def _read_phi3(reader, arch: str, hf: dict[str, Any]) -> None:
+    """Phi-3's partial rotary (Phi-4-mini), sliding window and LongRoPE factors (the 128k models, Phi-3.5),
+    which llama.cpp's converter writes (the factors as two tensors) and transformers' metadata map leaves
+    out."""
+    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+    rotary_dims = _field(reader, f"{arch}.rope.dimension_count")
+    if rotary_dims and int(rotary_dims) != head_dim:
+        hf["partial_rotary_factor"] = int(rotary_dims) / head_dim
+        if isinstance(hf.get("rope_parameters"), dict):  # (transformers writes its default 1.0 there)
+            hf["rope_parameters"]["partial_rotary_factor"] = hf["partial_rotary_factor"]
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if window:
+        hf["sliding_window"] = int(window)
+    factors = {t.name: t for t in reader.tensors if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+    if len(factors) == 2:
+        params = dict(hf.get("rope_parameters") or {})
+        params.update(rope_type="longrope",
+                      long_factor=[float(v) for v in factors["rope_factors_long.weight"].data],
+                      short_factor=[float(v) for v in factors["rope_factors_short.weight"].data])
+        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        if original:
+            hf["original_max_position_embeddings"] = int(original)
+        attn_factor = _field(reader, f"{arch}.rope.scaling.attn_factor")
+        if attn_factor:
+            params["attention_factor"] = float(attn_factor)
+        hf["rope_parameters"] = params
+        hf.pop("rope_scaling", None)
 
 
 def stored_weight_bytes(path: str) -> tuple[int, int]:

@@ -30,7 +30,7 @@ from pagedllm.layers.rotary import RotaryEmbedding
 
 class LlamaAttention(Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding,
-                 tp_rank: int = 0, tp_size: int = 1, layer_idx: int = 0, o_bias: bool = False):
+                 tp_rank: int = 0, tp_size: int = 1, layer_idx: int = 0):
         super().__init__()
         dtype = config.dtype
         self.head_dim = config.head_dim
@@ -40,7 +40,7 @@ class LlamaAttention(Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, o_bias,
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, config.o_bias,
                                         dtype, tp_rank, tp_size)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
@@ -67,9 +67,9 @@ class LlamaMLP(Module):
     def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], False, config.dtype,
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], config.mlp_bias, config.dtype,
                                                        tp_rank, tp_size)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, False, config.dtype, tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, config.dtype, tp_rank, tp_size)
         self.act_and_mul = get_act_and_mul(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -180,7 +180,7 @@ def load_decoder_weights(model: nn.Module, get_slice: GetSlice, names: set[str],
             layer.mlp.load_weights(lambda name: get_slice(name)[:], names, p)
         else:
             layer.mlp.gate_up_proj.load(get_slice, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"],
-                                        load_linear=load_linear)
-            layer.mlp.down_proj.load(get_slice, f"{p}mlp.down_proj.weight", load_linear=load_linear)
+                                        [f"{p}mlp.gate_proj.bias", f"{p}mlp.up_proj.bias"], load_linear)
+            layer.mlp.down_proj.load(get_slice, f"{p}mlp.down_proj.weight", f"{p}mlp.down_proj.bias", load_linear)
         for name in layer_norms:
             norm(getattr(layer, name).weight, f"{p}{name}.weight")
