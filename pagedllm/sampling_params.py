@@ -162,6 +162,10 @@ class SamplingParams:
     # vLLM's extension point: per-request data for engine components, e.g. {"kv_transfer_params": {...}}
     # for a KV connector (disaggregated prefill), as the OpenAI server's kv_transfer_params field sets it.
     extra_args: dict[str, Any] | None = None
+    # Added to the logits before sampling, token id -> bias in [-100, 100] (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled (vLLM's allowed_token_ids)
+    allowed_token_ids: list[int] | None = None
     # Filled by the engine (vLLM's all_stop_token_ids): stop_token_ids plus the model's EOS ids, whether or
     # not ignore_eos is set. min_tokens masks all of them; EOS ends a request only without ignore_eos.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -173,7 +177,17 @@ class SamplingParams:
             self.stop = [self.stop]
         else:
             self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = list(self.stop_token_ids) if isinstance(self.stop_token_ids, (list, tuple)) \
+            else self.stop_token_ids or []
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must map token ids to biases, got {type(self.logit_bias).__name__}.")
+        if self.logit_bias:  # JSON keys are strings: "50256" -> 50256
+            try:
+                self.logit_bias = {int(token): bias for token, bias in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias keys must be token ids, got {list(self.logit_bias)[:4]}.") from None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
@@ -183,7 +197,13 @@ class SamplingParams:
             if not ok:
                 raise ValueError(message)
 
-        check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.")
+        def is_int(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        check(is_int(self.n) and self.n >= 1, f"n must be at least 1, got {self.n!r}.")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "detokenize",
+                     "include_stop_str_in_output"):
+            check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}.")
         # NaN fails every range check below; infinities pass one-sided ones (temperature >= 0,
         # repetition_penalty > 0) and would turn a row of logits into NaN inside the step.
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
@@ -200,7 +220,7 @@ class SamplingParams:
         check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}.")
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
         # any size is fine: the sampler clamps top_k to the vocabulary, as vLLM does
-        check(isinstance(self.top_k, int) and self.top_k >= 0,
+        check(is_int(self.top_k) and self.top_k >= 0,
               f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.")
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
         check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
@@ -209,12 +229,20 @@ class SamplingParams:
               f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
               f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
-        check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be non-negative, got {self.logprobs}.")
-        check(self.prompt_logprobs is None or self.prompt_logprobs >= 0,
-              f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
+        check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
+              f"logprobs must be a non-negative integer, got {self.logprobs!r}.")
+        check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+              f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs!r}.")
         check(all(isinstance(s, str) and s for s in self.stop), "stop must contain only non-empty strings.")
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+        check(isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
               "stop_token_ids must contain only non-negative integers.")
+        check(self.logit_bias is None or all(
+            token >= 0 and isinstance(bias, (int, float)) and not isinstance(bias, bool) and -100 <= bias <= 100
+            for token, bias in self.logit_bias.items()),
+            "logit_bias must map non-negative token ids to biases in [-100, 100].")
+        check(self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0 and all(
+            is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+            "allowed_token_ids must be a non-empty list of non-negative token ids.")
         check(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
               f"guided_decoding must be a GuidedDecodingParams, got {type(self.guided_decoding).__name__}.")
         check(isinstance(self.output_kind, RequestOutputKind),
@@ -228,7 +256,10 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Anything that changes the request's logits before sampling: penalties, logit_bias,
+        allowed_token_ids (sampler.apply_penalties)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias) or self.allowed_token_ids is not None)
 
     @property
     def always_argmax(self) -> bool:
@@ -244,4 +275,6 @@ class SamplingParams:
         copy.stop_token_ids = list(self.stop_token_ids)
         copy.all_stop_token_ids = set(self.all_stop_token_ids)
         copy.extra_args = dict(self.extra_args) if self.extra_args is not None else None
+        copy.logit_bias = dict(self.logit_bias) if self.logit_bias is not None else None
+        copy.allowed_token_ids = list(self.allowed_token_ids) if self.allowed_token_ids is not None else None
         return copy

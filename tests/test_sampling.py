@@ -422,3 +422,36 @@ def test_bf16_greedy_takes_the_argmax_of_the_float32_logits(tiny_llama_dir: str)
     plain = llm.generate(prompts, greedy(24), use_tqdm=False)
     sampled = llm.generate(prompts, greedy(24, logprobs=0), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in sampled]
+
+
+def test_logit_bias_shifts_the_logits_and_allowed_token_ids_restrict_them(llm: LLM, tiny_llama_dir: str) -> None:
+    """logit_bias (OpenAI's) adds its biases to the logits before sampling: a -100 on the greedy token moves
+    the argmax to the runner-up (the logprobs returned are the model's own, as vLLM's default
+    logprobs_mode); with allowed_token_ids (vLLM's) only those tokens are ever sampled."""
+    prompt = random_prompts(1, VOCAB, [9], seed=31)[0]
+    logits = hf_logits(tiny_llama_dir, prompt)[-1]
+    best, second = torch.topk(logits, 2).indices.tolist()
+    out = llm.generate([prompt], greedy(1, logit_bias={best: -100.0}, logprobs=0), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [second]
+    want = torch.log_softmax(logits, -1)[second]
+    assert out.logprobs[0][second].logprob == pytest.approx(want.item(), abs=1e-4)
+    allowed = [5, 77, 300]
+    outs = llm.generate([prompt] * 4, SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True,
+                                                     allowed_token_ids=allowed), use_tqdm=False)
+    assert all(set(o.outputs[0].token_ids) <= set(allowed) for o in outs)
+
+
+@pytest.mark.parametrize("params,field", [
+    (dict(logit_bias={1: 101.0}), "logit_bias"), (dict(logit_bias={"x": 1.0}), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(logprobs=2.5), "logprobs"),
+    (dict(prompt_logprobs=1.5), "prompt_logprobs"), (dict(n=True), "n"), (dict(top_k=True), "top_k"),
+    (dict(stop_token_ids=5), "stop_token_ids"), (dict(ignore_eos="yes"), "ignore_eos")])
+def test_bad_sampling_params_name_the_field(params: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**params)
+
+
+def test_token_ids_past_the_vocabulary_are_refused_by_name(llm: LLM) -> None:
+    for params in (dict(logit_bias={VOCAB + 10: 1.0}), dict(allowed_token_ids=[1, VOCAB])):
+        with pytest.raises(ValueError, match=next(iter(params))):
+            llm.generate(["hello"], SamplingParams(**params), use_tqdm=False)

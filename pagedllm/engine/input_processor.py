@@ -97,6 +97,9 @@ class InputProcessor:
         vocab = self.model_config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab}).")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            if any(token >= vocab for token in ids):
+                raise ValueError(f"{name} token ids must be in [0, {vocab}), got {max(ids)}.")
         if len(token_ids) >= max_len:
             raise ValueError(f"prompt is {len(token_ids)} tokens, which is not below max_model_len={max_len}.")
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > max_len:

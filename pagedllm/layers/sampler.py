@@ -120,6 +120,13 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
             penalty = params.repetition_penalty
             row = torch.where(seen, torch.where(row > 0, row / penalty, row * penalty), row)
         row = row - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(row.dtype)
+        if params.logit_bias:
+            tokens = [t for t in params.logit_bias if t < vocab]
+            row = row.index_add(0, torch.tensor(tokens, dtype=torch.long, device=device),
+                                torch.tensor([params.logit_bias[t] for t in tokens], dtype=row.dtype, device=device))
+        if params.allowed_token_ids is not None:
+            allowed = torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long, device=device)
+            row = torch.full_like(row, float("-inf")).index_copy(0, allowed, row[allowed])
         logits[i] = row
     return logits
 
