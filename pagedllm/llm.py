@@ -15,6 +15,7 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.reader import Metric
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.tokenizer import message_text
 
 ChatMessages = list[dict[str, Any]]
 
@@ -151,6 +152,7 @@ def render_chat_text(tokenizer, messages: ChatMessages, add_generation_prompt: b
                      chat_template: str | None = None, continue_final_message: bool = False,
                      chat_template_kwargs: dict[str, Any] | None = None) -> str:
     """The prompt text a conversation makes through the tokenizer's chat template."""
+    messages = [{**message, "content": message_text(message.get("content"))} for message in messages]
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
                                              chat_template=chat_template,

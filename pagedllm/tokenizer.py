@@ -39,3 +39,25 @@ def _read_auto_map(path: str) -> dict[str, Any]:
     except (OSError, ValueError, AttributeError):
         return {}
     return auto_map if isinstance(auto_map, dict) else {}
+
+
+def message_text(content: Any) -> str:
+    """A chat message's content as a text model's template takes it: a string as is, OpenAI's content parts
+    ([{"type": "text", "text": ...}, ...]) joined by newlines, none as "". ValueError for other parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"messages: content must be a string or a list of content parts, "
+                         f"got {type(content).__name__}.")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"messages: unsupported content part of type {kind!r}: this model takes text only.")
+        if not isinstance(part.get("text"), str):
+            raise ValueError("messages: a text content part's 'text' must be a string.")
+        texts.append(part["text"])
+    return "\n".join(texts)
+

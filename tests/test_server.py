@@ -349,6 +349,20 @@ def test_stop_token_ids(client: openai.OpenAI, llm: LLM) -> None:
     assert result.usage.completion_tokens == full.token_ids.index(stop_id) + 1
 
 
+def test_logit_bias_and_allowed_token_ids_reach_the_engine(client: openai.OpenAI, llm: LLM) -> None:
+    plain = llm.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    bias = {plain.token_ids[0]: -100.0}
+    result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0.0,
+                                       logit_bias={str(t): b for t, b in bias.items()})
+    assert result.choices[0].text == offline(llm, PROMPT, max_tokens=6, temperature=0.0, logit_bias=bias)[0]
+    assert result.choices[0].text != plain.text
+    allowed = [5, 77, 300]
+    result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=1.0, seed=5,
+                                       extra_body={"allowed_token_ids": allowed})
+    assert result.choices[0].text == offline(llm, PROMPT, max_tokens=6, temperature=1.0, seed=5,
+                                             allowed_token_ids=allowed)[0]
+
+
 # ---- chat ----------------------------------------------------------------------------------------
 
 def offline_chat(llm: LLM, **kwargs: Any) -> list[str]:
@@ -365,6 +379,26 @@ def test_chat_equals_offline(client: openai.OpenAI, llm: LLM) -> None:
     tokenizer = llm.get_tokenizer()
     rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert result.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def test_chat_content_parts_and_continue_final_message(server: RemoteServer, llm: LLM) -> None:
+    """OpenAI's text content parts read as their text, offline and served alike; continue_final_message
+    (vLLM's) extends a started assistant reply instead of opening a turn."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi."}]}]
+    sampling = SamplingParams(max_tokens=8, temperature=0.0)
+    body = {"model": "tiny", "messages": parts, "max_tokens": 8, "temperature": 0.0}
+    served = server.post("/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    want = llm.chat([{"role": "user", "content": "Say\nhi."}], sampling, use_tqdm=False)[0].outputs[0].text
+    assert served == want == llm.chat(parts, sampling, use_tqdm=False)[0].outputs[0].text
+    started = [*MESSAGES, {"role": "assistant", "content": "Hel"}]
+    body = {"model": "tiny", "messages": started, "max_tokens": 8, "temperature": 0.0,
+            "add_generation_prompt": False, "continue_final_message": True}
+    served = server.post("/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    offline_out = llm.chat(started, sampling, continue_final_message=True, use_tqdm=False)[0]
+    assert served == offline_out.outputs[0].text and offline_out.prompt.endswith("Hel")
+    tokens = server.post("/tokenize", {"model": "tiny", "messages": started, "add_generation_prompt": False,
+                                       "continue_final_message": True}).json()["tokens"]
+    assert tokens == llm.get_tokenizer()(offline_out.prompt, add_special_tokens=False)["input_ids"]
 
 
 def test_chat_stream(client: openai.OpenAI, llm: LLM) -> None:

@@ -106,6 +106,11 @@ CHAT_CASES = [
     ({"messages": [{"role": "user", "content": "word " * (MAX_MODEL_LEN + 500)}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages"),
+    ({"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt is true
+    ({"logit_bias": {"100000": 5}}, "logit_bias"),
+    ({"logit_bias": {"3": 500}}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
 ]
 
 

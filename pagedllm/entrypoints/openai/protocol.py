@@ -248,6 +248,9 @@ class ChatCompletionRequest(SamplingRequestFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
+    # vLLM's: extend the last message (a started assistant reply) instead of opening a new turn; needs
+    # add_generation_prompt false
+    continue_final_message: bool = False
     # a request-supplied template runs arbitrary Jinja: refused unless --trust-request-chat-template
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -365,6 +368,7 @@ class TokenizeRequest(OpenAIRequestModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 

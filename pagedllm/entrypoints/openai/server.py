@@ -381,7 +381,7 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | 
             messages = body.messages
             context.check_prompt_chars(messages_chars(messages), "messages")
             token_ids = await context.encode_chat(lambda tok: render_chat_prompt(
-                tok, messages, body.add_generation_prompt, None))
+                tok, messages, body.add_generation_prompt, None, None, body.continue_final_message))
         else:
             token_ids = await context.encode_prompt(body.prompt, add_special_tokens=body.add_special_tokens)
         token_strs = tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None

@@ -52,22 +52,17 @@ from pagedllm.entrypoints.openai.structured_outputs import (
 )
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
+from pagedllm.tokenizer import message_text
 
 # SamplingParams calls the chat API's top_logprobs "logprobs"
 _PARAM_RENAMES = {"logprobs": "top_logprobs"}
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:
-    content = message.content
-    if isinstance(content, list):
-        # OpenAI's content parts: only text goes through a text model's template
-        texts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"Unsupported content part of type {part.get('type')!r}: this "
-                               "server takes text only.", param="messages")
-            texts.append(part["text"])
-        content = "\n".join(texts)
+    try:
+        content = message_text(message.content)  # OpenAI's content parts: only text goes through the template
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from None
     result: dict[str, Any] = {"role": message.role, "content": content or ""}
     for key in ("name", "tool_calls", "tool_call_id"):
         if getattr(message, key) is not None:
@@ -104,16 +99,20 @@ def chat_template_kwargs(request: ChatCompletionRequest, trust_request_chat_temp
 
 def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
                        template_kwargs: dict[str, Any] | None,
-                       tools: list[dict[str, Any]] | None = None) -> str:
+                       tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False) -> str:
     """The prompt text the chat template makes of the messages; 400 if the template refuses them.
     Runs on a tokenizer worker thread (ServingContext.encode_chat), not on the event loop."""
     if getattr(tokenizer, "chat_template", None) is None and not (template_kwargs or {}).get("chat_template"):
         raise APIError(400, "This model's tokenizer has no chat template; use /v1/completions.",
                        param="messages")
+    if add_generation_prompt and continue_final_message:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true (continuing "
+                       "the last message opens no new turn).", param="continue_final_message")
     try:
         return tokenizer.apply_chat_template(
             [_message_dict(message) for message in messages], add_generation_prompt=add_generation_prompt,
-            tokenize=False, **({"tools": tools} if tools else {}), **(template_kwargs or {}))
+            tokenize=False, continue_final_message=continue_final_message, **({"tools": tools} if tools else {}),
+            **(template_kwargs or {}))
     except APIError:
         raise
     except Exception as exc:  # jinja raises for messages the template does not accept
@@ -151,7 +150,8 @@ class OpenAIServingChat:
         # the tool definitions go to the chat template, which shows them to models trained on tool use
         tools = [tool.model_dump() for tool in request.tools] if request.tools else None
         prompt_ids = await context.encode_chat(lambda tokenizer: render_chat_prompt(
-            tokenizer, request.messages, request.add_generation_prompt, template_kwargs, tools))
+            tokenizer, request.messages, request.add_generation_prompt, template_kwargs, tools,
+            request.continue_final_message))
         if not prompt_ids:
             raise APIError(400, "The chat template produced an empty prompt.", param="messages")
         requested = request.max_completion_tokens or request.max_tokens
