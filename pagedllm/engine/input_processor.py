@@ -97,7 +97,8 @@ class InputProcessor:
         vocab = self.model_config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab}).")
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
             if any(token >= vocab for token in ids):
                 raise ValueError(f"{name} token ids must be in [0, {vocab}), got {max(ids)}.")
         if len(token_ids) >= max_len:
