@@ -54,6 +54,10 @@ ENV_VARS: dict[str, EnvVar] = {var.name: var for var in [
     EnvVar("PAGEDLLM_QUANT_ACTIVATION_TERMS", str, "2",
            "pagedllm's VNNI kernel: int8 terms per block of 32 activations, 2 (about 15 bits, as faithful as "
            "bf16) or 1 (llama.cpp's Q8_0: about 8 bits, half the integer products, faster batches and prefill)"),
+    EnvVar("PAGEDLLM_QUANT_PROMPT_ROWS", str, "auto",
+           "pagedllm's VNNI kernel, bf16 models: how prompt rows are multiplied, auto (dense where the CPU has "
+           "AMX tiles, else integer), dense (the weights rounded to bf16 a block at a time, bf16 products) or "
+           "integer (as generated rows: quantized activations, integer products)"),
     EnvVar("PAGEDLLM_CPU_HUGE_PAGES", bool, True, "advise 2 MiB transparent huge pages for packed CPU weights"),
     EnvVar("PAGEDLLM_CPU_MALLOC_TUNING", bool, True,
            "keep freed memory in glibc's heap (no fresh mmap per large activation)"),

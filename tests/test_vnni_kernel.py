@@ -394,3 +394,58 @@ def test_rows_read_from_a_tied_table_are_llama_cpps_rows(kind):
     oracle = torch.from_numpy(dequantize(data, GGMLQuantizationType[kind]).reshape(n, k)).float()
     ids = torch.tensor([0, 17, 47, 17, 5, 31])
     assert torch.equal(VnniRows(weight)(ids), oracle[ids])
+
+
+def _dense_paths() -> list[bool]:
+    """The dense op's paths this CPU runs: VDPBF16PS (AVX512-BF16), and the AMX tiles where it has them."""
+    if not kernel_enabled(torch.bfloat16):  # (which builds or loads the ops)
+        return []
+    ops = torch.ops.pagedllm_cpu_qlinear
+    return [amx for amx in (False, True) if bool(ops.qlinear_dense_supports(amx))]
+
+
+def _dense(weight: VnniWeight, x: torch.Tensor, bias: torch.Tensor | None, amx: bool) -> torch.Tensor:
+    p = weight._parameters
+    return torch.ops.pagedllm_cpu_qlinear.qlinear_dense(x, p["qweight"], p["high"], p["scales"], p["mins"],
+                                                        p["super_scales"], weight.bits, weight.group_size, bias, amx)
+
+
+def _gguf_weight(kind: str, n: int, k: int) -> VnniWeight:
+    return PACKED_TYPES[kind](_gguf_blocks(kind, n, k, seed=len(kind)), (n, k)).build(torch.bfloat16, {})
+
+
+def _logical_weight(bits: int, group: int, symmetric: bool, n: int, k: int) -> VnniWeight:
+    gen = torch.Generator().manual_seed(bits * 100 + group)
+    q = torch.randint(0, 2 ** bits, (n, k), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, k // group, generator=gen) * 0.02 + 0.001
+    offset = -(2.0 ** (bits - 1)) * scale if symmetric else -torch.rand(n, k // group, generator=gen) * 0.1
+    method = Int8WeightOnlyMethod(group) if bits == 8 else Int4WeightOnlyMethod(group)
+    return VnniWeight.from_logical(q, scale, offset, bits, method)
+
+
+@pytest.mark.skipif(not VNNI_CPU or not _dense_paths(), reason="no AVX512-BF16 for the dense path")
+@pytest.mark.parametrize("make", [*(pytest.param(lambda n, k, kind=kind: _gguf_weight(kind, n, k), id=kind)
+                                    for kind in GGUF_TYPES),
+                                  pytest.param(lambda n, k: _logical_weight(4, 128, False, n, k), id="int4_g128"),
+                                  pytest.param(lambda n, k: _logical_weight(4, 32, True, n, k), id="int4_g32_sym"),
+                                  pytest.param(lambda n, k: _logical_weight(8, 256, True, n, k), id="int8_channel")])
+def test_the_dense_path_multiplies_the_weights_rounded_once_to_bf16(make):
+    """qlinear_dense (a bf16 model's prompt rows): each weight q * scale + min rounded once to bf16, the
+    products summed in fp32, the output rounded to bf16: within 2**-8 of the output plus 2**-8 (the
+    weights' rounding, with margin) and K * 2**-24 (the fp32 sums) of sum |x| |w|, for output widths that
+    leave partial blocks of 64 (80 = 64 + 16), one row and rows past the 256 of a pass; and a row's result
+    does not depend on the rows beside it."""
+    n, k = 80, 512
+    weight = make(n, k)
+    exact = weight.dequantize(torch.float64)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(300, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    want = x.double() @ exact.T + bias.double()
+    scale = x.double().abs() @ exact.abs().T
+    bound = 2.0 ** -8 * want.abs() + (2.0 ** -8 + k * 2.0 ** -24) * scale + 2.0 ** -8 * bias.double().abs()
+    for amx in _dense_paths():
+        y = _dense(weight, x, bias, amx)
+        assert ((y.double() - want).abs() <= bound).all(), amx
+        for m in (1, 17):
+            assert torch.equal(_dense(weight, x[-m:], bias, amx), y[-m:]), (amx, m)

@@ -70,7 +70,18 @@ def cpu_kernel_summary(llm: Any) -> dict[str, Any]:
             "linear_kernels": choice.describe() if choice is not None else None,
             "linear_kernel": choice.path if choice is not None else None,
             "linear_kernel_bucket_ms": choice.bucket_ms if choice is not None else None,
-            "quantized_linear_kernels": [c.describe() for c in quant_choices]}
+            "quantized_linear_kernels": [c.describe() for c in quant_choices],
+            "quantized_prompt_rows": _prompt_rows(runner)}
+
+
+def _prompt_rows(runner: Any) -> str | None:
+    """How the model's weight-only quantized linears multiply prompt rows (None: it has none of pagedllm's)."""
+    from pagedllm.layers.quantization.vnni import VnniWeight, describe_prompt_rows
+
+    model = getattr(runner, "model", None)
+    if model is None or not any(isinstance(module, VnniWeight) for module in model.modules()):
+        return None
+    return describe_prompt_rows(runner.model_config.dtype)
 
 
 def format_cpu_kernels(summary: dict[str, Any]) -> str:
@@ -79,4 +90,6 @@ def format_cpu_kernels(summary: dict[str, Any]) -> str:
         lines.append(f"linear kernel: {summary['linear_kernels']}")
     for quantized in summary.get("quantized_linear_kernels") or []:
         lines.append(f"quantized linear kernel: {quantized}")
+    if summary.get("quantized_prompt_rows"):
+        lines.append(f"quantized linears' prompt rows: {summary['quantized_prompt_rows']}")
     return "\n".join(lines)

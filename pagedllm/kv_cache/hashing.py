@@ -19,8 +19,12 @@ def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int], extra: b
 
 
 def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
-                        extra_keys: tuple = ()) -> None:
-    """Append the hashes of every full block of `token_ids` not hashed yet (computed once per block)."""
+                        extra_keys: tuple = (), num_prompt_tokens: int | None = None) -> None:
+    """Append the hashes of every full block of `token_ids` not hashed yet (computed once per block).
+    `num_prompt_tokens`, where given: a block past the request's prompt, or holding its end, is keyed by
+    where the prompt ends in it, for models that compute prompt and generated tokens by different
+    arithmetic (pagedllm/forward_context.py): such a block is a hit only for a request whose prompt ends
+    at the same place in it, never as part of a longer prompt (the next turn of a chat)."""
     start = len(block_hashes)
     num_full_blocks = len(token_ids) // block_size
     if start >= num_full_blocks:
@@ -28,5 +32,8 @@ def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int],
     extra = repr(extra_keys).encode() if extra_keys else b""
     parent = block_hashes[start - 1] if start else NONE_HASH
     for i in range(start, num_full_blocks):
-        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], extra)
+        block_extra = extra
+        if num_prompt_tokens is not None and (i + 1) * block_size > num_prompt_tokens:
+            block_extra = repr((*extra_keys, "prompt_end", max(0, num_prompt_tokens - i * block_size))).encode()
+        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], block_extra)
         block_hashes.append(parent)

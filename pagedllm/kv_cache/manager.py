@@ -52,6 +52,9 @@ class CacheableRequest(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -94,9 +97,11 @@ def group_block_hash(block_hash: BlockHash, group: int) -> BlockHash:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, sliding_window: int | None = None,
-                 kv_cache_groups: Sequence[int | None] | None = None):
+                 kv_cache_groups: Sequence[int | None] | None = None, key_prompt_end: bool = False):
         """kv_cache_groups: each group's sliding window (None: full attention); default one group sliding
-        over `sliding_window` (None: full)."""
+        over `sliding_window` (None: full). key_prompt_end: the model computes prompt tokens by another
+        arithmetic than generated ones, so blocks past a prompt's end are keyed by it (extend_block_hashes)."""
+        self.key_prompt_end = key_prompt_end
         if kv_cache_groups is None:
             kv_cache_groups = [sliding_window]
         assert len(kv_cache_groups) >= 1 and (sliding_window is None or len(kv_cache_groups) == 1)
@@ -147,7 +152,8 @@ class KVCacheManager:
             # never a hit for another adapter or the base model
             lora = getattr(request, "lora_request", None)
             extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
-                                ("lora", lora.lora_int_id) if lora is not None else ())
+                                ("lora", lora.lora_int_id) if lora is not None else (),
+                                request.num_prompt_tokens if self.key_prompt_end else None)
 
     # ---- prefix hits ----
     def get_computed_blocks(self, request: CacheableRequest, max_cached_tokens: int

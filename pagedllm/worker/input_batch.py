@@ -58,6 +58,7 @@ class InputBatch:
         self.top_k = np.zeros(num_rows, dtype=np.int64)
         self.top_p = np.zeros(num_rows, dtype=np.float64)
         self.min_p = np.zeros(num_rows, dtype=np.float64)
+        self.num_prompt_tokens = np.zeros(num_rows, dtype=np.int64)
         # The last plan: its request ids (in its order), their states and rows. A plan that names no ids
         # runs the same requests (ScheduledRequestsData.request_ids).
         self.request_ids: list[str] = []
@@ -90,6 +91,7 @@ class InputBatch:
             self.greedy[row] = params.always_argmax
             self.temperature[row], self.top_p[row], self.min_p[row] = params.temperature, params.top_p, params.min_p
             self.top_k[row] = min(params.top_k, _MAX_TOP_K)
+            self.num_prompt_tokens[row] = len(new.prompt_token_ids)
             self._write_tokens(row, 0, new.prompt_token_ids)
         if message.block_table_changes:
             for group_changes in message.block_table_changes:
@@ -176,6 +178,6 @@ class InputBatch:
                                                                        self.token_ids.shape[1]), dtype=np.int64)])
             self.num_tokens = np.concatenate([self.num_tokens, np.zeros(num_rows - len(self.greedy), dtype=np.int64)])
             self._tensors()
-            for name in ("greedy", "temperature", "top_k", "top_p", "min_p"):
+            for name in ("greedy", "temperature", "top_k", "top_p", "min_p", "num_prompt_tokens"):
                 setattr(self, name, np.resize(getattr(self, name), num_rows))
         return row

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedllm import envs
+from pagedllm import envs, forward_context
 from pagedllm.attention.backend import AttentionMetadata, PrefillSeq
 from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -34,7 +34,9 @@ from pagedllm.core_types.scheduler_output import (
     WorkerSchedulerOutput,
 )
 from pagedllm.distributed.parallel_state import broadcast_object, broadcast_tensor
+from pagedllm.forward_context import RowSplit
 from pagedllm.kv_cache.quant import KV_CACHE_DTYPES, is_quantized, resolve_kv_cache_dtype  # noqa: F401
+from pagedllm.layers.quantization.vnni import routes_prompt_rows
 from pagedllm.layers.sampler import Sampler, SamplingRow, argmax_rows, logprob_stats
 from pagedllm.models.loader import load_model
 from pagedllm.outputs import PositionLogprobs, position_logprobs
@@ -70,6 +72,8 @@ class Batch:
     decode: bool = False
     # A decode step's sampled tokens, row i's for request i (set by sample() on the rank that samples)
     sampled_tokens: torch.Tensor | None = None
+    # The rows at prompt positions, where the model's layers ask (ModelRunner.routes_prompt_rows)
+    prompt_rows: RowSplit | None = None
 
     @property
     def order(self) -> list[ScheduledRequest]:
@@ -136,6 +140,9 @@ class ModelRunner:
                                         self.kv_dtype, device, self.block_size,
                                         calculate_kv_scales=cache_config.calculate_kv_scales)
         self.model = load_model(model_config, self.backend, device, tp_rank, tp_size, batch_invariant)
+        # whether each step names its prompt rows for the forward pass (forward_context); a draft model's
+        # outputs only propose, so its rows need not follow one rule
+        self.routes_prompt_rows = batch_invariant and routes_prompt_rows(self.model, model_config.dtype)
         # Multi-LoRA: wraps the projections with the batched adapter delta; each step sets its token slots
         self.lora_manager = None
         if model_config.lora_config is not None:
@@ -409,7 +416,10 @@ class ModelRunner:
             self.input_batch.append_sampled(sampled)
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
+        if batch.prompt_rows is None:
+            return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
+        with forward_context.use(batch.prompt_rows):
+            return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
 
     def _prepare_plan(self, columns: ScheduledRequestsData) -> Batch:
         """The step's Batch from the input batch, just updated with the plan whose columns these are (in the
@@ -509,7 +519,25 @@ class ModelRunner:
             metadata.layer_metadata = [groups[group] for group in self.group_of_layer]
         on_device = (lambda t: t) if self.on_cpu else (lambda t: t.to(self.device))
         return Batch(input_ids=on_device(inputs[0].input_ids), positions=on_device(inputs[0].positions),
-                     metadata=metadata, query_starts=query_starts, rows=rows, _order=order)
+                     metadata=metadata, query_starts=query_starts, rows=rows, _order=order,
+                     prompt_rows=self._prompt_rows(order, query_starts, len(inputs[0].input_ids))
+                     if self.routes_prompt_rows else None)
+
+    def _prompt_rows(self, order: list[ScheduledRequest] | None, query_starts: Sequence[int],
+                     num_rows: int) -> RowSplit | None:
+        """The flat batch's rows at positions before their request's prompt ends. A decode step's request
+        computes its last known token: a prompt row while it has no output token yet (its prompt was
+        cached but for that token)."""
+        input_batch = self.input_batch
+        if order is None:
+            rows = input_batch.rows_array
+            at_prompt = input_batch.num_tokens[rows] <= input_batch.num_prompt_tokens[rows]
+            if not at_prompt.any():
+                return None
+            return RowSplit.from_runs(num_rows, [(i, i + 1) for i in np.flatnonzero(at_prompt).tolist()])
+        return RowSplit.from_runs(num_rows, [
+            (start, start + max(0, min(s.num_new_tokens, s.request.num_prompt_tokens - s.start_pos)))
+            for s, start in zip(order, query_starts)])
 
     def _metadata(self, long: list[ScheduledRequest], num_short: int, num_short_entries: int, inputs: StepInputs,
                   query_lens: list[int], query_starts: Sequence[int]) -> AttentionMetadata:

@@ -63,6 +63,10 @@ class Worker:
     def determine_num_blocks(self) -> int:
         return self.model_runner.determine_num_blocks()
 
+    def routes_prompt_rows(self) -> bool:
+        """Whether the model computes prompt rows by another arithmetic than generated ones."""
+        return self.model_runner.routes_prompt_rows
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.cache_config.num_blocks = num_blocks
         self.model_runner.allocate_kv_cache(num_blocks)

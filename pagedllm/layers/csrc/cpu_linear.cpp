@@ -34,6 +34,7 @@
 #include <torch/library.h>
 
 #include "amx.h"
+#include "blocked_bf16.h"
 #include "half_keys.h"
 
 #include <algorithm>
@@ -572,15 +573,15 @@ bool blocked_linear_supports(c10::ScalarType dtype, bool amx) {
 constexpr int16_t kInfKey = 0x7F80;  // bf16 infinity's magnitude bits
 
 // A block's bf16 rows by the op's path: the tiles when `amx` (their configuration loaded on this thread).
-inline void bf16_rows(bool amx, int64_t rows, const c10::BFloat16* x, int64_t k, const c10::BFloat16* w,
-                      int64_t width, c10::BFloat16* y, int64_t y_stride) {
+inline void bf16_rows(bool amx, int64_t rows, const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* w,
+                      int64_t width, int64_t k, const c10::BFloat16* bias, c10::BFloat16* y, int64_t y_stride) {
 #if defined(PAGEDLLM_AMX)
   if (amx) {
-    amx_rows(rows, x, k, w, width, k, nullptr, y, y_stride, AmxScratch::get(k));
+    amx_rows(rows, x, x_stride, w, width, k, bias, y, y_stride, AmxScratch::get(k));
     return;
   }
 #endif
-  run_rows<c10::BFloat16>(rows, x, k, w, width, k, nullptr, y, y_stride);
+  run_rows<c10::BFloat16>(rows, x, x_stride, w, width, k, bias, y, y_stride);
 }
 
 inline void prepare_thread(bool amx, int64_t m) {
@@ -632,7 +633,7 @@ at::Tensor blocked_linear_argmax(const at::Tensor& x, const at::Tensor& packed, 
       }
       for (int64_t b = begin; b < end; ++b) {
         const int64_t col = b * kBlockN, width = std::min(kBlockN, n - col);
-        bf16_rows(amx, rows, xp + row * k, k, wp + col * k, width, buffer.data(), kBlockN);
+        bf16_rows(amx, rows, xp + row * k, k, wp + col * k, width, k, nullptr, buffer.data(), kBlockN);
         const __mmask32 valid[2] = {width >= 32 ? ~__mmask32(0) : __mmask32((1ull << width) - 1),
                                     width >= 64 ? ~__mmask32(0)
                                                 : width > 32 ? __mmask32((1ull << (width - 32)) - 1) : __mmask32(0)};
@@ -688,7 +689,7 @@ at::Tensor blocked_linear_argmax(const at::Tensor& x, const at::Tensor& packed, 
       prepare_thread(amx, 1);
       for (int64_t b = 0; b < num_blocks; ++b) {
         const int64_t col = b * kBlockN, width = std::min(kBlockN, n - col);
-        bf16_rows(amx, 1, xp + r * k, k, wp + col * k, width, row_logits.data() + col, n);
+        bf16_rows(amx, 1, xp + r * k, k, wp + col * k, width, k, nullptr, row_logits.data() + col, n);
       }
       for (int64_t i = 0; i < n; ++i) {
         if ((row_logits[i].x & 0x7FFF) > kInfKey) {
@@ -709,6 +710,20 @@ at::Tensor blocked_linear_argmax(const at::Tensor& x, const at::Tensor&, int64_t
 #endif
 
 }  // namespace
+
+#if defined(PAGEDLLM_BLOCKED_BF16)
+static_assert(kBlockN == pagedllm_blocked::kBlockOutputs && kRowsPerPass == pagedllm_blocked::kMaxRows,
+              "blocked_bf16.h states this file's block width and rows per pass");
+
+namespace pagedllm_blocked {
+void prepare_bf16_rows(bool amx, int64_t m) { prepare_thread(amx, m); }
+
+void bf16_block_rows(bool amx, int64_t rows, const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* block,
+                     int64_t width, int64_t k, const c10::BFloat16* bias, c10::BFloat16* y, int64_t y_stride) {
+  bf16_rows(amx, rows, x, x_stride, block, width, k, bias, y, y_stride);
+}
+}  // namespace pagedllm_blocked
+#endif
 
 TORCH_LIBRARY(pagedllm_cpu_linear, m) {
   m.def("blocked_linear_supports(ScalarType dtype, bool amx=False) -> bool", &blocked_linear_supports);

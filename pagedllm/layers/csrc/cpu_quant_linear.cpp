@@ -42,6 +42,7 @@
 #include <torch/library.h>
 
 #include "amx.h"
+#include "blocked_bf16.h"
 
 #include <algorithm>
 #include <type_traits>
@@ -564,64 +565,174 @@ void qlinear_impl(const T* x, int64_t x_stride, const uint8_t* w, const uint64_t
   });
 }
 
-template <int BITS, int TERMS, typename T>
-void dispatch_scales(const T* x, int64_t x_stride, const at::Tensor& packed, const at::Tensor& high,
-                     const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& super, int64_t m, int64_t n,
-                     int64_t k, int64_t group, const T* bias, T* y) {
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  const uint64_t* planes = high.numel() ? reinterpret_cast<const uint64_t*>(high.data_ptr<uint8_t>()) : nullptr;
+// Calls f(scales, mins, super, supers) with the weight's scales typed as stored (fp32, fp16, or int8 with the
+// K-quants' fp16 super-block multipliers); mins null for a symmetric weight.
+template <int BITS, typename F>
+void with_typed_scales(const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& super, F&& f) {
   const bool symmetric = mins.numel() == 0;
-  const float min_factor = -static_cast<float>(1 << (BITS - 1));
   auto half = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
   if (scales.scalar_type() == at::kFloat) {
-    qlinear_impl<BITS, TERMS, float, T>(x, x_stride, w, planes, scales.data_ptr<float>(),
-                                        symmetric ? nullptr : mins.data_ptr<float>(), min_factor, nullptr, 0, m, n, k,
-                                        group, bias, y);
+    f(scales.data_ptr<float>(), symmetric ? nullptr : mins.data_ptr<float>(), nullptr, int64_t{0});
   } else if (scales.scalar_type() == at::kHalf) {
-    qlinear_impl<BITS, TERMS, uint16_t, T>(x, x_stride, w, planes, half(scales), symmetric ? nullptr : half(mins),
-                                           min_factor, nullptr, 0, m, n, k, group, bias, y);
+    f(half(scales), symmetric ? nullptr : half(mins), nullptr, int64_t{0});
   } else if constexpr (BITS != 8) {  // K-quants: 4 to 6 bits
-    qlinear_impl<BITS, TERMS, int8_t, T>(x, x_stride, w, planes, scales.data_ptr<int8_t>(),
-                                         symmetric ? nullptr : mins.data_ptr<int8_t>(), min_factor, half(super),
-                                         super.size(1), m, n, k, group, bias, y);
+    f(scales.data_ptr<int8_t>(), symmetric ? nullptr : mins.data_ptr<int8_t>(), half(super), super.size(1));
   } else {
     TORCH_CHECK(false, "qlinear: int8 scales (K-quants) are for 4- to 6-bit weights");
   }
 }
 
+inline const uint64_t* bit_plane_words(const at::Tensor& high) {
+  return high.numel() ? reinterpret_cast<const uint64_t*>(high.data_ptr<uint8_t>()) : nullptr;
+}
+
+// What a symmetric weight's min is in units of its scale: -2^(bits - 1).
+constexpr float symmetric_min_factor(int bits) { return -static_cast<float>(1 << (bits - 1)); }
+
+template <int BITS, int TERMS, typename T>
+void dispatch_scales(const T* x, int64_t x_stride, const at::Tensor& packed, const at::Tensor& high,
+                     const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& super, int64_t m, int64_t n,
+                     int64_t k, int64_t group, const T* bias, T* y) {
+  with_typed_scales<BITS>(scales, mins, super, [&](const auto* s, const auto* mn, const uint16_t* sup, int64_t supers) {
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
+    qlinear_impl<BITS, TERMS, S, T>(x, x_stride, packed.data_ptr<uint8_t>(), bit_plane_words(high), s, mn,
+                                    symmetric_min_factor(BITS), sup, supers, m, n, k, group, bias, y);
+  });
+}
+
+
+#if defined(PAGEDLLM_BLOCKED_BF16)
+// Prompt rows (qlinear_dense): the weights w = q * scale + min, rounded to bf16 one block of 64 outputs at a time
+// into the blocked bf16 linear's layout (csrc/blocked_bf16.h), then multiplied by that kernel's path, the AMX
+// tiles where asked: a prefill chunk's rows multiply the unrounded activations at the bf16 tiles' speed, where
+// the integer path's two activation terms cost as many tile products as bf16 plus the unpacking and the fp32
+// steps. The rounding is the bf16 model's (a weight rounded once, to 8 bits of mantissa), so a row's result
+// differs from the integer path's in the last bits: the engine routes rows by what they are, never by the
+// batch they are in (layers/quantization/vnni.py).
+
+// Tile t's 16 outputs of w = q * scale + min in bf16 into columns [col, col + 16) of a block [K / 2][width][2].
+template <int BITS, typename S>
+void dequantize_tile_bf16(const TileWeights<S>& tw, int64_t k, int64_t group, uint16_t* block, int64_t width,
+                          int64_t col) {
+  // A k-quad's bytes hold output o's 4 weights in 32-bit lane o; 4 lanes widen to 16 fp32 lanes at a time.
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  __m512 scale4[4], min4[4];
+  auto quad = [&](__m512i bytes, int64_t k0) {
+    __m512 f[4];
+    for (int c = 0; c < 4; ++c)
+      f[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, c))), scale4[c],
+                             min4[c]);
+    // 32-bit lane 2o + p of each: output o's pair p of k (k0 + 2p, k0 + 2p + 1), outputs 0-7 and 8-15
+    const __m512i low = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
+    const __m512i high = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+    uint16_t* pair = block + (k0 / 2 * width + col) * 2;
+    _mm512_storeu_si512(pair, _mm512_permutex2var_epi32(low, even, high));
+    _mm512_storeu_si512(pair + width * 2, _mm512_permutex2var_epi32(low, odd, high));
+  };
+  for (int64_t kk = 0, g = -1; kk < k; kk += 8) {
+    if (kk / group != g) {
+      g = kk / group;
+      __m512 s, mn;
+      group_scale_min(tw, g, s, mn);
+      for (int c = 0; c < 4; ++c) {  // lane i of quarter c belongs to output 4c + i / 4
+        const __m512i spread = _mm512_add_epi32(_mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                                                     11, 12, 13, 14, 15), 2),
+                                                _mm512_set1_epi32(4 * c));
+        scale4[c] = _mm512_permutexvar_ps(spread, s);
+        min4[c] = _mm512_permutexvar_ps(spread, mn);
+      }
+    }
+    if constexpr (BITS == 8) {
+      quad(_mm512_loadu_si512(tw.w + kk * kTile), kk);
+      quad(_mm512_loadu_si512(tw.w + (kk + 4) * kTile), kk + 4);
+    } else {
+      __m512i lo, hi;
+      unpack_quads<BITS>(tw, kk, lo, hi);
+      quad(lo, kk);
+      quad(hi, kk + 4);
+    }
+  }
+}
+
+template <int BITS, typename S>
+void qlinear_dense_impl(const c10::BFloat16* x, int64_t x_stride, const uint8_t* w, const uint64_t* high,
+                        const S* scales, const S* mins, float min_factor, const uint16_t* super, int64_t supers,
+                        int64_t m, int64_t n, int64_t k, int64_t group, const c10::BFloat16* bias, c10::BFloat16* y,
+                        bool amx) {
+  using pagedllm_blocked::kBlockOutputs;
+  const int64_t tiles = n / kTile, groups = k / group, groups_per_super = supers ? groups / supers : 1;
+  const int64_t tile_low_bytes = k * kTile * low_bits(BITS) / 8, tile_masks = k / 8 * bit_planes(BITS) * 2;
+  constexpr int64_t kTilesPerBlock = kBlockOutputs / kTile;
+  const int64_t blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    // one block's bf16 weights, 64-byte aligned (a tile row split over two cache lines loads at half speed)
+    thread_local std::vector<uint16_t> dense_buffer;
+    dense_buffer.resize(k * kBlockOutputs + 32);
+    uint16_t* dense = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(dense_buffer.data()) + 63) &
+                                                  ~uintptr_t{63});
+    pagedllm_blocked::prepare_bf16_rows(amx, m);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t t0 = b * kTilesPerBlock, t1 = std::min(tiles, t0 + kTilesPerBlock), width = (t1 - t0) * kTile;
+      for (int64_t t = t0; t < t1; ++t) {
+        const TileWeights<S> tw{w + t * tile_low_bytes, high + t * tile_masks, scales + t * groups * kTile,
+                                mins ? mins + t * groups * kTile : nullptr, min_factor,
+                                super ? super + t * supers * 2 * kTile : nullptr, groups_per_super};
+        dequantize_tile_bf16<BITS>(tw, k, group, dense, width, (t - t0) * kTile);
+      }
+      const auto* block = reinterpret_cast<const c10::BFloat16*>(dense);
+      for (int64_t r0 = 0; r0 < m; r0 += pagedllm_blocked::kMaxRows)
+        pagedllm_blocked::bf16_block_rows(amx, std::min(pagedllm_blocked::kMaxRows, m - r0), x + r0 * x_stride,
+                                          x_stride, block, width, k, bias ? bias + t0 * kTile : nullptr,
+                                          y + r0 * n + t0 * kTile, n);
+    }
+  });
+}
+#endif  // PAGEDLLM_BLOCKED_BF16
+
 #endif  // PAGEDLLM_QLINEAR
+
+#ifdef PAGEDLLM_QLINEAR
+// The weight's tensors as the kernels read them, for x [M, K] and a bias (or none): returns N.
+int64_t check_weight(const char* op, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& high,
+                     const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& super, int64_t bits,
+                     int64_t group_size, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [M, K] with unit stride along K");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, op, ": bits must be 4, 5, 6 or 8");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), op, ": packed must be contiguous uint8");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == kTile && scales.is_contiguous() &&
+                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf ||
+                   scales.scalar_type() == at::kChar),
+              op, ": scales must be contiguous [N / 16, K / G, 16] fp32, fp16 or int8 (with super)");
+  TORCH_CHECK(scales.scalar_type() != at::kChar ||
+                  (super.scalar_type() == at::kHalf && super.is_contiguous() && super.dim() == 4 &&
+                   super.size(0) == scales.size(0) && super.size(1) > 0 && scales.size(1) % super.size(1) == 0 &&
+                   super.size(2) == 2 && super.size(3) == kTile),
+              op, ": int8 scales need super [N / 16, super-blocks, 2, 16] fp16 (d, -dmin)");
+  TORCH_CHECK(mins.numel() == 0 || (mins.is_contiguous() && scales.sizes() == mins.sizes() &&
+                                    scales.scalar_type() == mins.scalar_type()),
+              op, ": mins must be empty (a symmetric weight) or shaped and typed as the scales");
+  const int64_t k = x.size(1), n = scales.size(0) * kTile;
+  TORCH_CHECK(k % kBlock == 0 && group_size % 16 == 0 && k % group_size == 0 &&
+                  (group_size < kBlock || group_size % kBlock == 0) && scales.size(1) == k / group_size,
+              op, ": K must be a multiple of 32 and of the group size (16 or a multiple of 32)");
+  TORCH_CHECK(packed.numel() == n * k * low_bits(bits) / 8, op, ": packed weight has the wrong size");
+  TORCH_CHECK(high.scalar_type() == at::kByte && high.is_contiguous() && high.numel() == n * k * bit_planes(bits) / 8,
+              op, ": high must hold one bit plane per bit above 4 (n * k * (bits - 4) / 8 bytes)");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
+                        bias->scalar_type() == x.scalar_type()),
+              op, ": bias must be a contiguous [N] tensor of x's dtype");
+  return n;
+}
+#endif
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& high, const at::Tensor& scales,
                    const at::Tensor& mins, const at::Tensor& super, int64_t bits, int64_t group_size,
                    int64_t activation_terms, const std::optional<at::Tensor>& bias) {
 #ifdef PAGEDLLM_QLINEAR
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "qlinear: x must be [M, K] with unit stride along K");
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "qlinear: bits must be 4, 5, 6 or 8");
   TORCH_CHECK(activation_terms == 1 || activation_terms == 2, "qlinear: activation_terms must be 1 or 2");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "qlinear: packed must be contiguous uint8");
-  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == kTile && scales.is_contiguous() &&
-                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf ||
-                   scales.scalar_type() == at::kChar),
-              "qlinear: scales must be contiguous [N / 16, K / G, 16] fp32, fp16 or int8 (with super)");
-  TORCH_CHECK(scales.scalar_type() != at::kChar ||
-                  (super.scalar_type() == at::kHalf && super.is_contiguous() && super.dim() == 4 &&
-                   super.size(0) == scales.size(0) && super.size(1) > 0 && scales.size(1) % super.size(1) == 0 &&
-                   super.size(2) == 2 && super.size(3) == kTile),
-              "qlinear: int8 scales need super [N / 16, super-blocks, 2, 16] fp16 (d, -dmin)");
-  TORCH_CHECK(mins.numel() == 0 || (mins.is_contiguous() && scales.sizes() == mins.sizes() &&
-                                    scales.scalar_type() == mins.scalar_type()),
-              "qlinear: mins must be empty (a symmetric weight) or shaped and typed as the scales");
-  const int64_t m = x.size(0), k = x.size(1), n = scales.size(0) * kTile;
-  TORCH_CHECK(k % kBlock == 0 && group_size % 16 == 0 && k % group_size == 0 &&
-                  (group_size < kBlock || group_size % kBlock == 0) && scales.size(1) == k / group_size,
-              "qlinear: K must be a multiple of 32 and of the group size (16 or a multiple of 32)");
-  const int64_t planes = bit_planes(bits);
-  TORCH_CHECK(packed.numel() == n * k * low_bits(bits) / 8, "qlinear: packed weight has the wrong size");
-  TORCH_CHECK(high.scalar_type() == at::kByte && high.is_contiguous() && high.numel() == n * k * planes / 8,
-              "qlinear: high must hold one bit plane per bit above 4 (n * k * (bits - 4) / 8 bytes)");
-  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
-                        bias->scalar_type() == x.scalar_type()),
-              "qlinear: bias must be a contiguous [N] tensor of x's dtype");
+  const int64_t n = check_weight("qlinear", x, packed, high, scales, mins, super, bits, group_size, bias);
+  const int64_t m = x.size(0), k = x.size(1);
   auto y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   auto run = [&](auto* xp, auto* yp) {
@@ -654,14 +765,65 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 #endif
 }
 
+// Whether qlinear_dense runs here: AVX512-BF16 (and, with `amx`, the tiles granted to this process).
+bool qlinear_dense_supports(bool amx) {
+#if defined(PAGEDLLM_QLINEAR) && defined(PAGEDLLM_BLOCKED_BF16)
+#if defined(PAGEDLLM_AMX)
+  return !amx || pagedllm_amx::tiles_permitted();
+#else
+  return !amx;
+#endif
+#else
+  (void)amx;
+  return false;
+#endif
+}
+
+// y = x W^T (+ bias) for bf16 rows x, W dequantized to bf16 (see qlinear_dense_impl).
+at::Tensor qlinear_dense(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& high, const at::Tensor& scales,
+                         const at::Tensor& mins, const at::Tensor& super, int64_t bits, int64_t group_size,
+                         const std::optional<at::Tensor>& bias, bool amx) {
+  TORCH_CHECK(qlinear_dense_supports(amx), "qlinear_dense: this build or CPU has no ", amx ? "AMX tiles" : "AVX512-BF16");
+#if defined(PAGEDLLM_QLINEAR) && defined(PAGEDLLM_BLOCKED_BF16)
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "qlinear_dense: x must be bf16");
+  const int64_t n = check_weight("qlinear_dense", x, packed, high, scales, mins, super, bits, group_size, bias);
+  const int64_t m = x.size(0), k = x.size(1);
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* bp = bias ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  auto with_bits = [&](auto bits_constant) {
+    constexpr int B = decltype(bits_constant)::value;
+    with_typed_scales<B>(scales, mins, super, [&](const auto* s, const auto* mn, const uint16_t* sup, int64_t supers) {
+      qlinear_dense_impl<B>(xp, x.stride(0), packed.data_ptr<uint8_t>(), bit_plane_words(high), s, mn,
+                            symmetric_min_factor(B), sup, supers, m, n, k, group_size, bp, yp, amx);
+    });
+  };
+  switch (bits) {
+    case 4: with_bits(std::integral_constant<int, 4>{}); break;
+    case 5: with_bits(std::integral_constant<int, 5>{}); break;
+    case 6: with_bits(std::integral_constant<int, 6>{}); break;
+    default: with_bits(std::integral_constant<int, 8>{}); break;
+  }
+  return y;
+#else
+  return at::Tensor();
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedllm_cpu_qlinear, m) {
   m.def("qlinear_supports() -> bool", &qlinear_supports);
   m.def("qlinear(Tensor x, Tensor packed, Tensor high, Tensor scales, Tensor mins, Tensor super, int bits, "
         "int group_size, int activation_terms, Tensor? bias=None) -> Tensor");
+  m.def("qlinear_dense_supports(bool amx) -> bool", &qlinear_dense_supports);
+  m.def("qlinear_dense(Tensor x, Tensor packed, Tensor high, Tensor scales, Tensor mins, Tensor super, int bits, "
+        "int group_size, Tensor? bias, bool amx) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu_qlinear, CPU, m) {
   m.impl("qlinear", &qlinear);
+  m.impl("qlinear_dense", &qlinear_dense);
 }

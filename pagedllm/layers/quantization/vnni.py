@@ -34,7 +34,7 @@ import functools
 import torch
 from torch import nn
 
-from pagedllm import envs
+from pagedllm import envs, forward_context
 from pagedllm.layers.module import Module
 from pagedllm.layers.quantization.base import QuantizationMethod, QuantizedWeight, dequantize_groups
 
@@ -75,6 +75,44 @@ def activation_terms() -> int:
     if terms not in ("1", "2"):
         raise ValueError(f"PAGEDLLM_QUANT_ACTIVATION_TERMS must be 1 or 2, got {terms!r}.")
     return int(terms)
+
+
+PROMPT_ROW_CHOICES = ("auto", "dense", "integer")
+
+
+@functools.cache
+def _dense_amx() -> bool:
+    return bool(torch.ops.pagedllm_cpu_qlinear.qlinear_dense_supports(True))
+
+
+def dense_prompt_rows(dtype: torch.dtype) -> bool:
+    """Whether a bf16 model's prompt rows take the dense path (PAGEDLLM_QUANT_PROMPT_ROWS): each weight
+    rounded to bf16 a block of 64 outputs at a time and multiplied as the blocked bf16 linear multiplies,
+    on the AMX tiles where the CPU has them. There a 512-token prefill chunk multiplies at the bf16 tiles'
+    speed, where the integer path's two activation terms cost as many tile products as bf16 plus the
+    unpacking and the fp32 steps (docs/performance/intel-amx.md). `auto` takes it where the tiles are;
+    without them the integer path stays until measured otherwise. Generated rows always take the
+    integer path, so a row's arithmetic follows from its position alone (pagedllm/forward_context.py)."""
+    choice = str(envs.value("PAGEDLLM_QUANT_PROMPT_ROWS")).strip().lower()
+    if choice not in PROMPT_ROW_CHOICES:
+        raise ValueError(f"PAGEDLLM_QUANT_PROMPT_ROWS must be one of {list(PROMPT_ROW_CHOICES)}, got {choice!r}.")
+    if dtype != torch.bfloat16 or choice == "integer" or not kernel_enabled(dtype):
+        return False
+    dense_ops = bool(torch.ops.pagedllm_cpu_qlinear.qlinear_dense_supports(False))
+    return dense_ops and (choice == "dense" or _dense_amx())
+
+
+def describe_prompt_rows(dtype: torch.dtype) -> str:
+    """How this kernel's prompt rows are multiplied, for the start-up line and the benchmarks."""
+    if not dense_prompt_rows(dtype):
+        return "integer (quantized activations, as generated rows)"
+    return f"dense (weights rounded to bf16 per 64 outputs, {'AMX tiles' if _dense_amx() else 'VDPBF16PS'})"
+
+
+def routes_prompt_rows(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the model's forward pass wants its prompt rows named (forward_context.use): it has weights of
+    this kernel and their prompt rows take the dense path."""
+    return dense_prompt_rows(dtype) and any(isinstance(m, VnniWeight) for m in model.modules())
 
 
 BITS = (4, 5, 6, 8)
@@ -274,15 +312,41 @@ class VnniWeight(QuantizedWeight):
         # (a model's activations are already [T, K] rows: no reshape or view, each as dear as a small op)
         flat = x.dim() == 2 and x.stride(1) == 1
         x2 = x if flat else x.reshape(-1, self.in_features).contiguous()
-        params = self._parameters
         # the kernel adds a bias of x's dtype before its one rounding, as a full-precision linear does
         fused = bias is None or (bias.dtype == x2.dtype and bias.is_contiguous())
-        y = torch.ops.pagedllm_cpu_qlinear.qlinear(x2, params["qweight"], params["high"], params["scales"],
-                                                   params["mins"], params["super_scales"], self.bits,
-                                                   self._group_size, self.activation_terms, bias if fused else None)
+        split = forward_context.prompt_rows()
+        if split is not None and split.num_rows == x2.shape[0]:  # a forward pass's rows, some of them prompt rows
+            y = self._split_rows(x2, bias if fused else None, split)
+        else:
+            y = self._integer(x2, bias if fused else None)
         if not fused:
             y.add_(bias)
         return y if flat else y.view(*x.shape[:-1], self._out_features)
+
+    def _integer(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        params = self._parameters
+        return torch.ops.pagedllm_cpu_qlinear.qlinear(x, params["qweight"], params["high"], params["scales"],
+                                                      params["mins"], params["super_scales"], self.bits,
+                                                      self._group_size, self.activation_terms, bias)
+
+    def _dense(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        params = self._parameters
+        return torch.ops.pagedllm_cpu_qlinear.qlinear_dense(x, params["qweight"], params["high"], params["scales"],
+                                                            params["mins"], params["super_scales"], self.bits,
+                                                            self._group_size, bias, _dense_amx())
+
+    def _split_rows(self, x: torch.Tensor, bias: torch.Tensor | None, split: forward_context.RowSplit) -> torch.Tensor:
+        """Prompt rows by the dense path, the others by the integer one (see dense_prompt_rows)."""
+        if split.other is None:
+            return self._dense(x, bias)
+        y = x.new_empty((x.shape[0], self._out_features))
+        if isinstance(split.prompt, slice):
+            y[split.prompt] = self._dense(x[split.prompt], bias)
+            y[split.other] = self._integer(x[split.other], bias)
+        else:
+            y.index_copy_(0, split.prompt, self._dense(x.index_select(0, split.prompt), bias))
+            y.index_copy_(0, split.other, self._integer(x.index_select(0, split.other), bias))
+        return y
 
     def extra_repr(self) -> str:
         return (f"{self.method.name} (pagedllm VNNI kernel, {self.bits}-bit{', symmetric' if self.symmetric else ''}), "
