@@ -307,6 +307,36 @@ def test_completion_echo(client: openai.OpenAI, llm: LLM) -> None:
     logprobs = with_logprobs.choices[0].logprobs
     assert len(logprobs.tokens) == prompt_len + 5
     assert logprobs.token_logprobs[0] is None  # nothing predicts the first prompt token
+    # offsets run on over the token strings, the prompt's included (as vLLM's)
+    offsets, tokens = logprobs.text_offset, logprobs.tokens
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_echo_without_generation_scores_the_prompt(server: RemoteServer, llm: LLM, stream: bool) -> None:
+    """echo with max_tokens 0 (vLLM's; lm-eval's loglikelihood requests): the prompt and its logprobs,
+    nothing generated. max_tokens 0 without echo is refused."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1, "stream": stream}
+    want = llm.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    if stream:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.headers(),
+                          timeout=60.0) as response:
+            events = [e for e in sse_events(response) if e != "[DONE]"]
+        text = "".join(choice["text"] for event in events for choice in event["choices"])
+        logprobs = [lp for event in events for choice in event["choices"] if choice["logprobs"]
+                    for lp in choice["logprobs"]["token_logprobs"]]
+        finish = [choice["finish_reason"] for event in events for choice in event["choices"]][-1]
+    else:
+        result = server.post("/v1/completions", body).json()
+        choice = result["choices"][0]
+        text, logprobs, finish = choice["text"], choice["logprobs"]["token_logprobs"], choice["finish_reason"]
+        assert result["usage"]["completion_tokens"] == 0
+    assert text == PROMPT and finish == "length"
+    assert len(logprobs) == len(want.prompt_token_ids) and logprobs[0] is None
+    for got, position, token in zip(logprobs[1:], want.prompt_logprobs[1:], want.prompt_token_ids[1:]):
+        assert got == pytest.approx(position[token].logprob, abs=1e-4)
+    refused = server.post("/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
 
 
 def test_completion_stop_strings(client: openai.OpenAI, llm: LLM) -> None:

@@ -169,7 +169,8 @@ class SamplingRequestFields(OpenAIRequestModel):
 class CompletionRequest(SamplingRequestFields):
     # order matters: pydantic tries the list forms before coercing anything to a string
     prompt: list[int] | list[list[int]] | list[str] | str
-    max_tokens: int | None = Field(default=16, ge=1)
+    # 0 only with echo: the prompt scored, nothing generated (vLLM's; lm-eval's loglikelihood requests)
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
     suffix: str | None = None

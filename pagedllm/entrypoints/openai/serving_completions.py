@@ -8,6 +8,7 @@ token does not grow with the output; a non-streaming request asks for FINAL_ONLY
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -83,8 +84,14 @@ class OpenAIServingCompletion:
         num_prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
         # before tokenizing: a request too large to ever be admitted costs nothing more
         context.check_num_sequences(num_prompts * request.n, "n" if request.n > 1 else "prompt")
+        echo_only = request.max_tokens == 0
+        if echo_only and not request.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 only with echo, to score the prompt).",
+                           param="max_tokens")
         prompts = await self._prompts(request)
-        max_tokens = min(context.check_length(len(p), request.max_tokens, "prompt") for p in prompts)
+        # echo with max_tokens 0: one token is computed (the engine always samples one) and dropped
+        max_tokens = min(context.check_length(len(p), 1 if echo_only else request.max_tokens, "prompt")
+                         for p in prompts)
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         params = context.build_params(request, max_tokens, request.logprobs, prompt_logprobs)
         params.guided_decoding = guided_decoding_params(request)
@@ -100,6 +107,8 @@ class OpenAIServingCompletion:
             finals = await until_disconnect(raw_request, self._collect(streams, queue))
         finally:
             abort_all(streams)
+        if echo_only:
+            finals = [_without_generation(output) for output in finals]
         return JSONResponse(self._response(request, request_id, created, model_name, prompts,
                                            finals).model_dump())
 
@@ -133,10 +142,10 @@ class OpenAIServingCompletion:
                 logprobs = None
                 if request.logprobs is not None:
                     logprobs = CompletionLogProbs()
-                    if request.echo:
-                        self._add_logprobs(logprobs, prompt_ids, output.prompt_logprobs, 0)
-                    self._add_logprobs(logprobs, completion.token_ids, completion.logprobs,
-                                       len(prompt_text))
+                    offset = len(prompt_text)
+                    if request.echo:  # (offsets run on over the prompt's token strings, as vLLM's)
+                        offset = self._add_logprobs(logprobs, prompt_ids, output.prompt_logprobs, 0)
+                    self._add_logprobs(logprobs, completion.token_ids, completion.logprobs, offset)
                 choices.append(CompletionResponseChoice(
                     index=prompt_index * request.n + completion.index, text=prompt_text + completion.text,
                     logprobs=logprobs, finish_reason=completion.finish_reason,
@@ -178,6 +187,8 @@ class OpenAIServingCompletion:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         try:
             async for prompt_index, output in merged_outputs(streams, queue):
+                if request.max_tokens == 0:  # echo only
+                    output = _without_generation(output)
                 prompt_ids = prompts[prompt_index]
                 if output.prompt_logprobs is not None:
                     prompt_logprobs.setdefault(prompt_index, output.prompt_logprobs)
@@ -198,8 +209,8 @@ class OpenAIServingCompletion:
                     if request.logprobs is not None and (new_ids or prefix):
                         logprobs = CompletionLogProbs()
                         if prefix:
-                            self._add_logprobs(logprobs, prompt_ids, prompt_logprobs.get(prompt_index), 0)
-                            state.text_offset = len(prefix)
+                            state.text_offset = self._add_logprobs(logprobs, prompt_ids,
+                                                                   prompt_logprobs.get(prompt_index), 0)
                         state.text_offset = self._add_logprobs(logprobs, new_ids, completion.logprobs,
                                                                state.text_offset)
                     state.num_tokens += len(new_ids)
@@ -226,3 +237,11 @@ class OpenAIServingCompletion:
             # the client went away (this generator was cancelled) or we are done: free the blocks
             abort_all(streams)
         yield SSE_DONE
+
+
+def _without_generation(output: RequestOutput) -> RequestOutput:
+    """An echo-only request's output (max_tokens 0): the token computed to finish it is dropped."""
+    return dataclasses.replace(output, outputs=[
+        dataclasses.replace(completion, text="", token_ids=[], cumulative_logprob=None,
+                            logprobs=[] if completion.logprobs is not None else None)
+        for completion in output.outputs])
