@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from pagedllm.sampling_params import GuidedDecodingParams
@@ -92,6 +93,20 @@ class StructuredOutputManager:
         if template.is_error():
             raise ValueError(f"{params.kind} cannot be compiled by the grammar library (llguidance) for this "
                              f"tokenizer: {template.get_error().strip()}")
+        # The lexer is built lazily: a pattern past the library's limits ("(b{1000}){1000}") compiles, and
+        # its first token overflows the lexer, which every copy shares: its requests would run unconstrained
+        # or end at once. Try the first two steps on a copy (this template is then never cached).
+        probe = template.deep_copy()
+        words = np.frombuffer(probe.compute_bitmask(), dtype=np.uint32)
+        allowed = np.flatnonzero(words)
+        if len(allowed) and not probe.is_error():
+            word = int(allowed[0])
+            lowest = int(words[word]) & -int(words[word])
+            probe.consume_token(word * 32 + lowest.bit_length() - 1)
+            probe.compute_bitmask()
+        if probe.is_error():
+            raise ValueError(f"{params.kind} exceeds the grammar library's (llguidance) limits for this "
+                             f"tokenizer: {probe.get_error().strip().splitlines()[0]}")
         self.num_compiles += 1
         self._compiled[key] = template
         if len(self._compiled) > COMPILED_GRAMMAR_CACHE_SIZE:

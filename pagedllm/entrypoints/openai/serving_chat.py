@@ -46,6 +46,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
 )
 from pagedllm.entrypoints.openai.structured_outputs import (
     ToolCallStream,
+    constraint_renames,
     guided_decoding_params,
     tool_calls_from_text,
     tool_mode,
@@ -166,7 +167,8 @@ class OpenAIServingChat:
         # a stream takes what is new each step (DELTA); a plain request one output at the end
         params.output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         request_id = random_id("chatcmpl")
-        streams, queue = await context.submit(request_id, [prompt_ids], params, request, renames,
+        streams, queue = await context.submit(request_id, [prompt_ids], params, request,
+                                              {**renames, **constraint_renames(request)},
                                               lora_request=context.lora_request_for(model_name))
         created = int(time.time())
         if request.stream:

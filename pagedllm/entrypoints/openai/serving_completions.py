@@ -41,7 +41,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     stream_response,
     until_disconnect,
 )
-from pagedllm.entrypoints.openai.structured_outputs import guided_decoding_params
+from pagedllm.entrypoints.openai.structured_outputs import constraint_renames, guided_decoding_params
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
 
@@ -97,7 +97,7 @@ class OpenAIServingCompletion:
         params.guided_decoding = guided_decoding_params(request)
         params.output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         request_id = random_id("cmpl")
-        streams, queue = await context.submit(request_id, prompts, params, request,
+        streams, queue = await context.submit(request_id, prompts, params, request, constraint_renames(request),
                                               lora_request=context.lora_request_for(model_name))
         created = int(time.time())
         if request.stream:

@@ -39,6 +39,18 @@ def _make(param: str, request: SamplingRequestFields, **kind: Any) -> GuidedDeco
         raise APIError(400, f"{param}: {exc}", param=param) from exc
 
 
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def constraint_renames(request: SamplingRequestFields) -> dict[str, str]:
+    """The engine names a constraint it refuses by its kind ("regex exceeds ..."): the request's field that
+    gave it, for the 400's param."""
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "response_format", "tools"):
+        if getattr(request, name, None) is not None:
+            return dict.fromkeys(_KINDS, name)
+    return {}
+
+
 def guided_decoding_params(request: SamplingRequestFields) -> GuidedDecodingParams | None:
     """The constraint of response_format or a guided_* field; 400 naming the field if bad or several."""
     given: list[tuple[str, dict[str, Any]]] = []
