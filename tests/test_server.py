@@ -393,6 +393,23 @@ def test_logit_bias_and_allowed_token_ids_reach_the_engine(client: openai.OpenAI
                                              allowed_token_ids=allowed)[0]
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server: RemoteServer, llm: LLM) -> None:
+    """vLLM's truncate_prompt_tokens: the last k tokens of the prompt (-1: as many as the context holds,
+    so a prompt past the context is cut instead of refused)."""
+    ids = llm.get_tokenizer()(PROMPT * 3)["input_ids"]
+    body = {"model": "tiny", "prompt": PROMPT * 3, "max_tokens": 5, "temperature": 0.0,
+            "truncate_prompt_tokens": 4}
+    result = server.post("/v1/completions", body).json()
+    want = llm.generate({"prompt_token_ids": ids[-4:]}, SamplingParams(max_tokens=5, temperature=0.0),
+                        use_tqdm=False)[0].outputs[0].text
+    assert result["choices"][0]["text"] == want and result["usage"]["prompt_tokens"] == 4
+    long_prompt = list(range(10, 10 + 300))  # past max_model_len (256)
+    body = {"model": "tiny", "prompt": long_prompt, "max_tokens": 1, "truncate_prompt_tokens": -1}
+    assert server.post("/v1/completions", body).json()["usage"]["prompt_tokens"] == 255
+    refused = server.post("/v1/completions", {**body, "truncate_prompt_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 # ---- chat ----------------------------------------------------------------------------------------
 
 def offline_chat(llm: LLM, **kwargs: Any) -> list[str]:

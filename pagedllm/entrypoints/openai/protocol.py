@@ -118,6 +118,8 @@ class SamplingRequestFields(OpenAIRequestModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     # OpenAI's token id (a string in JSON) -> bias in [-100, 100]; vLLM's allowed_token_ids
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None

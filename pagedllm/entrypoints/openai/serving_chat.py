@@ -153,6 +153,7 @@ class OpenAIServingChat:
         prompt_ids = await context.encode_chat(lambda tokenizer: render_chat_prompt(
             tokenizer, request.messages, request.add_generation_prompt, template_kwargs, tools,
             request.continue_final_message))
+        prompt_ids = context.truncate(prompt_ids, request)
         if not prompt_ids:
             raise APIError(400, "The chat template produced an empty prompt.", param="messages")
         requested = request.max_completion_tokens or request.max_tokens

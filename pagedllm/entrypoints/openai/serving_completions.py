@@ -88,7 +88,7 @@ class OpenAIServingCompletion:
         if echo_only and not request.echo:
             raise APIError(400, "max_tokens must be at least 1 (0 only with echo, to score the prompt).",
                            param="max_tokens")
-        prompts = await self._prompts(request)
+        prompts = [context.truncate(token_ids, request) for token_ids in await self._prompts(request)]
         # echo with max_tokens 0: one token is computed (the engine always samples one) and dropped
         max_tokens = min(context.check_length(len(p), 1 if echo_only else request.max_tokens, "prompt")
                          for p in prompts)
@@ -121,7 +121,10 @@ class OpenAIServingCompletion:
 
     def _prompt_text(self, request: CompletionRequest, prompt_index: int, output: RequestOutput,
                      prompt_ids: list[int]) -> str:
-        """What echo repeats: the prompt as the client sent it, not with the BOS the tokenizer added."""
+        """What echo repeats: the prompt as the client sent it, not with the BOS the tokenizer added (the
+        kept tokens' text where truncate_prompt_tokens cut it)."""
+        if request.truncate_prompt_tokens is not None:
+            return self.tokenizer.decode(prompt_ids)
         if isinstance(request.prompt, str):
             return request.prompt
         if request.prompt and isinstance(request.prompt[0], str):

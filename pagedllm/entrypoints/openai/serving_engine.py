@@ -232,6 +232,19 @@ class ServingContext:
                            param=max_tokens_param)
         return max_tokens
 
+    def truncate(self, token_ids: list[int], request: SamplingRequestFields) -> list[int]:
+        """The prompt's last truncate_prompt_tokens tokens (vLLM's; -1: the context's length less one, so one
+        token can be generated)."""
+        keep = request.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        if keep == 0:
+            raise APIError(400, "truncate_prompt_tokens must be at least 1 (or -1: the context's length).",
+                           param="truncate_prompt_tokens")
+        if keep == -1:
+            keep = self.max_model_len - 1
+        return token_ids[-keep:]
+
     def check_num_sequences(self, num_sequences: int, param: str) -> None:
         limit = self.max_waiting_requests
         if limit is not None and num_sequences > limit:  # a 503 would invite endless retries
