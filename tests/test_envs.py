@@ -14,7 +14,7 @@ from pagedllm import envs
 PACKAGE = Path(envs.__file__).resolve().parent
 NAME = re.compile(r"\bPAGEDLLM_[A-Z][A-Z0-9_]*[A-Z0-9]\b")
 # C preprocessor macros of the kernels
-NOT_ENV = {"PAGEDLLM_BLOCKED_FP32", "PAGEDLLM_QLINEAR", "PAGEDLLM_AMX", "PAGEDLLM_UNIT_PRODUCTS",
+NOT_ENV = {"PAGEDLLM_BLOCKED_FP32", "PAGEDLLM_BLOCKED_BF16", "PAGEDLLM_QLINEAR", "PAGEDLLM_AMX", "PAGEDLLM_UNIT_PRODUCTS",
            "PAGEDLLM_BLOCK_SCORES"}
 
 
