@@ -486,10 +486,13 @@ def test_stops_and_limits_are_never_overrun(same_llm: LLM, base_llm: LLM) -> Non
                                  use_tqdm=False)[0].outputs[0].text
         stop = text[len(text) // 2:len(text) // 2 + 2]
         if stop.strip():
-            params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop])
+            # the tokens, logprobs and cumulative logprob end with the token that completed the stop string
+            params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop], logprobs=0)
             want = base_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
             got = same_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-            assert (got.text, got.finish_reason) == (want.text, want.finish_reason)
+            assert (got.text, got.finish_reason, got.token_ids) == (want.text, want.finish_reason, want.token_ids)
+            assert len(got.logprobs) == len(want.logprobs)
+            assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-3)
 
 
 def test_penalties_and_logprobs_match_plain_decoding(same_llm: LLM, draft_llm: LLM, base_llm: LLM) -> None:

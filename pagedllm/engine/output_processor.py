@@ -112,16 +112,33 @@ class OutputProcessor:
             if (core_output.metrics is not None or core_output.prompt_logprobs is not None
                     or core_output.kv_transfer_params is not None):  # a sample's first and last outputs
                 self._update_request(state, core_output)
-            new_token_ids = core_output.new_token_ids
-            sample.token_ids.extend(new_token_ids)
-            if sample.logprobs is not None and core_output.new_logprobs is not None:
-                self._decode_logprobs(core_output.new_logprobs, sample.detokenizer)
-                sample.logprobs.extend(core_output.new_logprobs)
-            sample.cumulative_logprob = core_output.cumulative_logprob
             params = state.params
+            new_token_ids, new_logprobs = core_output.new_token_ids, core_output.new_logprobs
+            cumulative_logprob = core_output.cumulative_logprob
+            if params.stop and len(new_token_ids) > 1 and sample.detokenizer is not None:
+                # Several tokens in one step (speculative decoding): a stop string may end the sample before
+                # the last of them. What follows it is no part of the output, as with a token a step.
+                for i in range(len(new_token_ids)):
+                    old_len = sample.detokenizer.text_len
+                    sample.token_ids.append(new_token_ids[i])
+                    self._detokenize(sample)
+                    if self._check_stop_strings(params, sample, old_len):
+                        if cumulative_logprob is not None and new_logprobs is not None:
+                            cumulative_logprob -= sum(position[token].logprob for position, token in zip(
+                                new_logprobs[i + 1:], new_token_ids[i + 1:]))
+                        new_token_ids = new_token_ids[:i + 1]
+                        new_logprobs = new_logprobs[:i + 1] if new_logprobs is not None else None
+                        stopped.append(engine_request_id(state.request_id, sample.index, params.n))
+                        break
+            else:
+                sample.token_ids.extend(new_token_ids)
+            if sample.logprobs is not None and new_logprobs is not None:
+                self._decode_logprobs(new_logprobs, sample.detokenizer)
+                sample.logprobs.extend(new_logprobs)
+            sample.cumulative_logprob = cumulative_logprob
             # The text is needed now only to look for a stop string or to show it before the end; else
             # it is decoded once the sample ends (the same incremental decode, in one warm loop).
-            if sample.detokenizer is not None and (
+            if sample.detokenizer is not None and not sample.finish_reason and (
                     params.stop or params.output_kind is not RequestOutputKind.FINAL_ONLY):
                 old_len = sample.detokenizer.text_len
                 self._detokenize(sample)
