@@ -389,6 +389,9 @@ class CacheConfig:
     # TORCH_SDPA, TORCH_FLASH, CPU_FLASH, TRITON; None: PAGEDLLM_ATTENTION_BACKEND, else the device's default
     attention_backend: str | None = None
     num_blocks: int = 0  # decided at start-up from the memory budget
+    # Each KV cache group's window as the KV cache manager frees blocks out of it (None: full attention, or
+    # every block kept); set by the engine core, read by admission (InputProcessor)
+    group_windows: list[int | None] | None = None
     # Disaggregated prefill (a KVTransferConfig): kept with the cache's config because it is about the
     # cache's blocks, and so it reaches every worker the way the cache config does.
     kv_transfer_config: Any = None

@@ -368,3 +368,18 @@ def test_a_request_no_pool_can_hold_is_refused_not_left_waiting(tmp_path_factory
     out = llm.generate([[5] * 8], params, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 8
     assert metric_values(llm)["pagedllm:kv_cache_free_blocks"] == metric_values(llm)["pagedllm:kv_cache_total_blocks"]
+
+
+def test_a_request_longer_than_the_pool_fits_when_every_layer_slides(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every layer sliding: blocks behind the window go back to the pool, so admission counts the window
+    too, and a request longer than the pool (but not its window) runs, with transformers' tokens."""
+    model_dir = build_model(tmp_path_factory.mktemp("mistral_long"), **CASES["mistral_window"])
+    prompt = random_prompts(1, 512, [150], seed=51)[0]
+    want = hf_greedy(model_dir, prompt, MAX_NEW_TOKENS)
+    llm = LLM(model=model_dir, dtype="float32", seed=0, block_size=16, num_gpu_blocks_override=8,
+              max_num_batched_tokens=32)
+    assert llm.llm_engine.cache_config.group_windows[0] is not None
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=1)
+    outputs = llm.generate([prompt], params, use_tqdm=False)  # 150 + 32 tokens: 12 blocks, in a pool of 8
+    _check(model_dir, [prompt], outputs, [want])
+    assert metric_values(llm)["pagedllm:kv_cache_free_blocks"] == metric_values(llm)["pagedllm:kv_cache_total_blocks"]

@@ -158,7 +158,7 @@ class AsyncLLMEngine:
         self.tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
         self.input_processor = InputProcessor(args, self.model_config, self.tokenizer, args.block_size,
                                               config.cache_config.num_blocks,
-                                              kv_cache_groups=config.cache_config.kv_cache_groups,
+                                              group_windows=config.cache_config.group_windows,
                                               max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._streams: dict[str, RequestStream] = {}

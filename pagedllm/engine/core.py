@@ -81,6 +81,7 @@ class EngineCore:
             window = None
         groups = self.cache_config.kv_cache_groups
         group_windows = [group_window for group_window, _ in groups] if groups is not None else None
+        self.cache_config.group_windows = group_windows or [window]
         self.kv_cache_manager = KVCacheManager(
             num_blocks, args.block_size, args.enable_prefix_caching, sliding_window=window,
             kv_cache_groups=group_windows, key_prompt_end=any(self.model_executor.collective_rpc("routes_prompt_rows")))

@@ -24,16 +24,16 @@ PromptType = str | list[int] | dict[str, Any]
 class InputProcessor:
     def __init__(self, args: EngineArgs, model_config: ModelConfig, tokenizer: Any, block_size: int,
                  num_blocks: int, structured_output_manager: StructuredOutputManager | None = None,
-                 kv_cache_groups: list[tuple[int | None, list[int]]] | None = None,
-                 max_num_batched_tokens: int = 0) -> None:
+                 group_windows: list[int | None] | None = None, max_num_batched_tokens: int = 0) -> None:
         self.args = args
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # the windows of the KV cache groups (one full group when the model has none): a request must fit
-        # in the pool at its peak, a prefill chunk in flight in every sliding group
-        self.group_windows = [window for window, _ in kv_cache_groups] if kv_cache_groups else [None]
+        # the windows the KV cache manager frees blocks out of, per group (CacheConfig.group_windows; one full
+        # group when none is given): a request must fit in the pool at its peak, a prefill chunk in flight
+        # in every sliding group
+        self.group_windows = group_windows or [None]
         self.max_num_batched_tokens = max_num_batched_tokens
         # compiles each guided-decoding spec once here so a bad one is a ValueError, not a failed step
         # (an in-process core shares its manager, so its cache of compiled grammars serves both)

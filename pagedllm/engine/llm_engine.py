@@ -66,7 +66,7 @@ class LLMEngine:
         self.speculative_config = core.speculative_config
         self.input_processor = InputProcessor(args, self.model_config, tokenizer, args.block_size,
                                               self.cache_config.num_blocks, core.structured_output_manager,
-                                              self.cache_config.kv_cache_groups,
+                                              self.cache_config.group_windows,
                                               self.scheduler_config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(tokenizer)
         self._counter = itertools.count()
