@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -77,6 +78,20 @@ class EngineArgs:
     max_loras: int = 1          # adapters on the device at once, and the most distinct ones in one step
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept read in CPU memory (default: max_loras)
+    # vLLM's arguments that ask nothing of this engine at their usual values, taken so a vLLM script runs
+    # unchanged; any other value is a ValueError naming it (__post_init__)
+    disable_log_stats: bool = True
+    swap_space: float = 4        # GiB of CPU swap for preempted sequences: preemption here recomputes
+    cpu_offload_gb: float = 0
+    tokenizer_mode: str = "auto"
+    load_format: str = "auto"
+    task: str = "auto"
+    pipeline_parallel_size: int = 1
+    revision: str | None = None  # models are local paths: nothing is fetched at a revision
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    max_seq_len_to_capture: int = 8192  # CUDA-graph capture, which pagedllm does not do
+    disable_custom_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -85,6 +100,19 @@ class EngineArgs:
 
         # vLLM's enforce_eager=False lets it capture CUDA graphs / torch.compile the model; pagedllm does
         # neither (compiling the decode path was measured slower on CPU), so it refuses to pretend.
+        for name, allowed in (("tokenizer_mode", ("auto", "hf")), ("load_format", ("auto", "safetensors", "gguf")),
+                              ("task", ("auto", "generate"))):
+            check(getattr(self, name) in allowed, f"{name} must be one of {list(allowed)} here, "
+                                                  f"got {getattr(self, name)!r}.")
+        check(self.pipeline_parallel_size == 1,
+              f"pipeline_parallel_size must be 1: pagedllm splits a model over tensor_parallel_size only, got "
+              f"{self.pipeline_parallel_size}.")
+        check(self.cpu_offload_gb == 0, f"cpu_offload_gb must be 0: weights stay where the model runs, got "
+                                        f"{self.cpu_offload_gb}.")
+        check(self.swap_space >= 0, f"swap_space must be non-negative, got {self.swap_space}.")
+        check(self.tokenizer is None or os.path.exists(os.path.expanduser(self.tokenizer)),
+              f"tokenizer {self.tokenizer!r} does not exist: pass a local tokenizer directory or .gguf file "
+              "(nothing is downloaded).")
         check(bool(self.enforce_eager),
               "enforce_eager=False asks for CUDA-graph capture or torch.compile, which pagedllm does not do: "
               "every model runs eagerly. Pass enforce_eager=True or leave it out.")
