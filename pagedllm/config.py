@@ -156,11 +156,8 @@ class ModelConfig:
                                                  "generation_config.json"))
             model, hf = gguf_file, read_hf_config(gguf_file)
         else:
-            if not os.path.isdir(model):
-                raise ValueError(_not_a_directory(model))
+            check_model_path(model)
             config_path = os.path.join(model, "config.json")
-            if not os.path.isfile(config_path):
-                raise ValueError(f"model directory {model!r} has no config.json (nor one .gguf file).")
             with open(config_path) as f:
                 hf = json.load(f)
             generation = _read_json(os.path.join(model, "generation_config.json"))
@@ -357,12 +354,28 @@ def _sampling_generation_config(model: str, generation: dict[str, Any], mode: st
     return _read_json(path)
 
 
+def check_model_path(model: str) -> None:
+    """ValueError unless `model` is a local model: a .gguf file, or a directory with a config.json or one
+    .gguf file (checked before anything else reads the path, such as the tokenizer's loader)."""
+    from pagedllm.models.gguf import resolve_gguf_file
+
+    if resolve_gguf_file(model) is not None:
+        return
+    if not os.path.isdir(model):
+        raise ValueError(_not_a_directory(model))
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"model directory {model!r} has no config.json (nor one .gguf file).")
+
+
 def _not_a_directory(model: str) -> str:
     looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
     if looks_like_hub_id:
         return (f"model {model!r} is not a local directory: pagedllm loads models only from local Hugging Face "
                 "format directories and GGUF files, and downloads nothing; fetch it first (e.g. `hf download "
                 f"{model} --local-dir DIR`) and pass DIR.")
+    if os.path.exists(model):
+        return (f"model must be a local Hugging Face model directory or a .gguf file; {model!r} is a file of "
+                "another kind.")
     return f"model must be a local Hugging Face model directory or a .gguf file; {model!r} does not exist."
 
 

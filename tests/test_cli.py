@@ -42,6 +42,31 @@ def test_hub_id_is_one_line_saying_models_are_local(tmp_path: Path) -> None:
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 
 
+def test_a_server_that_is_not_there_a_bad_port_a_file_or_a_missing_tokenizer_are_one_line(
+        tiny_llama_dir: str, tmp_path: Path) -> None:
+    assert_one_line_error(cli("chat", "--url", "http://127.0.0.1:9/v1", "--quick", "hi"), "cannot reach")
+    assert_one_line_error(cli("bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"),
+                          "cannot reach")
+    result = cli("serve", tiny_llama_dir, "--port", "70000")
+    assert result.returncode == 2 and "--port" in result.stderr and "Traceback" not in result.stderr
+    text = tmp_path / "notes.txt"
+    text.write_text("not a model")
+    assert_one_line_error(cli("generate", "--model", str(text), "x"), "another kind")
+    assert_one_line_error(cli("generate", "--model", tiny_llama_dir, *SMALL, "--tokenizer", str(tmp_path / "nope"),
+                              "x"), "tokenizer")
+
+
+def test_vllm_engine_arguments_with_nothing_to_do_are_taken_and_others_named(tiny_llama_dir: str) -> None:
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    EngineArgs(model=tiny_llama_dir, disable_log_stats=True, swap_space=4, tokenizer_mode="auto", task="generate",
+               load_format="auto", pipeline_parallel_size=1, revision="main", max_seq_len_to_capture=8192)
+    for name, value in (("pipeline_parallel_size", 2), ("tokenizer_mode", "mistral"), ("task", "embed"),
+                        ("load_format", "pt"), ("cpu_offload_gb", 4)):
+        with pytest.raises(ValueError, match=name):
+            EngineArgs(model=tiny_llama_dir, **{name: value})
+
+
 def test_engine_construction_errors_are_one_line(tiny_llama_dir: str) -> None:
     # whatever the engine refuses (here a tensor-parallel size this host cannot give), one line
     assert_one_line_error(cli("generate", "--model", tiny_llama_dir, *SMALL, "--tensor-parallel-size", "64", "x"))

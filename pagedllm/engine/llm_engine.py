@@ -10,6 +10,7 @@ from collections import Counter as TallyCounter
 from collections.abc import Iterable
 from typing import Any
 
+from pagedllm.config import check_model_path
 from pagedllm.engine.arg_utils import EngineArgs, create_engine_config
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
@@ -53,6 +54,7 @@ class LLMEngine:
             raise ValueError(f"node_rank={args.node_rank}: only node 0 runs the engine; other nodes host their "
                              "ranks (LLM(..., node_rank=R) and `pagedllm serve --node-rank R` do that).")
         self.args = args
+        check_model_path(args.model)  # before the tokenizer's loader reads the path and warns about it
         tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
         self.engine_core = EngineCore(args, tokenizer)
         core = self.engine_core

@@ -33,6 +33,14 @@ SUBCOMMANDS = {
 USER_ERRORS = (ValueError, NotImplementedError, FileNotFoundError, NotADirectoryError, PermissionError)
 
 
+def _connection_errors() -> tuple[type[BaseException], ...]:
+    """A server that is not there (`chat --url`, `bench serve`): a one-line error, not a traceback."""
+    import httpx
+    import openai
+
+    return ConnectionError, httpx.TransportError, openai.APIConnectionError
+
+
 def _has_default(action: argparse.Action) -> bool:
     # identity, not equality: a default of 0 or 0.0 is worth showing, though 0 == False
     return not (action.default is None or action.default is False or action.default is argparse.SUPPRESS)
@@ -126,10 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         # of stdout from raising again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except USER_ERRORS as exc:
-        if debug:
+    except Exception as exc:
+        if debug or not isinstance(exc, USER_ERRORS + _connection_errors()):
             raise
         message = str(exc) or type(exc).__name__
+        request = getattr(exc, "request", None)  # httpx's and openai's: the URL no server answered
+        if not isinstance(exc, USER_ERRORS) and request is not None:
+            message = f"cannot reach {request.url}: {message}"
         print(f"error: {message.splitlines()[0] if message else message}"
               + (" (more lines: rerun with --debug)" if len(message.splitlines()) > 1 else ""), file=sys.stderr)
         return 2

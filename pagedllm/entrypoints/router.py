@@ -34,6 +34,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pagedllm.entrypoints import port_number
+
 logger = logging.getLogger(__name__)
 
 POLICIES = ("round_robin", "least_loaded")
@@ -274,7 +276,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Send each request's prompt to a prefill instance, then the request with the KV "
                     "transfer params to a decode instance, and stream the decode instance's answer.")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--port", type=port_number, default=8000, help="port to listen on")
     parser.add_argument("--prefill", nargs="*", default=[], metavar="URL",
                         help="prefill instances (pagedllm serve --kv-transfer-config '{\"kv_role\": \"kv_producer\"}')")
     parser.add_argument("--decode", nargs="+", required=True, metavar="URL",

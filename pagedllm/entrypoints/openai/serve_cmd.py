@@ -20,6 +20,7 @@ from typing import Any
 
 from pagedllm import envs
 from pagedllm.assets import installed_model_path
+from pagedllm.entrypoints import port_number
 from pagedllm.entrypoints.openai.limits import (
     DEFAULT_MAX_WAITING_REQUESTS,
     DEFAULT_READ_TIMEOUT_S,
@@ -45,7 +46,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--model", dest="model", default=None,
                         help="the model directory, as a flag (vLLM's older spelling of MODEL)")
     parser.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
+    parser.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="port to listen on")
     parser.add_argument("--api-key", default=envs.value("PAGEDLLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on the API (default: "
                              "$PAGEDLLM_API_KEY, else open)")
