@@ -56,6 +56,19 @@ def test_a_server_that_is_not_there_a_bad_port_a_file_or_a_missing_tokenizer_are
                               "x"), "tokenizer")
 
 
+def test_quantize_and_plan_refuse_bad_inputs_by_name_and_leave_nothing_behind(tiny_llama_dir: str,
+                                                                             tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert_one_line_error(cli("quantize", tiny_llama_dir, str(out), "-q", "int8", "--group-size", "7"),
+                          "quantization_group_size")
+    assert not out.exists()  # a failed run leaves no half-written directory
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert_one_line_error(cli("quantize", str(gguf), str(out), "-q", "int8"), "GGUF")
+    result = cli("plan", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--peak-tflops", "-3")
+    assert result.returncode == 2 and "--peak-tflops" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_vllm_engine_arguments_with_nothing_to_do_are_taken_and_others_named(tiny_llama_dir: str) -> None:
     from pagedllm.engine.arg_utils import EngineArgs
 

@@ -64,7 +64,10 @@ def _load_file(path: Path, num_prompts: int) -> list[tuple[str, int | str | None
     prompt}, {"value": reply}, ...]}, whose reply's token count becomes the output length."""
     text = path.read_text()
     lines = text.splitlines()
-    records = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in lines if x.strip()]
+    try:
+        records = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in lines if x.strip()]
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--dataset {str(path)!r} is neither a JSON list nor JSON lines ({exc}).") from None
     items: list[tuple[str, int | str | None]] = []
     for record in records:
         if isinstance(record, str):

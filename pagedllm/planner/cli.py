@@ -313,6 +313,17 @@ def format_plan(plan: dict[str, Any]) -> str:
 # --- command line --------------------------------------------------------------------------------
 
 
+def _positive_float(text: str) -> float:
+    """argparse type of a hardware override: a positive number (0 or less would print nonsense bounds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "plan",
@@ -335,9 +346,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--block-size", type=int, default=PlanInputs.block_size)
     parser.add_argument("--acceptance-rate", type=float, default=PlanInputs.acceptance_rate)
     parser.add_argument("--num-speculative-tokens", type=int, default=PlanInputs.num_speculative_tokens)
-    parser.add_argument("--peak-tflops", type=float, help="override the hardware's dense 16-bit TFLOP/s")
-    parser.add_argument("--bandwidth-gbs", type=float, help="override the hardware's memory bandwidth (GB/s)")
-    parser.add_argument("--memory-gb", type=float, help="override the hardware's memory per device (GB)")
+    parser.add_argument("--peak-tflops", type=_positive_float, help="override the hardware's dense 16-bit TFLOP/s")
+    parser.add_argument("--bandwidth-gbs", type=_positive_float,
+                        help="override the hardware's memory bandwidth (GB/s)")
+    parser.add_argument("--memory-gb", type=_positive_float, help="override the hardware's memory per device (GB)")
     parser.add_argument("--num-threads", type=int, help="torch threads for measuring --hardware cpu")
     parser.add_argument("--link-gbs", type=float, default=None,
                         help="disaggregated prefill: GB/s of the link between a prefill and a decode machine "

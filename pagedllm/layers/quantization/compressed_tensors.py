@@ -266,12 +266,14 @@ def quantize_checkpoint(model_dir: str, out_dir: str, config: QuantizationConfig
     import os
     import shutil
 
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     from pagedllm.config import _STR_TO_DTYPE
 
     config_path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(model_dir):
+        raise ValueError(f"model_dir {model_dir!r} does not exist.")
+    if model_dir.endswith(".gguf"):
+        raise ValueError(f"model_dir {model_dir!r} is a GGUF file: its weights are quantized already, and load as "
+                         "they are (quantize reads a Hugging Face checkpoint directory).")
     if not os.path.isfile(config_path):
         raise ValueError(f"model directory {model_dir!r} has no config.json.")
     if os.path.abspath(model_dir) == os.path.abspath(out_dir):
@@ -285,7 +287,25 @@ def quantize_checkpoint(model_dir: str, out_dir: str, config: QuantizationConfig
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
         raise ValueError(f"model directory {model_dir!r} has no .safetensors weights.")
+    created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
+    try:
+        return _write_quantized_checkpoint(model_dir, out_dir, files, hf, method, scale_dtype, config)
+    except BaseException:
+        if created:  # a failed run leaves no half-written directory behind
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+
+
+def _write_quantized_checkpoint(model_dir: str, out_dir: str, files: list[str], hf: dict[str, Any], method: Any,
+                                scale_dtype: torch.dtype, config: QuantizationConfig) -> dict[str, Any]:
+    import json
+    import os
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
     weight_map: dict[str, str] = {}
     num_quantized = full_bytes = out_bytes = 0
     for file in files:
