@@ -166,6 +166,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Only these tokens may be sampled (vLLM's allowed_token_ids)
     allowed_token_ids: list[int] | None = None
+    # Keep only the prompt's last k tokens (vLLM's; -1: as many as the context holds, less one)
+    truncate_prompt_tokens: int | None = None
     # Filled by the engine (vLLM's all_stop_token_ids): stop_token_ids plus the model's EOS ids, whether or
     # not ignore_eos is set. min_tokens masks all of them; EOS ends a request only without ignore_eos.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -240,6 +242,9 @@ class SamplingParams:
             token >= 0 and isinstance(bias, (int, float)) and not isinstance(bias, bool) and -100 <= bias <= 100
             for token, bias in self.logit_bias.items()),
             "logit_bias must map non-negative token ids to biases in [-100, 100].")
+        check(self.truncate_prompt_tokens is None or (is_int(self.truncate_prompt_tokens) and (
+            self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)),
+            f"truncate_prompt_tokens must be at least 1 or -1, got {self.truncate_prompt_tokens!r}.")
         check(self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0 and all(
             is_int(t) and t >= 0 for t in self.allowed_token_ids)),
             "allowed_token_ids must be a non-empty list of non-negative token ids.")

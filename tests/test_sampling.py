@@ -441,7 +441,15 @@ def test_logit_bias_shifts_the_logits_and_allowed_token_ids_restrict_them(llm: L
     assert all(set(o.outputs[0].token_ids) <= set(allowed) for o in outs)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(llm: LLM) -> None:
+    prompt = random_prompts(1, VOCAB, [40], seed=33)[0]
+    got = llm.generate([prompt], greedy(6, truncate_prompt_tokens=9), use_tqdm=False)[0]
+    want = llm.generate([prompt[-9:]], greedy(6), use_tqdm=False)[0]
+    assert got.prompt_token_ids == prompt[-9:] and got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("params,field", [
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
     (dict(logit_bias={1: 101.0}), "logit_bias"), (dict(logit_bias={"x": 1.0}), "logit_bias"),
     (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(logprobs=2.5), "logprobs"),
     (dict(prompt_logprobs=1.5), "prompt_logprobs"), (dict(n=True), "n"), (dict(top_k=True), "top_k"),

@@ -65,6 +65,11 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
         text, token_ids = self.tokenize(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # the prompt's end (vLLM's); -1: as much as the context holds with one token out
+            keep = self.model_config.max_model_len - 1 if keep == -1 else keep
+            if len(token_ids) > keep:
+                token_ids, text = token_ids[-keep:], None  # (the text no longer matches the tokens)
         self.validate(token_ids, params)
         params = params.clone()
         if params.max_tokens is None:
