@@ -211,8 +211,7 @@ class ServingContext:
         limit = self.max_prompt_chars
         if limit is not None and num_chars > limit:
             raise APIError(400, f"The {param} is {num_chars} characters long, more than this server "
-                           f"accepts ({limit}, --max-prompt-chars); its tokens could not fit the "
-                           f"maximum context length of {self.max_model_len} tokens anyway.", param=param)
+                           f"accepts ({limit}, --max-prompt-chars).", param=param)
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str,
                      max_tokens_param: str = "max_tokens") -> int:
