@@ -62,6 +62,9 @@ def stream_chat(client: openai.OpenAI, **kwargs: Any) -> tuple[str, dict[int, di
     content, calls, finish = "", {}, None
     for chunk in chat(client, stream=True, **kwargs):
         for choice in chunk.choices:
+            delta = choice.delta
+            # every chunk says something: a role, text, a tool call's part, or the end
+            assert delta.role or delta.content or delta.tool_calls or choice.finish_reason, chunk
             content += choice.delta.content or ""
             for delta in choice.delta.tool_calls or []:
                 call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})

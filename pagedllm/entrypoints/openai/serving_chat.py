@@ -268,7 +268,10 @@ class OpenAIServingChat:
                         delta = DeltaMessage(tool_calls=tool_stream.add(delta_text) or None)
                         if finish_reason == "stop" and tool_stream.num_calls:
                             finish_reason = "tool_calls"
-                    if delta_text or new_ids or state.finished:
+                    # a tool call's tokens that complete nothing yet send no empty delta (unless logprobs)
+                    has_news = (delta.tool_calls or (request.logprobs and new_ids)) if tool_streams is not None \
+                        else (delta_text or new_ids)
+                    if has_news or state.finished:
                         choices.append(ChatCompletionResponseStreamChoice(
                             index=completion.index, delta=delta,
                             logprobs=self._logprobs(request, new_ids, new_logprobs),
