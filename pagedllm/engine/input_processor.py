@@ -114,8 +114,11 @@ class InputProcessor:
         total = len(token_ids) + (params.max_tokens or max_len - len(token_ids))
         first_chunk = min(len(token_ids), self.max_num_batched_tokens)
         if blocks_per_request(self.group_windows, total, self.block_size, first_chunk) > self.num_blocks:
+            groups = len(self.group_windows)
             raise ValueError(f"prompt plus max_tokens ({total} tokens) can never fit in the KV cache of "
-                             f"{self.num_blocks} blocks of {self.block_size} tokens.")
+                             f"{self.num_blocks} blocks of {self.block_size} tokens"
+                             + (f" (shared by {groups} KV cache groups: the full and the sliding layers each hold "
+                                "blocks of their own)." if groups > 1 else "."))
         if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
             raise ValueError(f"logprobs must be at most max_logprobs={self.args.max_logprobs}, got {params.logprobs}.")
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.args.max_logprobs:
