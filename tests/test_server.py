@@ -443,6 +443,13 @@ def test_chat_content_parts_and_continue_final_message(server: RemoteServer, llm
     served = server.post("/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
     offline_out = llm.chat(started, sampling, continue_final_message=True, use_tqdm=False)[0]
     assert served == offline_out.outputs[0].text and offline_out.prompt.endswith("Hel")
+    # echo (vLLM's): the reply starts with the last message's text, it being the assistant's
+    echoed = server.post("/v1/chat/completions", {**body, "echo": True}).json()["choices"][0]["message"]
+    assert echoed["content"] == "Hel" + served
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**body, "echo": True, "stream": True},
+                      headers=server.headers(), timeout=60.0) as response:
+        events = [e for e in sse_events(response) if e != "[DONE]"]
+    assert "".join(c["delta"].get("content") or "" for e in events for c in e["choices"]) == "Hel" + served
     tokens = server.post("/tokenize", {"model": "tiny", "messages": started, "add_generation_prompt": False,
                                        "continue_final_message": True}).json()["tokens"]
     assert tokens == llm.get_tokenizer()(offline_out.prompt, add_special_tokens=False)["input_ids"]

@@ -254,6 +254,8 @@ class ChatCompletionRequest(SamplingRequestFields):
     # vLLM's: extend the last message (a started assistant reply) instead of opening a new turn; needs
     # add_generation_prompt false
     continue_final_message: bool = False
+    # vLLM's: the reply starts with the last message's text where that message is the assistant's
+    echo: bool = False
     # a request-supplied template runs arbitrary Jinja: refused unless --trust-request-chat-template
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None

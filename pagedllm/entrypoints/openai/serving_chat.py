@@ -212,9 +212,10 @@ class OpenAIServingChat:
     def _response(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
                   num_prompt_tokens: int, final: RequestOutput) -> ChatCompletionResponse:
         forced_tools = tool_mode(request) is not None
+        echoed = _echoed_text(request)
         choices = []
         for completion in final.outputs:
-            message = ChatResponseMessage(content=completion.text)
+            message = ChatResponseMessage(content=echoed + completion.text)
             finish_reason = completion.finish_reason
             tool_calls = tool_calls_from_text(request, completion.text) if forced_tools else None
             if tool_calls:  # a complete call: OpenAI's shape, content null
@@ -246,9 +247,9 @@ class OpenAIServingChat:
         states = [ChoiceState() for _ in range(request.n)]
         tool_streams = [ToolCallStream(request) for _ in range(request.n)] if tool_mode(request) else None
         try:
-            # the role comes first, before any token, as OpenAI's stream does
+            # the role comes first, before any token, as OpenAI's stream does (with echo, the echoed text)
             yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant",
-                                                                                        content=""))
+                                                                                        content=_echoed_text(request)))
                          for i in range(request.n)])
             async for _, output in merged_outputs(streams, queue):
                 choices = []
@@ -287,3 +288,11 @@ class OpenAIServingChat:
         finally:
             abort_all(streams)
         yield SSE_DONE
+
+
+def _echoed_text(request: ChatCompletionRequest) -> str:
+    """With echo (vLLM's), the text a reply starts with: the last message's, where it is the assistant's."""
+    last = request.messages[-1]
+    if not request.echo or last.role != "assistant" or tool_mode(request) is not None:
+        return ""
+    return message_text(last.content)
