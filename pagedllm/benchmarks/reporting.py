@@ -76,10 +76,10 @@ def cpu_kernel_summary(llm: Any) -> dict[str, Any]:
 
 def _prompt_rows(runner: Any) -> str | None:
     """How the model's weight-only quantized linears multiply prompt rows (None: it has none of pagedllm's)."""
-    from pagedllm.layers.quantization.vnni import VnniWeight, describe_prompt_rows
+    from pagedllm.layers.quantization.vnni import describe_prompt_rows, has_vnni_weights
 
     model = getattr(runner, "model", None)
-    if model is None or not any(isinstance(module, VnniWeight) for module in model.modules()):
+    if model is None or not has_vnni_weights(model):
         return None
     return describe_prompt_rows(runner.model_config.dtype)
 

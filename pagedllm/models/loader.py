@@ -32,7 +32,7 @@ from pagedllm.layers.quantization.int4 import (
     int4_supports,
     quantize_groups,
 )
-from pagedllm.layers.quantization.vnni import VnniWeight, describe_prompt_rows, select_quantized_kernels
+from pagedllm.layers.quantization.vnni import describe_prompt_rows, has_vnni_weights, select_quantized_kernels
 from pagedllm.models.gguf import GGUFCheckpoint, is_gguf_path
 from pagedllm.models.quantized_parts import QuantizedParts, shard_parts
 from pagedllm.models.registry import get_model_class
@@ -164,7 +164,7 @@ def load_model(config: ModelConfig, backend: AttentionBackend, device: torch.dev
         model.quant_kernel_choices = select_quantized_kernels(model, config.dtype)
         for choice in model.quant_kernel_choices:
             logger.info("Quantized linear kernel: %s", choice.describe())
-        if any(isinstance(module, VnniWeight) for module in model.modules()):
+        if has_vnni_weights(model):
             logger.info("Quantized linears' prompt rows: %s", describe_prompt_rows(config.dtype))
         # What loading freed (file buffers, unpacked parts, weights replaced by packed ones) would stay in
         # the heap, resident, until later allocations reuse it: hand it back now.

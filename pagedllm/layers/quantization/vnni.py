@@ -102,6 +102,11 @@ def dense_prompt_rows(dtype: torch.dtype) -> bool:
     return dense_ops and (choice == "dense" or _dense_amx())
 
 
+def has_vnni_weights(model: nn.Module) -> bool:
+    """Whether any of the model's weights is this kernel's."""
+    return any(isinstance(module, VnniWeight) for module in model.modules())
+
+
 def describe_prompt_rows(dtype: torch.dtype) -> str:
     """How this kernel's prompt rows are multiplied, for the start-up line and the benchmarks."""
     if not dense_prompt_rows(dtype):
@@ -112,7 +117,7 @@ def describe_prompt_rows(dtype: torch.dtype) -> str:
 def routes_prompt_rows(model: nn.Module, dtype: torch.dtype) -> bool:
     """Whether the model's forward pass wants its prompt rows named (forward_context.use): it has weights of
     this kernel and their prompt rows take the dense path."""
-    return dense_prompt_rows(dtype) and any(isinstance(m, VnniWeight) for m in model.modules())
+    return dense_prompt_rows(dtype) and has_vnni_weights(model)
 
 
 BITS = (4, 5, 6, 8)
