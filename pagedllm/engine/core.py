@@ -85,7 +85,7 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, args.block_size, args.enable_prefix_caching, sliding_window=window,
             kv_cache_groups=group_windows, key_prompt_end=any(self.model_executor.collective_rpc("routes_prompt_rows")))
-        group_windows = group_windows or [window]
+        group_windows = self.cache_config.group_windows
         if any(group_window is not None for group_window in group_windows):
             per_request = blocks_per_request(group_windows, self.scheduler_config.max_model_len, args.block_size)
             logger.info("KV cache: %s; a request at max_model_len %d holds at most %d blocks (blocks out of the "
