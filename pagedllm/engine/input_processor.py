@@ -21,6 +21,12 @@ from pagedllm.structured_output import StructuredOutputManager
 PromptType = str | list[int] | dict[str, Any]
 
 
+def truncate_prompt(token_ids: list[int], keep: int, max_model_len: int) -> list[int]:
+    """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: as many as the context holds
+    with one token left to generate)."""
+    return token_ids[-(max_model_len - 1 if keep == -1 else keep):]
+
+
 class InputProcessor:
     def __init__(self, args: EngineArgs, model_config: ModelConfig, tokenizer: Any, block_size: int,
                  num_blocks: int, structured_output_manager: StructuredOutputManager | None = None,
@@ -65,11 +71,10 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
         text, token_ids = self.tokenize(prompt)
-        keep = params.truncate_prompt_tokens
-        if keep is not None:  # the prompt's end (vLLM's); -1: as much as the context holds with one token out
-            keep = self.model_config.max_model_len - 1 if keep == -1 else keep
-            if len(token_ids) > keep:
-                token_ids, text = token_ids[-keep:], None  # (the text no longer matches the tokens)
+        if params.truncate_prompt_tokens is not None:
+            kept = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.model_config.max_model_len)
+            if len(kept) < len(token_ids):
+                token_ids, text = kept, None  # (the text no longer matches the tokens)
         self.validate(token_ids, params)
         params = params.clone()
         if params.max_tokens is None:

@@ -32,6 +32,7 @@ from pagedllm.engine.async_engine import (
     OutputQueue,
     RequestStream,
 )
+from pagedllm.engine.input_processor import truncate_prompt
 from pagedllm.entrypoints.openai.protocol import (
     SamplingRequestFields,
 )
@@ -240,9 +241,7 @@ class ServingContext:
         if keep == 0:
             raise APIError(400, "truncate_prompt_tokens must be at least 1 (or -1: the context's length).",
                            param="truncate_prompt_tokens")
-        if keep == -1:
-            keep = self.max_model_len - 1
-        return token_ids[-keep:]
+        return truncate_prompt(token_ids, keep, self.max_model_len)
 
     def check_num_sequences(self, num_sequences: int, param: str) -> None:
         limit = self.max_waiting_requests
