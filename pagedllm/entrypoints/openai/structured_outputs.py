@@ -39,13 +39,16 @@ def _make(param: str, request: SamplingRequestFields, **kind: Any) -> GuidedDeco
         raise APIError(400, f"{param}: {exc}", param=param) from exc
 
 
+# vLLM's guided_* fields and the constraint kind each gives
+_GUIDED_FIELDS = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                  ("guided_grammar", "grammar"))
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 def constraint_renames(request: SamplingRequestFields) -> dict[str, str]:
     """The engine names a constraint it refuses by its kind ("regex exceeds ..."): the request's field that
     gave it, for the 400's param."""
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "response_format", "tools"):
+    for name in (*(guided for guided, _ in _GUIDED_FIELDS), "response_format", "tools"):
         if getattr(request, name, None) is not None:
             return dict.fromkeys(_KINDS, name)
     return {}
@@ -66,8 +69,7 @@ def guided_decoding_params(request: SamplingRequestFields) -> GuidedDecodingPara
                 raise APIError(400, "response_format of type json_schema needs json_schema.schema.",
                                param="response_format")
             given.append(("response_format", {"json": schema}))
-    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                       ("guided_grammar", "grammar")):
+    for name, kind in _GUIDED_FIELDS:
         value = getattr(request, name)
         if value is not None:
             given.append((name, {kind: value}))
