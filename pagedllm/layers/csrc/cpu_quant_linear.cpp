@@ -617,6 +617,11 @@ void dequantize_tile_bf16(const TileWeights<S>& tw, int64_t k, int64_t group, ui
   // A k-quad's bytes hold output o's 4 weights in 32-bit lane o; 4 lanes widen to 16 fp32 lanes at a time.
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  __m512i spread[4];  // lane i of quarter c belongs to output 4c + i / 4
+  for (int c = 0; c < 4; ++c)
+    spread[c] = _mm512_add_epi32(_mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                                     14, 15), 2),
+                                 _mm512_set1_epi32(4 * c));
   __m512 scale4[4], min4[4];
   auto quad = [&](__m512i bytes, int64_t k0) {
     __m512 f[4];
@@ -635,12 +640,9 @@ void dequantize_tile_bf16(const TileWeights<S>& tw, int64_t k, int64_t group, ui
       g = kk / group;
       __m512 s, mn;
       group_scale_min(tw, g, s, mn);
-      for (int c = 0; c < 4; ++c) {  // lane i of quarter c belongs to output 4c + i / 4
-        const __m512i spread = _mm512_add_epi32(_mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                                                                     11, 12, 13, 14, 15), 2),
-                                                _mm512_set1_epi32(4 * c));
-        scale4[c] = _mm512_permutexvar_ps(spread, s);
-        min4[c] = _mm512_permutexvar_ps(spread, mn);
+      for (int c = 0; c < 4; ++c) {
+        scale4[c] = _mm512_permutexvar_ps(spread[c], s);
+        min4[c] = _mm512_permutexvar_ps(spread[c], mn);
       }
     }
     if constexpr (BITS == 8) {
