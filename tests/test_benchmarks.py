@@ -142,6 +142,12 @@ def test_bench_throughput_against_transformers(
     assert 0 < profile["decode_steps"] < profile["steps"] and profile["decode_seconds"]["forward"] > 0
     assert 0 < profile["decode_overhead_fraction"] < 1 and "decode-only steps" in table
     assert profile["total_s"] <= ours["elapsed_s"]
+    # the headline figures from the timed run's step and forward clocks, the split from a second run
+    clock, decode_clock = profile["clock"], profile["decode_clock"]
+    assert clock["steps"] == profile["steps"] and 0 < clock["forward_s"] < clock["seconds"] <= ours["elapsed_s"]
+    assert 0 < decode_clock["steps"] < clock["steps"]
+    assert profile["overhead_fraction"] == pytest.approx(1 - clock["forward_s"] / clock["seconds"])
+    assert "clocked by step and forward pass only" in table
     requested = round(report["config"]["mean_output_len"] * 6)
     # ignore_eos: every request yields exactly its requested output length, on both sides
     assert ours["output_tokens"] == hf["output_tokens"] == requested

@@ -20,8 +20,14 @@ the overhead is measured on the step's critical path instead: the step's wall ti
 forward pass and LM head (each step's output reports them). What is left is every moment the worker was
 not running the model: its input preparation and sampling, the messages, and whatever engine work was not
 hidden behind the forward pass. Wall-clock timers, no tracing of every
-Python call, so the profile barely slows the run; on CUDA the forward is asynchronous and its time lands
-on whichever phase first waits for the device, so read the split there with care.
+Python call; on CUDA the forward is asynchronous and its time lands on whichever phase first waits for the
+device, so read the split there with care.
+
+The phase timers still cost about a microsecond a call, some of them once per request a step (the
+detokenisation's), which at batch 64 is a third of the overhead they measure. So the overhead figure
+itself comes from a run with two clocks only (attach(engine, phases=False)): each step's wall time, and
+the forward pass and LM head the runner timed itself; `bench throughput --profile` takes it from the
+timed run and the phase split from a second run of the same requests.
 """
 
 from __future__ import annotations
@@ -30,14 +36,46 @@ import functools
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 PHASES = ("scheduling", "input preparation", "forward", "sampling", "detokenisation", "output processing", "other")
 _MISSING = object()
 
 
+@dataclass
+class StepClock:
+    """Steps timed by their wall clock alone, beside the forward pass (and LM head) the runner timed."""
+    steps: int = 0
+    seconds: float = 0.0
+    forward_s: float = 0.0
+
+    def add(self, seconds: float, forward_s: float) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        self.forward_s += forward_s
+
+    @property
+    def overhead_fraction(self) -> float:
+        return (self.seconds - self.forward_s) / self.seconds if self.seconds else 0.0
+
+    def describe(self, what: str) -> str:
+        overhead_ms = 1e3 * (self.seconds - self.forward_s) / max(self.steps, 1)
+        return (f"{self.steps} {what}: engine overhead {self.overhead_fraction:.1%} "
+                f"({overhead_ms:.2f} ms of {1e3 * self.seconds / max(self.steps, 1):.2f} ms a step)")
+
+
+def _is_decode(plan: Any) -> bool:
+    """Every request in the plan is past its prompt."""
+    return bool(plan.requests) and all(
+        start >= request.num_prompt_tokens for request, start in zip(plan.requests, plan.start_pos))
+
+
 class StepProfiler:
     def __init__(self) -> None:
+        # from a run with step and forward clocks only (attach(phases=False)): all steps, decode steps
+        self.clock = StepClock()
+        self.decode_clock = StepClock()
         self.seconds: dict[str, float] = defaultdict(float)
         self.steps = 0
         # the same over the decode steps only (every scheduled request past its prompt)
@@ -96,7 +134,11 @@ class StepProfiler:
         self._patches.append((owner, name, vars(owner).get(name, _MISSING)))
         setattr(owner, name, fn)
 
-    def attach(self, engine: Any) -> StepProfiler:
+    def attach(self, engine: Any, phases: bool = True) -> StepProfiler:
+        """Time `engine`'s steps until detach(): by phase, or (phases=False) by the step and forward clocks
+        alone."""
+        if not phases:
+            return self._attach_clock(engine)
         self.wrap(engine, "step", "other")  # its patch restores the engine's own step at detach
         timed_step = engine.step
 
@@ -111,8 +153,7 @@ class StepProfiler:
                 # with async scheduling the step applies the results of a plan made in the step before
                 plan = self._finished_plan if self._finished_plan is not None else self._plan
                 self.worker_forward_s += self._step_worker_forward_s
-                if plan is not None and plan.requests and all(
-                        start >= request.num_prompt_tokens for request, start in zip(plan.requests, plan.start_pos)):
+                if plan is not None and _is_decode(plan):
                     self.decode_steps += 1
                     self.decode_worker_forward_s += self._step_worker_forward_s
                     for phase, seconds in self._step_seconds.items():
@@ -163,6 +204,31 @@ class StepProfiler:
         self.wrap(engine.output_processor, "_detokenize", "detokenisation")
         return self
 
+    def _attach_clock(self, engine: Any) -> StepProfiler:
+        core = engine.engine_core
+        step, finish_step, clock = engine.step, core._finish_step, time.perf_counter
+        applied: list[tuple[Any, float]] = []  # the step's (plan, forward seconds) whose results it applied
+
+        def noted_finish_step(scheduler_output: Any, model_output: Any) -> Any:
+            applied.append((scheduler_output, model_output.forward_s))
+            return finish_step(scheduler_output, model_output)
+
+        def clocked_step(*args: Any, **kwargs: Any) -> Any:
+            applied.clear()
+            start = clock()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                seconds = clock() - start
+                forward_s = sum(forward for _, forward in applied)
+                self.clock.add(seconds, forward_s)
+                if applied and _is_decode(applied[0][0]):
+                    self.decode_clock.add(seconds, forward_s)
+
+        self._replace(core, "_finish_step", noted_finish_step)
+        self._replace(engine, "step", clocked_step)
+        return self
+
     def detach(self) -> None:
         for owner, name, original in reversed(self._patches):
             if original is _MISSING:
@@ -178,19 +244,36 @@ class StepProfiler:
         self.detach()
 
     @property
-    def total_s(self) -> float:
+    def phase_total_s(self) -> float:
+        """The phase run's step time (its timers' own cost included)."""
         return sum(self.seconds.values())
+
+    @property
+    def total_s(self) -> float:
+        return self.clock.seconds if self.clock.steps else self.phase_total_s
 
     @property
     def overhead_fraction(self) -> float:
         """Engine overhead's share of step time: all but the forward pass (with workers in other
-        processes, all but their own forward pass: see the module docstring)."""
-        total = self.total_s
-        return (total - self.forward_s) / total if total else 0.0
+        processes, all but their own forward pass: see the module docstring). From the clock run where
+        there was one."""
+        if self.clock.steps:
+            return self.clock.overhead_fraction
+        return self._phase_overhead(self.phase_total_s, self.forward_s)
+
+    @property
+    def decode_overhead_fraction(self) -> float:
+        if self.decode_clock.steps:
+            return self.decode_clock.overhead_fraction
+        return self._phase_overhead(self.decode_total_s, self.decode_forward_s)
+
+    @staticmethod
+    def _phase_overhead(total: float, forward: float) -> float:
+        return (total - forward) / total if total else 0.0
 
     @property
     def forward_s(self) -> float:
-        """The forward pass's seconds: the workers' own where they run in other processes."""
+        """The phase run's forward pass: the workers' own where they run in other processes."""
         return self.worker_forward_s if self.workers_in_forward else self.seconds["forward"]
 
     @property
@@ -202,17 +285,12 @@ class StepProfiler:
     def engine_process_fraction(self) -> float:
         """With workers in other processes: the engine process's own phases' share of step time (less
         than the overhead on the critical path; with async scheduling mostly hidden behind the forward)."""
-        total = self.total_s
+        total = self.phase_total_s
         return (total - self.seconds["forward"]) / total if total else 0.0
 
     @property
     def decode_total_s(self) -> float:
         return sum(self.decode_seconds.values())
-
-    @property
-    def decode_overhead_fraction(self) -> float:
-        total = self.decode_total_s
-        return (total - self.decode_forward_s) / total if total else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "seconds": {p: self.seconds[p] for p in PHASES},
@@ -220,12 +298,24 @@ class StepProfiler:
                 "decode_steps": self.decode_steps,
                 "decode_seconds": {p: self.decode_seconds[p] for p in PHASES},
                 "decode_overhead_fraction": self.decode_overhead_fraction,
+                "clock": asdict(self.clock), "decode_clock": asdict(self.decode_clock),
                 "workers_in_forward": self.workers_in_forward,
                 "worker_forward_s": self.worker_forward_s, "decode_worker_forward_s": self.decode_worker_forward_s,
                 "engine_process_fraction": self.engine_process_fraction}
 
     def format(self) -> str:
-        total = self.total_s or float("nan")
+        lines = []
+        if self.steps:
+            lines += self._format_phases()
+        if self.clock.steps:
+            lines.append("the timed run, clocked by step and forward pass only:")
+            lines.append(self.clock.describe("steps"))
+            if self.decode_clock.steps:
+                lines.append(self.decode_clock.describe("decode-only steps"))
+        return "\n".join(lines)
+
+    def _format_phases(self) -> list[str]:
+        total = self.phase_total_s or float("nan")
         # the last column: the same phase over the decode steps alone, where the overhead goal is measured
         lines = [f"{'phase':<20} {'seconds':>9} {'of step':>8} {'ms/step':>8} {'decode ms/step':>15}"]
         for phase in PHASES:
@@ -240,11 +330,13 @@ class StepProfiler:
                          f"LM head took {1e3 * self.worker_forward_s / max(self.steps, 1):.2f} ms a step, and "
                          "the overhead below is the rest of each step (the worker's input preparation and "
                          "sampling, the messages, and engine work not hidden behind the forward pass)")
-        lines.append(f"{self.steps} steps; engine overhead (all but forward): "
-                     f"{self.overhead_fraction:.1%} of step time")
+        timers = " (a run with phase timers, their own cost in the phases)" if self.clock.steps else ""
+        lines.append(f"{self.steps} steps{timers}; engine overhead (all but forward): "
+                     f"{self._phase_overhead(self.phase_total_s, self.forward_s):.1%} of step time")
         if self.decode_steps:
             decode_total = self.decode_total_s
             overhead_ms = 1e3 * (decode_total - self.decode_forward_s) / self.decode_steps
-            lines.append(f"{self.decode_steps} decode-only steps: engine overhead {self.decode_overhead_fraction:.1%} "
+            lines.append(f"{self.decode_steps} decode-only steps: engine overhead "
+                         f"{self._phase_overhead(decode_total, self.decode_forward_s):.1%} "
                          f"({overhead_ms:.2f} ms of {1e3 * decode_total / self.decode_steps:.2f} ms a step)")
-        return "\n".join(lines)
+        return lines

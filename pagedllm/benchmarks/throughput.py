@@ -58,9 +58,10 @@ def run_pagedllm(llm: Any, requests: list[SampleRequest], use_tqdm: bool = False
                  profiler: StepProfiler | None = None, detokenize: bool = True,
                  lora_requests: list[Any] | None = None, backend: str = "pagedllm") -> ThroughputResult:
     """Time one LLM.generate call over every request (after a short warm-up outside the timing); with a
-    profiler, split the timed run's step time into phases. Outputs are detokenized, as a user's are,
+    profiler, where the step time goes (below). Outputs are detokenized, as a user's are,
     unless `detokenize` is False (vLLM's --disable-detokenize). lora_requests: request i runs under
-    lora_requests[i % len] (the warm-up touches every adapter, so each is in a slot before the timing)."""
+    lora_requests[i % len] (the warm-up touches every adapter, so each is in a slot before the timing).
+    The profiler clocks the timed run's steps, then splits a second run's by phase (see StepProfiler)."""
     from pagedllm import SamplingParams
 
     num_warmup = max(2, len(lora_requests or []))
@@ -77,7 +78,7 @@ def run_pagedllm(llm: Any, requests: list[SampleRequest], use_tqdm: bool = False
         for r in requests
     ]
     if profiler is not None:
-        profiler.attach(llm.llm_engine)
+        profiler.attach(llm.llm_engine, phases=False)
     try:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=use_tqdm, lora_request=loras)
@@ -85,6 +86,11 @@ def run_pagedllm(llm: Any, requests: list[SampleRequest], use_tqdm: bool = False
     finally:
         if profiler is not None:
             profiler.detach()
+    if profiler is not None:
+        # the phase split from a second run of the same requests, as cold to the prefix cache as the first
+        llm.reset_prefix_cache()
+        with profiler.attach(llm.llm_engine):
+            llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return ThroughputResult(backend, len(requests), elapsed, sum(r.prompt_len for r in requests), output_tokens)
 
