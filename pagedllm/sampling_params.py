@@ -168,6 +168,11 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # Keep only the prompt's last k tokens (vLLM's; -1: as many as the context holds, less one)
     truncate_prompt_tokens: int | None = None
+    # Words never generated (vLLM's bad_words): a word's last token is masked wherever the output so far
+    # ends with the rest of it, the word tokenized as it starts a text and after a space
+    bad_words: list[str] | None = None
+    # Filled by the engine from bad_words and the tokenizer (vLLM's bad_words_token_ids)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     # Filled by the engine (vLLM's all_stop_token_ids): stop_token_ids plus the model's EOS ids, whether or
     # not ignore_eos is set. min_tokens masks all of them; EOS ends a request only without ignore_eos.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -190,6 +195,10 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids, got {list(self.logit_bias)[:4]}.") from None
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            raise ValueError("bad_words must be a list of strings, got a string.")
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
@@ -248,6 +257,8 @@ class SamplingParams:
         check(self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0 and all(
             is_int(t) and t >= 0 for t in self.allowed_token_ids)),
             "allowed_token_ids must be a non-empty list of non-negative token ids.")
+        check(self.bad_words is None or all(isinstance(word, str) and word.strip() for word in self.bad_words),
+              "bad_words must contain only strings that are not blank.")
         check(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
               f"guided_decoding must be a GuidedDecodingParams, got {type(self.guided_decoding).__name__}.")
         check(isinstance(self.output_kind, RequestOutputKind),
@@ -262,9 +273,9 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         """Anything that changes the request's logits before sampling: penalties, logit_bias,
-        allowed_token_ids (sampler.apply_penalties)."""
+        allowed_token_ids, bad_words (sampler.apply_penalties)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or bool(self.logit_bias) or self.allowed_token_ids is not None)
+                or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words))
 
     @property
     def always_argmax(self) -> bool:
@@ -282,4 +293,6 @@ class SamplingParams:
         copy.extra_args = dict(self.extra_args) if self.extra_args is not None else None
         copy.logit_bias = dict(self.logit_bias) if self.logit_bias is not None else None
         copy.allowed_token_ids = list(self.allowed_token_ids) if self.allowed_token_ids is not None else None
+        copy.bad_words = list(self.bad_words) if self.bad_words is not None else None
+        copy.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
         return copy

@@ -441,6 +441,34 @@ def test_logit_bias_shifts_the_logits_and_allowed_token_ids_restrict_them(llm: L
     assert all(set(o.outputs[0].token_ids) <= set(allowed) for o in outs)
 
 
+def _find(tokens: list[int], word: list[int]) -> int:
+    """The index just past the first occurrence of `word` in `tokens`, or -1."""
+    return next((i + len(word) for i in range(len(tokens) - len(word) + 1) if tokens[i:i + len(word)] == word), -1)
+
+
+def test_bad_words_are_never_generated(llm: LLM) -> None:
+    """vLLM's bad_words: a word's last token is masked wherever the output ends with the rest of it, so
+    greedy decoding runs as before up to where the word would be completed, then takes another token; and
+    sampling never completes it. Each word is tokenized bare and after a space."""
+    prompt = random_prompts(1, VOCAB, [12], seed=35)[0]
+    plain = llm.generate([prompt], greedy(16), use_tqdm=False)[0].outputs[0].token_ids
+    word = llm.get_tokenizer().decode(plain[4:6])
+    sequences = llm.llm_engine.input_processor.bad_words_token_ids([word])
+    assert sequences and all(sequences)
+    ends = [end for end in (_find(plain, seq) for seq in sequences) if end >= 0]
+    assert ends, "the word should be among the greedy tokens for this test to say anything"
+    end = min(ends)
+    got = llm.generate([prompt], greedy(16, bad_words=[word]), use_tqdm=False)[0].outputs[0].token_ids
+    assert got[:end - 1] == plain[:end - 1] and got[end - 1] != plain[end - 1]
+    assert all(_find(got, seq) < 0 for seq in sequences)
+    sampled = llm.generate([prompt] * 4, SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True,
+                                                        bad_words=[word]), use_tqdm=False)
+    assert all(_find(o.outputs[0].token_ids, seq) < 0 for o in sampled for seq in sequences)
+    one_token = [seq[0] for seq in sequences if len(seq) == 1]
+    for o in sampled:
+        assert not set(one_token) & set(o.outputs[0].token_ids)
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(llm: LLM) -> None:
     prompt = random_prompts(1, VOCAB, [40], seed=33)[0]
     got = llm.generate([prompt], greedy(6, truncate_prompt_tokens=9), use_tqdm=False)[0]
@@ -453,7 +481,8 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(llm: LLM) -> None:
     (dict(logit_bias={1: 101.0}), "logit_bias"), (dict(logit_bias={"x": 1.0}), "logit_bias"),
     (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(logprobs=2.5), "logprobs"),
     (dict(prompt_logprobs=1.5), "prompt_logprobs"), (dict(n=True), "n"), (dict(top_k=True), "top_k"),
-    (dict(stop_token_ids=5), "stop_token_ids"), (dict(ignore_eos="yes"), "ignore_eos")])
+    (dict(stop_token_ids=5), "stop_token_ids"), (dict(ignore_eos="yes"), "ignore_eos"),
+    (dict(bad_words="no"), "bad_words"), (dict(bad_words=["ok", " "]), "bad_words")])
 def test_bad_sampling_params_name_the_field(params: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**params)

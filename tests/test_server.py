@@ -391,6 +391,10 @@ def test_logit_bias_and_allowed_token_ids_reach_the_engine(client: openai.OpenAI
                                        extra_body={"allowed_token_ids": allowed})
     assert result.choices[0].text == offline(llm, PROMPT, max_tokens=6, temperature=1.0, seed=5,
                                              allowed_token_ids=allowed)[0]
+    bad_words = [plain.text.split()[0]] if plain.text.split() else ["the"]
+    result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0.0,
+                                       extra_body={"bad_words": bad_words})
+    assert result.choices[0].text == offline(llm, PROMPT, max_tokens=6, temperature=0.0, bad_words=bad_words)[0]
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end(server: RemoteServer, llm: LLM) -> None:

@@ -514,6 +514,19 @@ def test_penalties_and_logprobs_match_plain_decoding(same_llm: LLM, draft_llm: L
             assert g0.cumulative_logprob == pytest.approx(w0.cumulative_logprob, abs=1e-3)
 
 
+def test_bad_words_match_plain_decoding(same_llm: LLM, draft_llm: LLM, base_llm: LLM) -> None:
+    """A draft that proposes a bad word has it rejected where plain decoding masks it."""
+    prompts = random_prompts(3, VOCAB, lengths=[7, 12, 20], seed=16)
+    plain = base_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                              use_tqdm=False)
+    words = [base_llm.get_tokenizer().decode(o.outputs[0].token_ids[3:5]) for o in plain]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, bad_words=words)
+    want = token_ids(base_llm, prompts, params)
+    assert want != [o.outputs[0].token_ids for o in plain]
+    for llm in (same_llm, draft_llm):
+        assert token_ids(llm, prompts, params) == want
+
+
 def test_context_limit_is_never_overrun(tiny_llama_dir: str) -> None:
     """Near max_model_len, k shrinks so that verified tokens never pass the context length."""
     prompts = random_prompts(3, VOCAB, lengths=[50, 55, 60], seed=15)

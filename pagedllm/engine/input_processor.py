@@ -82,7 +82,28 @@ class InputProcessor:
         # As vLLM: the model's EOS ids (generation_config's included) are among the ids min_tokens masks
         # even with ignore_eos, which only stops EOS from ending the request.
         params.all_stop_token_ids = set(params.stop_token_ids) | set(self.model_config.eos_token_ids)
+        if params.bad_words:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         return text, EngineCoreRequest(request_id, token_ids, params, arrival_time, lora_request)
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens as it starts a text and, where that tokenizes differently into as many
+        tokens, after a space (as vLLM tokenizes bad_words), so it is kept out at the start and inside."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs the model's tokenizer, and this model has none.")
+        sequences: list[list[int]] = []
+        for word in words:
+            bare = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not bare:
+                continue
+            sequences.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        vocab = self.model_config.vocab_size
+        if any(token >= vocab for ids in sequences for token in ids):
+            raise ValueError(f"bad_words token ids must be in [0, {vocab}).")
+        return sequences
 
     def validate_lora(self, lora_request: LoRARequest | None) -> None:
         """The adapter's config and tensor shapes against the model (its header only: the engine core reads

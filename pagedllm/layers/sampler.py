@@ -100,6 +100,17 @@ def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
     logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
 
 
+def bad_word_ends(bad_words_token_ids: list[list[int]], output_token_ids: list[int]) -> list[int]:
+    """The tokens that would complete a bad word after `output_token_ids`: each word's last token where
+    the output ends with the tokens before it (a one-token word always)."""
+    banned = []
+    for word in bad_words_token_ids:
+        prefix = len(word) - 1
+        if prefix == 0 or (prefix <= len(output_token_ids) and output_token_ids[-prefix:] == word[:-1]):
+            banned.append(word[-1])
+    return banned
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
     if not penalized:
@@ -127,6 +138,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         if params.allowed_token_ids is not None:
             allowed = torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long, device=device)
             row = torch.full_like(row, float("-inf")).index_copy(0, allowed, row[allowed])
+        banned = bad_word_ends(params.bad_words_token_ids, rows[i].output_token_ids)
+        if banned:
+            row = row.index_fill(0, torch.tensor(banned, dtype=torch.long, device=device), float("-inf"))
         logits[i] = row
     return logits
 

@@ -123,6 +123,7 @@ class SamplingRequestFields(OpenAIRequestModel):
     # OpenAI's token id (a string in JSON) -> bias in [-100, 100]; vLLM's allowed_token_ids
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None  # vLLM's: words never generated
     # structured outputs: OpenAI's response_format and vLLM's guided_* extras (one of them at a time)
     response_format: ResponseFormat | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -161,7 +162,7 @@ class SamplingRequestFields(OpenAIRequestModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             extra_args={"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params else None,
-            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             **optional,
         )
 
