@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -49,6 +50,13 @@ def test_a_server_that_is_not_there_a_bad_port_a_file_or_a_missing_tokenizer_are
                           "cannot reach")
     result = cli("serve", tiny_llama_dir, "--port", "70000")
     assert result.returncode == 2 and "--port" in result.stderr and "Traceback" not in result.stderr
+    with socket.socket() as taken:  # a port in use: refused before the model loads, in one line
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        result = cli("serve", tiny_llama_dir, "--host", "127.0.0.1", "--port", port, *SMALL)
+        assert_one_line_error(result, "--port", port, "cannot listen")
+        assert "KV cache" not in result.stderr  # (the engine never started)
     text = tmp_path / "notes.txt"
     text.write_text("not a model")
     assert_one_line_error(cli("generate", "--model", str(text), "x"), "another kind")

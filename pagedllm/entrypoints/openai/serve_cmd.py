@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -106,9 +107,7 @@ def run_server(args: argparse.Namespace) -> int:
     # a SIGTERM while the model loads has nothing in flight to wait for: just exit 0
     signal.signal(signal.SIGTERM, _exit_now)
     from pagedllm.engine.arg_utils import EngineArgs
-    from pagedllm.engine.async_engine import AsyncLLMEngine
-    from pagedllm.entrypoints.openai.server import build_app
-    from pagedllm.entrypoints.openai.uvicorn_server import make_server
+    from pagedllm.entrypoints.openai.uvicorn_server import bind_socket
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     model = resolve_model(args)
@@ -148,6 +147,22 @@ def run_server(args: argparse.Namespace) -> int:
         # Not node 0: no engine and no HTTP; host this node's ranks until node 0 shuts them down.
         run_worker_node(engine_args)
         return 0
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as error:
+        raise ValueError(f"--port {args.port}: cannot listen on {args.host}:{args.port} "
+                         f"({error.strerror or error}); is another server there?") from None
+    try:
+        return _serve(args, engine_args, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, engine_args: Any, sock: socket.socket) -> int:
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.entrypoints.openai.server import build_app
+    from pagedllm.entrypoints.openai.uvicorn_server import make_server
+
     engine = AsyncLLMEngine.from_engine_args(engine_args, log_stats=not args.disable_log_stats)
     app = build_app(engine, args)
     server = make_server(app, engine, args.host, args.port, args.uvicorn_log_level,
@@ -162,7 +177,7 @@ def run_server(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
     if engine.dead_error is not None:

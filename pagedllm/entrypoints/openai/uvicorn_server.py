@@ -94,6 +94,20 @@ class GracefulServer(uvicorn.Server):
             timer.cancel()
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the model loads, so that a port in use fails at once
+    (OSError) instead of after the load; uvicorn listens on it (GracefulServer.run(sockets=[...]))."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: past TIME_WAIT
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def make_server(app: Any, engine: AsyncLLMEngine, host: str, port: int, log_level: str,
                 grace_period: float, read_timeout: float, keep_alive_timeout: float) -> GracefulServer:
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
