@@ -339,6 +339,31 @@ def test_completion_echo_without_generation_scores_the_prompt(server: RemoteServ
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
 
 
+def test_prompt_logprobs_come_with_the_response_as_vllms(server: RemoteServer, llm: LLM) -> None:
+    """vLLM's prompt_logprobs extra: per prompt position (None for the first) the prompt token's and the
+    top k's logprob, rank and text; on completions in each choice, on chat beside the choices; refused
+    when streamed."""
+    want = llm.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    choice = server.post("/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 2,
+                                             "prompt_logprobs": 2}).json()["choices"][0]
+    got = choice["prompt_logprobs"]
+    assert len(got) == len(want.prompt_token_ids) and got[0] is None
+    for position, expected in zip(got[1:], want.prompt_logprobs[1:]):
+        assert set(position) == {str(token) for token in expected}
+        for token, logprob in expected.items():
+            entry = position[str(token)]
+            assert entry["logprob"] == pytest.approx(logprob.logprob, abs=1e-4) and entry["rank"] == logprob.rank
+            assert entry["decoded_token"] == logprob.decoded_token
+    chat = server.post("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 2,
+                                                "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(step) == 1 for step in chat["prompt_logprobs"][1:])
+    plain = server.post("/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 2}).json()
+    assert plain["choices"][0]["prompt_logprobs"] is None
+    refused = server.post("/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 2,
+                                              "prompt_logprobs": 1, "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_completion_stop_strings(client: openai.OpenAI, llm: LLM) -> None:
     full = offline(llm, PROMPT, max_tokens=24, temperature=0.0, ignore_eos=True)[0]
     assert len(full) > 6

@@ -124,6 +124,8 @@ class SamplingRequestFields(OpenAIRequestModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None  # vLLM's: words never generated
+    # vLLM's: each prompt token's logprob and the top k at its position, in the response (not streamed)
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     # structured outputs: OpenAI's response_format and vLLM's guided_* extras (one of them at a time)
     response_format: ResponseFormat | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -195,12 +197,27 @@ class CompletionResponseChoice(OpenAIBaseModel):
     stop_reason: int | str | None = None
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's Logprob as its prompt_logprobs serialize it."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# per prompt position (None for the first): token id -> its logprob (the prompt's token and the top k)
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionFinalChoice(CompletionResponseChoice):
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, with the prompt_logprobs field
+
+
 class CompletionResponse(OpenAIBaseModel):
     id: str = Field(default_factory=lambda: random_id("cmpl"))
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionResponseChoice]
+    choices: list[CompletionFinalChoice]
     usage: UsageInfo
     kv_transfer_params: dict[str, Any] | None = None
 
@@ -323,6 +340,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, with the prompt_logprobs field
     kv_transfer_params: dict[str, Any] | None = None
 
 

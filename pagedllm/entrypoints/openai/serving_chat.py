@@ -39,6 +39,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     finite,
     logprob_rank,
     merged_outputs,
+    prompt_logprobs_json,
     sse,
     stream_error_event,
     stream_response,
@@ -163,7 +164,7 @@ class OpenAIServingChat:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         renames = {**_PARAM_RENAMES, "max_tokens": "max_completion_tokens"} \
             if request.max_completion_tokens else _PARAM_RENAMES
-        params = context.build_params(request, max_tokens, logprobs, renames=renames)
+        params = context.build_params(request, max_tokens, logprobs, request.prompt_logprobs, renames=renames)
         params.guided_decoding = guided_decoding_params(request)
         # a stream takes what is new each step (DELTA); a plain request one output at the end
         params.output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
@@ -231,6 +232,8 @@ class OpenAIServingChat:
             id=request_id, created=created, model=model_name, choices=choices,
             usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated,
                             total_tokens=num_prompt_tokens + num_generated),
+            prompt_logprobs=prompt_logprobs_json(self.tokenizer, final.prompt_logprobs)
+            if request.prompt_logprobs is not None else None,
             kv_transfer_params=final.kv_transfer_params)
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,

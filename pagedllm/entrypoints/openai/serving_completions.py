@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.async_engine import OutputQueue, RequestStream
 from pagedllm.entrypoints.openai.protocol import (
+    CompletionFinalChoice,
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
@@ -36,6 +37,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     finite,
     logprob_rank,
     merged_outputs,
+    prompt_logprobs_json,
     sse,
     stream_error_event,
     stream_response,
@@ -92,7 +94,7 @@ class OpenAIServingCompletion:
         # echo with max_tokens 0: one token is computed (the engine always samples one) and dropped
         max_tokens = min(context.check_length(len(p), 1 if echo_only else request.max_tokens, "prompt")
                          for p in prompts)
-        prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None  # echo's
         params = context.build_params(request, max_tokens, request.logprobs, prompt_logprobs)
         params.guided_decoding = guided_decoding_params(request)
         params.output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
@@ -149,10 +151,12 @@ class OpenAIServingCompletion:
                     if request.echo:  # (offsets run on over the prompt's token strings, as vLLM's)
                         offset = self._add_logprobs(logprobs, prompt_ids, output.prompt_logprobs, 0)
                     self._add_logprobs(logprobs, completion.token_ids, completion.logprobs, offset)
-                choices.append(CompletionResponseChoice(
+                choices.append(CompletionFinalChoice(
                     index=prompt_index * request.n + completion.index, text=prompt_text + completion.text,
                     logprobs=logprobs, finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason))
+                    stop_reason=completion.stop_reason,
+                    prompt_logprobs=prompt_logprobs_json(self.tokenizer, output.prompt_logprobs)
+                    if request.prompt_logprobs is not None else None))
         choices.sort(key=lambda choice: choice.index)
         num_prompt = sum(len(p) for p in prompts)
         return CompletionResponse(id=request_id, created=created, model=model_name, choices=choices,

@@ -33,9 +33,7 @@ from pagedllm.engine.async_engine import (
     RequestStream,
 )
 from pagedllm.engine.input_processor import truncate_prompt
-from pagedllm.entrypoints.openai.protocol import (
-    SamplingRequestFields,
-)
+from pagedllm.entrypoints.openai.protocol import PromptLogprob, PromptLogprobs, SamplingRequestFields
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -291,6 +289,10 @@ class ServingContext:
     def build_params(self, request: SamplingRequestFields, max_tokens: int, logprobs: int | None,
                      prompt_logprobs: int | None = None,
                      renames: dict[str, str] | None = None) -> SamplingParams:
+        if request.prompt_logprobs is not None:
+            if getattr(request, "stream", False):  # (as vLLM: they come whole, with the final response)
+                raise APIError(400, "prompt_logprobs is not available with stream=true.", param="prompt_logprobs")
+            prompt_logprobs = max(request.prompt_logprobs, prompt_logprobs or 0)
         try:
             return request.build_sampling_params(max_tokens, logprobs, prompt_logprobs,
                                                  self.default_sampling_params)
@@ -424,6 +426,17 @@ def finite(logprob: float) -> float:
 def decoded(tokenizer: Any, token_id: int, logprob: Any) -> str:
     text = getattr(logprob, "decoded_token", None)
     return text if text is not None else tokenizer.decode([token_id])
+
+
+def prompt_logprobs_json(tokenizer: Any, prompt_logprobs: list[dict[int, Any] | None] | None
+                         ) -> PromptLogprobs | None:
+    """A RequestOutput's prompt_logprobs as vLLM's server returns them (-inf as -9999)."""
+    if prompt_logprobs is None:
+        return None
+    return [None if step is None else {
+        str(token_id): PromptLogprob(logprob=finite(lp.logprob), rank=lp.rank,
+                                     decoded_token=decoded(tokenizer, token_id, lp))
+        for token_id, lp in step.items()} for step in prompt_logprobs]
 
 
 def logprob_rank(logprob: Any) -> int:
