@@ -6,12 +6,16 @@ Block types the gguf package can quantize (Q8_0, Q4_0, Q4_1, ...) quantize the m
 K-quants it cannot (Q4_K, Q6_K) are filled with random valid blocks, so the file's weights are whatever
 those blocks dequantize to: tests compare pagedllm with transformers on the same file, never with the
 original model.
+Mixture-of-experts layers (Qwen3-MoE) are stacked as the converter stacks them: one
+[n_expert, rows, cols] tensor per projection and layer (blk.N.ffn_{gate,up,down}_exps), the router
+(ffn_gate_inp) kept in F32 as llama.cpp keeps it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import gguf
 import numpy as np
@@ -23,7 +27,10 @@ from safetensors.torch import load_file
 # bytes of one K-quant block of 256 weights: (offset of the fp16 scale fields, block size)
 _K_BLOCKS = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 _ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
-         "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3}
+         "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3,
+         "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE}
+# a per-expert Hugging Face weight: (the layer's experts, expert index, projection)
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
 
 
 def _permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
@@ -44,15 +51,31 @@ def _random_k_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator) 
     return blocks.reshape(rows, -1)
 
 
+def _stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights with each layer's per-expert projections stacked in expert order, as
+    llama.cpp's converter does: `<layer>.mlp.experts.<proj>.weight`, [n_expert, rows, cols], which gguf's
+    name map knows as blk.N.ffn_<proj>_exps.weight."""
+    out: dict[str, torch.Tensor | dict[int, torch.Tensor]] = {}
+    for hf_name, tensor in state.items():
+        match = _EXPERT.fullmatch(hf_name)
+        if match is None:
+            out[hf_name] = tensor
+        else:
+            out.setdefault(f"{match[1]}.{match[3]}.weight", {})[int(match[2])] = tensor
+    return {name: torch.stack([t[i] for i in range(len(t))]) if isinstance(t, dict) else t for name, t in out.items()}
+
+
 def _encode(name: str, w: np.ndarray, kind: str, rng: np.random.Generator) -> tuple[np.ndarray, GGMLQuantizationType]:
-    if w.ndim == 1 or kind == "F32" or name == "token_embd.weight" and kind in _K_BLOCKS:
+    if w.ndim == 1 or kind == "F32" or name.endswith("ffn_gate_inp.weight") or \
+            name == "token_embd.weight" and kind in _K_BLOCKS:
         return w.astype(np.float32), GGMLQuantizationType.F32
     qtype = GGMLQuantizationType[kind]
     if kind == "F16":
         return w.astype(np.float16), qtype
-    if kind in _K_BLOCKS:
-        return _random_k_blocks(w.shape[0], w.shape[1], kind, rng), qtype
-    return quantize(w.astype(np.float32), qtype), qtype
+    if kind in _K_BLOCKS:  # random blocks for every row, of a matrix or of a stack of experts
+        rows = _random_k_blocks(int(np.prod(w.shape[:-1])), w.shape[-1], kind, rng)
+        return rows.reshape(*w.shape[:-1], -1), qtype
+    return quantize(w.astype(np.float32), qtype), qtype  # row-wise over the last axis, any rank
 
 
 def write_gguf(model_dir: str, path: str, weight_type: str = "F32", seed: int = 0,
@@ -97,6 +120,10 @@ def write_gguf(model_dir: str, path: str, weight_type: str = "F32", seed: int = 
     if model_type == "gemma2":
         writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
     if config.get("moe_intermediate_size"):
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if rope.get("rope_type") == "longrope":  # as llama.cpp's Phi-3 converter: the factors as tensors
@@ -130,7 +157,7 @@ def write_gguf(model_dir: str, path: str, weight_type: str = "F32", seed: int = 
 
     rng = np.random.default_rng(seed)
     name_map = gguf.get_tensor_name_map(_ARCH[model_type], layers)
-    state = load_file(os.path.join(model_dir, "model.safetensors"))
+    state = _stack_experts(load_file(os.path.join(model_dir, "model.safetensors")))
     for hf_name, tensor in state.items():
         if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue

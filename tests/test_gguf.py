@@ -46,6 +46,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                              "short_factor": [1.0 + 0.1 * i for i in range(4)],
                              "long_factor": [2.0 + 0.5 * i for i in range(4)]})),
+        # Experts stacked per layer (blk.N.ffn_*_exps), their width from expert_feed_forward_length, which
+        # transformers' metadata map drops (its reference takes this config). The file has no flag for
+        # norm_topk_prob: llama.cpp's Qwen3-MoE graph always renormalizes the top-k weights, as published
+        # Qwen3-MoE models do, and transformers' GGUF config sets it so.
+        "qwen3_moe": build_model(root / "qwen3_moe", "qwen3_moe", seed=7, extra_config=dict(
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
     }
 
 
@@ -74,6 +80,7 @@ def _hf_greedy(model, ids: list[int]) -> tuple[list[int], torch.Tensor]:
     ("llama", "F32"), ("llama", "F16"), ("llama", "BF16"), ("llama", "Q8_0"), ("llama", "Q4_0"),
     ("qwen2", "F32"), ("qwen2", "Q8_0"), ("qwen3", "Q4_1"), ("llama256", "Q4_K"), ("llama256", "Q6_K"),
     ("gemma2", "F32"), ("gemma2", "Q8_0"), ("gemma3", "F32"), ("gemma3", "Q8_0"), ("phi3", "F32"), ("phi3", "Q8_0"),
+    ("qwen3_moe", "F32"), ("qwen3_moe", "Q8_0"),
 ])
 def test_greedy_tokens_and_logits_equal_transformers_on_the_same_file(models, tmp_path, arch, weight_type):
     path = write_gguf(models[arch], str(tmp_path / f"tiny-{weight_type}.gguf"), weight_type)
