@@ -150,6 +150,17 @@ def test_max_tokens_none_runs_to_max_model_len(tiny_llama_dir: str) -> None:
     assert c.finish_reason == "length"
 
 
+def test_max_tokens_past_the_context_ends_by_length_there(tiny_llama_dir: str) -> None:
+    """As vLLM's LLM: a prompt plus max_tokens past max_model_len is not refused; generation stops at the
+    context's end (the server still answers 400, as vLLM's does)."""
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=64)
+    prompt = random_prompts(1, VOCAB, [50], seed=65)[0]
+    c = llm.generate([prompt], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(c.token_ids) == 64 - 50 and c.finish_reason == "length"
+    pool = llm.llm_engine.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks  # (no block leaked)
+
+
 def test_detokenize_false(llm: LLM) -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
     c = llm.generate(TEXTS[1], sp, use_tqdm=False)[0].outputs[0]

@@ -134,10 +134,8 @@ class InputProcessor:
                 raise ValueError(f"{name} token ids must be in [0, {vocab}), got {max(ids)}.")
         if len(token_ids) >= max_len:
             raise ValueError(f"prompt is {len(token_ids)} tokens, which is not below max_model_len={max_len}.")
-        if params.max_tokens is not None and len(token_ids) + params.max_tokens > max_len:
-            raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {len(token_ids)} tokens exceeds "
-                             f"max_model_len={max_len}; lower max_tokens or shorten the prompt.")
-        total = len(token_ids) + (params.max_tokens or max_len - len(token_ids))
+        # (as vLLM's LLM: max_tokens past the context is not refused; the request ends by length there)
+        total = min(max_len, len(token_ids) + (params.max_tokens or max_len))
         first_chunk = min(len(token_ids), self.max_num_batched_tokens)
         if blocks_per_request(self.group_windows, total, self.block_size, first_chunk) > self.num_blocks:
             groups = len(self.group_windows)
