@@ -199,6 +199,24 @@ def test_stop_strings(llm: LLM, length: int) -> None:
     assert checked >= 2, "too few prompts produced printable text to cut"
 
 
+def test_min_tokens_holds_back_stop_strings(llm: LLM) -> None:
+    """As vLLM: a stop string completed within the first min_tokens tokens is text like any other."""
+    prompts = random_prompts(10, VOCAB, seed=32)
+    checked = 0
+    for prompt, out in zip(prompts, llm.generate(prompts, greedy(24), use_tqdm=False)):
+        found = _stop_candidate(out.outputs[0].text, 2)
+        if found is None:
+            continue
+        pos, stop = found
+        cut = llm.generate([prompt], greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
+        min_tokens = len(cut.token_ids) + 2
+        held = llm.generate([prompt], greedy(24, stop=[stop], min_tokens=min_tokens), use_tqdm=False)[0].outputs[0]
+        assert len(held.token_ids) >= min_tokens and held.text.startswith(out.outputs[0].text[:pos + len(stop)])
+        assert held.token_ids == out.outputs[0].token_ids[:len(held.token_ids)]
+        checked += 1
+    assert checked >= 2, "too few prompts produced printable text to cut"
+
+
 def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
     prompt = random_prompts(1, VOCAB, [20], seed=33)[0]
     full = llm.generate([prompt], greedy(24), use_tqdm=False)[0].outputs[0].token_ids

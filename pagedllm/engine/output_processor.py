@@ -210,7 +210,9 @@ class OutputProcessor:
 
     @staticmethod
     def _check_stop_strings(params: SamplingParams, sample: _SampleState, old_len: int) -> bool:
-        if not params.stop:
+        """Whether the text since old_len completes a stop string (then the sample ends there). Not before
+        min_tokens tokens, as vLLM: a stop string inside them is text like any other."""
+        if not params.stop or len(sample.token_ids) <= params.min_tokens:
             return False
         detokenizer = sample.detokenizer
         longest = max(len(stop) for stop in params.stop)
