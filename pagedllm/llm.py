@@ -10,7 +10,8 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.llm_engine import LLMEngine, PromptType, run_worker_node
+from pagedllm.engine.llm_engine import LLMEngine, run_worker_node
+from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.reader import Metric
 from pagedllm.outputs import RequestOutput

@@ -62,6 +62,10 @@ def test_token_id_prompts_and_dicts(llm: LLM) -> None:
     text_dicts = llm.generate([{"prompt": t} for t in TEXTS], GREEDY, use_tqdm=False)
     assert ids_of(text_dicts) == from_text
     assert [o.prompt for o in text_dicts] == TEXTS
+    # vLLM's prompt types, from where a vLLM script imports them
+    from pagedllm import TextPrompt, TokensPrompt
+    typed = [TokensPrompt(prompt_token_ids=prompts[0]), TextPrompt(prompt=TEXTS[1])]
+    assert ids_of(llm.generate(typed, GREEDY, use_tqdm=False)) == from_text[:2]
 
 
 def test_one_sampling_params_per_prompt(llm: LLM) -> None:

@@ -12,13 +12,12 @@ from typing import Any
 from pagedllm.config import ModelConfig
 from pagedllm.core_types.engine_core import EngineCoreRequest
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.inputs import PromptType
 from pagedllm.kv_cache.manager import blocks_per_request
 from pagedllm.lora.peft import validate_adapter
 from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import StructuredOutputManager
-
-PromptType = str | list[int] | dict[str, Any]
 
 
 def truncate_prompt(token_ids: list[int], keep: int, max_model_len: int) -> list[int]:

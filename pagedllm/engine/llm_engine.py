@@ -13,10 +13,11 @@ from typing import Any
 from pagedllm.config import check_model_path
 from pagedllm.engine.arg_utils import EngineArgs, create_engine_config
 from pagedllm.engine.core import EngineCore
-from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.executor.abstract import Executor
+from pagedllm.inputs import PromptType
 from pagedllm.kv_cache.manager import KVCacheManager
 from pagedllm.kv_cache.snapshot import KVCacheSnapshot
 from pagedllm.lora.request import LoRARequest
@@ -28,7 +29,7 @@ from pagedllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLMEngine", "PromptType", "run_worker_node"]
+__all__ = ["LLMEngine", "run_worker_node"]
 
 
 def run_worker_node(args: EngineArgs) -> None:
