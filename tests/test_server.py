@@ -200,6 +200,13 @@ def test_health_version_models(server: RemoteServer, client: openai.OpenAI) -> N
     assert card["max_model_len"] == 256 and card["owned_by"] == "pagedllm"
 
 
+def test_the_model_path_as_given_names_the_model(server: RemoteServer, tiny_llama_dir: str) -> None:
+    """vLLM's default served name is the model argument itself: a client that sends it is answered (under
+    the served name), though /v1/models lists the name only."""
+    result = server.post("/v1/completions", {"model": tiny_llama_dir, "prompt": PROMPT, "max_tokens": 2})
+    assert result.status_code == 200 and result.json()["model"] == "tiny"
+
+
 def test_tokenize_detokenize(server: RemoteServer, llm: LLM) -> None:
     tokenizer = llm.get_tokenizer()
     body = server.post("/tokenize", {"model": "tiny", "prompt": PROMPT}).json()

@@ -294,6 +294,7 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | 
         tokenizer = engine.tokenizer
     max_model_len = int(engine.model_config.max_model_len)
     context = ServingContext(engine=engine, tokenizer=tokenizer, served_model_names=config.served_model_names,
+                             model_aliases=(config.model_path,) if config.model_path else (),
                              max_model_len=max_model_len, max_waiting_requests=config.max_waiting_requests,
                              max_prompt_chars=config.max_prompt_chars or max_model_len * PROMPT_CHARS_PER_TOKEN,
                              trust_request_chat_template=config.trust_request_chat_template,

@@ -167,6 +167,9 @@ class ServingContext:
     tokenizer: Any
     served_model_names: list[str]
     max_model_len: int
+    # other names a request's `model` may give for the first served name: the model path as `serve` was
+    # given it (vLLM's default served name), though /v1/models lists the name only
+    model_aliases: tuple[str, ...] = ()
     # sequences (prompts x n) admitted but not yet started; None: unbounded
     max_waiting_requests: int | None = None
     max_prompt_chars: int | None = None
@@ -189,7 +192,7 @@ class ServingContext:
 
     def check_model(self, name: str | None) -> str:
         """The model name to answer with; 404 for a name this server does not serve."""
-        if name is None or name == "":
+        if name is None or name == "" or name in self.model_aliases:
             return self.served_model_names[0]
         if name not in self.served_model_names and self.lora_request_for(name) is None:
             raise APIError(404, f"The model `{name}` does not exist.", param="model")
