@@ -135,6 +135,24 @@ def test_flexible_whitespace_json_validates(llm: LLM) -> None:
         jsonschema.validate(json.loads(completion.text), SCHEMA)
 
 
+def test_a_schema_that_says_nothing_of_other_keys_gets_only_its_own(llm: LLM) -> None:
+    """As vLLM's strict default: an object that declares properties and says nothing of others takes no
+    invented key (JSON Schema alone would allow any); allOf's parts are closed together, not each."""
+    from pagedllm.structured_output.grammar import closed_objects
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "inner": {"type": "object", "properties": {"ok": {"type": "boolean"}}}}}
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=60,
+                             guided_decoding=GuidedDecodingParams(json=schema)) for i in range(12)]
+    for completion in all_outputs(llm.generate(["config = "] * 12, params, use_tqdm=False)):
+        value = json.loads(completion.text)
+        assert set(value) <= {"n", "inner"} and set(value.get("inner", {})) <= {"ok"}, completion.text
+    both = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
+    assert closed_objects(both) == both
+    named = {"type": "object", "properties": {"properties": {"type": "string"}}}  # a key named "properties"
+    assert closed_objects(named) == {**named, "additionalProperties": False}
+
+
 # Issue 48's schema: a bounded string, an integer, an enum array, a boolean, a closed object.
 SMALL_SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},

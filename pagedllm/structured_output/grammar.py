@@ -61,13 +61,35 @@ def json_whitespace_options(disable_any_whitespace: bool, whitespace_flexible: b
     return {"whitespace_flexible": False, **COMPACT_SEPARATORS}
 
 
+# keywords whose value maps names to schemas
+_SCHEMA_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"))
+
+
+def closed_objects(schema: Any, close: bool = True) -> Any:
+    """The schema with `additionalProperties: false` on every object that declares properties and says
+    nothing about others, as vLLM's strict default: a model writes the keys the schema names, never an
+    invented one (JSON Schema's own default would allow any). An object with no declared properties stays
+    open, and so do allOf's parts (closed alone, each would refuse the others' keys)."""
+    if isinstance(schema, list):
+        return [closed_objects(item, close) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: {name: closed_objects(sub) for name, sub in value.items()}  # name -> schema, not a schema
+              if key in _SCHEMA_MAPS and isinstance(value, dict) else closed_objects(value, key != "allOf")
+              for key, value in schema.items()}
+    if (close and ("properties" in closed or "patternProperties" in closed) and "additionalProperties" not in closed
+            and "unevaluatedProperties" not in closed):
+        closed["additionalProperties"] = False
+    return closed
+
+
 @functools.lru_cache(maxsize=256)
 def grammar_definition(kind: str, spec: str, disable_any_whitespace: bool = False,
                        whitespace_flexible: bool = False, whitespace_pattern: str | None = None) -> str:
     """The llguidance grammar for one constraint (GuidedDecodingParams.compile_key)."""
     options = json_whitespace_options(disable_any_whitespace, whitespace_flexible, whitespace_pattern)
     if kind in ("json", "json_object"):
-        schema = json.loads(spec) if kind == "json" else {"type": "object"}
+        schema = closed_objects(json.loads(spec)) if kind == "json" else {"type": "object"}
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec)
