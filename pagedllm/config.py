@@ -144,7 +144,10 @@ class ModelConfig:
     def from_pretrained(cls, model: str, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
                         device: torch.device | None = None, quantization: str | None = None,
                         quantization_group_size: int | None = None, trust_remote_code: bool = False,
-                        generation_config: str = "auto") -> ModelConfig:
+                        generation_config: str = "auto", hf_overrides: dict[str, Any] | None = None,
+                        override_generation_config: dict[str, Any] | None = None) -> ModelConfig:
+        """`hf_overrides` (vLLM's): keys of the model's config.json replaced (nested dicts merged);
+        `override_generation_config` (vLLM's): sampling defaults over those the generation config gives."""
         from pagedllm.layers.quantization import resolve_quantization
         from pagedllm.models.gguf import read_hf_config, resolve_gguf_file
         from pagedllm.models.registry import resolve_architecture, supported_architectures
@@ -161,6 +164,7 @@ class ModelConfig:
             with open(config_path) as f:
                 hf = json.load(f)
             generation = _read_json(os.path.join(model, "generation_config.json"))
+        hf = _merged(hf, hf_overrides or {})
         architectures = hf.get("architectures") or []
         if hf.get("auto_map") and not any(name in supported_architectures() for name in architectures):
             # the architecture exists only as Python code shipped with the checkpoint
@@ -185,7 +189,8 @@ class ModelConfig:
         model_type = hf.get("model_type", "")
         qkv_bias = bool(hf.get("attention_bias", False)) or model_type == "qwen2"
         o_bias = bool(hf.get("attention_bias", False)) and model_type not in ("qwen2", "phi3")
-        sampling_defaults = _sampling_generation_config(model, generation, generation_config)
+        sampling_defaults = {**_sampling_generation_config(model, generation, generation_config),
+                             **(override_generation_config or {})}
         eos = generation.get("eos_token_id", hf.get("eos_token_id"))
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         return cls(
@@ -340,6 +345,15 @@ def kv_elements_per_token_per_layer(num_kv_heads: int, head_dim: int, kv_lora_ra
 # generation_config.json name -> SamplingParams field (the fields vLLM's --generation-config auto reads)
 _GENERATION_CONFIG_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
                              "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+
+
+def _merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """base with overrides' keys replaced, nested dicts merged key by key."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        merged[key] = _merged(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) \
+            else value
+    return merged
 
 
 def _sampling_generation_config(model: str, generation: dict[str, Any], mode: str) -> dict[str, Any]:

@@ -81,9 +81,15 @@ def test_vllm_engine_arguments_with_nothing_to_do_are_taken_and_others_named(tin
     from pagedllm.engine.arg_utils import EngineArgs
 
     EngineArgs(model=tiny_llama_dir, disable_log_stats=True, swap_space=4, tokenizer_mode="auto", task="generate",
-               load_format="auto", pipeline_parallel_size=1, revision="main", max_seq_len_to_capture=8192)
+               load_format="auto", pipeline_parallel_size=1, revision="main", max_seq_len_to_capture=8192,
+               compilation_config=0, enable_sleep_mode=False, disable_async_output_proc=True,
+               logprobs_mode="raw_logprobs", guided_decoding_backend="xgrammar", limit_mm_per_prompt={"image": 0},
+               served_model_name="tiny", max_logprobs=-1)
     for name, value in (("pipeline_parallel_size", 2), ("tokenizer_mode", "mistral"), ("task", "embed"),
-                        ("load_format", "pt"), ("cpu_offload_gb", 4)):
+                        ("load_format", "pt"), ("cpu_offload_gb", 4), ("compilation_config", 3),
+                        ("enable_sleep_mode", True), ("logprobs_mode", "processed_logprobs"),
+                        ("guided_decoding_backend", "nope"), ("limit_mm_per_prompt", {"image": 1}),
+                        ("hf_overrides", "x")):
         with pytest.raises(ValueError, match=name):
             EngineArgs(model=tiny_llama_dir, **{name: value})
 

@@ -165,6 +165,27 @@ def test_max_tokens_past_the_context_ends_by_length_there(tiny_llama_dir: str) -
     assert pool.num_free_blocks == pool.num_usable_blocks  # (no block leaked)
 
 
+def test_vllms_config_overrides_and_skip_tokenizer_init(tiny_llama_dir: str) -> None:
+    """hf_overrides replaces config.json keys, override_generation_config the sampling defaults;
+    skip_tokenizer_init runs on token ids alone (no text out, a text prompt refused by name)."""
+    llm = LLM(model=tiny_llama_dir, dtype="float32", hf_overrides={"max_position_embeddings": 77},
+              override_generation_config={"temperature": 0.0, "top_k": 5}, max_logprobs=-1)
+    assert llm.llm_engine.model_config.max_model_len == 77
+    defaults = llm.get_default_sampling_params()
+    assert defaults.temperature == 0.0 and defaults.top_k == 5
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=100), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs[0]) >= 100  # max_logprobs=-1: no limit
+    bare = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=64, skip_tokenizer_init=True)
+    assert bare.get_tokenizer() is None
+    got = bare.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                                                    detokenize=False), use_tqdm=False)[0].outputs[0]
+    want = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids and got.text == ""
+    with pytest.raises(ValueError, match="prompt"):
+        bare.generate("hello", use_tqdm=False)
+
+
 def test_detokenize_false(llm: LLM) -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
     c = llm.generate(TEXTS[1], sp, use_tqdm=False)[0].outputs[0]

@@ -19,6 +19,10 @@ from pagedllm.spec_decode import SpeculativeConfig
 logger = logging.getLogger(__name__)
 
 
+# vLLM's structured-output backends: any of them is taken, and llguidance serves the constraint
+GUIDED_DECODING_BACKENDS = ("auto", "guidance", "llguidance", "xgrammar", "outlines", "lm-format-enforcer")
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None
@@ -92,6 +96,18 @@ class EngineArgs:
     download_dir: str | None = None
     max_seq_len_to_capture: int = 8192  # CUDA-graph capture, which pagedllm does not do
     disable_custom_all_reduce: bool = False
+    compilation_config: Any = None  # torch.compile levels: every model runs eagerly (None, 0 or {})
+    enable_sleep_mode: bool = False
+    disable_async_output_proc: bool = False
+    logprobs_mode: str = "raw_logprobs"  # logprobs are the model's own, before penalties and biases
+    guided_decoding_backend: str = "auto"  # llguidance serves every constraint
+    limit_mm_per_prompt: dict[str, int] | None = None  # text-only models: nothing multimodal
+    served_model_name: str | list[str] | None = None  # the server's flag; offline it names nothing
+    # vLLM's, which change what runs: keys of the model's config.json replaced; sampling defaults over the
+    # generation config's; no tokenizer (prompts are token ids, outputs have no text)
+    hf_overrides: dict[str, Any] | None = None
+    override_generation_config: dict[str, Any] | None = None
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -110,6 +126,21 @@ class EngineArgs:
         check(self.cpu_offload_gb == 0, f"cpu_offload_gb must be 0: weights stay where the model runs, got "
                                         f"{self.cpu_offload_gb}.")
         check(self.swap_space >= 0, f"swap_space must be non-negative, got {self.swap_space}.")
+        check(self.compilation_config in (None, 0, {}),
+              f"compilation_config must be None, 0 or {{}}: pagedllm runs every model eagerly, got "
+              f"{self.compilation_config!r}.")
+        check(not self.enable_sleep_mode, "enable_sleep_mode must be False: pagedllm has no sleep mode.")
+        check(self.logprobs_mode == "raw_logprobs",
+              f"logprobs_mode must be 'raw_logprobs' here (the model's own logprobs), got {self.logprobs_mode!r}.")
+        check(self.guided_decoding_backend in GUIDED_DECODING_BACKENDS,
+              f"guided_decoding_backend must be one of {list(GUIDED_DECODING_BACKENDS)} (llguidance serves them "
+              f"all), got {self.guided_decoding_backend!r}.")
+        check(not any((self.limit_mm_per_prompt or {}).values()),
+              f"limit_mm_per_prompt must allow nothing: pagedllm serves text-only models, got "
+              f"{self.limit_mm_per_prompt!r}.")
+        for name in ("hf_overrides", "override_generation_config"):
+            check(getattr(self, name) is None or isinstance(getattr(self, name), dict),
+                  f"{name} must be a dict, got {type(getattr(self, name)).__name__}.")
         check(self.tokenizer is None or os.path.exists(os.path.expanduser(self.tokenizer)),
               f"tokenizer {self.tokenizer!r} does not exist: pass a local tokenizer directory or .gguf file "
               "(nothing is downloaded).")
@@ -164,7 +195,7 @@ class EngineArgs:
               f"num_threads must be a positive integer, got {self.num_threads!r}.")
         check(isinstance(self.generation_config, str) and bool(self.generation_config),
               f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}.")
-        check(self.max_logprobs >= 0, f"max_logprobs must be non-negative, got {self.max_logprobs}.")
+        check(self.max_logprobs >= -1, f"max_logprobs must be -1 (no limit) or non-negative, got {self.max_logprobs}.")
         for name in ("max_stop_strings", "max_stop_string_len", "max_stop_token_ids"):
             check(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
                   f"{name} must be a non-negative integer, got {getattr(self, name)!r}.")
@@ -325,7 +356,9 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.max_model_len, device,
                                                args.quantization, args.quantization_group_size,
                                                trust_remote_code=args.trust_remote_code,
-                                               generation_config=args.generation_config)
+                                               generation_config=args.generation_config,
+                                               hf_overrides=args.hf_overrides,
+                                               override_generation_config=args.override_generation_config)
     if args.ignore_sliding_window:
         model_config.sliding_window = model_config.layer_types = None
     max_model_len = model_config.max_model_len

@@ -142,11 +142,10 @@ class InputProcessor:
                              f"{self.num_blocks} blocks of {self.block_size} tokens"
                              + (f" (shared by {groups} KV cache groups: the full and the sliding layers each hold "
                                 "blocks of their own)." if groups > 1 else "."))
-        if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
-            raise ValueError(f"logprobs must be at most max_logprobs={self.args.max_logprobs}, got {params.logprobs}.")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > self.args.max_logprobs:
-            raise ValueError(f"prompt_logprobs must be at most max_logprobs={self.args.max_logprobs}, "
-                             f"got {params.prompt_logprobs}.")
+        max_logprobs = self.args.max_logprobs if self.args.max_logprobs >= 0 else vocab  # -1: no limit
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > max_logprobs:
+                raise ValueError(f"{name} must be at most max_logprobs={max_logprobs}, got {getattr(params, name)}.")
         # Everything below would otherwise fail (or slow every request) inside a step.
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:

@@ -56,7 +56,8 @@ class LLMEngine:
                              "ranks (LLM(..., node_rank=R) and `pagedllm serve --node-rank R` do that).")
         self.args = args
         check_model_path(args.model)  # before the tokenizer's loader reads the path and warns about it
-        tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
+        tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or args.model,
+                                                                          args.trust_remote_code)
         self.engine_core = EngineCore(args, tokenizer)
         core = self.engine_core
         core.defer_final_outputs = True  # nothing here reads a FINAL_ONLY request's tokens before it ends
