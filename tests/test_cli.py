@@ -57,6 +57,12 @@ def test_a_server_that_is_not_there_a_bad_port_a_file_or_a_missing_tokenizer_are
         result = cli("serve", tiny_llama_dir, "--host", "127.0.0.1", "--port", port, *SMALL)
         assert_one_line_error(result, "--port", port, "cannot listen")
         assert "KV cache" not in result.stderr  # (the engine never started)
+    # vLLM's module for the server takes serve's flags; a chat template that is neither a file nor Jinja
+    # is refused before the model loads
+    result = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--model", tiny_llama_dir,
+                             "--chat-template", "no-such-template.jinja"], capture_output=True, text=True,
+                            timeout=300, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert_one_line_error(result, "--chat-template")
     text = tmp_path / "notes.txt"
     text.write_text("not a model")
     assert_one_line_error(cli("generate", "--model", str(text), "x"), "another kind")

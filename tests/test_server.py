@@ -24,6 +24,7 @@ import openai
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.tokenizer import load_tokenizer
 
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--seed", "0"]
 STARTUP_TIMEOUT_S = 240.0
@@ -217,6 +218,19 @@ def test_tokenize_detokenize(server: RemoteServer, llm: LLM) -> None:
     chat = server.post("/tokenize", {"messages": MESSAGES}).json()
     rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert chat["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def test_chat_template_flag_replaces_the_models(tiny_llama_dir: str, tmp_path: Path) -> None:
+    """--chat-template (vLLM's): a Jinja file, or the template itself, renders every chat request."""
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    remote = RemoteServer(tiny_llama_dir, tmp_path, extra_args=["--chat-template", str(template)])
+    try:
+        tokens = remote.post("/tokenize", {"messages": MESSAGES}).json()["tokens"]
+        tokenizer = load_tokenizer(tiny_llama_dir)
+        assert tokens == tokenizer.encode("<system>You are terse.<user>Say hi.", add_special_tokens=False)
+    finally:
+        assert remote.terminate() == 0, remote.log()
 
 
 # ---- completions ---------------------------------------------------------------------------------

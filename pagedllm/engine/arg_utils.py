@@ -237,7 +237,8 @@ class EngineArgs:
         add = group.add_argument
         bool_flag = argparse.BooleanOptionalAction
         add("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-        add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+        add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+            help="half = float16, float = float32 (vLLM's names)")
         add("--block-size", type=int, default=16, help="tokens per KV cache block")
         add("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
         add("--max-num-seqs", type=int, default=256, help="most requests running at once")

@@ -155,7 +155,8 @@ class AsyncLLMEngine:
         self.client = client
         config = client.config
         self.model_config = config.model_config
-        self.tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
+        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or args.model,
+                                                                               args.trust_remote_code)
         self.input_processor = InputProcessor(args, self.model_config, self.tokenizer, args.block_size,
                                               config.cache_config.num_blocks,
                                               group_windows=config.cache_config.group_windows,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -62,6 +63,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--max-prompt-chars", type=int, default=None,
                         help="answer 400 to a prompt longer than this many characters, before "
                              f"tokenizing it (default: {PROMPT_CHARS_PER_TOKEN} x max_model_len)")
+    parser.add_argument("--chat-template", default=None,
+                        help="the chat template for chat requests instead of the model's: a Jinja file, or the "
+                             "template itself")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="accept chat templates sent in requests (chat_template, "
                              "chat_template_kwargs.chat_template); they run arbitrary Jinja")
@@ -139,6 +143,7 @@ def run_server(args: argparse.Namespace) -> int:
         except ValueError as error:
             print(f"pagedllm serve: {error}", file=sys.stderr)
             return 2
+    chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.model = model
     if engine_args.node_rank > 0:
@@ -153,17 +158,30 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--port {args.port}: cannot listen on {args.host}:{args.port} "
                          f"({error.strerror or error}); is another server there?") from None
     try:
-        return _serve(args, engine_args, sock)
+        return _serve(args, engine_args, sock, chat_template)
     finally:
         sock.close()
 
 
-def _serve(args: argparse.Namespace, engine_args: Any, sock: socket.socket) -> int:
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the value itself where it is a Jinja template (vLLM's rule)."""
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template.")
+
+
+def _serve(args: argparse.Namespace, engine_args: Any, sock: socket.socket, chat_template: str | None) -> int:
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.entrypoints.openai.server import build_app
     from pagedllm.entrypoints.openai.uvicorn_server import make_server
 
     engine = AsyncLLMEngine.from_engine_args(engine_args, log_stats=not args.disable_log_stats)
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template  # (the server's tokenizer copies are made from it)
     app = build_app(engine, args)
     server = make_server(app, engine, args.host, args.port, args.uvicorn_log_level,
                          grace_period=args.timeout_graceful_shutdown, read_timeout=args.read_timeout,
