@@ -12,11 +12,16 @@ from pagedllm.llm import LLM  # noqa: E402
 from pagedllm.logger import configure_logging  # noqa: E402
 from pagedllm.lora.request import LoRARequest  # noqa: E402
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from pagedllm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams  # noqa: E402
+from pagedllm.sampling_params import (  # noqa: E402
+    GuidedDecodingParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from pagedllm.version import __version__  # noqa: E402
 
 configure_logging()
 
-__all__ = ["LLM", "SamplingParams", "GuidedDecodingParams", "RequestOutputKind", "RequestOutput",
-           "CompletionOutput", "Logprob", "LoRARequest", "EngineArgs", "LLMEngine", "PromptType", "TextPrompt",
-           "TokensPrompt", "__version__"]
+__all__ = ["LLM", "SamplingParams", "GuidedDecodingParams", "StructuredOutputsParams", "RequestOutputKind",
+           "RequestOutput", "CompletionOutput", "Logprob", "LoRARequest", "EngineArgs", "LLMEngine", "PromptType",
+           "TextPrompt", "TokensPrompt", "__version__"]

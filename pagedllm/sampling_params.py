@@ -121,6 +121,10 @@ class GuidedDecodingParams:
         return _json.dumps(value, ensure_ascii=False)
 
 
+# vLLM's newer name (vllm.sampling_params.StructuredOutputsParams)
+StructuredOutputsParams = GuidedDecodingParams
+
+
 class RequestOutputKind(enum.Enum):
     """Which outputs a request yields (vLLM's names and values).
 
@@ -171,6 +175,8 @@ class SamplingParams:
     # Words never generated (vLLM's bad_words): a word's last token is masked wherever the output so far
     # ends with the rest of it, the word tokenized as it starts a text and after a space
     bad_words: list[str] | None = None
+    # vLLM's newer name for guided_decoding (StructuredOutputsParams): either may be given, not both
+    structured_outputs: GuidedDecodingParams | None = None
     # Filled by the engine from bad_words and the tokenizer (vLLM's bad_words_token_ids)
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     # Filled by the engine (vLLM's all_stop_token_ids): stop_token_ids plus the model's EOS ids, whether or
@@ -199,6 +205,10 @@ class SamplingParams:
             raise ValueError("bad_words must be a list of strings, got a string.")
         if self.bad_words is not None:
             self.bad_words = list(self.bad_words)
+        if self.structured_outputs is not None:
+            if self.guided_decoding is not None and self.guided_decoding is not self.structured_outputs:
+                raise ValueError("structured_outputs and guided_decoding are one setting: give one of them.")
+            self.guided_decoding = self.structured_outputs
         if self.top_k == -1:
             self.top_k = 0
         self._verify()

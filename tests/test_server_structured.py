@@ -115,6 +115,10 @@ def test_guided_extras_on_completions_and_chat(client: openai.OpenAI, stream: bo
     grammar = 'root ::= "n = " [1-9] [0-9]?'
     text = client.completions.create(model="tiny", prompt="x", max_tokens=10, extra_body={"guided_grammar": grammar})
     assert re.fullmatch(r"n = [1-9][0-9]?", text.choices[0].text)
+    # vLLM's newer spelling, one object for all of them
+    text = client.completions.create(model="tiny", prompt="x", max_tokens=10, temperature=1.0, seed=1,
+                                     extra_body={"structured_outputs": {"choice": choices}})
+    assert text.choices[0].text in choices
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -194,6 +198,9 @@ def test_bad_constraints_are_400s_naming_the_field(server: RemoteServer) -> None
     error = post(completions, guided_json={"not": {"type": "string"}})
     assert error["param"] == "guided_json" and "cannot be compiled" in error["message"]
     assert post(completions, guided_choice=[])["param"] == "guided_choice"
+    assert post(completions, structured_outputs={"choise": ["a"]})["param"] == "structured_outputs"
+    assert post(completions, structured_outputs={"regex": "a", "choice": ["b"]})["param"] == "structured_outputs"
+    assert post(completions, structured_outputs={"regex": "a"}, guided_choice=["b"])["param"] == "structured_outputs"
     assert post(completions, guided_regex="a", guided_choice=["b"])["param"] == "guided_choice"
     assert post(completions, response_format={"type": "json_schema", "json_schema": {"name": "x"}})["param"] \
         == "response_format"

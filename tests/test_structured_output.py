@@ -104,6 +104,18 @@ def test_guided_decoding_params_are_checked_at_construction() -> None:
     assert GuidedDecodingParams(json=Point).json == Point.model_json_schema()
 
 
+def test_structured_outputs_is_vllms_newer_name_for_guided_decoding(llm: LLM) -> None:
+    from pagedllm import StructuredOutputsParams
+
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=8,
+                            structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    assert params.guided_decoding is params.structured_outputs
+    assert texts(llm, ["colour = "], params)[0] in CHOICES
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(guided_decoding=GuidedDecodingParams(regex="a"),
+                       structured_outputs=StructuredOutputsParams(regex="b"))
+
+
 def test_engine_refuses_guided_decoding_without_a_tokenizer(llm: LLM) -> None:
     engine = llm.llm_engine
     tokenizer, engine.tokenizer = engine.tokenizer, None

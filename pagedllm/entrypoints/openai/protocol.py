@@ -133,6 +133,9 @@ class SamplingRequestFields(OpenAIRequestModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+    # vLLM's newer spelling of the guided_* fields: {"json" | "regex" | "choice" | "grammar" | "json_object":
+    # ..., and the whitespace options}
+    structured_outputs: dict[str, Any] | None = None
     guided_whitespace_pattern: str | None = None
     # JSON constraints write compact JSON (one space after ":" and ","); true allows JSON's free whitespace
     guided_whitespace_flexible: bool | None = None

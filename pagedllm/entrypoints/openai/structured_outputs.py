@@ -10,6 +10,7 @@ decides on its own to call a tool, and no bundled model does: it is refused with
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +49,7 @@ _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 def constraint_renames(request: SamplingRequestFields) -> dict[str, str]:
     """The engine names a constraint it refuses by its kind ("regex exceeds ..."): the request's field that
     gave it, for the 400's param."""
-    for name in (*(guided for guided, _ in _GUIDED_FIELDS), "response_format", "tools"):
+    for name in (*(guided for guided, _ in _GUIDED_FIELDS), "structured_outputs", "response_format", "tools"):
         if getattr(request, name, None) is not None:
             return dict.fromkeys(_KINDS, name)
     return {}
@@ -73,6 +74,8 @@ def guided_decoding_params(request: SamplingRequestFields) -> GuidedDecodingPara
         value = getattr(request, name)
         if value is not None:
             given.append((name, {kind: value}))
+    if request.structured_outputs is not None:
+        given.append(("structured_outputs", request.structured_outputs))
     if not given:
         for name in ("guided_whitespace_pattern", "guided_whitespace_flexible", "guided_decoding_backend"):
             if getattr(request, name) is not None:
@@ -83,7 +86,22 @@ def guided_decoding_params(request: SamplingRequestFields) -> GuidedDecodingPara
         names = [name for name, _ in given]
         raise APIError(400, f"Only one structured-output constraint can be given, got {names}.", param=names[1])
     param, kind = given[0]
+    if param == "structured_outputs":
+        return _structured_outputs(request.structured_outputs)
     return _make(param, request, **kind)
+
+
+def _structured_outputs(fields: dict[str, Any]) -> GuidedDecodingParams:
+    """vLLM's structured_outputs object: GuidedDecodingParams' fields (any other key is a 400 naming it)."""
+    known = {f.name for f in dataclasses.fields(GuidedDecodingParams)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise APIError(400, f"structured_outputs has no field {unknown[0]!r}; it takes {sorted(known)}.",
+                       param="structured_outputs")
+    try:
+        return GuidedDecodingParams(**fields)
+    except (TypeError, ValueError) as exc:
+        raise APIError(400, f"structured_outputs: {exc}", param="structured_outputs") from exc
 
 
 # ---- tools -------------------------------------------------------------------------------------------
