@@ -51,11 +51,16 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """lora_request: one adapter for every prompt, or a list with one (or None: the base model) per
-        prompt (needs enable_lora=True)."""
+        prompt (needs enable_lora=True). priority: vLLM's, for its priority scheduling, which this engine
+        does not have: all zeros or nothing."""
         if self.llm_engine is None:
             raise ValueError("node_rank > 0: this LLM hosted worker ranks; generate on node 0.")
+        if priority is not None and any(priority):
+            raise ValueError("priority: requests here run first come first served (or by cached prefix with "
+                             "scheduling_policy='lpm'); there is no priority scheduling.")
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             params_list = [self.get_default_sampling_params()] * len(prompt_list)
@@ -78,12 +83,21 @@ class LLM:
              chat_template: str | None = None, add_generation_prompt: bool | None = None,
              continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None,
-             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """Generate replies to conversations through the tokenizer's chat template.
 
         continue_final_message=True extends the last message (say, a started assistant reply) instead
         of opening a new turn; add_generation_prompt then defaults to False (vLLM: both cannot be True).
+        tools (OpenAI's function specs) go to the template, as vLLM passes them; content parts reach it as
+        one string ("auto", "string") or as the parts themselves ("openai").
         """
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got "
+                             f"{chat_template_content_format!r}.")
+        if tools is not None:
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("messages: this model has no tokenizer, so no chat template.")
@@ -95,7 +109,8 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text = render_chat_text(tokenizer, conversation, add_generation_prompt, chat_template,
-                                    continue_final_message, chat_template_kwargs)
+                                    continue_final_message, chat_template_kwargs,
+                                    as_text=chat_template_content_format != "openai")
             # the template already holds any BOS it wants; don't let the tokenizer add another
             token_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
@@ -151,9 +166,11 @@ class LLM:
 
 def render_chat_text(tokenizer, messages: ChatMessages, add_generation_prompt: bool = True,
                      chat_template: str | None = None, continue_final_message: bool = False,
-                     chat_template_kwargs: dict[str, Any] | None = None) -> str:
-    """The prompt text a conversation makes through the tokenizer's chat template."""
-    messages = [{**message, "content": message_text(message.get("content"))} for message in messages]
+                     chat_template_kwargs: dict[str, Any] | None = None, as_text: bool = True) -> str:
+    """The prompt text a conversation makes through the tokenizer's chat template (as_text: each message's
+    content parts joined into one string first)."""
+    if as_text:
+        messages = [{**message, "content": message_text(message.get("content"))} for message in messages]
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
                                              chat_template=chat_template,

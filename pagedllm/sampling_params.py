@@ -142,6 +142,7 @@ class RequestOutputKind(enum.Enum):
 @dataclass
 class SamplingParams:
     n: int = 1
+    best_of: int | None = None  # vLLM's: only n itself (every sample generated is returned)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -222,6 +223,9 @@ class SamplingParams:
             return isinstance(value, int) and not isinstance(value, bool)
 
         check(is_int(self.n) and self.n >= 1, f"n must be at least 1, got {self.n!r}.")
+        check(self.best_of is None or self.best_of == self.n,
+              f"best_of must be None or n={self.n}: every sample generated is returned (ask for n), got "
+              f"{self.best_of!r}.")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "detokenize",
                      "include_stop_str_in_output"):
             check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}.")

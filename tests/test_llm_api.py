@@ -186,6 +186,27 @@ def test_vllms_config_overrides_and_skip_tokenizer_init(tiny_llama_dir: str) -> 
         bare.generate("hello", use_tqdm=False)
 
 
+def test_vllms_call_arguments(llm: LLM) -> None:
+    """priority (zeros: there is no priority scheduling), chat's tools (given to the template) and content
+    format, best_of == n, and the engine's get_tokenizer, as a vLLM script passes them."""
+    assert llm.llm_engine.get_tokenizer() is llm.get_tokenizer()
+    plain = ids_of(llm.generate(TEXTS[:2], GREEDY, use_tqdm=False))
+    assert ids_of(llm.generate(TEXTS[:2], GREEDY, use_tqdm=False, priority=[0, 0])) == plain
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate(TEXTS[:2], GREEDY, use_tqdm=False, priority=[1, 0])
+    template = "{% for t in tools %}[{{ t['function']['name'] }}]{% endfor %}{{ messages[-1]['content'] }}"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, chat_template=template, tools=tools)
+    assert out[0].prompt == "[get_weather]hi"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    listed = "{% for p in messages[-1]['content'] %}<{{ p['text'] }}>{% endfor %}"
+    out = llm.chat(parts, GREEDY, use_tqdm=False, chat_template=listed, chat_template_content_format="openai")
+    assert out[0].prompt == "<a><b>"
+    assert SamplingParams(n=2, best_of=2).best_of == 2
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(n=1, best_of=3)
+
+
 def test_detokenize_false(llm: LLM) -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
     c = llm.generate(TEXTS[1], sp, use_tqdm=False)[0].outputs[0]

@@ -674,3 +674,14 @@ def test_benchmark_runs_and_writes_json(tiny_llama_dir: str, close_draft_dir: st
     assert {(r["workload"], r["method"]) for r in results} == {
         (w, m) for w in ("code", "edit") for m in ("plain", "draft_model", "ngram")}
     assert all(r["num_output_tokens"] == 2 * 8 for r in results)
+
+
+def test_ngram_spelled_as_a_model_in_speculative_config(tiny_llama_dir: str) -> None:
+    """vLLM's older spelling, {"model": "[ngram]"}, is the n-gram proposer."""
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.spec_decode import SpeculativeConfig
+
+    args = EngineArgs(model=tiny_llama_dir, speculative_config={"model": "[ngram]", "num_speculative_tokens": 3,
+                                                                 "prompt_lookup_max": 4})
+    config = SpeculativeConfig.from_engine_args(args, None)
+    assert config.method == "ngram" and config.num_speculative_tokens == 3

@@ -91,6 +91,10 @@ class LLMEngine:
         self.input_processor.tokenizer = tokenizer
         self.output_processor.tokenizer = tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """vLLM's name for the tokenizer (None with skip_tokenizer_init)."""
+        return self.input_processor.tokenizer
+
     # the core's parts, where tests, benchmarks and the stats log look at them
     @property
     def scheduler(self) -> Scheduler:

@@ -69,13 +69,13 @@ class SpeculativeConfig:
                 raw["num_speculative_tokens"] = args.num_speculative_tokens
         elif args.speculative_model is not None:
             raw = {"model": args.speculative_model, "num_speculative_tokens": args.num_speculative_tokens}
-            if args.speculative_model == "[ngram]":  # vLLM's older spelling of the n-gram proposer
-                raw = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
         elif args.num_speculative_tokens is not None:
             raise ValueError("num_speculative_tokens needs speculative_model or speculative_config.")
         else:
             return None
 
+        if raw.get("model") == "[ngram]" and raw.get("method") in (None, "ngram"):  # (vLLM's older spelling)
+            raw = {**raw, "method": "ngram", "model": None}
         method = raw.get("method") or ("draft_model" if raw.get("model") else None)
         if method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {list(METHODS)} (or give a draft model), "
