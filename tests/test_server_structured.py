@@ -66,6 +66,8 @@ def stream_chat(client: openai.OpenAI, **kwargs: Any) -> tuple[str, dict[int, di
             # every chunk says something: a role, text, a tool call's part, or the end
             assert delta.role or delta.content or delta.tool_calls or choice.finish_reason, chunk
             content += choice.delta.content or ""
+            indices = [delta.index for delta in choice.delta.tool_calls or []]
+            assert len(indices) == len(set(indices)), chunk  # one entry per call in a chunk
             for delta in choice.delta.tool_calls or []:
                 call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
                 call["id"] = call["id"] or delta.id
@@ -166,6 +168,18 @@ def test_required_tool_choice_picks_among_tools(client: openai.OpenAI, stream: b
     # "none": tools are ignored, the answer is plain text
     plain = chat(client, tools=TOOLS, tool_choice="none", temperature=0.0, max_tokens=8).choices[0]
     assert plain.message.tool_calls is None and plain.finish_reason == "length"
+
+
+def test_a_streamed_tool_call_sends_its_arguments_as_they_come(client: openai.OpenAI) -> None:
+    """As vLLM: a listed call's id and name first, then its arguments text as it grows, so a call cut by
+    max_tokens still shows what was generated of it."""
+    kwargs = dict(tools=TOOLS, tool_choice="required", temperature=1.0, seed=1,
+                  extra_body={"parallel_tool_calls": False})
+    _, full, finish = stream_chat(client, max_tokens=200, **kwargs)
+    assert finish == "tool_calls"
+    _, cut, finish = stream_chat(client, max_tokens=25, **kwargs)
+    assert finish == "length" and cut[0]["name"] == full[0]["name"] and cut[0]["id"]
+    assert cut[0]["arguments"] and full[0]["arguments"].startswith(cut[0]["arguments"])
 
 
 def test_guided_whitespace_flexible_allows_free_whitespace(client: openai.OpenAI) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,60 +160,93 @@ def tool_calls_from_text(request: ChatCompletionRequest, text: str) -> list[Tool
         return None
     if not isinstance(calls, list) or not all(isinstance(c, dict) and "name" in c for c in calls):
         return None
-    return [ToolCall(function=FunctionCall(name=c["name"], arguments=json.dumps(c.get("parameters", {}),
-                                                                                 ensure_ascii=False)))
-            for c in calls]
+    # the arguments as a stream sends them: each call's parameters text as written
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
+    for delta in ToolCallStream(request).add(text):
+        if delta.function.name is not None:
+            names[delta.index] = delta.function.name
+        arguments[delta.index] = arguments.get(delta.index, "") + (delta.function.arguments or "")
+    return [ToolCall(function=FunctionCall(name=names[i], arguments=arguments[i])) for i in sorted(names)]
 
 
 @dataclass
 class ToolCallStream:
-    """Turns one choice's growing text into OpenAI's streamed tool_calls deltas.
+    """Turns one choice's growing text into OpenAI's streamed tool_calls deltas: a call's first delta has
+    its id, type and name, the later ones its arguments text as it comes.
 
-    Named function: a first delta with the call's id and name, then the arguments text as it comes.
-    "required": each call of the list is sent whole (id, name, arguments) as soon as it is complete.
+    Named function: the whole text is the arguments. "required": a list of {"name", "parameters"} objects
+    (the grammar writes the name first); each call's arguments are its parameters' text, sent as they grow
+    (a call whose keys come the other way round is sent whole once complete).
     """
 
     request: ChatCompletionRequest
     text: str = ""
-    num_calls: int = 0
-    scan_pos: int = 0
-    sent_any: bool = False
+    num_calls: int = 0  # calls complete so far
+    scan_pos: int = 0  # where the next call may start
+    args_start: int | None = None  # the current call's parameters, once its name is sent
+    args_sent: int = 0
     ids: list[str] = field(default_factory=list)
 
     def add(self, delta_text: str) -> list[DeltaToolCall]:
         self.text += delta_text
         choice = self.request.tool_choice
         if isinstance(choice, ChatCompletionNamedToolChoiceParam):
-            deltas = []
-            if not self.sent_any:
-                self.sent_any = True
+            if not self.ids:
                 self.num_calls = 1
                 self.ids.append(random_id("chatcmpl-tool"))
-                deltas.append(DeltaToolCall(index=0, id=self.ids[0], type="function",
-                                            function=DeltaFunctionCall(name=choice.function.name, arguments="")))
-            if delta_text:
-                deltas.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta_text)))
-            return deltas
-        return self._complete_calls()
+                return [DeltaToolCall(index=0, id=self.ids[0], type="function",
+                                      function=DeltaFunctionCall(name=choice.function.name, arguments=delta_text))]
+            return [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta_text))] if delta_text else []
+        return self._listed_calls()
 
-    def _complete_calls(self) -> list[DeltaToolCall]:
-        decoder = json.JSONDecoder()
-        deltas = []
+    def _start_call(self, name: str, arguments: str) -> DeltaToolCall:
+        self.ids.append(random_id("chatcmpl-tool"))
+        return DeltaToolCall(index=self.num_calls, id=self.ids[-1], type="function",
+                             function=DeltaFunctionCall(name=name, arguments=arguments))
+
+    def _listed_calls(self) -> list[DeltaToolCall]:
+        text, decoder, deltas = self.text, json.JSONDecoder(), []
         while True:
-            pos = self.scan_pos
-            while pos < len(self.text) and self.text[pos] in " \t\r\n,[":
-                pos += 1
-            if pos >= len(self.text) or self.text[pos] != "{":
-                return deltas
+            if self.args_start is None:  # between calls
+                pos = self.scan_pos
+                while pos < len(text) and text[pos] in " \t\r\n,[":
+                    pos += 1
+                if pos >= len(text) or text[pos] != "{":
+                    return deltas
+                head = _CALL_HEAD.match(text, pos)
+                if head is None:  # not this far yet, or its keys the other way round: wait for the whole call
+                    try:
+                        call, self.scan_pos = decoder.raw_decode(text, pos)
+                    except ValueError:
+                        return deltas
+                    if isinstance(call, dict) and "name" in call:
+                        deltas.append(self._start_call(call["name"], json.dumps(call.get("parameters", {}),
+                                                                                 ensure_ascii=False)))
+                        self.num_calls += 1
+                    continue
+                deltas.append(self._start_call(json.loads(head.group(1)), ""))
+                self.args_start = self.args_sent = head.end()
             try:
-                call, end = decoder.raw_decode(self.text, pos)
-            except ValueError:
-                return deltas  # this call is not complete yet
-            self.scan_pos = end
-            if not isinstance(call, dict) or "name" not in call:
-                continue
-            self.ids.append(random_id("chatcmpl-tool"))
-            arguments = json.dumps(call.get("parameters", {}), ensure_ascii=False)
-            deltas.append(DeltaToolCall(index=self.num_calls, id=self.ids[-1], type="function",
-                                        function=DeltaFunctionCall(name=call["name"], arguments=arguments)))
+                _, args_end = decoder.raw_decode(text, self.args_start)
+                complete = True
+            except ValueError:  # the parameters so far
+                args_end, complete = len(text), False
+            if args_end > self.args_sent:
+                more = text[self.args_sent:args_end]
+                if deltas and deltas[-1].index == self.num_calls:  # one entry per call in a chunk
+                    deltas[-1].function.arguments = (deltas[-1].function.arguments or "") + more
+                else:
+                    deltas.append(DeltaToolCall(index=self.num_calls, function=DeltaFunctionCall(arguments=more)))
+                self.args_sent = args_end
+            close = _CALL_CLOSE.match(text, args_end) if complete else None
+            if close is None:
+                return deltas
+            self.scan_pos, self.args_start = close.end(), None
             self.num_calls += 1
+
+
+# a listed call's head as the grammar writes it, up to its parameters' value (once its first character is
+# there: whitespace may still follow); and its closing brace
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*(?=\S)')
+_CALL_CLOSE = re.compile(r"\s*\}")
