@@ -223,6 +223,20 @@ def test_bench_latency_reads_a_packed_gguf_models_bytes_as_loaded(tiny_llama_dir
     assert loaded <= result.bytes_per_token < loaded + 64 * 1024  # the weights, and a few blocks of KV
 
 
+def test_transformers_baseline_reads_a_gguf_file(tiny_llama_dir: str, tmp_path: Path) -> None:
+    """bench throughput --compare hf on a .gguf model: transformers loads the file through gguf_file."""
+    import torch
+    from gguf_models import write_gguf
+
+    from pagedllm.benchmarks.datasets import SampleRequest
+    from pagedllm.benchmarks.throughput import run_hf_batch_sizes
+
+    path = write_gguf(tiny_llama_dir, str(tmp_path / "tiny-Q8_0.gguf"), "Q8_0")
+    requests = [SampleRequest(prompt="", prompt_token_ids=[3, 4, 5], prompt_len=3, output_len=2)]
+    (result,) = run_hf_batch_sizes(path, requests, torch.float32, [1])
+    assert result.output_tokens == 2
+
+
 def test_last_level_cache_size_parsing(tmp_path: Path) -> None:
     from pagedllm.benchmarks.latency import last_level_cache_bytes
 

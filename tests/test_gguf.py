@@ -6,6 +6,7 @@ tensor names, the llama q/k row permutation, the tokenizer and chat template in 
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 
@@ -95,6 +96,17 @@ def test_greedy_tokens_and_logits_equal_transformers_on_the_same_file(models, tm
         assert out.outputs[0].token_ids == tokens, (prompt, weight_type)
         ours = out.outputs[0].logprobs[0][tokens[0]].logprob
         assert ours == pytest.approx(torch.log_softmax(first_logits, -1)[tokens[0]].item(), abs=1e-4)
+
+
+def test_quantizing_an_already_quantized_file_says_what_it_costs(models, tmp_path, caplog):
+    path = write_gguf(models["llama"], str(tmp_path / "tiny-Q8_0.gguf"), "Q8_0")
+    logging.getLogger("pagedllm").addHandler(caplog.handler)  # pagedllm's logger does not propagate
+    try:
+        with caplog.at_level(logging.WARNING, logger="pagedllm"):
+            LLM(model=path, dtype="float32", quantization="int8")
+    finally:
+        logging.getLogger("pagedllm").removeHandler(caplog.handler)
+    assert any("re-quantizes" in r.getMessage() and "Q8_0" in r.getMessage() for r in caplog.records)
 
 
 def test_q8_0_projections_stay_packed_as_int8(models, tmp_path):

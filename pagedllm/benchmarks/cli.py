@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import gc
 import os
+import sys
 from typing import Any
 
 from pagedllm.assets import demo_model_path
@@ -49,9 +50,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _resolve_model(args: argparse.Namespace) -> str:
-    model = getattr(args, "model", None) or demo_model_path()
+    model = getattr(args, "model", None)
+    if model:
+        return str(model)
+    model = demo_model_path()
     if not model:
         raise ValueError("--model is required (the bundled demo model is not installed)")
+    print(f"no --model: benchmarking the bundled demo model ({model}), not the default SmolLM2", file=sys.stderr)
     return str(model)
 
 

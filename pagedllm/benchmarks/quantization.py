@@ -94,7 +94,7 @@ def _decode_rates(llm: Any, prompts: list[list[int]], output_len: int) -> tuple[
 
 def run_quantization_benchmark(model: str, methods: list[str], batch_sizes: list[int], input_len: int,
                                output_len: int, num_iters: int, dtype: str = "bfloat16",
-                               seed: int = 0) -> dict[str, Any]:
+                               seed: int = 0, num_threads: int | None = None) -> dict[str, Any]:
     from pagedllm import LLM
 
     bandwidth = measure_memory_bandwidth()
@@ -102,7 +102,7 @@ def run_quantization_benchmark(model: str, methods: list[str], batch_sizes: list
     num_blocks = max(batch_sizes) * ((input_len + output_len) // 16 + 2)  # the KV the largest batch needs
     llms = {method: LLM(model, dtype=dtype, quantization=None if method == "bf16" else method, seed=seed,
                         enable_prefix_caching=False, max_num_seqs=max(batch_sizes),
-                        num_gpu_blocks_override=num_blocks) for method in methods}
+                        num_gpu_blocks_override=num_blocks, num_threads=num_threads) for method in methods}
     rows: list[QuantizationRow] = []
     for batch in batch_sizes:
         vocab_size = next(iter(llms.values())).llm_engine.model_config.vocab_size
@@ -185,7 +185,8 @@ def run_cmd(args: argparse.Namespace) -> int:
             return 2
         try:
             report = run_quantization_benchmark(str(model), args.methods, args.batch_sizes, args.input_len,
-                                                args.output_len, args.num_iters, args.dtype, args.seed)
+                                                args.output_len, args.num_iters, args.dtype, args.seed,
+                                                args.num_threads)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

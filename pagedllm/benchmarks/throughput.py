@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import multiprocessing
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -117,10 +118,16 @@ def run_hf_batch_sizes(
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from pagedllm.models.gguf import resolve_gguf_file
+
     # transformers 5 renamed torch_dtype to dtype; 4.x would not apply an unknown `dtype`
     dtype_kwarg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    hf_model = AutoModelForCausalLM.from_pretrained(model, **{dtype_kwarg: dtype}).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    # a GGUF file: transformers reads it dequantized (its gguf_file argument), as its users run one
+    gguf_file = resolve_gguf_file(model)
+    where = {"pretrained_model_name_or_path": os.path.dirname(os.path.abspath(gguf_file)),
+             "gguf_file": os.path.basename(gguf_file)} if gguf_file else {"pretrained_model_name_or_path": model}
+    hf_model = AutoModelForCausalLM.from_pretrained(**where, **{dtype_kwarg: dtype}).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(**where)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
 
     def generate(batch: list[SampleRequest]) -> None:

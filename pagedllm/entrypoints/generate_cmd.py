@@ -21,7 +21,8 @@ _SAMPLING_FLAGS = {"max_tokens": "max_tokens", "temperature": "temperature", "to
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "sampling", "Unset flags take the model's generation_config.json (see --generation-config), else "
-                    "SamplingParams' defaults; for the bundled model: greedy, 128 tokens.")
+                    "SamplingParams' defaults; for the default SmolLM2 model: greedy, 512 tokens (the "
+                    "bundled demo model: 128).")
     add = group.add_argument
     add("--max-tokens", type=int, default=None, help="tokens to generate (default: the model's max_new_tokens, "
                                                      "else 16)")

@@ -885,6 +885,10 @@ class GGUFCheckpoint:
             return True
         return dst.dtype == torch.bfloat16 and dst.device.type == "cpu" and int4_supports(*shape, 32)
 
+    def packed_types(self) -> list[str]:
+        """The file's block types that hold quantized weights (Q8_0, Q4_K, ...), not plain floats."""
+        return sorted({t.tensor_type.name for t in self.reader.tensors} - {"F32", "F16", "BF16", "F64"})
+
     def log_summary(self, dtype: torch.dtype) -> None:
         stored = Counter(t.tensor_type.name for t in self.reader.tensors)
         dequantized = {k: v for k, v in self.dequantized.items() if v > 0}

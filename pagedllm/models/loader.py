@@ -177,6 +177,12 @@ def _load_gguf(model: torch.nn.Module, config: ModelConfig) -> None:
     checkpoint = GGUFCheckpoint(config.model, config.hf_config)
     with torch.no_grad():
         if config.quantization is not None:  # asked for: every projection quantized from its dense form
+            packed = checkpoint.packed_types()
+            if packed:
+                logger.warning("quantization=%r re-quantizes this GGUF file's %s weights from their dequantized "
+                               "values instead of keeping them packed as stored (more bytes per weight if the "
+                               "file's are fewer, and two roundings); leave quantization unset to run the file's "
+                               "own.", config.quantization.method, "/".join(packed))
             loader = QuantizedLinearLoader(model, config.quantization, config.dtype,
                                            lambda name: checkpoint.get_slice(name)[:], set())
             model.load_weights(checkpoint.get_slice, checkpoint, loader)

@@ -76,9 +76,11 @@ def quantize_groups(weight: torch.Tensor, group_size: int,
     w = weight.detach().to(torch.float32)
     n, k = w.shape
     if not int4_supports(n, k, group_size):
+        fits = next((g for g in (128, 64, 32) if g < group_size and int4_supports(n, k, g)), None)
         raise ValueError(f"quantization='int4' needs weights whose input size is a multiple of "
                          f"quantization_group_size={group_size} and whose output size is a multiple of "
-                         f"{OUT_FEATURES_MULTIPLE}; got a [{n}, {k}] weight.")
+                         f"{OUT_FEATURES_MULTIPLE}; got a [{n}, {k}] weight"
+                         + (f" (quantization_group_size={fits} fits it)." if fits else "."))
     groups = w.view(n, k // group_size, group_size)
     low = groups.amin(-1).clamp(max=0)  # the range holds 0, so an all-positive group keeps zero exact
     high = groups.amax(-1).clamp(min=0)
