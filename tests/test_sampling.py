@@ -217,6 +217,30 @@ def test_min_tokens_holds_back_stop_strings(llm: LLM) -> None:
     assert checked >= 2, "too few prompts produced printable text to cut"
 
 
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(llm: LLM) -> None:
+    """As vLLM: the stop token that ends a sample is its last token but not part of its text, unless
+    include_stop_str_in_output (the same for EOS with skip_special_tokens=False)."""
+    tok = llm.get_tokenizer()
+    prompts = random_prompts(6, VOCAB, [20] * 6, seed=36)
+    checked = 0
+    for prompt in prompts:
+        full = llm.generate([prompt], greedy(24), use_tqdm=False)[0].outputs[0].token_ids
+        # a token whose text shows (it completes its characters)
+        j = next((i for i in range(4, len(full)) if full[i] not in full[:i] and not
+                  tok.decode(full[:i + 1]).endswith("\ufffd") and tok.decode(full[:i + 1]) != tok.decode(full[:i])),
+                 None)
+        if j is None:
+            continue
+        cut = llm.generate([prompt], greedy(24, stop_token_ids=[full[j]], logprobs=0), use_tqdm=False)[0].outputs[0]
+        kept = llm.generate([prompt], greedy(24, stop_token_ids=[full[j]], include_stop_str_in_output=True),
+                            use_tqdm=False)[0].outputs[0]
+        assert cut.token_ids == kept.token_ids == full[:j + 1] and len(cut.logprobs) == j + 1
+        before, through = (llm.generate([prompt], greedy(n), use_tqdm=False)[0].outputs[0].text for n in (j, j + 1))
+        assert (cut.text, kept.text) == (before, through) and before != through
+        checked += 1
+    assert checked >= 2
+
+
 def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
     prompt = random_prompts(1, VOCAB, [20], seed=33)[0]
     full = llm.generate([prompt], greedy(24), use_tqdm=False)[0].outputs[0].token_ids

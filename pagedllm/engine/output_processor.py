@@ -115,6 +115,14 @@ class OutputProcessor:
             params = state.params
             new_token_ids, new_logprobs = core_output.new_token_ids, core_output.new_logprobs
             cumulative_logprob = core_output.cumulative_logprob
+            held = held_logprob = None
+            if (core_output.finish_reason == "stop" and not isinstance(core_output.stop_reason, str)
+                    and new_token_ids and sample.detokenizer is not None and not params.include_stop_str_in_output):
+                # As vLLM: the stop token (EOS or a stop id) that ends the sample is among its tokens, not
+                # in its text (unless include_stop_str_in_output); it joins them after the text is made.
+                held, new_token_ids = new_token_ids[-1], new_token_ids[:-1]
+                if new_logprobs is not None:
+                    held_logprob, new_logprobs = new_logprobs[-1], new_logprobs[:-1]
             if params.stop and len(new_token_ids) > 1 and sample.detokenizer is not None:
                 # Several tokens in one step (speculative decoding): a stop string may end the sample before
                 # the last of them. What follows it is no part of the output, as with a token a step.
@@ -144,6 +152,17 @@ class OutputProcessor:
                 self._detokenize(sample)
                 if params.stop and self._check_stop_strings(params, sample, old_len):
                     stopped.append(engine_request_id(state.request_id, sample.index, params.n))
+            if held is not None:
+                if sample.finish_reason:  # a stop string ended the sample before it
+                    if cumulative_logprob is not None and held_logprob is not None:
+                        sample.cumulative_logprob = cumulative_logprob - held_logprob[held].logprob
+                else:
+                    self._detokenize(sample)
+                    sample.token_ids.append(held)
+                    sample.num_detokenized += 1
+                    if sample.logprobs is not None and held_logprob is not None:
+                        self._decode_logprobs([held_logprob], sample.detokenizer)
+                        sample.logprobs.append(held_logprob)
             if not sample.finish_reason and core_output.finish_reason:
                 sample.finish_reason = core_output.finish_reason
                 sample.stop_reason = core_output.stop_reason
