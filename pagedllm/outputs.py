@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.lora.request import LoRARequest
 
 
 @dataclass
@@ -62,6 +66,7 @@ class RequestOutput:
     extra: dict = field(default_factory=dict)
     # Disaggregated prefill: where a decode instance pulls this request's KV blocks (vLLM's field).
     kv_transfer_params: dict | None = None
+    lora_request: LoRARequest | None = None  # the adapter it ran under (vLLM's field)
 
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
         """Fold a later output of the same request into this one (vLLM's RequestOutput.add): a reader

@@ -83,8 +83,9 @@ def test_mixed_batch_of_three_adapters_and_the_base(lora_setup: dict) -> None:
     prompts = random_prompts(len(names), 512, [3, 20, 41, 9, 70, 16, 33, 1], seed=8)
     loras = [requests[n] if n else None for n in names]
     outputs = llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=loras)
-    for name, prompt, out in zip(names, prompts, outputs):
+    for name, prompt, out, lora in zip(names, prompts, outputs, loras):
         check_against_peft(base, adapters[name] if name else None, prompt, out.outputs[0])
+        assert out.lora_request is lora  # (vLLM's field: the adapter the request ran under)
     # the adapters do change the model: the same prompt gives other tokens than the base
     same = llm.generate([prompts[0]] * 4, PARAMS, use_tqdm=False,
                         lora_request=[None, requests["all"], requests["attn"], requests["mlp"]])

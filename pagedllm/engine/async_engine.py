@@ -254,7 +254,8 @@ class AsyncLLMEngine:
             stream.finished = True
             raise
         self.output_processor.add_request(request_id, text, core_request.prompt_token_ids,
-                                          core_request.sampling_params, core_request.arrival_time)
+                                          core_request.sampling_params, core_request.arrival_time,
+                                          core_request.lora_request)
         self._streams[request_id] = stream
         self.client.send(("add", core_request))
         return stream

@@ -157,7 +157,8 @@ class LLMEngine:
                                                           lora_request)
         self.engine_core.add_request(core_request)
         self.output_processor.add_request(request_id, text, core_request.prompt_token_ids,
-                                          core_request.sampling_params, core_request.arrival_time)
+                                          core_request.sampling_params, core_request.arrival_time,
+                                          core_request.lora_request)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):

@@ -17,6 +17,7 @@ from typing import Any
 
 from pagedllm.core_types.engine_core import EngineCoreOutput, engine_request_id
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, prepare_detokenizer
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -51,6 +52,7 @@ class RequestState:
     sent_prompt_logprobs: bool = False
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None  # disaggregated prefill: sent with the final output
+    lora_request: LoRARequest | None = None
 
     @property
     def finished(self) -> bool:
@@ -70,9 +72,10 @@ class OutputProcessor:
             prepare_detokenizer(tokenizer)  # a byte-level vocabulary's table now, not in the first request
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float) -> None:
+                    params: SamplingParams, arrival_time: float, lora_request: LoRARequest | None = None) -> None:
         state = self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params,
-                                                       RequestMetrics(arrival_time=arrival_time))
+                                                       RequestMetrics(arrival_time=arrival_time),
+                                                       lora_request=lora_request)
         if params.n == 1:
             # Its one sample, detokenizer and all, now (as vLLM builds a request's detokenizer when it is
             # added) rather than with its first output: a final-only output's first output is its last,
@@ -288,7 +291,7 @@ class OutputProcessor:
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             prompt_logprobs=prompt_logprobs, outputs=completions, finished=finished, metrics=state.metrics,
             num_cached_tokens=state.num_cached_tokens,
-            kv_transfer_params=state.kv_transfer_params if finished else None)
+            kv_transfer_params=state.kv_transfer_params if finished else None, lora_request=state.lora_request)
 
     @staticmethod
     def _delta_completion(sample: _SampleState, visible_len: int) -> CompletionOutput | None:
