@@ -254,10 +254,12 @@ class SamplingParams:
               f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
               f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
-        check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
-              f"logprobs must be a non-negative integer, got {self.logprobs!r}.")
-        check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
-              f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs!r}.")
+        # -1: the whole vocabulary (vLLM's), where max_logprobs allows it
+        check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= -1),
+              f"logprobs must be a non-negative integer or -1 (the whole vocabulary), got {self.logprobs!r}.")
+        check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= -1),
+              f"prompt_logprobs must be a non-negative integer or -1 (the whole vocabulary), got "
+              f"{self.prompt_logprobs!r}.")
         check(all(isinstance(s, str) and s for s in self.stop), "stop must contain only non-empty strings.")
         check(isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
               "stop_token_ids must contain only non-negative integers.")

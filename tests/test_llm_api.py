@@ -175,7 +175,11 @@ def test_vllms_config_overrides_and_skip_tokenizer_init(tiny_llama_dir: str) -> 
     assert defaults.temperature == 0.0 and defaults.top_k == 5
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=100), use_tqdm=False)[0].outputs[0]
     assert len(out.logprobs[0]) >= 100  # max_logprobs=-1: no limit
+    whole = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, logprobs=-1), use_tqdm=False)[0].outputs[0]
+    assert len(whole.logprobs[0]) == llm.llm_engine.model_config.vocab_size  # -1: the whole vocabulary
     bare = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=64, skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="logprobs"):  # -1 past the default max_logprobs (20)
+        bare.generate([[5, 6, 7]], SamplingParams(max_tokens=1, logprobs=-1), use_tqdm=False)
     assert bare.get_tokenizer() is None
     got = bare.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
                                                     detokenize=False), use_tqdm=False)[0].outputs[0]

@@ -76,6 +76,9 @@ class InputProcessor:
                 token_ids, text = kept, None  # (the text no longer matches the tokens)
         self.validate(token_ids, params)
         params = params.clone()
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(params, name) == -1:
+                setattr(params, name, self.model_config.vocab_size)
         if params.max_tokens is None:
             params.max_tokens = self.model_config.max_model_len - len(token_ids)
         # As vLLM: the model's EOS ids (generation_config's included) are among the ids min_tokens masks
@@ -144,8 +147,12 @@ class InputProcessor:
                                 "blocks of their own)." if groups > 1 else "."))
         max_logprobs = self.args.max_logprobs if self.args.max_logprobs >= 0 else vocab  # -1: no limit
         for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(params, name) or 0) > max_logprobs:
-                raise ValueError(f"{name} must be at most max_logprobs={max_logprobs}, got {getattr(params, name)}.")
+            asked = getattr(params, name)
+            if asked == -1:
+                asked = vocab  # (the whole vocabulary: process() sets it once the params are the engine's copy)
+            if (asked or 0) > max_logprobs:
+                raise ValueError(f"{name} must be at most max_logprobs={max_logprobs}, got {getattr(params, name)}"
+                                 + (f" (the whole vocabulary of {vocab})." if asked == vocab else "."))
         # Everything below would otherwise fail (or slow every request) inside a step.
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
