@@ -30,6 +30,7 @@ from pagedllm.entrypoints.openai.limits import (
     DEFAULT_WRITE_TIMEOUT_S,
     PROMPT_CHARS_PER_TOKEN,
 )
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: exposing the server is an explicit choice (--host 0.0.0.0)
 DEFAULT_PORT = 8000
@@ -66,6 +67,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--chat-template", default=None,
                         help="the chat template for chat requests instead of the model's: a Jinja file, or the "
                              "template itself")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='tool_choice "auto" (the default with tools): the model decides whether to call a '
+                             "tool, and --tool-call-parser reads its calls from its text")
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                        help="the format the model writes its tool calls in (hermes: Hermes, Qwen 2.5 and 3)")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="accept chat templates sent in requests (chat_template, "
                              "chat_template_kwargs.chat_template); they run arbitrary Jinja")
@@ -143,6 +149,9 @@ def run_server(args: argparse.Namespace) -> int:
         except ValueError as error:
             print(f"pagedllm serve: {error}", file=sys.stderr)
             return 2
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format the model writes its "
+                         f"calls in: {', '.join(TOOL_CALL_PARSERS)}).")
     chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.model = model

@@ -52,6 +52,7 @@ from pagedllm.entrypoints.openai.structured_outputs import (
     tool_calls_from_text,
     tool_mode,
 )
+from pagedllm.entrypoints.openai.tool_parsers import AutoToolStream, parse_tool_calls
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.tokenizer import message_text
@@ -165,7 +166,8 @@ class OpenAIServingChat:
         renames = {**_PARAM_RENAMES, "max_tokens": "max_completion_tokens"} \
             if request.max_completion_tokens else _PARAM_RENAMES
         params = context.build_params(request, max_tokens, logprobs, request.prompt_logprobs, renames=renames)
-        params.guided_decoding = guided_decoding_params(request)
+        tools_mode = tool_mode(request, context.tool_call_parser is not None)
+        params.guided_decoding = guided_decoding_params(request, tools_mode)
         # a stream takes what is new each step (DELTA); a plain request one output at the end
         params.output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         request_id = random_id("chatcmpl")
@@ -175,13 +177,13 @@ class OpenAIServingChat:
         created = int(time.time())
         if request.stream:
             return stream_response(lambda: self._stream(request, request_id, created, model_name,
-                                                        len(prompt_ids), streams, queue))
+                                                        len(prompt_ids), streams, queue, tools_mode))
         try:
             final = await until_disconnect(raw_request, self._collect(streams, queue))
         finally:
             abort_all(streams)
         return JSONResponse(self._response(request, request_id, created, model_name, len(prompt_ids),
-                                           final).model_dump())
+                                           final, tools_mode).model_dump())
 
     async def _collect(self, streams: list[RequestStream], queue: OutputQueue) -> RequestOutput:
         final = None
@@ -211,17 +213,22 @@ class OpenAIServingChat:
         return ChatCompletionLogProbs(content=content)
 
     def _response(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
-                  num_prompt_tokens: int, final: RequestOutput) -> ChatCompletionResponse:
-        forced_tools = tool_mode(request) is not None
-        echoed = _echoed_text(request)
+                  num_prompt_tokens: int, final: RequestOutput, tools_mode: str | None) -> ChatCompletionResponse:
+        echoed = _echoed_text(request, tools_mode)
         choices = []
         for completion in final.outputs:
             message = ChatResponseMessage(content=echoed + completion.text)
             finish_reason = completion.finish_reason
-            tool_calls = tool_calls_from_text(request, completion.text) if forced_tools else None
-            if tool_calls:  # a complete call: OpenAI's shape, content null
-                message = ChatResponseMessage(content=None, tool_calls=tool_calls)
-                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            if tools_mode == "auto":  # the model's own calls, as the parser reads them from its text
+                content, tool_calls = parse_tool_calls(completion.text)
+                if tool_calls:
+                    message = ChatResponseMessage(content=content, tool_calls=tool_calls)
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            elif tools_mode is not None:
+                tool_calls = tool_calls_from_text(request, completion.text)
+                if tool_calls:  # a complete call: OpenAI's shape, content null
+                    message = ChatResponseMessage(content=None, tool_calls=tool_calls)
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             choices.append(ChatCompletionResponseChoice(
                 index=completion.index, message=message,
                 logprobs=self._logprobs(request, completion.token_ids, completion.logprobs),
@@ -238,7 +245,7 @@ class OpenAIServingChat:
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
                       num_prompt_tokens: int, streams: list[RequestStream],
-                      queue: OutputQueue) -> AsyncIterator[str]:
+                      queue: OutputQueue, tools_mode: str | None) -> AsyncIterator[str]:
         def chunk(choices: list[ChatCompletionResponseStreamChoice], usage: UsageInfo | None = None) -> str:
             payload = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
                                                    choices=choices, usage=usage).model_dump()
@@ -248,11 +255,14 @@ class OpenAIServingChat:
 
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         states = [ChoiceState() for _ in range(request.n)]
-        tool_streams = [ToolCallStream(request) for _ in range(request.n)] if tool_mode(request) else None
+        tool_streams = [ToolCallStream(request) for _ in range(request.n)] \
+            if tools_mode in ("named", "required") else None
+        auto_streams = [AutoToolStream() for _ in range(request.n)] if tools_mode == "auto" else None
         try:
             # the role comes first, before any token, as OpenAI's stream does (with echo, the echoed text)
+            echoed = _echoed_text(request, tools_mode)
             yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant",
-                                                                                        content=_echoed_text(request)))
+                                                                                        content=echoed))
                          for i in range(request.n)])
             async for _, output in merged_outputs(streams, queue):
                 choices = []
@@ -272,9 +282,15 @@ class OpenAIServingChat:
                         delta = DeltaMessage(tool_calls=tool_stream.add(delta_text) or None)
                         if finish_reason == "stop" and tool_stream.num_calls:
                             finish_reason = "tool_calls"
+                    elif auto_streams is not None:  # text, then the calls the parser finds in it
+                        auto_stream = auto_streams[completion.index]
+                        content, calls = auto_stream.add(delta_text, final=state.finished)
+                        delta = DeltaMessage(content=content or None, tool_calls=calls or None)
+                        if finish_reason == "stop" and auto_stream.num_calls:
+                            finish_reason = "tool_calls"
                     # a tool call's tokens that complete nothing yet send no empty delta (unless logprobs)
-                    has_news = (delta.tool_calls or (request.logprobs and new_ids)) if tool_streams is not None \
-                        else (delta_text or new_ids)
+                    has_news = (delta.content or delta.tool_calls or (request.logprobs and new_ids)) \
+                        if tool_streams is not None or auto_streams is not None else (delta_text or new_ids)
                     if has_news or state.finished:
                         choices.append(ChatCompletionResponseStreamChoice(
                             index=completion.index, delta=delta,
@@ -293,9 +309,9 @@ class OpenAIServingChat:
         yield SSE_DONE
 
 
-def _echoed_text(request: ChatCompletionRequest) -> str:
+def _echoed_text(request: ChatCompletionRequest, tools_mode: str | None) -> str:
     """With echo (vLLM's), the text a reply starts with: the last message's, where it is the assistant's."""
     last = request.messages[-1]
-    if not request.echo or last.role != "assistant" or tool_mode(request) is not None:
+    if not request.echo or last.role != "assistant" or tools_mode is not None:
         return ""
     return message_text(last.content)

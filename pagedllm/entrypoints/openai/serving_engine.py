@@ -180,6 +180,8 @@ class ServingContext:
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     # LoRA adapters a request's `model` may name (serving_lora.LoRARegistry; None: LoRA off)
     lora_registry: Any = None
+    # tool_choice "auto": the parser that reads the model's calls from its text (None: "auto" is a 400)
+    tool_call_parser: str | None = None
     vocab_size: int = field(init=False)
     num_waiting_sequences: int = field(init=False, default=0)
     peak_waiting_sequences: int = field(init=False, default=0)

@@ -4,8 +4,9 @@ A request names at most one constraint: response_format ({"type": "json_object"}
 "json_schema", "json_schema": {"name", "schema", "strict"}}; "text" is none), guided_json, guided_regex,
 guided_choice or guided_grammar, or, on chat, tools with tool_choice. A named function or "required"
 constrains the output to the function's arguments schema (for "required", to a JSON list of calls, each
-one of the tools: vLLM's format) and the answer carries OpenAI's `tool_calls`. "auto" needs a model that
-decides on its own to call a tool, and no bundled model does: it is refused with a 400.
+one of the tools: vLLM's format) and the answer carries OpenAI's `tool_calls`. "auto" constrains nothing: the
+model decides, and with the server's --enable-auto-tool-choice a tool-call parser reads its calls from
+its text (tool_parsers.py); without it, "auto" is a 400.
 """
 
 from __future__ import annotations
@@ -56,10 +57,11 @@ def constraint_renames(request: SamplingRequestFields) -> dict[str, str]:
     return {}
 
 
-def guided_decoding_params(request: SamplingRequestFields) -> GuidedDecodingParams | None:
-    """The constraint of response_format or a guided_* field; 400 naming the field if bad or several."""
+def guided_decoding_params(request: SamplingRequestFields, tools: str | None = None) -> GuidedDecodingParams | None:
+    """The constraint of response_format, a guided_* field or a forced tool call (`tools`: the chat
+    request's tool_mode); 400 naming the field if bad or several."""
     given: list[tuple[str, dict[str, Any]]] = []
-    if isinstance(request, ChatCompletionRequest) and tool_mode(request) is not None:
+    if tools in ("named", "required"):
         given.append(("tools", {"json": tool_schema(request)}))
     response_format = request.response_format
     if response_format is not None and response_format.type != "text":
@@ -108,16 +110,21 @@ def _structured_outputs(fields: dict[str, Any]) -> GuidedDecodingParams:
 # ---- tools -------------------------------------------------------------------------------------------
 
 
-def tool_mode(request: ChatCompletionRequest) -> str | None:
-    """"named", "required", or None (no tool call is forced); 400 for "auto" and for bad combinations."""
+def tool_mode(request: ChatCompletionRequest, auto_tools: bool = False) -> str | None:
+    """"named", "required" (a call is forced: the grammar writes it), "auto" (the model decides and a
+    tool-call parser reads its text; only with auto_tools, the server's --enable-auto-tool-choice), or
+    None; 400 for bad combinations."""
     choice = request.tool_choice
     if not request.tools:
         if choice is not None and choice != "none":
             raise APIError(400, "tool_choice needs tools.", param="tool_choice")
         return None
     if choice is None or choice == "auto":
-        raise APIError(400, 'tool_choice "auto" is not supported: no bundled model decides on its own to call '
-                       'a tool. Name a function or use "required" (or "none").', param="tool_choice")
+        if auto_tools:
+            return "auto"
+        raise APIError(400, 'tool_choice "auto" needs a tool-call parser: start the server with '
+                       "--enable-auto-tool-choice --tool-call-parser hermes (as vLLM), or name a function, "
+                       'use "required" or "none".', param="tool_choice")
     if choice == "none":
         return None
     if isinstance(choice, ChatCompletionNamedToolChoiceParam):
