@@ -153,6 +153,15 @@ def test_phi3_longrope_and_partial_rotary(tmp_path_factory: pytest.TempPathFacto
     _check(model_dir, long_prompts, outputs, [hf_greedy(model_dir, p, MAX_NEW_TOKENS) for p in long_prompts])
 
 
+def test_llama_longrope_takes_the_same_factor_set(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """LongRoPE on a Llama checkpoint: the factor set is chosen as for Phi-3 (it took the short set always)."""
+    model_dir = build_model(tmp_path_factory.mktemp("llama_longrope"), "llama", seed=48, rope_scaling={
+        **_longrope(8), "original_max_position_embeddings": 32}, max_position_embeddings=1024)
+    long_prompts = random_prompts(1, 500, [40], seed=48)
+    _, outputs = _engine_outputs(model_dir, long_prompts, max_model_len=128)
+    _check(model_dir, long_prompts, outputs, [hf_greedy(model_dir, p, MAX_NEW_TOKENS) for p in long_prompts])
+
+
 @pytest.mark.parametrize("hf,want", [
     (dict(model_type="mistral", num_hidden_layers=2, sliding_window=8), (8, ["sliding_attention"] * 2)),
     (dict(model_type="mistral", num_hidden_layers=2, sliding_window=None), (None, None)),

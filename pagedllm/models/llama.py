@@ -8,6 +8,8 @@ vocabulary range; o_proj, down_proj and the embedding end in one all-reduce each
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -113,9 +115,20 @@ class LlamaForCausalLM(Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     @staticmethod
-    def make_rotary(config: ModelConfig) -> RotaryEmbedding:
+    def make_rotary(config: ModelConfig, rotary_dim: int | None = None) -> RotaryEmbedding:
+        """The rotary embedding (over the first `rotary_dim` of each head, where it is partial). LongRoPE's
+        factors: a short set for contexts within original_max_position_embeddings and a long set beyond.
+        The reference picks the set from the length of the sequence in hand and recomputes its whole cache
+        when that crosses the original length; a paged cache shared across requests cannot, so the set is
+        chosen once per engine: long when max_model_len exceeds the original length, short otherwise (what
+        the reference computes for any sequence within that length). Outputs then never depend on batch
+        composition or prefix-cache hits."""
+        rope = config.rope
+        if rope.scaling is not None and rope.scaling["rope_type"] == "longrope":
+            rope = copy.deepcopy(rope)
+            rope.scaling["use_long_factor"] = config.max_model_len > rope.scaling["original_max_position_embeddings"]
         max_positions = max(config.max_model_len, config.max_position_embeddings)
-        return RotaryEmbedding(config.head_dim, max_positions, config.rope, config.dtype)
+        return RotaryEmbedding(config.head_dim, max_positions, rope, config.dtype, rotary_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 metadata: AttentionMetadata) -> torch.Tensor:

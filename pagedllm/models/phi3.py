@@ -5,17 +5,13 @@
   parallelism, as separate tensors would).
 - `partial_rotary_factor` (Phi-4-mini: 0.75): only the first part of each head rotates.
 - LongRoPE (`longrope`, first named `su`): per-frequency rescale factors, a short set for contexts
-  within original_max_position_embeddings and a long set beyond. The reference picks the set from the
-  length of the sequence in hand and recomputes its whole cache when that crosses the original length;
-  a paged cache shared across requests cannot, so the set is chosen once per engine: long when
-  max_model_len exceeds the original length, short otherwise (what the reference computes for any
-  sequence within that length). Outputs then never depend on batch composition or prefix-cache hits.
+  within original_max_position_embeddings and a long set beyond, the set chosen once per engine
+  (LlamaForCausalLM.make_rotary: long when max_model_len exceeds the original length).
 - `sliding_window`, when set, applies to every layer (ModelConfig.layer_sliding_window).
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -60,13 +56,8 @@ def phi3_rotary_dim(config: ModelConfig) -> int:
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     @staticmethod
-    def make_rotary(config: ModelConfig) -> RotaryEmbedding:
-        rope = config.rope
-        if rope.scaling is not None and rope.scaling["rope_type"] == "longrope":
-            rope = copy.deepcopy(rope)
-            rope.scaling["use_long_factor"] = config.max_model_len > rope.scaling["original_max_position_embeddings"]
-        max_positions = max(config.max_model_len, config.max_position_embeddings)
-        return RotaryEmbedding(config.head_dim, max_positions, rope, config.dtype, phi3_rotary_dim(config))
+    def make_rotary(config: ModelConfig, rotary_dim: int | None = None) -> RotaryEmbedding:
+        return LlamaForCausalLM.make_rotary(config, rotary_dim or phi3_rotary_dim(config))
 
     def load_weights(self, get_slice: GetSlice, names: set[str], load_linear: LoadLinear | None = None) -> None:
         config = self.config
