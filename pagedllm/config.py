@@ -76,6 +76,8 @@ class RopeConfig:
         if rope_type == "default":
             return cls(theta=theta, scaling=None)
         scaling["rope_type"] = rope_type
+        if rope_type == "dynamic":  # (transformers scales from max_position_embeddings)
+            scaling["original_max_position_embeddings"] = hf.get("max_position_embeddings", 2048)
         if rope_type in ("llama3", "yarn", "longrope"):
             # As transformers: a top-level original_max_position_embeddings wins, else max_position_embeddings.
             if hf.get("original_max_position_embeddings"):

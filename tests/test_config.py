@@ -39,7 +39,7 @@ def test_qwen2_sliding_window_off_is_ignored(tmp_path) -> None:
 
 def test_unsupported_rope_type_names_the_supported_ones(tmp_path) -> None:
     model = _with_config(build_model(tmp_path / "r", arch="llama"),
-                         rope_scaling={"rope_type": "dynamic", "factor": 4.0}, rope_parameters=None)
+                         rope_scaling={"rope_type": "ntk-by-parts", "factor": 4.0}, rope_parameters=None)
     from pagedllm import LLM
 
     with pytest.raises(ValueError, match="linear"):

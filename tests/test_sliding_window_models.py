@@ -162,6 +162,18 @@ def test_llama_longrope_takes_the_same_factor_set(tmp_path_factory: pytest.TempP
     _check(model_dir, long_prompts, outputs, [hf_greedy(model_dir, p, MAX_NEW_TOKENS) for p in long_prompts])
 
 
+def test_dynamic_ntk_rope_is_plain_rope_within_the_original_length(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """rope_type "dynamic" (it was refused): within max_position_embeddings the reference computes plain
+    RoPE, and so does an engine whose max_model_len is within it; past it, the base is fixed per engine."""
+    model_dir = build_model(tmp_path_factory.mktemp("llama_dynamic"), "llama", seed=49,
+                            rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=96)
+    prompts = random_prompts(2, 500, [5, 70], seed=49)
+    _, outputs = _engine_outputs(model_dir, prompts, max_model_len=96)
+    _check(model_dir, prompts, outputs, [hf_greedy(model_dir, p, MAX_NEW_TOKENS) for p in prompts])
+    llm, _ = _engine_outputs(model_dir, prompts[:1], max_model_len=192)  # past it: a larger base, no refusal
+    assert llm.llm_engine.model_config.max_model_len == 192
+
+
 @pytest.mark.parametrize("hf,want", [
     (dict(model_type="mistral", num_hidden_layers=2, sliding_window=8), (8, ["sliding_attention"] * 2)),
     (dict(model_type="mistral", num_hidden_layers=2, sliding_window=None), (None, None)),

@@ -10,7 +10,7 @@ import torch
 from pagedllm.config import RopeConfig
 from pagedllm.layers.custom_op import CustomOp
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -35,6 +35,16 @@ def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
         is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, inv_freq_llama)
+    if rope_type == "dynamic":
+        # Dynamic NTK: the base grows with the context past the original length. The reference recomputes
+        # it for the sequence in hand; here it is fixed per engine, for max_model_len (`max_model_len`, set
+        # by LlamaForCausalLM.make_rotary): plain RoPE, exactly the reference's, while max_model_len is
+        # within the original length.
+        original = float(scaling["original_max_position_embeddings"])
+        seq_len = max(float(scaling.get("max_model_len", original)), original)
+        factor = float(scaling["factor"])
+        base = rope.theta * ((factor * seq_len / original) - (factor - 1)) ** (head_dim / (head_dim - 2))
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope_type == "yarn":
         return _yarn_inv_freq(head_dim, rope, scaling)
     if rope_type == "longrope":

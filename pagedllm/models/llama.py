@@ -122,11 +122,14 @@ class LlamaForCausalLM(Module):
         when that crosses the original length; a paged cache shared across requests cannot, so the set is
         chosen once per engine: long when max_model_len exceeds the original length, short otherwise (what
         the reference computes for any sequence within that length). Outputs then never depend on batch
-        composition or prefix-cache hits."""
+        composition or prefix-cache hits. Dynamic NTK's base is fixed per engine likewise."""
         rope = config.rope
         if rope.scaling is not None and rope.scaling["rope_type"] == "longrope":
             rope = copy.deepcopy(rope)
             rope.scaling["use_long_factor"] = config.max_model_len > rope.scaling["original_max_position_embeddings"]
+        elif rope.scaling is not None and rope.scaling["rope_type"] == "dynamic":
+            rope = copy.deepcopy(rope)
+            rope.scaling["max_model_len"] = config.max_model_len  # (the same rule: see layers/rotary.py)
         max_positions = max(config.max_model_len, config.max_position_embeddings)
         return RotaryEmbedding(config.head_dim, max_positions, rope, config.dtype, rotary_dim)
 
