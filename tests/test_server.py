@@ -360,6 +360,24 @@ def test_completion_echo_without_generation_scores_the_prompt(server: RemoteServ
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
 
 
+def test_return_tokens_as_token_ids(server: RemoteServer) -> None:
+    """vLLM's return_tokens_as_token_ids: logprobs name their tokens "token_id:N" (RL frameworks read ids)."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "temperature": 0.0, "logprobs": 2,
+            "return_tokens_as_token_ids": True}
+    plain = server.post("/v1/completions", {**body, "return_tokens_as_token_ids": False}).json()["choices"][0]
+    choice = server.post("/v1/completions", body).json()["choices"][0]
+    tokens = choice["logprobs"]["tokens"]
+    assert all(t.startswith("token_id:") for t in tokens) and len(tokens) == len(plain["logprobs"]["tokens"])
+    assert all(key.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"] for key in top)
+    assert choice["text"] == plain["text"]
+    chat = server.post("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 3,
+                                                "logprobs": True, "top_logprobs": 1,
+                                                "return_tokens_as_token_ids": True}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert all(c["token"].startswith("token_id:") and c["top_logprobs"][0]["token"].startswith("token_id:")
+               for c in content)
+
+
 def test_prompt_logprobs_come_with_the_response_as_vllms(server: RemoteServer, llm: LLM) -> None:
     """vLLM's prompt_logprobs extra: per prompt position (None for the first) the prompt token's and the
     top k's logprob, rank and text; on completions in each choice, on chat beside the choices; refused

@@ -124,6 +124,8 @@ class SamplingRequestFields(OpenAIRequestModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None  # vLLM's: words never generated
+    # vLLM's: logprobs name their tokens "token_id:N" (None: the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
     # vLLM's: each prompt token's logprob and the top k at its position, in the response (not streamed)
     prompt_logprobs: int | None = Field(default=None, ge=0)
     # structured outputs: OpenAI's response_format and vLLM's guided_* extras (one of them at a time)

@@ -72,6 +72,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "tool, and --tool-call-parser reads its calls from its text")
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="the format the model writes its tool calls in (hermes: Hermes, Qwen 2.5 and 3)")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help='logprobs name their tokens "token_id:N" (a request\'s return_tokens_as_token_ids '
+                             "overrides it)")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="accept chat templates sent in requests (chat_template, "
                              "chat_template_kwargs.chat_template); they run arbitrary Jinja")

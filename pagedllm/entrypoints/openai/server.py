@@ -89,6 +89,7 @@ class ServerConfig:
     lora_modules: list[str] | None = None  # --lora-modules: NAME=PATH or JSON, served as models
     allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
     tool_call_parser: str | None = None  # --enable-auto-tool-choice's --tool-call-parser (tool_choice "auto")
+    return_tokens_as_token_ids: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace | ServerConfig | None, model_path: str) -> ServerConfig:
@@ -119,6 +120,7 @@ class ServerConfig:
             allow_runtime_lora_updating=bool(getattr(args, "allow_runtime_lora_updating", False)),
             tool_call_parser=getattr(args, "tool_call_parser", None)
             if getattr(args, "enable_auto_tool_choice", False) else None,
+            return_tokens_as_token_ids=bool(getattr(args, "return_tokens_as_token_ids", False)),
         )
 
 
@@ -299,6 +301,7 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | 
     context = ServingContext(engine=engine, tokenizer=tokenizer, served_model_names=config.served_model_names,
                              model_aliases=(config.model_path,) if config.model_path else (),
                              tool_call_parser=config.tool_call_parser,
+                             return_tokens_as_token_ids=config.return_tokens_as_token_ids,
                              max_model_len=max_model_len, max_waiting_requests=config.max_waiting_requests,
                              max_prompt_chars=config.max_prompt_chars or max_model_len * PROMPT_CHARS_PER_TOKEN,
                              trust_request_chat_template=config.trust_request_chat_template,

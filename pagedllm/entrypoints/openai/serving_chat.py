@@ -197,13 +197,14 @@ class OpenAIServingChat:
         if not request.logprobs:
             return None
         num_top = request.top_logprobs or 0
+        as_ids = self.context.tokens_as_ids(request)
         content = []
         for position, token_id in enumerate(token_ids):
             step = logprobs[position] if logprobs is not None and position < len(logprobs) else {}
             sampled = step.get(token_id)
-            token = decoded(self.tokenizer, token_id, sampled)
+            token = decoded(self.tokenizer, token_id, sampled, as_ids)
             ranked = sorted(step.items(), key=lambda kv: logprob_rank(kv[1]))
-            top = [ChatCompletionLogProb(token=(top_token := decoded(self.tokenizer, tid, lp)),
+            top = [ChatCompletionLogProb(token=(top_token := decoded(self.tokenizer, tid, lp, as_ids)),
                                          logprob=finite(lp.logprob),
                                          bytes=list(top_token.encode("utf-8", errors="replace")))
                    for tid, lp in ranked[:num_top]]

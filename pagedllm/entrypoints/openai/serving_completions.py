@@ -139,6 +139,7 @@ class OpenAIServingCompletion:
                   prompts: list[list[int]], finals: list[RequestOutput]) -> CompletionResponse:
         choices = []
         num_generated = 0
+        as_ids = self.context.tokens_as_ids(request)
         for prompt_index, output in enumerate(finals):
             prompt_ids = prompts[prompt_index]
             prompt_text = self._prompt_text(request, prompt_index, output, prompt_ids) if request.echo else ""
@@ -149,8 +150,8 @@ class OpenAIServingCompletion:
                     logprobs = CompletionLogProbs()
                     offset = len(prompt_text)
                     if request.echo:  # (offsets run on over the prompt's token strings, as vLLM's)
-                        offset = self._add_logprobs(logprobs, prompt_ids, output.prompt_logprobs, 0)
-                    self._add_logprobs(logprobs, completion.token_ids, completion.logprobs, offset)
+                        offset = self._add_logprobs(logprobs, prompt_ids, output.prompt_logprobs, 0, as_ids)
+                    self._add_logprobs(logprobs, completion.token_ids, completion.logprobs, offset, as_ids)
                 choices.append(CompletionFinalChoice(
                     index=prompt_index * request.n + completion.index, text=prompt_text + completion.text,
                     logprobs=logprobs, finish_reason=completion.finish_reason,
@@ -165,30 +166,32 @@ class OpenAIServingCompletion:
                                   kv_transfer_params=finals[0].kv_transfer_params if finals else None)
 
     def _add_logprobs(self, target: CompletionLogProbs, token_ids: list[int],
-                      logprobs: list[dict[int, Any]] | None, text_offset: int) -> int:
-        """Append OpenAI's per-token lists; returns the text offset after the last token."""
+                      logprobs: list[dict[int, Any]] | None, text_offset: int, as_ids: bool) -> int:
+        """Append OpenAI's per-token lists; returns the text offset after the last token. as_ids: tokens
+        named "token_id:N"."""
         for position, token_id in enumerate(token_ids):
             step = logprobs[position] if logprobs is not None and position < len(logprobs) else None
             sampled = step.get(token_id) if step else None
-            token = decoded(self.tokenizer, token_id, sampled)
+            token = decoded(self.tokenizer, token_id, sampled, as_ids)
             target.tokens.append(token)
             target.token_logprobs.append(finite(sampled.logprob) if sampled is not None else None)
-            target.top_logprobs.append(self._top_logprobs(step) if step else None)
+            target.top_logprobs.append(self._top_logprobs(step, as_ids) if step else None)
             target.text_offset.append(text_offset)
             text_offset += len(token)
         return text_offset
 
-    def _top_logprobs(self, step: dict[int, Any]) -> dict[str, float]:
+    def _top_logprobs(self, step: dict[int, Any], as_ids: bool) -> dict[str, float]:
         # keyed by text, as OpenAI does: ids that decode alike (partial UTF-8) keep the likeliest
         top: dict[str, float] = {}
         for token_id, logprob in sorted(step.items(), key=lambda kv: logprob_rank(kv[1])):
-            top.setdefault(decoded(self.tokenizer, token_id, logprob), finite(logprob.logprob))
+            top.setdefault(decoded(self.tokenizer, token_id, logprob, as_ids), finite(logprob.logprob))
         return top
 
     async def _stream(self, request: CompletionRequest, request_id: str, created: int, model_name: str,
                       prompts: list[list[int]], streams: list[RequestStream],
                       queue: OutputQueue) -> AsyncIterator[str]:
         states: dict[int, ChoiceState] = {}
+        as_ids = self.context.tokens_as_ids(request)
         # DELTA outputs carry the prompt's logprobs once, in a prompt's first output
         prompt_logprobs: dict[int, Any] = {}
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -217,9 +220,9 @@ class OpenAIServingCompletion:
                         logprobs = CompletionLogProbs()
                         if prefix:
                             state.text_offset = self._add_logprobs(logprobs, prompt_ids,
-                                                                   prompt_logprobs.get(prompt_index), 0)
+                                                                   prompt_logprobs.get(prompt_index), 0, as_ids)
                         state.text_offset = self._add_logprobs(logprobs, new_ids, completion.logprobs,
-                                                               state.text_offset)
+                                                               state.text_offset, as_ids)
                     state.num_tokens += len(new_ids)
                     state.finished = completion.finish_reason is not None
                     if delta_text or new_ids or state.finished:

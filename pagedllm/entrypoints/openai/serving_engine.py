@@ -182,6 +182,7 @@ class ServingContext:
     lora_registry: Any = None
     # tool_choice "auto": the parser that reads the model's calls from its text (None: "auto" is a 400)
     tool_call_parser: str | None = None
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N" unless a request says
     vocab_size: int = field(init=False)
     num_waiting_sequences: int = field(init=False, default=0)
     peak_waiting_sequences: int = field(init=False, default=0)
@@ -199,6 +200,11 @@ class ServingContext:
         if name not in self.served_model_names and self.lora_request_for(name) is None:
             raise APIError(404, f"The model `{name}` does not exist.", param="model")
         return name
+
+    def tokens_as_ids(self, request: SamplingRequestFields) -> bool:
+        """Whether the request's logprobs name their tokens "token_id:N" (vLLM's option)."""
+        asked = request.return_tokens_as_token_ids
+        return self.return_tokens_as_token_ids if asked is None else asked
 
     def lora_request_for(self, model_name: str) -> LoRARequest | None:
         """The adapter a `model` name selects (None: the base model)."""
@@ -428,7 +434,10 @@ def finite(logprob: float) -> float:
     return max(float(logprob), -9999.0)
 
 
-def decoded(tokenizer: Any, token_id: int, logprob: Any) -> str:
+def decoded(tokenizer: Any, token_id: int, logprob: Any, as_id: bool = False) -> str:
+    """A logprob's token as text (as_id: "token_id:N", vLLM's return_tokens_as_token_ids)."""
+    if as_id:
+        return f"token_id:{token_id}"
     text = getattr(logprob, "decoded_token", None)
     return text if text is not None else tokenizer.decode([token_id])
 
