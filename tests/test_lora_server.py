@@ -67,6 +67,8 @@ def test_server_serves_adapters_by_model_name(models: dict[str, str], tmp_path: 
         # runtime load / unload, and the refusals, OpenAI-shaped
         bad = server.post("/v1/load_lora_adapter", {"lora_name": "nope", "lora_path": str(tmp_path / "missing")})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+        empty = server.post("/v1/load_lora_adapter", {"lora_name": "", "lora_path": models["late"]})
+        assert empty.status_code == 400 and empty.json()["error"]["param"] == "lora_name"
         dup = server.post("/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": models["late"]})
         assert dup.status_code == 400 and "already been loaded" in dup.json()["error"]["message"]
         ok = server.post("/v1/load_lora_adapter", {"lora_name": "late", "lora_path": models["late"]})

@@ -111,6 +111,8 @@ CHAT_CASES = [
     ({"logit_bias": {"100000": 5}}, "logit_bias"),
     ({"logit_bias": {"3": 500}}, "logit_bias"),
     ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"use_beam_search": True}, "use_beam_search"),  # vLLM's: not sampled instead, without a word
+    ({"priority": 5}, "priority"),
 ]
 
 

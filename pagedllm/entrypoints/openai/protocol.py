@@ -126,6 +126,9 @@ class SamplingRequestFields(OpenAIRequestModel):
     bad_words: list[str] | None = None  # vLLM's: words never generated
     # vLLM's: logprobs name their tokens "token_id:N" (None: the server's --return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's, refused unless they ask nothing (build_params): no beam search, no priority scheduling here
+    use_beam_search: bool = False
+    priority: int = 0
     # vLLM's: each prompt token's logprob and the top k at its position, in the response (not streamed)
     prompt_logprobs: int | None = Field(default=None, ge=0)
     # structured outputs: OpenAI's response_format and vLLM's guided_* extras (one of them at a time)

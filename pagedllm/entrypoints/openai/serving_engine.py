@@ -300,6 +300,12 @@ class ServingContext:
     def build_params(self, request: SamplingRequestFields, max_tokens: int, logprobs: int | None,
                      prompt_logprobs: int | None = None,
                      renames: dict[str, str] | None = None) -> SamplingParams:
+        if request.use_beam_search:
+            raise APIError(400, "use_beam_search: beam search is not supported; sample n sequences instead.",
+                           param="use_beam_search")
+        if request.priority:
+            raise APIError(400, "priority: requests run first come first served here; there is no priority "
+                           "scheduling.", param="priority")
         if request.prompt_logprobs is not None:
             if getattr(request, "stream", False):  # (as vLLM: they come whole, with the final response)
                 raise APIError(400, "prompt_logprobs is not available with stream=true.", param="prompt_logprobs")

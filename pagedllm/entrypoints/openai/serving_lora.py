@@ -106,7 +106,8 @@ def lora_router(registry: LoRARegistry, allow_runtime_updates: bool,
         try:
             request = registry.add(body.lora_name, body.lora_path)
         except ValueError as error:
-            param = "lora_name" if "already been loaded" in str(error) else "lora_path"
+            param = "lora_name" if str(error).startswith("lora_name") or "already been loaded" in str(error) \
+                else "lora_path"
             raise APIError(400, str(error), param=param) from error
         try:  # read into the engine's CPU cache now, not in the first step that runs it
             await registry.engine.call_utility("add_lora", request)
