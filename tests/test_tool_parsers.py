@@ -1,5 +1,6 @@
-"""tool_choice "auto" (vLLM's --enable-auto-tool-choice --tool-call-parser hermes): the calls a model writes
-in its text, read whole and streamed; through the server, a regex constraint makes the demo model write one."""
+"""The server's parsers of a model's own text (vLLM's): tool_choice "auto" (--enable-auto-tool-choice
+--tool-call-parser hermes), the calls a model writes, read whole and streamed (through the server, a regex
+constraint makes the demo model write one); --reasoning-parser, its thinking apart as reasoning_content."""
 
 from __future__ import annotations
 
@@ -82,3 +83,52 @@ def test_auto_needs_the_server_flag_and_the_flag_a_parser(tmp_path: Path) -> Non
     from test_cli import assert_one_line_error, cli
 
     assert_one_line_error(cli("serve", demo_model_path(), "--enable-auto-tool-choice"), "--tool-call-parser")
+
+
+# ---- --reasoning-parser -------------------------------------------------------------------------------
+
+THOUGHT = "<think>\nThe user wants weather. Check Oslo.\n</think>\n\nIt is sunny."
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_reasoning_is_split_from_the_reply_whole_and_streamed(parser: str) -> None:
+    from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningStream, split_reasoning
+
+    assert split_reasoning(parser, THOUGHT) == ("\nThe user wants weather. Check Oslo.\n", "\n\nIt is sunny.")
+    # no opening tag: deepseek_r1's replies start thinking; qwen3's are content unless they open the tag
+    assert split_reasoning(parser, "plan</think>answer") == (("plan", "answer") if parser == "deepseek_r1"
+                                                             else (None, "plan</think>answer"))
+    assert split_reasoning(parser, "no tags") == (("no tags", None) if parser == "deepseek_r1" else (None, "no tags"))
+    for step in (1, 2, 5, 100):
+        stream, thought, content = ReasoningStream(parser), "", ""
+        pieces = [THOUGHT[i:i + step] for i in range(0, len(THOUGHT), step)]
+        for i, piece in enumerate(pieces):
+            more_thought, more_content = stream.add(piece, final=i == len(pieces) - 1)
+            assert "<" not in more_thought + more_content  # a tag is never shown, whole or in part
+            thought, content = thought + more_thought, content + more_content
+        assert (thought, content) == split_reasoning(parser, THOUGHT)
+
+
+@pytest.mark.parametrize("parser,stream", [("deepseek_r1", False), ("deepseek_r1", True), ("qwen3", True)])
+def test_the_server_returns_reasoning_content(tmp_path_factory: pytest.TempPathFactory, parser: str,
+                                              stream: bool) -> None:
+    """The demo model writes no tags: deepseek_r1 reads its whole reply as reasoning (it never closed
+    </think>), qwen3 as content."""
+    server = RemoteServer(demo_model_path(), tmp_path_factory.mktemp("reasoning"),
+                          extra_args=["--reasoning-parser", parser])
+    try:
+        client = server.client()
+        kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0.0)
+        if stream:
+            thought = content = ""
+            for chunk in client.chat.completions.create(stream=True, **kwargs):
+                for choice in chunk.choices:
+                    thought += getattr(choice.delta, "reasoning_content", None) or ""
+                    content += choice.delta.content or ""
+        else:
+            message = client.chat.completions.create(**kwargs).choices[0].message
+            thought, content = getattr(message, "reasoning_content", None) or "", message.content or ""
+        assert (thought if parser == "deepseek_r1" else content) and not (content if parser == "deepseek_r1"
+                                                                            else thought)
+    finally:
+        server.terminate()

@@ -331,6 +331,7 @@ class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # vLLM's, with --reasoning-parser
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -356,6 +357,7 @@ class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

@@ -30,6 +30,7 @@ from pagedllm.entrypoints.openai.limits import (
     DEFAULT_WRITE_TIMEOUT_S,
     PROMPT_CHARS_PER_TOKEN,
 )
+from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: exposing the server is an explicit choice (--host 0.0.0.0)
@@ -72,6 +73,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "tool, and --tool-call-parser reads its calls from its text")
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="the format the model writes its tool calls in (hermes: Hermes, Qwen 2.5 and 3)")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        help="a thinking model's <think> text comes back as reasoning_content (deepseek_r1: "
+                             "the reply starts thinking; qwen3: only where it opens <think>)")
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help='logprobs name their tokens "token_id:N" (a request\'s return_tokens_as_token_ids '
                              "overrides it)")

@@ -29,6 +29,7 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningStream, split_reasoning
 from pagedllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
     APIError,
@@ -168,6 +169,8 @@ class OpenAIServingChat:
         params = context.build_params(request, max_tokens, logprobs, request.prompt_logprobs, renames=renames)
         tools_mode = tool_mode(request, context.tool_call_parser is not None)
         params.guided_decoding = guided_decoding_params(request, tools_mode)
+        # (a constrained reply is written by the grammar from its first token: it holds no thinking)
+        reasoning = context.reasoning_parser if params.guided_decoding is None else None
         # a stream takes what is new each step (DELTA); a plain request one output at the end
         params.output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         request_id = random_id("chatcmpl")
@@ -177,13 +180,13 @@ class OpenAIServingChat:
         created = int(time.time())
         if request.stream:
             return stream_response(lambda: self._stream(request, request_id, created, model_name,
-                                                        len(prompt_ids), streams, queue, tools_mode))
+                                                        len(prompt_ids), streams, queue, tools_mode, reasoning))
         try:
             final = await until_disconnect(raw_request, self._collect(streams, queue))
         finally:
             abort_all(streams)
         return JSONResponse(self._response(request, request_id, created, model_name, len(prompt_ids),
-                                           final, tools_mode).model_dump())
+                                           final, tools_mode, reasoning).model_dump())
 
     async def _collect(self, streams: list[RequestStream], queue: OutputQueue) -> RequestOutput:
         final = None
@@ -214,16 +217,22 @@ class OpenAIServingChat:
         return ChatCompletionLogProbs(content=content)
 
     def _response(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
-                  num_prompt_tokens: int, final: RequestOutput, tools_mode: str | None) -> ChatCompletionResponse:
+                  num_prompt_tokens: int, final: RequestOutput, tools_mode: str | None,
+                  reasoning: str | None) -> ChatCompletionResponse:
         echoed = _echoed_text(request, tools_mode)
         choices = []
         for completion in final.outputs:
-            message = ChatResponseMessage(content=echoed + completion.text)
+            text, thought = completion.text, None
+            if reasoning is not None:  # the thinking apart (--reasoning-parser)
+                thought, text = split_reasoning(reasoning, text)
+                text = text or ""
+            message = ChatResponseMessage(content=echoed + text if echoed or thought is None or text else None,
+                                          reasoning_content=thought)
             finish_reason = completion.finish_reason
             if tools_mode == "auto":  # the model's own calls, as the parser reads them from its text
-                content, tool_calls = parse_tool_calls(completion.text)
+                content, tool_calls = parse_tool_calls(text)
                 if tool_calls:
-                    message = ChatResponseMessage(content=content, tool_calls=tool_calls)
+                    message = ChatResponseMessage(content=content, tool_calls=tool_calls, reasoning_content=thought)
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             elif tools_mode is not None:
                 tool_calls = tool_calls_from_text(request, completion.text)
@@ -246,7 +255,7 @@ class OpenAIServingChat:
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
                       num_prompt_tokens: int, streams: list[RequestStream],
-                      queue: OutputQueue, tools_mode: str | None) -> AsyncIterator[str]:
+                      queue: OutputQueue, tools_mode: str | None, reasoning: str | None) -> AsyncIterator[str]:
         def chunk(choices: list[ChatCompletionResponseStreamChoice], usage: UsageInfo | None = None) -> str:
             payload = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
                                                    choices=choices, usage=usage).model_dump()
@@ -259,6 +268,7 @@ class OpenAIServingChat:
         tool_streams = [ToolCallStream(request) for _ in range(request.n)] \
             if tools_mode in ("named", "required") else None
         auto_streams = [AutoToolStream() for _ in range(request.n)] if tools_mode == "auto" else None
+        thoughts = [ReasoningStream(reasoning) for _ in range(request.n)] if reasoning is not None else None
         try:
             # the role comes first, before any token, as OpenAI's stream does (with echo, the echoed text)
             echoed = _echoed_text(request, tools_mode)
@@ -276,7 +286,10 @@ class OpenAIServingChat:
                     new_logprobs = completion.logprobs
                     state.num_tokens += len(new_ids)
                     state.finished = completion.finish_reason is not None
-                    delta = DeltaMessage(content=delta_text)
+                    thought = ""
+                    if thoughts is not None:  # the thinking apart (--reasoning-parser)
+                        thought, delta_text = thoughts[completion.index].add(delta_text, final=state.finished)
+                    delta = DeltaMessage(content=delta_text, reasoning_content=thought or None)
                     finish_reason = completion.finish_reason
                     if tool_streams is not None:  # the text is a tool call: sent as tool_calls deltas
                         tool_stream = tool_streams[completion.index]
@@ -286,12 +299,15 @@ class OpenAIServingChat:
                     elif auto_streams is not None:  # text, then the calls the parser finds in it
                         auto_stream = auto_streams[completion.index]
                         content, calls = auto_stream.add(delta_text, final=state.finished)
-                        delta = DeltaMessage(content=content or None, tool_calls=calls or None)
+                        delta = DeltaMessage(content=content or None, tool_calls=calls or None,
+                                             reasoning_content=thought or None)
                         if finish_reason == "stop" and auto_stream.num_calls:
                             finish_reason = "tool_calls"
                     # a tool call's tokens that complete nothing yet send no empty delta (unless logprobs)
-                    has_news = (delta.content or delta.tool_calls or (request.logprobs and new_ids)) \
-                        if tool_streams is not None or auto_streams is not None else (delta_text or new_ids)
+                    has_news = (delta.content or delta.tool_calls or delta.reasoning_content
+                                or (request.logprobs and new_ids)) \
+                        if tool_streams is not None or auto_streams is not None or thoughts is not None \
+                        else (delta_text or new_ids)
                     if has_news or state.finished:
                         choices.append(ChatCompletionResponseStreamChoice(
                             index=completion.index, delta=delta,

@@ -183,6 +183,7 @@ class ServingContext:
     # tool_choice "auto": the parser that reads the model's calls from its text (None: "auto" is a 400)
     tool_call_parser: str | None = None
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N" unless a request says
+    reasoning_parser: str | None = None  # --reasoning-parser: <think> text as reasoning_content
     vocab_size: int = field(init=False)
     num_waiting_sequences: int = field(init=False, default=0)
     peak_waiting_sequences: int = field(init=False, default=0)

@@ -70,7 +70,7 @@ class AutoToolStream:
         if not self.in_calls:
             start = self.text.find(_START, self.sent)
             if start < 0:
-                end = len(self.text) if final else len(self.text) - _partial_tag(self.text, self.sent)
+                end = len(self.text) if final else len(self.text) - tag_prefix_len(self.text, self.sent, _START)
                 content, self.sent = self.text[self.sent:end], max(self.sent, end)
                 return content, deltas
             content, self.sent, self.in_calls = self.text[self.sent:start], start, True
@@ -89,9 +89,9 @@ class AutoToolStream:
         return content, deltas
 
 
-def _partial_tag(text: str, start: int) -> int:
-    """How many characters at text's end (from `start` on) could begin a <tool_call> tag."""
-    for size in range(min(len(_START) - 1, len(text) - start), 0, -1):
-        if _START.startswith(text[-size:]):
+def tag_prefix_len(text: str, start: int, tag: str) -> int:
+    """How many characters at text's end (from `start` on) could begin `tag`: text a stream holds back."""
+    for size in range(min(len(tag) - 1, len(text) - start), 0, -1):
+        if tag.startswith(text[-size:]):
             return size
     return 0
