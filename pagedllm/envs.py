@@ -31,6 +31,9 @@ ENV_VARS: dict[str, EnvVar] = {var.name: var for var in [
            "back to the bundled demo model"),
     EnvVar("PAGEDLLM_LOGGING_LEVEL", str, "INFO", "log level of pagedllm's loggers; DEBUG also shows tracebacks"),
     EnvVar("PAGEDLLM_API_KEY", str, None, "the server's API key when --api-key is not given"),
+    EnvVar("VLLM_ALLOW_RUNTIME_LORA_UPDATING", bool, False,
+           "vLLM's switch for the server's /v1/load_lora_adapter and /v1/unload_lora_adapter, as "
+           "--allow-runtime-lora-updating"),
     EnvVar("PAGEDLLM_ATTENTION_BACKEND", str, None,
            "attention backend when attention_backend is not given: TORCH_SDPA, TORCH_FLASH, CPU_FLASH, TRITON"),
     EnvVar("PAGEDLLM_SKIP_KERNEL_BUILD", bool, False,

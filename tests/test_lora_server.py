@@ -98,3 +98,15 @@ def test_runtime_updates_are_refused_without_the_flag(models: dict[str, str], tm
         assert {m.id for m in server.client().models.list().data} == {"tiny"}
     finally:
         server.terminate()
+
+
+def test_vllms_environment_switch_allows_runtime_updates(models: dict[str, str], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, as vLLM's docs set it, turns the endpoints on like the flag."""
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    server = RemoteServer(models["base"], tmp_path, ["--enable-lora"])
+    try:
+        response = server.post("/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": models["sql"]})
+        assert response.status_code == 200, response.text
+    finally:
+        server.terminate()

@@ -104,7 +104,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="LoRA adapters served as models (needs --enable-lora): NAME=PATH, or JSON "
                              "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
     parser.add_argument("--allow-runtime-lora-updating", action="store_true",
-                        help="accept POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+                        help="accept POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                             "($VLLM_ALLOW_RUNTIME_LORA_UPDATING=true too, as vLLM)")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run_server)
     return parser
@@ -144,6 +145,8 @@ def run_server(args: argparse.Namespace) -> int:
             print(f"pagedllm serve: --{flag.replace('_', '-')} must be "
                   f"{'>= 0' if low == 0 else 'positive'}", file=sys.stderr)
             return 2
+    if envs.value("VLLM_ALLOW_RUNTIME_LORA_UPDATING"):  # (vLLM's switch for it)
+        args.allow_runtime_lora_updating = True
     if args.lora_modules or args.allow_runtime_lora_updating:
         from pagedllm.entrypoints.openai.serving_lora import parse_lora_modules
 
