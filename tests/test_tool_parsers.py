@@ -51,7 +51,8 @@ def test_streamed_calls_equal_the_finished_reply_however_the_text_arrives(step: 
 @pytest.fixture(scope="module")
 def auto_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     server = RemoteServer(demo_model_path(), tmp_path_factory.mktemp("auto_tools"),
-                          extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+                          extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                      "--response-role", "agent"])
     yield server.client()
     server.terminate()
 
@@ -77,6 +78,9 @@ def test_the_server_returns_the_calls_the_model_writes(auto_client: openai.OpenA
     plain = auto_client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=6,
                                                 temperature=0.0).choices[0]
     assert plain.message.tool_calls is None and plain.message.content
+    assert plain.message.role == "agent"  # --response-role
+    first = next(iter(auto_client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, stream=True)))
+    assert first.choices[0].delta.role == "agent"
 
 
 def test_auto_needs_the_server_flag_and_the_flag_a_parser(tmp_path: Path) -> None:

@@ -76,6 +76,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                         help="a thinking model's <think> text comes back as reasoning_content (deepseek_r1: "
                              "the reply starts thinking; qwen3: only where it opens <think>)")
+    parser.add_argument("--response-role", default="assistant", help="the role chat replies carry")
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help='logprobs name their tokens "token_id:N" (a request\'s return_tokens_as_token_ids '
                              "overrides it)")

@@ -91,6 +91,7 @@ class ServerConfig:
     tool_call_parser: str | None = None  # --enable-auto-tool-choice's --tool-call-parser (tool_choice "auto")
     return_tokens_as_token_ids: bool = False
     reasoning_parser: str | None = None  # --reasoning-parser
+    response_role: str = "assistant"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace | ServerConfig | None, model_path: str) -> ServerConfig:
@@ -123,6 +124,7 @@ class ServerConfig:
             if getattr(args, "enable_auto_tool_choice", False) else None,
             return_tokens_as_token_ids=bool(getattr(args, "return_tokens_as_token_ids", False)),
             reasoning_parser=getattr(args, "reasoning_parser", None),
+            response_role=getattr(args, "response_role", None) or "assistant",
         )
 
 
@@ -304,7 +306,7 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace | ServerConfig | 
                              model_aliases=(config.model_path,) if config.model_path else (),
                              tool_call_parser=config.tool_call_parser,
                              return_tokens_as_token_ids=config.return_tokens_as_token_ids,
-                             reasoning_parser=config.reasoning_parser,
+                             reasoning_parser=config.reasoning_parser, response_role=config.response_role,
                              max_model_len=max_model_len, max_waiting_requests=config.max_waiting_requests,
                              max_prompt_chars=config.max_prompt_chars or max_model_len * PROMPT_CHARS_PER_TOKEN,
                              trust_request_chat_template=config.trust_request_chat_template,

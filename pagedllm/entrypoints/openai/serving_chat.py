@@ -220,24 +220,26 @@ class OpenAIServingChat:
                   num_prompt_tokens: int, final: RequestOutput, tools_mode: str | None,
                   reasoning: str | None) -> ChatCompletionResponse:
         echoed = _echoed_text(request, tools_mode)
+        role = self.context.response_role
         choices = []
         for completion in final.outputs:
             text, thought = completion.text, None
             if reasoning is not None:  # the thinking apart (--reasoning-parser)
                 thought, text = split_reasoning(reasoning, text)
                 text = text or ""
-            message = ChatResponseMessage(content=echoed + text if echoed or thought is None or text else None,
-                                          reasoning_content=thought)
+            message = ChatResponseMessage(role=role, content=echoed + text if echoed or thought is None or text
+                                          else None, reasoning_content=thought)
             finish_reason = completion.finish_reason
             if tools_mode == "auto":  # the model's own calls, as the parser reads them from its text
                 content, tool_calls = parse_tool_calls(text)
                 if tool_calls:
-                    message = ChatResponseMessage(content=content, tool_calls=tool_calls, reasoning_content=thought)
+                    message = ChatResponseMessage(role=role, content=content, tool_calls=tool_calls,
+                                                  reasoning_content=thought)
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             elif tools_mode is not None:
                 tool_calls = tool_calls_from_text(request, completion.text)
                 if tool_calls:  # a complete call: OpenAI's shape, content null
-                    message = ChatResponseMessage(content=None, tool_calls=tool_calls)
+                    message = ChatResponseMessage(role=role, content=None, tool_calls=tool_calls)
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             choices.append(ChatCompletionResponseChoice(
                 index=completion.index, message=message,
@@ -271,8 +273,8 @@ class OpenAIServingChat:
         thoughts = [ReasoningStream(reasoning) for _ in range(request.n)] if reasoning is not None else None
         try:
             # the role comes first, before any token, as OpenAI's stream does (with echo, the echoed text)
-            echoed = _echoed_text(request, tools_mode)
-            yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant",
+            echoed, role = _echoed_text(request, tools_mode), self.context.response_role
+            yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=role,
                                                                                         content=echoed))
                          for i in range(request.n)])
             async for _, output in merged_outputs(streams, queue):

@@ -184,6 +184,7 @@ class ServingContext:
     tool_call_parser: str | None = None
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N" unless a request says
     reasoning_parser: str | None = None  # --reasoning-parser: <think> text as reasoning_content
+    response_role: str = "assistant"  # the role chat replies carry (--response-role)
     vocab_size: int = field(init=False)
     num_waiting_sequences: int = field(init=False, default=0)
     peak_waiting_sequences: int = field(init=False, default=0)
