@@ -163,6 +163,8 @@ def test_a_schema_that_says_nothing_of_other_keys_gets_only_its_own(llm: LLM) ->
     assert closed_objects(both) == both
     named = {"type": "object", "properties": {"properties": {"type": "string"}}}  # a key named "properties"
     assert closed_objects(named) == {**named, "additionalProperties": False}
+    value = {"const": {"properties": {"a": 1}}, "enum": [{"properties": {}}]}  # data, not schemas
+    assert closed_objects(value) == value
 
 
 # Issue 48's schema: a bounded string, an integer, an enum array, a boolean, a closed object.

@@ -61,8 +61,9 @@ def json_whitespace_options(disable_any_whitespace: bool, whitespace_flexible: b
     return {"whitespace_flexible": False, **COMPACT_SEPARATORS}
 
 
-# keywords whose value maps names to schemas
+# keywords whose value maps names to schemas; keywords whose value is data, never a schema
 _SCHEMA_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"))
+_DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples"))
 
 
 def closed_objects(schema: Any, close: bool = True) -> Any:
@@ -74,9 +75,14 @@ def closed_objects(schema: Any, close: bool = True) -> Any:
         return [closed_objects(item, close) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    closed = {key: {name: closed_objects(sub) for name, sub in value.items()}  # name -> schema, not a schema
-              if key in _SCHEMA_MAPS and isinstance(value, dict) else closed_objects(value, key != "allOf")
-              for key, value in schema.items()}
+    closed = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            closed[key] = value  # (an object there is a value the output must equal, left as written)
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            closed[key] = {name: closed_objects(sub) for name, sub in value.items()}  # name -> schema
+        else:
+            closed[key] = closed_objects(value, key != "allOf")
     if (close and ("properties" in closed or "patternProperties" in closed) and "additionalProperties" not in closed
             and "unevaluatedProperties" not in closed):
         closed["additionalProperties"] = False
