@@ -62,4 +62,3 @@ class ReasoningStream:
             reasoning, self.sent, self.mode = self.text[self.sent:end], end + len(_CLOSE), "content"
         content, self.sent = self.text[self.sent:], len(self.text)
         return reasoning, content
-

@@ -227,8 +227,10 @@ class OpenAIServingChat:
             if reasoning is not None:  # the thinking apart (--reasoning-parser)
                 thought, text = split_reasoning(reasoning, text)
                 text = text or ""
-            message = ChatResponseMessage(role=role, content=echoed + text if echoed or thought is None or text
-                                          else None, reasoning_content=thought)
+            content: str | None = echoed + text
+            if thought is not None and not content:
+                content = None  # a reply that only thought
+            message = ChatResponseMessage(role=role, content=content, reasoning_content=thought)
             finish_reason = completion.finish_reason
             if tools_mode == "auto":  # the model's own calls, as the parser reads them from its text
                 content, tool_calls = parse_tool_calls(text)
