@@ -132,6 +132,8 @@ def test_the_table_json_is_plain_data(tuning: Path) -> None:
 def test_every_path_a_table_selects_gives_the_same_greedy_tokens(tiny_qwen2_dir: str, dtype: str, tuning: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     torch_dtype = getattr(torch, dtype)
+    if len([p for p in runnable_paths(torch_dtype) if p != "plain"]) < 2:  # AVX2-only CPUs in bf16
+        pytest.skip(f"one path runs {dtype} on this CPU: nothing is measured or chosen")
     prompts = ["def fibonacci(n):", "The quick brown fox"]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     def generate() -> tuple[str, list[list[int]]]:

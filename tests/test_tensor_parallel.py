@@ -62,7 +62,9 @@ def check_against_tp1(model_dir: str, tp: int, num_kv_heads_total: int, then_rai
         greedy, sampled, logprobs = run(llm)
         assert greedy == want_greedy
         assert sampled == want_sampled
-        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)  # all-reduce order moves the last bits
+        # Sharded matmuls and the all-reduce sum in another order: about 4e-6 here (AVX2 AMD), but one CI run
+        # on another CPU kind saw 1e-3 at TP 4 with every token equal, hence a relative bound as well.
+        assert logprobs == pytest.approx(want_logprobs, rel=5e-4, abs=1e-4)
         metrics = metric_values(llm)
         assert metrics["pagedllm:num_preemptions"] > 0, "the pool should be small enough to preempt"
         assert metrics["pagedllm:prefix_cache_hits"] > 0
