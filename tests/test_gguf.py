@@ -111,14 +111,20 @@ def test_quantizing_an_already_quantized_file_says_what_it_costs(models, tmp_pat
 
 def test_q8_0_projections_stay_packed_as_int8(models, tmp_path):
     from pagedllm.layers.quantization import QuantizedWeight
+    from pagedllm.layers.quantization.vnni import VnniWeight, kernel_enabled
 
     path = write_gguf(models["llama"], str(tmp_path / "tiny-Q8_0.gguf"), "Q8_0")
     llm = LLM(model=path, dtype="float32")
     model = llm.llm_engine.model_runner.model
     attn = model.layers[0].self_attn
-    assert isinstance(attn.qkv_proj.weight, QuantizedWeight)
-    assert attn.qkv_proj.weight.qweight.dtype == torch.int8
-    assert tuple(attn.qkv_proj.weight.scales.shape) == (attn.qkv_proj.weight.shape[0], 64 // 32)
+    weight = attn.qkv_proj.weight
+    assert isinstance(weight, QuantizedWeight)
+    if kernel_enabled(torch.float32):  # pagedllm's kernel: q + 128 with the file's fp16 scales, no mins
+        assert isinstance(weight, VnniWeight) and (weight.bits, weight.symmetric, weight.group_size) == (8, True, 32)
+        assert weight.scales.dtype == torch.float16
+    else:  # torch's int8 kernel's form
+        assert weight.qweight.dtype == torch.int8
+        assert tuple(weight.scales.shape) == (weight.shape[0], 64 // 32)
 
 
 def test_tokenizer_from_metadata_encodes_like_the_original(models, tmp_path):
@@ -163,11 +169,14 @@ def test_bad_gguf_inputs_are_named_errors(models, tmp_path):
 
 def test_quantization_int8_applies_to_a_gguf_model(models, tmp_path):
     from pagedllm.layers.quantization import QuantizedWeight
+    from pagedllm.layers.quantization.vnni import VnniWeight
 
     path = write_gguf(models["llama"], str(tmp_path / "tiny-F32.gguf"), "F32")
     llm = LLM(model=path, dtype="float32", quantization="int8")
     weight = llm.llm_engine.model_runner.model.layers[0].mlp.down_proj.weight
-    assert isinstance(weight, QuantizedWeight) and weight.scales.dim() == 1  # per channel, as asked
+    assert isinstance(weight, QuantizedWeight)
+    per_channel = weight.group_size == weight.shape[1] if isinstance(weight, VnniWeight) else weight.scales.dim() == 1
+    assert per_channel  # as asked
     out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
 

@@ -64,8 +64,9 @@ def _token_embd(path: str) -> np.ndarray:
 
 def test_tied_embedding_stays_quantized_and_tokens_are_unchanged(tied_qwen2: str, tmp_path: Path,
                                                                 monkeypatch) -> None:
-    """fp32 (the precise reference: no quantized kernel): the embedding keeps the file's Q8_0 rows, the LM
-    head one dense copy, and the tokens and logprobs are those of the dense-embedding engine, bit for bit."""
+    """torch's kernels (PAGEDLLM_QUANT_KERNEL=torch): the embedding keeps the file's Q8_0 rows, the LM head
+    one dense copy, and the tokens and logprobs are those of the dense-embedding engine, bit for bit."""
+    monkeypatch.setenv("PAGEDLLM_QUANT_KERNEL", "torch")
     path = write_gguf(tied_qwen2, str(tmp_path / "tiny-Q8_0.gguf"), "Q8_0")
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
     llm = LLM(model=path, dtype="float32", block_size=8, max_model_len=128)
@@ -87,18 +88,20 @@ def test_tied_embedding_stays_quantized_and_tokens_are_unchanged(tied_qwen2: str
     assert [g.cumulative_logprob for g in got] == [w.cumulative_logprob for w in want]  # the same bits
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_1"])
 def test_tied_table_is_one_copy_the_lm_head_multiplies_as_stored(tied_qwen2: str, tmp_path: Path,
-                                                                weight_type: str) -> None:
-    """bf16 where pagedllm's VNNI kernel runs: the LM head multiplies by the file's table as stored and
-    the embedding reads its rows from that one copy, exactly as llama.cpp dequantizes them; the logits
-    are the dequantized table's within the kernel's activation rounding."""
+                                                                weight_type: str, dtype: str) -> None:
+    """Where pagedllm's kernel runs for the dtype (bf16: AVX512-VNNI; fp32: AVX2): the LM head multiplies by
+    the file's table as stored and the embedding reads its rows from that one copy, exactly as llama.cpp
+    dequantizes them; the logits are the dequantized table's within the kernel's activation rounding (bf16)
+    or fp32 rounding (fp32)."""
     from pagedllm.layers.quantization.vnni import VnniRows, VnniWeight, kernel_enabled
 
-    if not kernel_enabled(torch.bfloat16):
-        pytest.skip("pagedllm's VNNI kernel does not run on this CPU")
+    if not kernel_enabled(getattr(torch, dtype)):
+        pytest.skip(f"pagedllm's quantized kernel does not run {dtype} on this CPU")
     path = write_gguf(tied_qwen2, str(tmp_path / f"tiny-{weight_type}.gguf"), weight_type)
-    llm = LLM(model=path, dtype="bfloat16", block_size=8, max_model_len=128)
+    llm = LLM(model=path, dtype=dtype, block_size=8, max_model_len=128)
     model = llm.llm_engine.model_runner.model
     embedding, lm_head = model.embed_tokens, model.lm_head
     assert isinstance(lm_head.quantized_weight, VnniWeight) and isinstance(embedding.quantized_rows, VnniRows)
@@ -106,10 +109,11 @@ def test_tied_table_is_one_copy_the_lm_head_multiplies_as_stored(tied_qwen2: str
     table = torch.from_numpy(_token_embd(path))
     ids = torch.tensor([0, 7, 300, 7, 511, 16, 15])
     assert torch.equal(embedding.quantized_rows(ids), table[ids])
-    hidden = torch.randn(5, table.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    hidden = torch.randn(5, table.shape[1], generator=torch.Generator().manual_seed(0)).to(getattr(torch, dtype))
     logits = lm_head.compute_logits(hidden)
     want = hidden.float() @ table.T
-    assert torch.allclose(logits, want, atol=2e-2 * float(want.abs().max()), rtol=0)
+    tolerance = 2e-2 if dtype == "bfloat16" else 1e-5
+    assert torch.allclose(logits, want, atol=tolerance * float(want.abs().max()), rtol=0)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
 

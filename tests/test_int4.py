@@ -218,10 +218,35 @@ def test_a_file_that_mixes_block_types_stays_packed_in_its_own_bits(llama256, tm
     _assert_as_faithful_as_dequantized(packed, path, monkeypatch)
 
 
-def test_fp32_models_dequantize_4bit_files(llama256, tmp_path):
-    path = write_gguf(llama256, str(tmp_path / "tiny-Q4_0.gguf"), "Q4_0")
-    llm = LLM(model=path, dtype="float32")
-    assert isinstance(llm.llm_engine.model_runner.model.layers[0].mlp.down_proj.weight, torch.Tensor)
+@pytest.mark.skipif(not kernel_enabled(torch.float32), reason="no AVX2 + FMA + F16C (or kernels not built)")
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q6_K", "Q8_0", "mixed"])
+def test_fp32_models_keep_files_packed_and_compute_what_dequantizing_does(llama256, tmp_path, monkeypatch, kind):
+    """An fp32 model keeps every block type packed (a Q4_K_M-like mix too) and multiplies in fp32: its greedy
+    tokens and teacher-forced top-1 equal the dequantized fp32 engine's, and its log-probabilities match up
+    to fp32 rounding. This random model's logits span about 90 nats, and the kernel sums each group in the
+    factored form (sum(q * x) * scale + min * sum(x), where the two terms may cancel), so the bound is a
+    fraction of that span (measured: up to 1.6e-4 of it, for a qkv merged from Q4_K and Q8_0)."""
+    types = {"attn_q.weight": "Q5_0", "attn_k.weight": "Q5_0", "attn_v.weight": "Q8_0", "ffn_down.weight": "Q6_K"}
+    path = write_gguf(llama256, str(tmp_path / f"tiny-{kind}.gguf"), "Q4_K" if kind == "mixed" else kind,
+                      tensor_types=types if kind == "mixed" else None)
+    packed = LLM(model=path, dtype="float32")
+    layer = packed.llm_engine.model_runner.model.layers[0]
+    weights = (layer.self_attn.qkv_proj.weight, layer.mlp.down_proj.weight, layer.mlp.gate_up_proj.weight)
+    assert all(isinstance(w, VnniWeight) for w in weights)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    got = [list(o.outputs[0].token_ids) for o in packed.generate(PROMPTS, params, use_tqdm=False)]
+    tokenizer = packed.get_tokenizer()
+    sequences = [tokenizer(p).input_ids + ids for p, ids in zip(PROMPTS, got)]
+    got_top1, got_logprobs = _teacher_forced(packed, sequences, 1)
+    del packed
+    monkeypatch.setenv("PAGEDLLM_GGUF_DEQUANTIZE", "1")
+    reference = LLM(model=path, dtype="float32")
+    assert isinstance(reference.llm_engine.model_runner.model.layers[0].mlp.down_proj.weight, torch.Tensor)
+    want = [list(o.outputs[0].token_ids) for o in reference.generate(PROMPTS, params, use_tqdm=False)]
+    want_top1, want_logprobs = _teacher_forced(reference, sequences, 1)
+    assert got == want and got_top1 == want_top1
+    span = max(abs(v) for v in want_logprobs)
+    assert max(abs(a - b) for a, b in zip(got_logprobs, want_logprobs)) <= 3e-4 * span
 
 
 # ---- compressed-tensors W4A16 (pack-quantized), the library's own compressor and decompressor as oracle ----

@@ -877,8 +877,8 @@ class GGUFCheckpoint:
 
     @classmethod
     def _int4_ok(cls, shape: tuple[int, int], dst: torch.Tensor) -> bool:
-        """pagedllm's VNNI kernel takes any float activations; torch's int4 kernel bf16 only (an fp32 or
-        fp16 model would lose bits in it), and output sizes in multiples of 16."""
+        """pagedllm's kernels take any float activations (fp32 ones in fp32); torch's int4 kernel bf16 only
+        (an fp32 or fp16 model would lose bits in it), and output sizes in multiples of 16."""
         from pagedllm.layers.quantization.int4 import int4_supports
 
         if cls._vnni_ok(shape, dst):

@@ -55,6 +55,13 @@
 #define PAGEDLLM_QLINEAR 1
 #endif
 
+// fp32 models (qlinear_fp32): the same weights, multiplied without quantizing the activations, on any CPU
+// with AVX2, FMA and F16C (AVX-512 CPUs included).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PAGEDLLM_QLINEAR_FP32 1
+#endif
+
 namespace {
 
 bool qlinear_supports() {
@@ -65,17 +72,59 @@ bool qlinear_supports() {
 #endif
 }
 
-#ifdef PAGEDLLM_QLINEAR
-
-constexpr int kTile = 16;       // output features per tile (one zmm of fp32 / int32 lanes)
+#if defined(PAGEDLLM_QLINEAR) || defined(PAGEDLLM_QLINEAR_FP32)
+constexpr int kTile = 16;       // output features per tile (one zmm, or two ymm, of fp32 / int32 lanes)
 constexpr int kBlock = 32;      // K is a multiple of it: the smallest activation quantization block
-constexpr int kMaxBlock = 128;  // the largest
-constexpr int kRows = 4;        // rows computed together per tile
-constexpr int kRowChunk = 64;   // rows whose quantized activations stay in L2 while a thread's tiles pass
 
 // A weight of `bits` is stored as 8-bit bytes, or as 4-bit nibbles plus one bit plane per bit above 4.
 constexpr int64_t low_bits(int64_t bits) { return bits == 8 ? 8 : 4; }
 constexpr int64_t bit_planes(int64_t bits) { return bits == 8 ? 0 : bits - 4; }
+
+// One weight tile's pointers: its packed bytes, bit planes (5- and 6-bit weights), scales and mins (null for
+// a symmetric weight, whose min is min_factor * scale), and for int8 scales (GGUF's K-quants) the fp16
+// multipliers of each super-block of groups_per_super groups: [super][d, -dmin][16].
+template <typename S>
+struct TileWeights {
+  const uint8_t* w;
+  const uint64_t* high;
+  const S* scales;
+  const S* mins;
+  float min_factor;
+  const uint16_t* super;
+  int64_t groups_per_super;
+};
+
+// Calls f(scales, mins, super, supers) with the weight's scales typed as stored (fp32, fp16, or int8 with the
+// K-quants' fp16 super-block multipliers); mins null for a symmetric weight.
+template <int BITS, typename F>
+void with_typed_scales(const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& super, F&& f) {
+  const bool symmetric = mins.numel() == 0;
+  auto half = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
+  if (scales.scalar_type() == at::kFloat) {
+    f(scales.data_ptr<float>(), symmetric ? nullptr : mins.data_ptr<float>(), nullptr, int64_t{0});
+  } else if (scales.scalar_type() == at::kHalf) {
+    f(half(scales), symmetric ? nullptr : half(mins), nullptr, int64_t{0});
+  } else if constexpr (BITS != 8) {  // K-quants: 4 to 6 bits
+    f(scales.data_ptr<int8_t>(), symmetric ? nullptr : mins.data_ptr<int8_t>(), half(super), super.size(1));
+  } else {
+    TORCH_CHECK(false, "qlinear: int8 scales (K-quants) are for 4- to 6-bit weights");
+  }
+}
+
+inline const uint64_t* bit_plane_words(const at::Tensor& high) {
+  return high.numel() ? reinterpret_cast<const uint64_t*>(high.data_ptr<uint8_t>()) : nullptr;
+}
+
+// What a symmetric weight's min is in units of its scale: -2^(bits - 1).
+constexpr float symmetric_min_factor(int bits) { return -static_cast<float>(1 << (bits - 1)); }
+#endif
+
+#ifdef PAGEDLLM_QLINEAR
+
+constexpr int kMaxBlock = 128;  // the largest
+constexpr int kRows = 4;        // rows computed together per tile
+constexpr int kRowChunk = 64;   // rows whose quantized activations stay in L2 while a thread's tiles pass
+
 
 // The activation quantization block of a weight with K inputs in groups of `group`: the largest of 128,
 // 64 and 32 that divides K and that the group divides or is a multiple of. An int32 partial sum spans a
@@ -230,19 +279,6 @@ inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* line) {
   _mm_prefetch(reinterpret_cast<const char*>(line + prefetch_bytes(BITS)), _MM_HINT_T0);
 }
 
-// One weight tile's pointers: its packed bytes, bit planes (5- and 6-bit weights), scales and mins (null for
-// a symmetric weight, whose min is min_factor * scale), and for int8 scales (GGUF's K-quants) the fp16
-// multipliers of each super-block of groups_per_super groups: [super][d, -dmin][16].
-template <typename S>
-struct TileWeights {
-  const uint8_t* w;
-  const uint64_t* high;
-  const S* scales;
-  const S* mins;
-  float min_factor;
-  const uint16_t* super;
-  int64_t groups_per_super;
-};
 
 // The group's 16 scales and mins in fp32. K-quant scales are small integers times a per-super-block fp16
 // multiplier, formed here as llama.cpp forms them (d * sc, dmin * m): exact in fp32 (11- and 8-bit
@@ -565,29 +601,7 @@ void qlinear_impl(const T* x, int64_t x_stride, const uint8_t* w, const uint64_t
   });
 }
 
-// Calls f(scales, mins, super, supers) with the weight's scales typed as stored (fp32, fp16, or int8 with the
-// K-quants' fp16 super-block multipliers); mins null for a symmetric weight.
-template <int BITS, typename F>
-void with_typed_scales(const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& super, F&& f) {
-  const bool symmetric = mins.numel() == 0;
-  auto half = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
-  if (scales.scalar_type() == at::kFloat) {
-    f(scales.data_ptr<float>(), symmetric ? nullptr : mins.data_ptr<float>(), nullptr, int64_t{0});
-  } else if (scales.scalar_type() == at::kHalf) {
-    f(half(scales), symmetric ? nullptr : half(mins), nullptr, int64_t{0});
-  } else if constexpr (BITS != 8) {  // K-quants: 4 to 6 bits
-    f(scales.data_ptr<int8_t>(), symmetric ? nullptr : mins.data_ptr<int8_t>(), half(super), super.size(1));
-  } else {
-    TORCH_CHECK(false, "qlinear: int8 scales (K-quants) are for 4- to 6-bit weights");
-  }
-}
 
-inline const uint64_t* bit_plane_words(const at::Tensor& high) {
-  return high.numel() ? reinterpret_cast<const uint64_t*>(high.data_ptr<uint8_t>()) : nullptr;
-}
-
-// What a symmetric weight's min is in units of its scale: -2^(bits - 1).
-constexpr float symmetric_min_factor(int bits) { return -static_cast<float>(1 << (bits - 1)); }
 
 template <int BITS, int TERMS, typename T>
 void dispatch_scales(const T* x, int64_t x_stride, const at::Tensor& packed, const at::Tensor& high,
@@ -694,7 +708,170 @@ void qlinear_dense_impl(const c10::BFloat16* x, int64_t x_stride, const uint8_t*
 
 #endif  // PAGEDLLM_QLINEAR
 
-#ifdef PAGEDLLM_QLINEAR
+#ifdef PAGEDLLM_QLINEAR_FP32
+// y = x W^T for fp32 rows x and the weights above (any of their layouts and scale encodings), in fp32
+// throughout: each weight byte is widened to fp32 and multiplied by the unquantized activation, so the result
+// is the dequantized weight's product up to fp32 rounding, as an fp32 model is expected to be exact. Per
+// group of input channels, sum(q * x) times the scale plus min times sum(x) (the row's group sums, computed
+// once per call). Each output's sum runs in one fixed order whatever the number of rows computed with it
+// (threads split the output tiles, never k), so a row's result does not depend on its batch. A tile's 16
+// outputs are two 8-lane halves; per half, a k-quad is eight 32-bit lanes of 4 weight bytes each.
+namespace fp32q {
+
+constexpr int kRows = 4;
+
+// 32 mask bits as 32 bytes: byte i is `value` where bit i is set, else 0.
+inline __m256i mask_bytes(uint32_t m, __m256i value) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i select = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(m)), spread);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select), value);
+}
+
+// Half h's two k-quads of input channels k0..k0+8 (k0 a multiple of 8): channels k0..k0+3 in a, k0+4..k0+7 in b.
+template <int BITS>
+inline __attribute__((always_inline)) void octet(const uint8_t* w, const uint64_t* high, int64_t k0, int h,
+                                                 __m256i& a, __m256i& b) {
+  if constexpr (BITS == 8) {
+    a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k0 / 4 * 64 + 32 * h));
+    b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k0 / 4 + 1) * 64 + 32 * h));
+  } else {
+    constexpr int kPlanes = BITS - 4;
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k0 / 8 * 64 + 32 * h));
+    a = _mm256_and_si256(packed, nibble);
+    b = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+    if constexpr (kPlanes > 0) {
+      const uint64_t* planes = high + k0 / 8 * kPlanes * 2;
+      for (int p = 0; p < kPlanes; ++p) {
+        const __m256i bit = _mm256_set1_epi8(static_cast<char>(16 << p));
+        a = _mm256_add_epi8(a, mask_bytes(static_cast<uint32_t>(planes[2 * p] >> (32 * h)), bit));
+        b = _mm256_add_epi8(b, mask_bytes(static_cast<uint32_t>(planes[2 * p + 1] >> (32 * h)), bit));
+      }
+    }
+  }
+}
+
+// Weight byte u of each lane (input channel k-quad start + u) of half h's 8 outputs, in fp32.
+template <int U>
+inline __attribute__((always_inline)) __m256 weights_at(__m256i quad) {
+  if constexpr (U == 3) return _mm256_cvtepi32_ps(_mm256_srli_epi32(quad, 24));
+  if constexpr (U == 0) return _mm256_cvtepi32_ps(_mm256_and_si256(quad, _mm256_set1_epi32(0xFF)));
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(quad, 8 * U), _mm256_set1_epi32(0xFF)));
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Group g's scales and mins for half h (K-quants: small integers times the super-block's d and -dmin).
+template <typename S>
+inline void group_scale_min(const TileWeights<S>& tw, int64_t g, int h, __m256& scale, __m256& min) {
+  scale = load8(tw.scales + g * kTile + 8 * h);
+  if constexpr (std::is_same_v<S, int8_t>) {
+    const uint16_t* sup = tw.super + g / tw.groups_per_super * 2 * kTile;
+    scale = _mm256_mul_ps(scale, load8(sup + 8 * h));
+    min = tw.mins ? _mm256_mul_ps(load8(tw.mins + g * kTile + 8 * h), load8(sup + kTile + 8 * h))
+                  : _mm256_mul_ps(scale, _mm256_set1_ps(tw.min_factor));
+  } else {
+    min = tw.mins ? load8(tw.mins + g * kTile + 8 * h) : _mm256_mul_ps(scale, _mm256_set1_ps(tw.min_factor));
+  }
+}
+
+// One tile's 16 outputs for R rows. Per group and half, each output sums in two chains (channels k0..k0+3
+// and k0+4..k0+7 of each octet), added at the group's end; a weight vector is widened once and used by the
+// R rows at once, so the accumulators of four rows stay in registers (16 ymm).
+template <int U, int R>
+inline __attribute__((always_inline)) void add_channel(__m256i quad, const float* const* xr, int64_t k, __m256* f) {
+  const __m256 w = weights_at<U>(quad);
+  for (int r = 0; r < R; ++r) f[r] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(xr[r] + k + U), f[r]);
+}
+
+template <int BITS, typename S, int R>
+void tile_rows(const TileWeights<S>& tw, const float* x, int64_t x_stride, const float* xs, int64_t k,
+               int64_t group, const float* bias, float* y, int64_t y_stride) {
+  const int64_t groups = k / group;
+  const float* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = x + r * x_stride;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int h = 0; h < 2; ++h) {
+      __m256 fa[R], fb[R];
+      for (int r = 0; r < R; ++r) fa[r] = fb[r] = _mm256_setzero_ps();
+      for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8) {
+        if constexpr (R == 1) {
+          if (h == 0) {
+            const uint8_t* line = tw.w + k0 * (BITS == 8 ? 16 : 8);
+            _mm_prefetch(reinterpret_cast<const char*>(line + 4096), _MM_HINT_T0);
+            if constexpr (BITS == 8) _mm_prefetch(reinterpret_cast<const char*>(line + 4096 + 64), _MM_HINT_T0);
+          }
+        }
+        __m256i qa, qb;
+        octet<BITS>(tw.w, tw.high, k0, h, qa, qb);
+        add_channel<0, R>(qa, xr, k0, fa);
+        add_channel<0, R>(qb, xr, k0 + 4, fb);
+        add_channel<1, R>(qa, xr, k0, fa);
+        add_channel<1, R>(qb, xr, k0 + 4, fb);
+        add_channel<2, R>(qa, xr, k0, fa);
+        add_channel<2, R>(qb, xr, k0 + 4, fb);
+        add_channel<3, R>(qa, xr, k0, fa);
+        add_channel<3, R>(qb, xr, k0 + 4, fb);
+      }
+      __m256 scale, min;
+      group_scale_min(tw, g, h, scale, min);
+      for (int r = 0; r < R; ++r)
+        acc[r][h] = _mm256_fmadd_ps(min, _mm256_set1_ps(xs[r * groups + g]),
+                                    _mm256_fmadd_ps(_mm256_add_ps(fa[r], fb[r]), scale, acc[r][h]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h)
+      _mm256_storeu_ps(y + r * y_stride + 8 * h,
+                       bias ? _mm256_add_ps(acc[r][h], _mm256_loadu_ps(bias + 8 * h)) : acc[r][h]);
+}
+
+template <int BITS, typename S>
+void qlinear_fp32_impl(const float* x, int64_t x_stride, const uint8_t* w, const uint64_t* high, const S* scales,
+                       const S* mins, float min_factor, const uint16_t* super, int64_t supers, int64_t m, int64_t n,
+                       int64_t k, int64_t group, const float* bias, float* y) {
+  const int64_t tiles = n / kTile, groups = k / group, groups_per_super = supers ? groups / supers : 1;
+  const int64_t tile_low_bytes = k * kTile * (BITS == 8 ? 8 : 4) / 8, tile_masks = k / 8 * (BITS == 8 ? 0 : BITS - 4) * 2;
+  std::vector<float> xs(m * groups);  // sum(x) per row and group, in k order
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.0f;
+      for (int64_t kk = g * group; kk < (g + 1) * group; ++kk) sum += x[r * x_stride + kk];
+      xs[r * groups + g] = sum;
+    }
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const TileWeights<S> tw{w + t * tile_low_bytes, high + t * tile_masks, scales + t * groups * kTile,
+                              mins ? mins + t * groups * kTile : nullptr, min_factor,
+                              super ? super + t * supers * 2 * kTile : nullptr, groups_per_super};
+      const float* tile_bias = bias ? bias + t * kTile : nullptr;
+      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+        const float* xr = x + r0 * x_stride;
+        const float* xsr = xs.data() + r0 * groups;
+        float* out = y + r0 * n + t * kTile;
+        switch (std::min<int64_t>(kRows, m - r0)) {
+          case 4: tile_rows<BITS, S, 4>(tw, xr, x_stride, xsr, k, group, tile_bias, out, n); break;
+          case 3: tile_rows<BITS, S, 3>(tw, xr, x_stride, xsr, k, group, tile_bias, out, n); break;
+          case 2: tile_rows<BITS, S, 2>(tw, xr, x_stride, xsr, k, group, tile_bias, out, n); break;
+          default: tile_rows<BITS, S, 1>(tw, xr, x_stride, xsr, k, group, tile_bias, out, n); break;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace fp32q
+#endif  // PAGEDLLM_QLINEAR_FP32
+
+#if defined(PAGEDLLM_QLINEAR) || defined(PAGEDLLM_QLINEAR_FP32)
 // The weight's tensors as the kernels read them, for x [M, K] and a bias (or none): returns N.
 int64_t check_weight(const char* op, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& high,
                      const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& super, int64_t bits,
@@ -767,6 +944,45 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 #endif
 }
 
+bool qlinear_fp32_supports() {
+#ifdef PAGEDLLM_QLINEAR_FP32
+  return true;
+#else
+  return false;
+#endif
+}
+
+// y = x W^T (+ bias) for fp32 rows x, in fp32 (see fp32q).
+at::Tensor qlinear_fp32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& high, const at::Tensor& scales,
+                        const at::Tensor& mins, const at::Tensor& super, int64_t bits, int64_t group_size,
+                        const std::optional<at::Tensor>& bias) {
+#ifdef PAGEDLLM_QLINEAR_FP32
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "qlinear_fp32: x must be fp32");
+  const int64_t n = check_weight("qlinear_fp32", x, packed, high, scales, mins, super, bits, group_size, bias);
+  const int64_t m = x.size(0), k = x.size(1);
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  auto with_bits = [&](auto bits_constant) {
+    constexpr int B = decltype(bits_constant)::value;
+    with_typed_scales<B>(scales, mins, super, [&](const auto* s, const auto* mn, const uint16_t* sup, int64_t supers) {
+      fp32q::qlinear_fp32_impl<B>(x.data_ptr<float>(), x.stride(0), packed.data_ptr<uint8_t>(), bit_plane_words(high),
+                                  s, mn, symmetric_min_factor(B), sup, supers, m, n, k, group_size, bp,
+                                  y.data_ptr<float>());
+    });
+  };
+  switch (bits) {
+    case 4: with_bits(std::integral_constant<int, 4>{}); break;
+    case 5: with_bits(std::integral_constant<int, 5>{}); break;
+    case 6: with_bits(std::integral_constant<int, 6>{}); break;
+    default: with_bits(std::integral_constant<int, 8>{}); break;
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "qlinear_fp32: this build has no AVX2 + FMA + F16C (qlinear_fp32_supports() is false)");
+#endif
+}
+
 // Whether qlinear_dense runs here: AVX512-BF16 (and, with `amx`, the tiles granted to this process).
 bool qlinear_dense_supports(bool amx) {
 #if defined(PAGEDLLM_QLINEAR) && defined(PAGEDLLM_BLOCKED_BF16)
@@ -820,6 +1036,9 @@ TORCH_LIBRARY(pagedllm_cpu_qlinear, m) {
   m.def("qlinear_supports() -> bool", &qlinear_supports);
   m.def("qlinear(Tensor x, Tensor packed, Tensor high, Tensor scales, Tensor mins, Tensor super, int bits, "
         "int group_size, int activation_terms, Tensor? bias=None) -> Tensor");
+  m.def("qlinear_fp32_supports() -> bool", &qlinear_fp32_supports);
+  m.def("qlinear_fp32(Tensor x, Tensor packed, Tensor high, Tensor scales, Tensor mins, Tensor super, int bits, "
+        "int group_size, Tensor? bias=None) -> Tensor");
   m.def("qlinear_dense_supports(bool amx) -> bool", &qlinear_dense_supports);
   m.def("qlinear_dense(Tensor x, Tensor packed, Tensor high, Tensor scales, Tensor mins, Tensor super, int bits, "
         "int group_size, Tensor? bias, bool amx) -> Tensor");
@@ -827,5 +1046,6 @@ TORCH_LIBRARY(pagedllm_cpu_qlinear, m) {
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu_qlinear, CPU, m) {
   m.impl("qlinear", &qlinear);
+  m.impl("qlinear_fp32", &qlinear_fp32);
   m.impl("qlinear_dense", &qlinear_dense);
 }

@@ -6,7 +6,8 @@ Two kernels, chosen per model after loading (layers/quantization/vnni.py, select
 the measured kernel table, or PAGEDLLM_QUANT_KERNEL):
 - pagedllm's VNNI kernel (layers/csrc/cpu_quant_linear.cpp), on CPUs with AVX512-VNNI, for bf16 and fp16
   models: activations quantized to int8 per row in blocks of up to 128, integer dot products, the scales and
-  offsets kept exact (its bound is in vnni.py). Where it runs, `create` builds that weight (VnniWeight).
+  offsets kept exact (its bound is in vnni.py). Where it runs, `create` builds that weight (VnniWeight);
+  fp32 models keep that weight on any CPU with AVX2 and FMA, multiplied in fp32 (qlinear_fp32, vnni.py).
 - torch's own CPU int4 GEMM (`_weight_int4pack_mm_for_cpu`, on the layout
   `_convert_weight_to_int4pack_for_cpu` makes), elsewhere (AVX2-only CPUs) or when the table picks it.
   It computes (q - 8) * scale + zero per group with fp32 accumulation on bf16 activations (its
@@ -15,8 +16,7 @@ the measured kernel table, or PAGEDLLM_QUANT_KERNEL):
   (offset + 8 * scale) are each rounded to bf16 once (relative 2**-9), so each weight is off by at most
   2**-9 * (|q - 8| * |scale| + |zero|), and the bf16 output adds its own rounding (2**-9 relative);
   tests/test_int4.py checks exactly that bound.
-The weights stay 4 bits plus a scale and an offset per group. fp32 models are the precise reference and
-keep torch's kernels, so they dequantize 4-bit GGUF files on load (models/gguf.py).
+The weights stay 4 bits plus a scale and an offset per group.
 """
 
 from __future__ import annotations

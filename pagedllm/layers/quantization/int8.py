@@ -3,8 +3,8 @@
 On CPUs with AVX512-VNNI, bf16 and fp16 models run these weights on pagedllm's VNNI kernel unless the
 measured kernel table picks torch's (layers/quantization/vnni.py: repacked after loading as q + 128 with
 min = -128 * scale, losslessly, so the loader, the checkpoint writer and narrow() see the int8 form
-below). torch's kernels, which serve the rest (and fp32 models, the precise reference), measured on this
-project's CPUs (one thread, bf16 activations, the 386M Qwen2's shapes):
+below); fp32 models run them on its fp32 op wherever AVX2 and FMA are (vnni.py). torch's kernels, which
+serve the rest, measured on this project's CPUs (one thread, bf16 activations, the 386M Qwen2's shapes):
 - `torch._weight_int8pack_mm` (int8 weights, per-channel scales, bf16/fp16/fp32 activations) reads half
   the bytes of a bf16 GEMV and ran 2-4.6x faster than bf16 `F.linear` at one token, 0.9-1.3x at 8,
   0.6-0.9x at 16, 0.5-0.6x at 32 and 0.45x at 128: a matrix-vector kernel, which computes each row the

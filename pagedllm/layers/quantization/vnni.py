@@ -25,6 +25,15 @@ scales and mins, or fp16 where every value is exactly one):
 - against x itself: plus the activation rounding, sum over blocks b of d2_b / 2 * sum_{k in b} |w_k|.
 tests/test_vnni_kernel.py checks both for every format against llama.cpp's and compressed-tensors'
 dequantization.
+
+fp32 models keep the same weights and run them through a second op of that file (qlinear_fp32, on any CPU
+with AVX2, FMA and F16C): the activations are not quantized, each weight byte is widened to fp32, and per
+group sum(q * x) * scale + min * sum(x) is added in one fixed order, so an output is the dequantized
+weight's product up to fp32 rounding and a row's result does not depend on its batch
+(tests/test_qlinear_fp32.py). torch's own weight-only kernels are scalar code for fp32 activations (on a
+2-core AVX2 EPYC, 2 threads, a 4864 x 3584 int8 weight at batch 1: 11.8 ms in `_weight_int8pack_mm`, 0.86
+ms in qlinear_fp32, 3.3 ms for the fp32 weight in F.linear), so fp32 models take no measurement between
+them.
 """
 
 from __future__ import annotations
@@ -51,20 +60,29 @@ def _kernel_built() -> bool:
     return load_cpu_kernels() and bool(torch.ops.pagedllm_cpu_qlinear.qlinear_supports())
 
 
+@functools.cache
+def _fp32_kernel_built() -> bool:
+    from pagedllm.cpu_kernels import load_cpu_kernels
+
+    return load_cpu_kernels() and bool(torch.ops.pagedllm_cpu_qlinear.qlinear_fp32_supports())
+
+
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def kernel_enabled(dtype: torch.dtype | None = None) -> bool:
-    """Whether weight-only int4 / int8 linears of a model in `dtype` use this kernel: built (AVX512-VNNI in
-    the CPU's flags), not turned off by PAGEDLLM_QUANT_KERNEL=torch (which keeps torch's own int4 / int8
-    kernels), and a half-precision model: an fp32 model is the precise reference, and keeps the kernels
-    whose activations are not quantized."""
-    if dtype is not None and dtype not in KERNEL_DTYPES:
+    """Whether weight-only int4 / int8 linears of a model in `dtype` keep this weight: not turned off by
+    PAGEDLLM_QUANT_KERNEL=torch (which keeps torch's own int4 / int8 kernels), and its op built for the
+    dtype: the integer one (AVX512-VNNI in the CPU's flags) for bf16 and fp16 models (and for None), the
+    fp32 one (AVX2, FMA and F16C) for fp32 models, which stay exact up to fp32 rounding."""
+    if dtype is not None and dtype not in KERNEL_DTYPES and dtype != torch.float32:
         return False
     choice = str(envs.value("PAGEDLLM_QUANT_KERNEL")).strip().lower()
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"PAGEDLLM_QUANT_KERNEL must be one of {list(KERNEL_CHOICES)}, got {choice!r}.")
-    return choice != "torch" and _kernel_built()
+    if choice == "torch":
+        return False
+    return _fp32_kernel_built() if dtype == torch.float32 else _kernel_built()
 
 
 def activation_terms() -> int:
@@ -320,7 +338,9 @@ class VnniWeight(QuantizedWeight):
         # the kernel adds a bias of x's dtype before its one rounding, as a full-precision linear does
         fused = bias is None or (bias.dtype == x2.dtype and bias.is_contiguous())
         split = forward_context.prompt_rows()
-        if split is not None and split.num_rows == x2.shape[0]:  # a forward pass's rows, some of them prompt rows
+        if x2.dtype == torch.float32:
+            y = self._fp32(x2, bias if fused else None)
+        elif split is not None and split.num_rows == x2.shape[0]:  # a forward pass's rows, some of them prompt rows
             y = self._split_rows(x2, bias if fused else None, split)
         else:
             y = self._integer(x2, bias if fused else None)
@@ -333,6 +353,12 @@ class VnniWeight(QuantizedWeight):
         return torch.ops.pagedllm_cpu_qlinear.qlinear(x, params["qweight"], params["high"], params["scales"],
                                                       params["mins"], params["super_scales"], self.bits,
                                                       self._group_size, self.activation_terms, bias)
+
+    def _fp32(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        params = self._parameters
+        return torch.ops.pagedllm_cpu_qlinear.qlinear_fp32(x, params["qweight"], params["high"], params["scales"],
+                                                           params["mins"], params["super_scales"], self.bits,
+                                                           self._group_size, bias)
 
     def _dense(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         params = self._parameters
@@ -504,7 +530,8 @@ def select_quantized_kernels(model: nn.Module, dtype: torch.dtype) -> list:
                 slots.setdefault(_label(child), []).append((module, name, child))
     choices = []
     for label, entries in slots.items():
-        paths = ["pagedllm", "torch"] if all(_torch_can_take(w) for _, _, w in entries) else ["pagedllm"]
+        torch_runs = dtype != torch.float32 and all(_torch_can_take(w) for _, _, w in entries)  # fp32: scalar code
+        paths = ["pagedllm", "torch"] if torch_runs else ["pagedllm"]
         choice = choose_quant_kernel(label, [tuple(w.shape) for _, _, w in entries], dtype, paths,
                                      _timing_factory(label, dtype))
         choices.append(choice)
