@@ -14,8 +14,8 @@ from pagedllm import envs
 PACKAGE = Path(envs.__file__).resolve().parent
 NAME = re.compile(r"\bPAGEDLLM_[A-Z][A-Z0-9_]*[A-Z0-9]\b")
 # C preprocessor macros of the kernels
-NOT_ENV = {"PAGEDLLM_BLOCKED_FP32", "PAGEDLLM_BLOCKED_BF16", "PAGEDLLM_QLINEAR", "PAGEDLLM_AMX",
-           "PAGEDLLM_UNIT_PRODUCTS", "PAGEDLLM_BLOCK_SCORES"}
+NOT_ENV = {"PAGEDLLM_BLOCKED_FP32", "PAGEDLLM_BLOCKED_BF16", "PAGEDLLM_QLINEAR", "PAGEDLLM_QLINEAR_FP32",
+           "PAGEDLLM_AMX", "PAGEDLLM_UNIT_PRODUCTS", "PAGEDLLM_BLOCK_SCORES"}
 
 
 def test_every_variable_named_in_the_package_is_declared_and_read_through_envs() -> None:

@@ -80,7 +80,7 @@ def _quantized_activations(x: torch.Tensor, terms: int, b: int) -> tuple[torch.T
 
 
 def _check_bounds(weight: VnniWeight, exact: torch.Tensor, x: torch.Tensor) -> None:
-    got = weight.method.apply(x, weight, None).double()
+    got = weight._integer(x, None).double()  # the integer kernel, fp32 rows too (fp32 models take qlinear_fp32)
     roundoff = OUTPUT_ROUNDOFF[x.dtype]
     b = activation_block(x.shape[1], weight.group_size)
     xhat, d = _quantized_activations(x, weight.activation_terms, b)
@@ -107,9 +107,9 @@ def _check_invariance(weight: VnniWeight, x: torch.Tensor) -> None:
 
 def test_the_kernel_is_built_where_the_cpu_has_avx512_vnni(monkeypatch):
     """The C++ ops build with -march=native: on such a CPU the kernel must be there (a failed build would
-    otherwise only show as slower int4 / int8), and only half-precision models use it."""
-    assert kernel_enabled(torch.bfloat16) and kernel_enabled(torch.float16)
-    assert not kernel_enabled(torch.float32)
+    otherwise only show as slower int4 / int8); half-precision models use it, fp32 ones its fp32 op (built
+    wherever AVX2, FMA and F16C are, so on every AVX512-VNNI CPU)."""
+    assert kernel_enabled(torch.bfloat16) and kernel_enabled(torch.float16) and kernel_enabled(torch.float32)
     monkeypatch.setenv("PAGEDLLM_QUANT_KERNEL", "torch")
     assert not kernel_enabled(torch.bfloat16)
     monkeypatch.setenv("PAGEDLLM_QUANT_KERNEL", "fastest")
@@ -247,7 +247,7 @@ def test_zero_rows_and_bias():
     # is the fp32 result itself.
     for m in (1, 5, 16, 21):
         x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
-        exact = weight.method.apply(x.float(), weight, None)
+        exact = weight._integer(x.float(), None)  # the integer kernel on fp32 rows (models take qlinear_fp32)
         assert torch.equal(weight.method.apply(x, weight, bias), (exact + bias.float()).to(torch.bfloat16))
 
 

@@ -94,6 +94,17 @@ struct TileWeights {
   int64_t groups_per_super;
 };
 
+// Calls f(std::integral_constant<int, B>{}) with the weight's bits B (4, 5, 6 or 8) as a constant.
+template <typename F>
+void with_bits_constant(int64_t bits, F&& f) {
+  switch (bits) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 // Calls f(scales, mins, super, supers) with the weight's scales typed as stored (fp32, fp16, or int8 with the
 // K-quants' fp16 super-block multipliers); mins null for a symmetric weight.
 template <int BITS, typename F>
@@ -925,12 +936,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
       else
         dispatch_scales<B, 1, T>(xp, stride, packed, high, scales, mins, super, m, n, k, group_size, bp, yp);
     };
-    switch (bits) {
-      case 4: with_terms(std::integral_constant<int, 4>{}); break;
-      case 5: with_terms(std::integral_constant<int, 5>{}); break;
-      case 6: with_terms(std::integral_constant<int, 6>{}); break;
-      default: with_terms(std::integral_constant<int, 8>{}); break;
-    }
+    with_bits_constant(bits, with_terms);
   };
   switch (x.scalar_type()) {
     case at::kFloat: run(x.data_ptr<float>(), y.data_ptr<float>()); break;
@@ -971,12 +977,7 @@ at::Tensor qlinear_fp32(const at::Tensor& x, const at::Tensor& packed, const at:
                                   y.data_ptr<float>());
     });
   };
-  switch (bits) {
-    case 4: with_bits(std::integral_constant<int, 4>{}); break;
-    case 5: with_bits(std::integral_constant<int, 5>{}); break;
-    case 6: with_bits(std::integral_constant<int, 6>{}); break;
-    default: with_bits(std::integral_constant<int, 8>{}); break;
-  }
+  with_bits_constant(bits, with_bits);
   return y;
 #else
   TORCH_CHECK(false, "qlinear_fp32: this build has no AVX2 + FMA + F16C (qlinear_fp32_supports() is false)");
@@ -1018,12 +1019,7 @@ at::Tensor qlinear_dense(const at::Tensor& x, const at::Tensor& packed, const at
                             symmetric_min_factor(B), sup, supers, m, n, k, group_size, bp, yp, amx);
     });
   };
-  switch (bits) {
-    case 4: with_bits(std::integral_constant<int, 4>{}); break;
-    case 5: with_bits(std::integral_constant<int, 5>{}); break;
-    case 6: with_bits(std::integral_constant<int, 6>{}); break;
-    default: with_bits(std::integral_constant<int, 8>{}); break;
-  }
+  with_bits_constant(bits, with_bits);
   return y;
 #else
   return at::Tensor();
