@@ -127,6 +127,8 @@ def has_vnni_weights(model: nn.Module) -> bool:
 
 def describe_prompt_rows(dtype: torch.dtype) -> str:
     """How this kernel's prompt rows are multiplied, for the start-up line and the benchmarks."""
+    if dtype == torch.float32:
+        return "fp32 (activations not quantized, as generated rows)"
     if not dense_prompt_rows(dtype):
         return "integer (quantized activations, as generated rows)"
     return f"dense (weights rounded to bf16 per 64 outputs, {'AMX tiles' if _dense_amx() else 'VDPBF16PS'})"
