@@ -748,7 +748,7 @@ inline __attribute__((always_inline)) void octet(const uint8_t* w, const uint64_
     a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k0 / 4 * 64 + 32 * h));
     b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k0 / 4 + 1) * 64 + 32 * h));
   } else {
-    constexpr int kPlanes = BITS - 4;
+    constexpr int kPlanes = bit_planes(BITS);
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k0 / 8 * 64 + 32 * h));
     a = _mm256_and_si256(packed, nibble);
@@ -816,7 +816,7 @@ void tile_rows(const TileWeights<S>& tw, const float* x, int64_t x_stride, const
       for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8) {
         if constexpr (R == 1) {
           if (h == 0) {
-            const uint8_t* line = tw.w + k0 * (BITS == 8 ? 16 : 8);
+            const uint8_t* line = tw.w + k0 * kTile * low_bits(BITS) / 8;
             _mm_prefetch(reinterpret_cast<const char*>(line + 4096), _MM_HINT_T0);
             if constexpr (BITS == 8) _mm_prefetch(reinterpret_cast<const char*>(line + 4096 + 64), _MM_HINT_T0);
           }
@@ -850,7 +850,7 @@ void qlinear_fp32_impl(const float* x, int64_t x_stride, const uint8_t* w, const
                        const S* mins, float min_factor, const uint16_t* super, int64_t supers, int64_t m, int64_t n,
                        int64_t k, int64_t group, const float* bias, float* y) {
   const int64_t tiles = n / kTile, groups = k / group, groups_per_super = supers ? groups / supers : 1;
-  const int64_t tile_low_bytes = k * kTile * (BITS == 8 ? 8 : 4) / 8, tile_masks = k / 8 * (BITS == 8 ? 0 : BITS - 4) * 2;
+  const int64_t tile_low_bytes = k * kTile * low_bits(BITS) / 8, tile_masks = k / 8 * bit_planes(BITS) * 2;
   std::vector<float> xs(m * groups);  // sum(x) per row and group, in k order
   for (int64_t r = 0; r < m; ++r)
     for (int64_t g = 0; g < groups; ++g) {

@@ -339,11 +339,10 @@ class VnniWeight(QuantizedWeight):
         x2 = x if flat else x.reshape(-1, self.in_features).contiguous()
         # the kernel adds a bias of x's dtype before its one rounding, as a full-precision linear does
         fused = bias is None or (bias.dtype == x2.dtype and bias.is_contiguous())
-        split = forward_context.prompt_rows()
         if x2.dtype == torch.float32:
             y = self._fp32(x2, bias if fused else None)
-        elif split is not None and split.num_rows == x2.shape[0]:  # a forward pass's rows, some of them prompt rows
-            y = self._split_rows(x2, bias if fused else None, split)
+        elif (split := forward_context.prompt_rows()) is not None and split.num_rows == x2.shape[0]:
+            y = self._split_rows(x2, bias if fused else None, split)  # a forward pass's rows, some of them prompt rows
         else:
             y = self._integer(x2, bias if fused else None)
         if not fused:
